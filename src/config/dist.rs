@@ -1,0 +1,29 @@
+//! `DIST`: process-group settings shared by every rank.
+
+use serde::Deserialize;
+
+use super::invalid;
+
+/// The `DIST` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// Seconds a collective may wait before the job fails naming the rank.
+    #[serde(rename = "TIMEOUT_S")]
+    pub timeout_s: u64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig { timeout_s: 600 }
+    }
+}
+
+impl DistConfig {
+    pub(super) fn validate(&self) -> Result<(), (String, String)> {
+        if self.timeout_s == 0 {
+            return Err(invalid("DIST", "TIMEOUT_S", "expected at least 1 second"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,40 @@
+//! `vrtspike`: the per-node tools of the trainer: the cache server and its client
+//! commands, benchmarks, and the demo. Each module brings its own subcommand.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+/// Spike-guided video deblurring trainer on libtorch.
+#[derive(Parser)]
+#[command(name = "vrtspike", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The node's shared-memory cache: serve, stats, shutdown.
+    #[command(subcommand)]
+    Cache(cli::cache::CacheCommand),
+    /// Benchmarks that print one JSON object.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
+    /// The main job: a cache server driven by a short synthetic load.
+    Demo(cli::demo::DemoArgs),
+    /// Versions and devices this binary sees (libtorch, CUDA).
+    Info,
+}
+
+fn main() -> Result<()> {
+    vrtspike::util::logging::init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Cache(cmd) => cli::cache::run(cmd),
+        Command::Bench(cmd) => cli::bench::run(cmd),
+        Command::Demo(args) => cli::demo::run(args),
+        Command::Info => cli::info(),
+    }
+}
