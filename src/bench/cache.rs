@@ -178,9 +178,8 @@ pub fn run_worker(opts: &WorkerOptions) -> Result<WorkerReport, BenchError> {
         handles
             .into_iter()
             .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(BenchError::Options("a reader thread panicked".into()))
-                })
+                h.join()
+                    .unwrap_or_else(|_| Err(BenchError::Options("a reader thread panicked".into())))
             })
             .collect()
     });
@@ -329,7 +328,13 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         rand::random::<u32>()
     ));
     let server = Command::new(&opts.exe)
-        .args(["cache", "serve", "--address", &address, "--exit-with-parent"])
+        .args([
+            "cache",
+            "serve",
+            "--address",
+            &address,
+            "--exit-with-parent",
+        ])
         .args(["--cap", &opts.cap_bytes.to_string()])
         .args(["--slot-bytes", &record_bytes.to_string()])
         .stdout(Stdio::null())
@@ -401,12 +406,11 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
                 message: format!("exited with {status}"),
             });
         }
-        let report: WorkerReport = serde_json::from_str(line.trim()).map_err(|e| {
-            BenchError::Process {
+        let report: WorkerReport =
+            serde_json::from_str(line.trim()).map_err(|e| BenchError::Process {
                 what: what.clone(),
                 message: format!("bad report {line:?}: {e}"),
-            }
-        })?;
+            })?;
         total.merge(&report);
     }
 

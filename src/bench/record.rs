@@ -163,7 +163,14 @@ pub fn verify_record(shape: FrameShape, key_id: u64, record: &[u8]) -> Result<()
 }
 
 /// Copies the `size` x `size` crop at (`y`, `x`) (pixels) out of a record into `out`.
-pub fn copy_crop(shape: FrameShape, record: &[u8], y: usize, x: usize, size: usize, out: &mut [u8]) {
+pub fn copy_crop(
+    shape: FrameShape,
+    record: &[u8],
+    y: usize,
+    x: usize,
+    size: usize,
+    out: &mut [u8],
+) {
     let row_bytes = shape.row_bytes();
     let crop_row = size * shape.channels;
     for (i, dst) in out.chunks_exact_mut(crop_row).take(size).enumerate() {

@@ -153,7 +153,9 @@ pub enum RequestError {
         lease: LeaseId,
     },
     /// A ticket this client does not hold.
-    #[error("fill ticket {ticket} is not held by this client (committed, aborted, or never granted)")]
+    #[error(
+        "fill ticket {ticket} is not held by this client (committed, aborted, or never granted)"
+    )]
     TicketNotHeld {
         /// The ticket named in the request.
         ticket: TicketId,
@@ -183,7 +185,9 @@ pub enum RequestError {
         pins: u32,
     },
     /// No slot class can hold the record.
-    #[error("record {key:?} of {len} bytes is larger than the largest slot ({largest_slot} bytes)")]
+    #[error(
+        "record {key:?} of {len} bytes is larger than the largest slot ({largest_slot} bytes)"
+    )]
     RecordTooLarge {
         /// The record's key.
         key: String,

@@ -255,7 +255,14 @@ pub(crate) fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
 fn handshake(
     shared: &Shared,
     mut stream: UnixStream,
-) -> Result<(ipc_channel::ipc::IpcReceiver<Request>, IpcSender<Reply>, ClientId), String> {
+) -> Result<
+    (
+        ipc_channel::ipc::IpcReceiver<Request>,
+        IpcSender<Reply>,
+        ClientId,
+    ),
+    String,
+> {
     let (oneshot, name) =
         IpcOneShotServer::<Request>::new().map_err(|e| format!("one-shot server: {e}"))?;
     write_frame(&mut stream, name.as_bytes()).map_err(|e| format!("sending channel name: {e}"))?;
@@ -339,14 +346,16 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {
             .store()
             .peek(client, &key)
             .map(|g| g.map_or(Reply::NotCached, Reply::Hit)),
-        Request::Reserve { ticket, len } => shared
-            .store()
-            .reserve(client, ticket, len)
-            .map(|(offset, len)| Reply::Reserved {
-                ticket,
-                offset,
-                len,
-            }),
+        Request::Reserve { ticket, len } => {
+            shared
+                .store()
+                .reserve(client, ticket, len)
+                .map(|(offset, len)| Reply::Reserved {
+                    ticket,
+                    offset,
+                    len,
+                })
+        }
         Request::Commit { ticket } => {
             let grant = shared.store().commit(client, ticket);
             shared.fill_done.notify_all();

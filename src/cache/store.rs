@@ -280,7 +280,11 @@ impl Store {
     }
 
     /// A lease if the key is cached; `None` otherwise.
-    pub fn peek(&mut self, client: ClientId, key: &str) -> Result<Option<LeaseGrant>, RequestError> {
+    pub fn peek(
+        &mut self,
+        client: ClientId,
+        key: &str,
+    ) -> Result<Option<LeaseGrant>, RequestError> {
         self.client_mut(client)?;
         let Some(&slot) = self.index.get(key) else {
             return Ok(None);
@@ -381,7 +385,11 @@ impl Store {
     }
 
     /// Publishes a filled slot and leases it to the filler.
-    pub fn commit(&mut self, client: ClientId, ticket: TicketId) -> Result<LeaseGrant, RequestError> {
+    pub fn commit(
+        &mut self,
+        client: ClientId,
+        ticket: TicketId,
+    ) -> Result<LeaseGrant, RequestError> {
         self.check_ticket(client, ticket)?;
         let fill = &self.tickets[&ticket];
         let Some(slot) = fill.slot else {

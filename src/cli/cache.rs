@@ -20,6 +20,19 @@ pub enum CacheCommand {
     Stats(StatsArgs),
     /// Ask a running server to stop.
     Shutdown(AddressArgs),
+    /// Pin cached records and hold them until killed or the server goes away
+    /// (to see eviction work around pinned records).
+    Pin(PinArgs),
+}
+
+/// `cache pin`.
+#[derive(Args)]
+pub struct PinArgs {
+    #[command(flatten)]
+    address: AddressArgs,
+    /// Keys of cached records to pin.
+    #[arg(required = true)]
+    keys: Vec<String>,
 }
 
 /// Where the server listens.
@@ -86,6 +99,28 @@ pub fn run(command: CacheCommand) -> Result<()> {
             println!("cache server at {address} stopped");
             Ok(())
         }
+        CacheCommand::Pin(args) => pin(args),
+    }
+}
+
+fn pin(args: PinArgs) -> Result<()> {
+    let address = args.address.resolve();
+    let client = CacheClient::connect(&address, "vrtspike cache pin")?;
+    let mut leases = Vec::new();
+    for key in &args.keys {
+        match client.peek(key)? {
+            Some(lease) => leases.push(lease),
+            None => bail!("key {key:?} is not cached at {address}"),
+        }
+    }
+    let bytes: usize = leases.iter().map(|l| l.len()).sum();
+    println!("pinned {} records ({bytes} bytes)", leases.len());
+    // Hold until the server goes away (or this process is killed).
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        client
+            .stats()
+            .with_context(|| format!("holding {} leases", leases.len()))?;
     }
 }
 

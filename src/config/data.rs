@@ -43,11 +43,18 @@ impl DataConfig {
             return Err(invalid(
                 "DATA",
                 "CACHE_SIZE_GB",
-                format!("expected a positive size in GiB, got {}", self.cache_size_gb),
+                format!(
+                    "expected a positive size in GiB, got {}",
+                    self.cache_size_gb
+                ),
             ));
         }
         if self.crop_size == 0 {
-            return Err(invalid("DATA", "CROP_SIZE", "expected a positive crop size"));
+            return Err(invalid(
+                "DATA",
+                "CROP_SIZE",
+                "expected a positive crop size",
+            ));
         }
         if self.val_crop_size == Some(0) {
             return Err(invalid(

@@ -1,0 +1,295 @@
+//! The cache server as separate processes see it: eviction around pinned records,
+//! the byte cap, leases of killed clients, single-flight fills, bad requests, and
+//! start-up errors.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{fill_pattern, has_pattern, pin_process, wait_until, ServerProc};
+use vrtspike::cache::protocol::{Reply, Request, RequestError};
+use vrtspike::cache::{CacheError, Lookup};
+
+const REC: usize = 64 * 1024;
+
+#[test]
+fn eviction_never_takes_a_pinned_slot_and_the_cap_holds() {
+    // 8 slots of 64 KiB; 3 of them pinned by another process.
+    let server = ServerProc::start("evict", &["--cap", "512K", "--slot-bytes", "64K"]);
+    let client = server.client("test");
+    let pinned: Vec<String> = (0..3).map(|i| format!("pinned/{i}")).collect();
+    for key in &pinned {
+        fill_pattern(&client, key, REC);
+    }
+    let mut holder = pin_process(&server.address, &pinned);
+    for i in 0..60 {
+        let key = format!("churn/{i}");
+        fill_pattern(&client, &key, REC);
+        let stats = client.stats().unwrap();
+        assert!(stats.bytes_used <= stats.cap_bytes, "{stats:?}");
+        assert!(stats.bytes_carved <= stats.cap_bytes, "{stats:?}");
+        assert_eq!(stats.pinned_bytes, 3 * REC as u64);
+    }
+    let stats = client.stats().unwrap();
+    assert!(stats.evictions >= 50, "only {} evictions", stats.evictions);
+    for key in &pinned {
+        let lease = client
+            .peek(key)
+            .unwrap()
+            .expect("a pinned record was evicted");
+        assert!(
+            has_pattern(key, &lease),
+            "pinned record {key} was overwritten"
+        );
+    }
+    // The most recent record is still cached; the oldest churn is gone.
+    assert!(client.peek("churn/59").unwrap().is_some());
+    assert!(client.peek("churn/0").unwrap().is_none());
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
+fn a_killed_clients_leases_come_back() {
+    let server = ServerProc::start("killed", &["--cap", "256K", "--slot-bytes", "64K"]);
+    let client = server.client("test");
+    let keys: Vec<String> = (0..4).map(|i| format!("k/{i}")).collect();
+    for key in &keys {
+        fill_pattern(&client, key, REC);
+    }
+    let mut holder = pin_process(&server.address, &keys);
+    // Every slot is pinned: a new record has nowhere to go.
+    let Lookup::Miss(mut ticket) = client.get("new").unwrap() else {
+        panic!("expected a miss");
+    };
+    let err = ticket.reserve(REC as u64).unwrap_err();
+    assert!(
+        matches!(err.refusal(), Some(RequestError::StoreFull { .. })),
+        "{err}"
+    );
+    drop(ticket);
+    holder.kill().unwrap(); // SIGKILL
+    holder.wait().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let s = client.stats().unwrap();
+            s.pinned_bytes == 0 && s.leases_held == 0
+        }),
+        "leases of the killed client were not released: {:?}",
+        client.stats().unwrap()
+    );
+    fill_pattern(&client, "new", REC);
+    assert_eq!(client.stats().unwrap().evictions, 1);
+}
+
+#[test]
+fn concurrent_misses_fill_once() {
+    let server = ServerProc::start("flight", &["--cap", "1M"]);
+    let address = server.address.clone();
+    let barrier = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for t in 0..4 {
+            let (address, barrier) = (&address, &barrier);
+            scope.spawn(move || {
+                let client =
+                    vrtspike::cache::CacheClient::connect(address, &format!("t{t}")).unwrap();
+                barrier.wait();
+                let lease = client
+                    .get_or_fill("shared", REC, |slot| {
+                        std::thread::sleep(Duration::from_millis(300));
+                        common::write_pattern("shared", slot);
+                        Ok::<(), std::convert::Infallible>(())
+                    })
+                    .unwrap();
+                assert!(has_pattern("shared", &lease));
+            });
+        }
+    });
+    let stats = server.client("check").stats().unwrap();
+    assert_eq!(stats.totals.fills, 1, "{stats:?}");
+    assert_eq!(stats.totals.misses, 1);
+    assert_eq!(stats.totals.hits, 3);
+    assert!(stats.totals.waits >= 1);
+}
+
+#[test]
+fn an_abandoned_fill_passes_to_a_waiter() {
+    let server = ServerProc::start("abandon", &["--cap", "1M"]);
+    let first = server.client("first");
+    let Lookup::Miss(ticket) = first.get("key").unwrap() else {
+        panic!("expected a miss");
+    };
+    let address = server.address.clone();
+    let waiter = std::thread::spawn(move || {
+        let second = vrtspike::cache::CacheClient::connect(&address, "second").unwrap();
+        // Blocks until the first fill is abandoned, then fills itself.
+        let lease = second
+            .get_or_fill("key", REC, |slot| {
+                common::write_pattern("key", slot);
+                Ok::<(), std::convert::Infallible>(())
+            })
+            .unwrap();
+        has_pattern("key", &lease)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    drop(ticket); // abandons the fill
+    assert!(waiter.join().unwrap());
+    let stats = first.stats().unwrap();
+    assert_eq!(stats.totals.fills_abandoned, 1);
+    assert_eq!(stats.totals.fills, 1);
+}
+
+#[test]
+fn bad_requests_get_errors_and_the_server_keeps_serving() {
+    let mut server = ServerProc::start("bad", &["--cap", "256K", "--slot-bytes", "64K"]);
+    let client = server.client("bad");
+    let other = server.client("other");
+    let refused = |reply: Reply| match reply {
+        Reply::Error(e) => e,
+        other => panic!("expected an error reply, got {other:?}"),
+    };
+
+    // Unknown lease, and a double release.
+    let e = refused(client.call(Request::Release { lease: 4242 }).unwrap());
+    assert_eq!(e, RequestError::LeaseNotHeld { lease: 4242 });
+    fill_pattern(&client, "a", REC);
+    let lease = client.peek("a").unwrap().unwrap();
+    let id = lease.id();
+    std::mem::forget(lease); // release by hand, twice
+    assert!(matches!(
+        client.call(Request::Release { lease: id }).unwrap(),
+        Reply::Done
+    ));
+    let e = refused(client.call(Request::Release { lease: id }).unwrap());
+    assert_eq!(e, RequestError::LeaseNotHeld { lease: id });
+    assert!(e.to_string().contains(&id.to_string()));
+
+    // Another client's lease cannot be released by this one.
+    let theirs = other.peek("a").unwrap().unwrap();
+    let e = refused(
+        client
+            .call(Request::Release { lease: theirs.id() })
+            .unwrap(),
+    );
+    assert!(matches!(e, RequestError::LeaseNotHeld { .. }));
+    drop(theirs);
+
+    // Unknown ticket, commit before reserve, record larger than a slot.
+    let e = refused(client.call(Request::Commit { ticket: 777 }).unwrap());
+    assert_eq!(e, RequestError::TicketNotHeld { ticket: 777 });
+    let Reply::Miss { ticket } = client.call(Request::Get { key: "big".into() }).unwrap() else {
+        panic!("expected a miss");
+    };
+    let e = refused(client.call(Request::Commit { ticket }).unwrap());
+    assert!(matches!(e, RequestError::TicketState { .. }), "{e}");
+    let e = refused(
+        client
+            .call(Request::Reserve {
+                ticket,
+                len: 1 << 20,
+            })
+            .unwrap(),
+    );
+    assert!(matches!(e, RequestError::RecordTooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("big"), "{e}");
+    assert!(matches!(
+        client.call(Request::Abort { ticket }).unwrap(),
+        Reply::Done
+    ));
+
+    // Unknown key; a hello after the handshake.
+    let e = refused(
+        client
+            .call(Request::Invalidate { key: "nope".into() })
+            .unwrap(),
+    );
+    assert_eq!(e, RequestError::UnknownKey { key: "nope".into() });
+    let (reply, _rx) = ipc_channel::ipc::channel().unwrap();
+    let e = refused(
+        client
+            .call(Request::Hello {
+                name: "again".into(),
+                pid: 1,
+                mapped_store: None,
+                reply,
+            })
+            .unwrap(),
+    );
+    assert!(matches!(e, RequestError::Protocol(_)));
+
+    // A write past the slot's length through the API is refused and writes nothing.
+    let Lookup::Miss(mut fill) = client.get("w").unwrap() else {
+        panic!("expected a miss");
+    };
+    fill.reserve(100).unwrap();
+    let err = fill.write_at(90, &[1u8; 20]).unwrap_err();
+    assert!(
+        matches!(err, CacheError::WriteOutOfSlot { slot_len: 100, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("\"w\""), "{err}");
+    fill.write_at(0, &[9u8; 100]).unwrap();
+    let lease = fill.commit().unwrap();
+    assert_eq!(&lease[..], &[9u8; 100][..]);
+    drop(lease);
+
+    // Garbage on the rendezvous socket does not hurt anyone.
+    {
+        use std::io::Write;
+        use std::os::linux::net::SocketAddrExt;
+        let addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(server.address.as_bytes()).unwrap();
+        let mut raw = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        let _ = raw.write_all(b"\xff\xff\xff\xffnot a handshake");
+    }
+
+    // Errors were counted; everyone is still served.
+    let stats = other.stats().unwrap();
+    assert!(stats.totals.errors >= 8, "{:?}", stats.totals);
+    fill_pattern(&other, "after", REC);
+    assert!(server.alive());
+    let fresh = server.client("fresh");
+    assert!(fresh.peek("after").unwrap().is_some());
+}
+
+fn serve_error(args: &[&str]) -> String {
+    let address = common::unique_address("start");
+    let out = Command::new(common::exe())
+        .args(["cache", "serve", "--address", &address])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "server started with {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn start_up_errors_name_the_sizes() {
+    // A cap larger than the machine's free memory.
+    let err = serve_error(&["--cap", "1024T"]);
+    assert!(err.contains("needs 1024.00 TiB"), "{err}");
+    assert!(err.contains("is free"), "{err}");
+    // A cap that holds no slot.
+    let err = serve_error(&["--cap", "1M", "--slot-bytes", "8M"]);
+    assert!(err.contains("holds no slot of 8388608 bytes"), "{err}");
+    // No size at all.
+    let err = serve_error(&[]);
+    assert!(err.contains("--cap"), "{err}");
+    // Two servers on one address.
+    let server = ServerProc::start("twice", &["--cap", "1M"]);
+    let out = Command::new(common::exe())
+        .args([
+            "cache",
+            "serve",
+            "--address",
+            &server.address,
+            "--cap",
+            "1M",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is in use"), "{err}");
+}
