@@ -6,4 +6,5 @@
 
 pub mod cache;
 pub mod config;
+pub mod dist;
 pub mod util;
