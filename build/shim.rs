@@ -6,6 +6,8 @@
 // complete CUDA headers and NCCL's `nccl.h` are found; otherwise the shim is
 // Gloo-only and the CUDA entry points are no-ops. The compiled archive is
 // reused while the source and flags are unchanged (cc caches nothing).
+// Set VRTSPIKE_NO_NCCL to force a Gloo-only shim, or VRTSPIKE_CUDA_INCLUDE
+// (colon-separated) / VRTSPIKE_NCCL_INCLUDE to point at the headers.
 
 /// What the shim is built against.
 struct ShimTorch {
@@ -123,10 +125,10 @@ fn build_c10d_shim() {
         }
     }
 
-    // Reuse the archive when nothing that shapes it changed.
+    // cc caches nothing: reuse an archive built from the same source and
+    // flags, kept beside the profile's build folders so `cargo build` and
+    // `cargo test` (distinct build-script runs) share it.
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
-    let archive = out_dir.join("libc10d_shim.a");
-    let stamp_path = out_dir.join("c10d_shim.stamp");
     let source_text = std::fs::read_to_string(SOURCE).unwrap_or_default();
     let stamp = format!(
         "{}\n{}\n{:?}\n{}",
@@ -135,22 +137,38 @@ fn build_c10d_shim() {
         cuda,
         source_text
     );
-    let fresh = archive.is_file()
-        && std::fs::read_to_string(&stamp_path).map(|s| s == stamp).unwrap_or(false);
-    if fresh {
-        println!("cargo:rustc-link-search=native={}", out_dir.display());
+    let key = {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        stamp.hash(&mut hasher);
+        format!("{:016x}", hasher.finish())
+    };
+    let profile_dir = out_dir.ancestors().nth(3).map(|d| d.to_path_buf());
+    let cache_dir = profile_dir
+        .unwrap_or_else(|| out_dir.clone())
+        .join("c10d-shim")
+        .join(&key);
+    let cached = cache_dir.join("libc10d_shim.a");
+    if cached.is_file() {
+        println!("cargo:rustc-link-search=native={}", cache_dir.display());
         println!("cargo:rustc-link-lib=static=c10d_shim");
         println!("cargo:rustc-link-lib=stdc++");
+        println!("c10d shim reused from {}", cache_dir.display());
     } else {
         let started = std::time::Instant::now();
         build.compile("c10d_shim");
-        let _ = std::fs::write(&stamp_path, &stamp);
         // Not a cargo directive: kept in the build script's `output` file.
         println!(
             "c10d shim compiled in {:.1}s (NCCL: {})",
             started.elapsed().as_secs_f64(),
             if cuda.is_some() { "yes" } else { "no" }
         );
+        if std::fs::create_dir_all(&cache_dir).is_ok() {
+            let partial = cache_dir.join("libc10d_shim.a.partial");
+            if std::fs::copy(out_dir.join("libc10d_shim.a"), &partial).is_ok() {
+                let _ = std::fs::rename(&partial, &cached);
+            }
+        }
     }
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     if cuda.is_some() {

@@ -57,7 +57,6 @@ extern "C" {
         root: c_int,
     ) -> *mut c_char;
     pub(crate) fn vs_group_barrier(group: *mut RawGroup) -> *mut c_char;
-    #[allow(dead_code)] // DDP_PENDING
     pub(crate) fn vs_ensure_grad(param: *mut c_void) -> *mut c_char;
     pub(crate) fn vs_cuda_memory_stats(
         device: c_int,

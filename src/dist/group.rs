@@ -337,7 +337,6 @@ fn tensor_bytes(tensor: &Tensor) -> u64 {
 
 /// Gives `param` a zero gradient if it has none (a parameter unused this
 /// step), so every rank flattens the same gradient layout.
-#[allow(dead_code)] // DDP_PENDING
 pub(crate) fn ensure_grad(param: &mut Tensor) -> Result<(), String> {
     let ptr = param.as_mut_ptr() as *mut c_void;
     // SAFETY: `ptr` points to the live `at::Tensor` owned by `param`; the shim
