@@ -24,13 +24,19 @@ fn main() -> Result<()> {
     };
     let sizes: Vec<f64> = value("--sizes-mb", "1,25")
         .split(',')
-        .map(|s| s.trim().parse().with_context(|| format!("--sizes-mb: bad size {s:?}")))
+        .map(|s| {
+            s.trim()
+                .parse()
+                .with_context(|| format!("--sizes-mb: bad size {s:?}"))
+        })
         .collect::<Result<_>>()?;
     if std::env::var_os("RANK").is_some() {
         return rank_main(&sizes);
     }
     let ranks: usize = value("--ranks", "2").parse().context("--ranks")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let exe = std::env::current_exe()?;
     let children: Vec<_> = (0..ranks)
         .map(|rank| {

@@ -186,3 +186,45 @@ fn a_rank_that_dies_fails_the_next_collective_naming_the_op() {
         started.elapsed()
     );
 }
+
+#[test]
+fn a_rank_that_hangs_fails_the_others_at_the_timeout_naming_it() {
+    let Some((rank, _, _)) = rank_env() else {
+        let outcomes = run_ranks(
+            "a_rank_that_hangs_fails_the_others_at_the_timeout_naming_it",
+            2,
+            &[0, 1],
+            &[],
+        );
+        assert_all_ok(&outcomes);
+        return;
+    };
+    let mut group = join(Duration::from_secs(2));
+    let mut t = Tensor::ones([16], (Kind::Float, tch::Device::Cpu));
+    group
+        .all_reduce(&mut t, ReduceOp::Sum)
+        .expect("first all-reduce");
+    if rank == 1 {
+        // Stuck (a dead-locked data loader, say) past the 2 s time-out.
+        std::thread::sleep(Duration::from_secs(5));
+        return;
+    }
+    let started = Instant::now();
+    let err = group
+        .all_reduce(&mut t, ReduceOp::Sum)
+        .expect_err("rank 1 hangs");
+    let waited = started.elapsed();
+    let text = err.to_string();
+    assert!(
+        text.contains("rank 0 of 2: all_reduce #1 (gloo) failed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("peers that never reached all_reduce #1: rank 1 last entered all_reduce #0"),
+        "{text}"
+    );
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(8),
+        "{waited:?}"
+    );
+}

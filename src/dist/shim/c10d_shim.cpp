@@ -76,6 +76,9 @@ struct vs_group {
   int world;
   int device_index;
   std::chrono::milliseconds timeout;
+  // Collectives this rank has entered; posted to the store before each one so
+  // that a failed rank can tell which peers never reached it.
+  uint64_t seq = 0;
 };
 
 // CUDA caching allocator figures for one device, in bytes.
@@ -85,6 +88,69 @@ struct vs_cuda_mem_stats {
   int64_t reserved_current;
   int64_t reserved_peak;
 };
+
+namespace {
+
+std::string progress_key(int rank) { return "progress/" + std::to_string(rank); }
+
+// Posts "<op> #<seq>" for this rank. Best effort: a store that is gone (rank
+// 0 died) must not mask the collective's own error.
+void post_progress(vs_group* group, const char* op, uint64_t seq) {
+  try {
+    std::string text = std::string(op) + " #" + std::to_string(seq);
+    group->store->set(progress_key(group->rank),
+                      std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (...) {
+  }
+}
+
+// Names the peers that never entered collective `seq`, from their posted
+// progress; empty when the store cannot tell (it lives in rank 0).
+std::string laggards(vs_group* group, uint64_t seq) {
+  std::ostringstream out;
+  try {
+    bool first = true;
+    for (int r = 0; r < group->world; ++r) {
+      if (r == group->rank) continue;
+      std::string last = "no collective";
+      bool behind = true;
+      if (group->store->check({progress_key(r)})) {
+        auto bytes = group->store->get(progress_key(r));
+        last.assign(bytes.begin(), bytes.end());
+        auto hash = last.rfind('#');
+        behind = hash == std::string::npos ||
+                 std::stoull(last.substr(hash + 1)) < seq;
+      }
+      if (behind) {
+        out << (first ? "" : "; ") << "rank " << r << " last entered " << last;
+        first = false;
+      }
+    }
+  } catch (...) {
+    return "";
+  }
+  return out.str();
+}
+
+// Runs one collective: posts progress, runs `body`, and on failure appends
+// the peers that never reached this collective.
+template <typename F>
+char* collective(vs_group* group, const char* op, F&& body) {
+  const uint64_t seq = group->seq++;
+  post_progress(group, op, seq);
+  char* error = guarded(body);
+  if (error == nullptr) return nullptr;
+  std::string message(error);
+  std::free(error);
+  std::string behind = laggards(group, seq);
+  if (!behind.empty()) {
+    message += " (peers that never reached " + std::string(op) + " #" +
+               std::to_string(seq) + ": " + behind + ")";
+  }
+  return owned_copy(message);
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -220,7 +286,7 @@ void vs_group_free(vs_group* group) {
 
 // All-reduces one tensor in place. Gloo has no AVG: it sums then divides.
 char* vs_group_allreduce(vs_group* group, at::Tensor* tensor, int op) {
-  return guarded([&] {
+  return collective(group, "all_reduce", [&] {
     c10d::AllreduceOptions opts;
     opts.timeout = group->timeout;
     bool divide = false;
@@ -253,7 +319,7 @@ char* vs_group_allreduce(vs_group* group, at::Tensor* tensor, int op) {
 
 // Broadcasts one tensor in place from `root`.
 char* vs_group_broadcast(vs_group* group, at::Tensor* tensor, int root) {
-  return guarded([&] {
+  return collective(group, "broadcast", [&] {
     if (root < 0 || root >= group->world) {
       throw std::invalid_argument("root rank " + std::to_string(root) +
                                   " out of range for world size " +
@@ -269,7 +335,7 @@ char* vs_group_broadcast(vs_group* group, at::Tensor* tensor, int root) {
 }
 
 char* vs_group_barrier(vs_group* group) {
-  return guarded([&] {
+  return collective(group, "barrier", [&] {
     c10d::BarrierOptions opts;
     opts.timeout = group->timeout;
     if (group->backend_kind == kBackendNccl) {
