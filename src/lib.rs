@@ -7,4 +7,5 @@
 pub mod bench;
 pub mod cache;
 pub mod config;
+pub mod dist;
 pub mod util;

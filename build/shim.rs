@@ -1,0 +1,180 @@
+// Builds the c10d shim (src/dist/shim/c10d_shim.cpp) with the `cc` crate
+// against the headers of the torch wheel that tch links, so Rust can reach
+// libtorch's distributed engine. Included by build.rs (not a crate).
+//
+// The NCCL backend and the CUDA allocator calls are compiled in only when
+// complete CUDA headers and NCCL's `nccl.h` are found; otherwise the shim is
+// Gloo-only and the CUDA entry points are no-ops. The compiled archive is
+// reused while the source and flags are unchanged (cc caches nothing).
+// Set VRTSPIKE_NO_NCCL to force a Gloo-only shim, or VRTSPIKE_CUDA_INCLUDE
+// (colon-separated) / VRTSPIKE_NCCL_INCLUDE to point at the headers.
+
+/// What the shim is built against.
+struct ShimTorch {
+    /// The wheel's `torch` folder (or `$LIBTORCH`).
+    root: std::path::PathBuf,
+    /// `torch._C._GLIBCXX_USE_CXX11_ABI` as "0" or "1".
+    cxx11_abi: String,
+}
+
+/// Finds torch the way torch-sys does: `$LIBTORCH`, else the virtualenv's python.
+fn shim_find_torch() -> Option<ShimTorch> {
+    if let Ok(root) = std::env::var("LIBTORCH") {
+        let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string());
+        return Some(ShimTorch { root: root.into(), cxx11_abi: abi });
+    }
+    let python = match std::env::var_os("VIRTUAL_ENV") {
+        Some(venv) => std::path::Path::new(&venv).join("bin").join("python"),
+        None => std::path::PathBuf::from("python3"),
+    };
+    let script = "import os, torch; print(os.path.dirname(torch.__file__)); \
+                  print(int(torch._C._GLIBCXX_USE_CXX11_ABI))";
+    let out = std::process::Command::new(&python).args(["-c", script]).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8(out.stdout).ok()?;
+    let mut lines = text.lines();
+    let root = lines.next()?.trim().to_string();
+    let cxx11_abi = lines.next()?.trim().to_string();
+    Some(ShimTorch { root: root.into(), cxx11_abi })
+}
+
+/// Include folders for the NCCL build, or None when the headers are incomplete.
+/// Looks at `$VRTSPIKE_CUDA_INCLUDE` (colon-separated), `$CUDA_HOME/include`,
+/// the wheel's `nvidia/cu13/include` (+ its `cccl`), `/usr/local/cuda/include`,
+/// and for NCCL `$VRTSPIKE_NCCL_INCLUDE` or the wheel's `nvidia/nccl/include`.
+fn shim_cuda_includes(torch_root: &std::path::Path) -> Option<Vec<std::path::PathBuf>> {
+    use std::path::PathBuf;
+    if std::env::var_os("VRTSPIKE_NO_NCCL").is_some() {
+        return None;
+    }
+    let nvidia = torch_root.parent().map(|site| site.join("nvidia"));
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Ok(list) = std::env::var("VRTSPIKE_CUDA_INCLUDE") {
+        candidates.extend(std::env::split_paths(&list));
+    }
+    if let Ok(home) = std::env::var("CUDA_HOME") {
+        candidates.push(PathBuf::from(home).join("include"));
+    }
+    if let Some(nvidia) = &nvidia {
+        candidates.push(nvidia.join("cu13").join("include"));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for dir in candidates.into_iter().filter(|d| d.is_dir()) {
+        let cccl = dir.join("cccl");
+        dirs.push(dir);
+        if cccl.is_dir() {
+            dirs.push(cccl);
+        }
+    }
+    let has = |file: &str| dirs.iter().any(|d| d.join(file).is_file());
+    if !(has("cuda_runtime.h") && has("crt/host_config.h") && has("cuda/std/cstdint")) {
+        return None;
+    }
+    let nccl = match std::env::var("VRTSPIKE_NCCL_INCLUDE") {
+        Ok(dir) => PathBuf::from(dir),
+        Err(_) => nvidia?.join("nccl").join("include"),
+    };
+    if !nccl.join("nccl.h").is_file() {
+        return None;
+    }
+    dirs.insert(0, nccl);
+    Some(dirs)
+}
+
+/// Compiles and links the shim; panics (failing the build) if torch is missing.
+fn build_c10d_shim() {
+    const SOURCE: &str = "src/dist/shim/c10d_shim.cpp";
+    println!("cargo:rerun-if-changed={SOURCE}");
+    println!("cargo:rerun-if-changed=build/shim.rs");
+    for var in [
+        "VRTSPIKE_CUDA_INCLUDE",
+        "VRTSPIKE_NCCL_INCLUDE",
+        "VRTSPIKE_NO_NCCL",
+        "CUDA_HOME",
+        "LIBTORCH_CXX11_ABI",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let torch = match shim_find_torch() {
+        Some(torch) => torch,
+        None => panic!("c10d shim: torch not found (set VIRTUAL_ENV or LIBTORCH; run `make setup`)"),
+    };
+    let include = torch.root.join("include");
+    let lib_dir = torch.root.join("lib");
+    let cuda = shim_cuda_includes(&torch.root);
+
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .file(SOURCE)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", torch.cxx11_abi.as_str())
+        .define("USE_C10D_GLOO", None)
+        .define("GLOG_USE_GLOG_EXPORT", None);
+    if let Some(dirs) = &cuda {
+        build.define("USE_C10D_NCCL", None).define("VS_WITH_NCCL", None);
+        for dir in dirs {
+            build.include(dir);
+        }
+    }
+
+    // cc caches nothing: reuse an archive built from the same source and
+    // flags, kept beside the profile's build folders so `cargo build` and
+    // `cargo test` (distinct build-script runs) share it.
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
+    let source_text = std::fs::read_to_string(SOURCE).unwrap_or_default();
+    let stamp = format!(
+        "{}\n{}\n{:?}\n{}",
+        torch.root.display(),
+        torch.cxx11_abi,
+        cuda,
+        source_text
+    );
+    let key = {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        stamp.hash(&mut hasher);
+        format!("{:016x}", hasher.finish())
+    };
+    let profile_dir = out_dir.ancestors().nth(3).map(|d| d.to_path_buf());
+    let cache_dir = profile_dir
+        .unwrap_or_else(|| out_dir.clone())
+        .join("c10d-shim")
+        .join(&key);
+    let cached = cache_dir.join("libc10d_shim.a");
+    if cached.is_file() {
+        println!("cargo:rustc-link-search=native={}", cache_dir.display());
+        println!("cargo:rustc-link-lib=static=c10d_shim");
+        println!("cargo:rustc-link-lib=stdc++");
+        println!("c10d shim reused from {}", cache_dir.display());
+    } else {
+        let started = std::time::Instant::now();
+        build.compile("c10d_shim");
+        // Not a cargo directive: kept in the build script's `output` file.
+        println!(
+            "c10d shim compiled in {:.1}s (NCCL: {})",
+            started.elapsed().as_secs_f64(),
+            if cuda.is_some() { "yes" } else { "no" }
+        );
+        if std::fs::create_dir_all(&cache_dir).is_ok() {
+            let partial = cache_dir.join("libc10d_shim.a.partial");
+            if std::fs::copy(out_dir.join("libc10d_shim.a"), &partial).is_ok() {
+                let _ = std::fs::rename(&partial, &cached);
+            }
+        }
+    }
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    if cuda.is_some() {
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+}

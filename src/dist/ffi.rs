@@ -1,0 +1,88 @@
+//! Raw bindings to the c10d shim (`shim/c10d_shim.cpp`). Every fallible call
+//! returns a malloc'd C string (null on success) that [`take_error`] turns into
+//! a Rust `String` and frees; nothing here is safe to call directly.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+/// Opaque handle to the shim's process group (`struct vs_group`).
+#[repr(C)]
+pub(crate) struct RawGroup {
+    _private: [u8; 0],
+}
+
+/// `struct vs_cuda_mem_stats`: CUDA caching allocator figures in bytes.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct RawCudaMemStats {
+    pub allocated_current: i64,
+    pub allocated_peak: i64,
+    pub reserved_current: i64,
+    pub reserved_peak: i64,
+}
+
+/// Backend codes understood by `vs_group_new`.
+pub(crate) const BACKEND_GLOO: c_int = 0;
+pub(crate) const BACKEND_NCCL: c_int = 1;
+
+/// Reduce-op codes understood by `vs_group_allreduce`.
+pub(crate) const OP_SUM: c_int = 0;
+pub(crate) const OP_AVG: c_int = 1;
+pub(crate) const OP_MIN: c_int = 2;
+pub(crate) const OP_MAX: c_int = 3;
+
+extern "C" {
+    pub(crate) fn vs_string_free(text: *mut c_char);
+    pub(crate) fn vs_nccl_compiled() -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn vs_group_new(
+        backend: c_int,
+        master_addr: *const c_char,
+        port: u16,
+        rank: c_int,
+        world: c_int,
+        timeout_ms: i64,
+        prefix: *const c_char,
+        device_index: c_int,
+        out: *mut *mut RawGroup,
+    ) -> *mut c_char;
+    pub(crate) fn vs_group_free(group: *mut RawGroup);
+    pub(crate) fn vs_group_allreduce(
+        group: *mut RawGroup,
+        tensor: *mut c_void,
+        op: c_int,
+    ) -> *mut c_char;
+    pub(crate) fn vs_group_broadcast(
+        group: *mut RawGroup,
+        tensor: *mut c_void,
+        root: c_int,
+    ) -> *mut c_char;
+    pub(crate) fn vs_group_barrier(group: *mut RawGroup) -> *mut c_char;
+    pub(crate) fn vs_ensure_grad(param: *mut c_void) -> *mut c_char;
+    pub(crate) fn vs_cuda_memory_stats(
+        device: c_int,
+        out: *mut RawCudaMemStats,
+        available: *mut c_int,
+    ) -> *mut c_char;
+    pub(crate) fn vs_cuda_empty_cache() -> *mut c_char;
+}
+
+/// Converts a shim status into `Err(message)`, freeing the shim's string.
+pub(crate) fn take_error(status: *mut c_char) -> Result<(), String> {
+    if status.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null status is a NUL-terminated string the shim malloc'd
+    // for us; we copy it out, then hand it back to the shim's `free` once.
+    let message = unsafe { CStr::from_ptr(status) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: `status` came from the shim's malloc and is freed exactly once.
+    unsafe { vs_string_free(status) };
+    Err(message)
+}
+
+/// Whether this build compiled the NCCL backend and the CUDA allocator calls.
+pub fn nccl_compiled() -> bool {
+    // SAFETY: a pure query of a compile-time constant.
+    unsafe { vs_nccl_compiled() != 0 }
+}

@@ -1,0 +1,431 @@
+//! [`ProcessGroup`]: one rank's handle on a c10d process group (Gloo on CPU,
+//! NCCL on CUDA) rendezvoused through a TCPStore, with in-place all-reduce,
+//! broadcast and barrier that fail with the rank and op instead of hanging.
+
+use std::ffi::{c_int, c_void, CString};
+use std::time::Duration;
+
+use tch::Tensor;
+
+use super::error::DistError;
+use super::ffi;
+
+/// The communication library behind a process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Gloo: CPU tensors, any machine.
+    Gloo,
+    /// NCCL: CUDA tensors; only in builds where [`nccl_available`] is true.
+    Nccl,
+}
+
+impl Backend {
+    /// The lower-case name used in logs and errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Gloo => "gloo",
+            Backend::Nccl => "nccl",
+        }
+    }
+
+    fn code(self) -> c_int {
+        match self {
+            Backend::Gloo => ffi::BACKEND_GLOO,
+            Backend::Nccl => ffi::BACKEND_NCCL,
+        }
+    }
+}
+
+/// Whether this binary was built with the NCCL backend (CUDA headers found).
+pub fn nccl_available() -> bool {
+    ffi::nccl_compiled()
+}
+
+/// How an all-reduce combines the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over ranks (floating-point tensors only).
+    Avg,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+}
+
+impl ReduceOp {
+    fn code(self) -> c_int {
+        match self {
+            ReduceOp::Sum => ffi::OP_SUM,
+            ReduceOp::Avg => ffi::OP_AVG,
+            ReduceOp::Min => ffi::OP_MIN,
+            ReduceOp::Max => ffi::OP_MAX,
+        }
+    }
+}
+
+/// Everything needed to join a process group.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// Communication library.
+    pub backend: Backend,
+    /// Host of rank 0's rendezvous store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous store (`MASTER_PORT`).
+    pub master_port: u16,
+    /// This process's rank in `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Longest wait for the rendezvous and for any one collective.
+    pub timeout: Duration,
+    /// Key namespace in the store, so several groups (or restarts) can share it.
+    pub prefix: String,
+    /// CUDA device of this rank (NCCL only; usually `LOCAL_RANK`).
+    pub device_index: usize,
+}
+
+impl GroupOptions {
+    /// Reads the torchrun contract: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, and `LOCAL_RANK` (default 0) as the CUDA device.
+    pub fn from_env(backend: Backend, timeout: Duration) -> Result<Self, DistError> {
+        fn var(name: &'static str) -> Result<String, DistError> {
+            std::env::var(name).map_err(|_| DistError::Env {
+                var: name,
+                message: "not set (start ranks with vrtspike-launch or torchrun)".into(),
+            })
+        }
+        fn number<T: std::str::FromStr>(name: &'static str, text: &str) -> Result<T, DistError> {
+            text.trim().parse().map_err(|_| DistError::Env {
+                var: name,
+                message: format!("expected a non-negative integer, got {text:?}"),
+            })
+        }
+        let rank = number("RANK", &var("RANK")?)?;
+        let world_size = number("WORLD_SIZE", &var("WORLD_SIZE")?)?;
+        let master_port = number("MASTER_PORT", &var("MASTER_PORT")?)?;
+        let device_index = match std::env::var("LOCAL_RANK") {
+            Ok(text) => number("LOCAL_RANK", &text)?,
+            Err(_) => 0,
+        };
+        Ok(GroupOptions {
+            backend,
+            master_addr: var("MASTER_ADDR")?,
+            master_port,
+            rank,
+            world_size,
+            timeout,
+            prefix: "default".into(),
+            device_index,
+        })
+    }
+}
+
+/// Collectives a group has run, and the bytes they carried (this rank's view).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// All-reduce calls.
+    pub all_reduces: u64,
+    /// Broadcast calls.
+    pub broadcasts: u64,
+    /// Barrier calls.
+    pub barriers: u64,
+    /// Bytes of tensors all-reduced or broadcast.
+    pub bytes: u64,
+}
+
+/// One rank's member of a c10d process group. Collectives take `&mut self`:
+/// every rank must issue the same collectives in the same order, which one
+/// owner (movable across threads, never shared) makes easy to keep.
+pub struct ProcessGroup {
+    raw: *mut ffi::RawGroup,
+    backend: Backend,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    stats: CommStats,
+}
+
+// SAFETY: the shim's group holds only thread-safe c10d objects (the store and
+// backend are reference-counted and internally synchronised); `ProcessGroup`
+// owns its handle exclusively and is not `Sync`, so one thread at a time uses it.
+unsafe impl Send for ProcessGroup {}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("backend", &self.backend)
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    /// Rendezvous at `master_addr:master_port` (rank 0 serves the store) and
+    /// build the backend. Fails after `timeout`, naming the ranks that never
+    /// joined, rather than hanging.
+    pub fn new(options: &GroupOptions) -> Result<Self, DistError> {
+        let init_error = |message: String| DistError::Init {
+            rank: options.rank,
+            world: options.world_size,
+            backend: options.backend.name(),
+            master: format!("{}:{}", options.master_addr, options.master_port),
+            message,
+        };
+        if options.world_size == 0 || options.rank >= options.world_size {
+            return Err(DistError::Options(format!(
+                "rank {} is not in 0..{} (world size)",
+                options.rank, options.world_size
+            )));
+        }
+        if options.backend == Backend::Nccl && !nccl_available() {
+            return Err(init_error(
+                "this build has no NCCL backend (CUDA/NCCL headers were not found when \
+                 the c10d shim was compiled); use gloo"
+                    .into(),
+            ));
+        }
+        let to_c_int = |value: usize, what: &str| {
+            c_int::try_from(value)
+                .map_err(|_| DistError::Options(format!("{what} {value} does not fit a C int")))
+        };
+        let rank = to_c_int(options.rank, "rank")?;
+        let world = to_c_int(options.world_size, "world size")?;
+        let device = to_c_int(options.device_index, "device index")?;
+        let timeout_ms = timeout_millis(options.timeout)?;
+        let master = CString::new(options.master_addr.as_str())
+            .map_err(|_| DistError::Options("MASTER_ADDR contains a NUL byte".into()))?;
+        let prefix = CString::new(options.prefix.as_str())
+            .map_err(|_| DistError::Options("group prefix contains a NUL byte".into()))?;
+        let mut raw: *mut ffi::RawGroup = std::ptr::null_mut();
+        // SAFETY: the strings are NUL-terminated and live across the call; `raw`
+        // is a valid out-pointer; the shim catches every C++ exception.
+        let status = unsafe {
+            ffi::vs_group_new(
+                options.backend.code(),
+                master.as_ptr(),
+                options.master_port,
+                rank,
+                world,
+                timeout_ms,
+                prefix.as_ptr(),
+                device,
+                &mut raw,
+            )
+        };
+        ffi::take_error(status).map_err(init_error)?;
+        if raw.is_null() {
+            return Err(init_error("the shim returned no group".into()));
+        }
+        tracing::debug!(
+            rank = options.rank,
+            world = options.world_size,
+            backend = options.backend.name(),
+            "process group ready"
+        );
+        Ok(ProcessGroup {
+            raw,
+            backend: options.backend,
+            rank: options.rank,
+            world_size: options.world_size,
+            timeout: options.timeout,
+            stats: CommStats::default(),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The communication library.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Longest wait of any collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Collectives run so far.
+    pub fn stats(&self) -> CommStats {
+        self.stats
+    }
+
+    /// Reduces `tensor` across ranks, in place: every rank ends with the result.
+    /// The tensor must be dense and contiguous, on the CPU for Gloo and on this
+    /// rank's CUDA device for NCCL.
+    pub fn all_reduce(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
+        let bytes = tensor_bytes(tensor);
+        let ptr = tensor.as_mut_ptr() as *mut c_void;
+        // SAFETY: `ptr` points to the `at::Tensor` that `tensor` owns, which
+        // outlives the call; the shim waits for completion before returning.
+        let status = unsafe { ffi::vs_group_allreduce(self.raw, ptr, op.code()) };
+        self.finish("all_reduce", status)?;
+        self.stats.all_reduces += 1;
+        self.stats.bytes += bytes;
+        Ok(())
+    }
+
+    /// Overwrites `tensor` on every rank with `root`'s, in place.
+    pub fn broadcast(&mut self, tensor: &mut Tensor, root: usize) -> Result<(), DistError> {
+        let root = c_int::try_from(root)
+            .map_err(|_| DistError::Options(format!("root rank {root} does not fit a C int")))?;
+        let bytes = tensor_bytes(tensor);
+        let ptr = tensor.as_mut_ptr() as *mut c_void;
+        // SAFETY: as in `all_reduce`.
+        let status = unsafe { ffi::vs_group_broadcast(self.raw, ptr, root) };
+        self.finish("broadcast", status)?;
+        self.stats.broadcasts += 1;
+        self.stats.bytes += bytes;
+        Ok(())
+    }
+
+    /// Returns once every rank has entered the barrier (or fails on time-out).
+    pub fn barrier(&mut self) -> Result<(), DistError> {
+        // SAFETY: `self.raw` is a live group handle owned by `self`.
+        let status = unsafe { ffi::vs_group_barrier(self.raw) };
+        self.finish("barrier", status)?;
+        self.stats.barriers += 1;
+        Ok(())
+    }
+
+    fn seq(&self) -> u64 {
+        self.stats.all_reduces + self.stats.broadcasts + self.stats.barriers
+    }
+
+    fn finish(&self, op: &'static str, status: *mut std::ffi::c_char) -> Result<(), DistError> {
+        ffi::take_error(status).map_err(|message| DistError::Collective {
+            rank: self.rank,
+            world: self.world_size,
+            op,
+            seq: self.seq(),
+            backend: self.backend.name(),
+            message,
+        })
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `vs_group_new`, is non-null, and is freed once.
+        unsafe { ffi::vs_group_free(self.raw) };
+    }
+}
+
+fn timeout_millis(timeout: Duration) -> Result<i64, DistError> {
+    let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+    if ms == 0 {
+        return Err(DistError::Options("timeout must be at least 1 ms".into()));
+    }
+    Ok(ms)
+}
+
+fn tensor_bytes(tensor: &Tensor) -> u64 {
+    let elements = tensor.numel() as u64;
+    elements * tensor.kind().elt_size_in_bytes() as u64
+}
+
+/// Gives `param` a zero gradient if it has none (a parameter unused this
+/// step), so every rank flattens the same gradient layout.
+pub(crate) fn ensure_grad(param: &mut Tensor) -> Result<(), String> {
+    let ptr = param.as_mut_ptr() as *mut c_void;
+    // SAFETY: `ptr` points to the live `at::Tensor` owned by `param`; the shim
+    // only sets its autograd `grad` field when undefined.
+    ffi::take_error(unsafe { ffi::vs_ensure_grad(ptr) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_rank_group_reduces_to_itself() {
+        let port = free_port();
+        let options = GroupOptions {
+            backend: Backend::Gloo,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            rank: 0,
+            world_size: 1,
+            timeout: Duration::from_secs(10),
+            prefix: "unit".into(),
+            device_index: 0,
+        };
+        let mut group = ProcessGroup::new(&options).expect("world of one");
+        let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        group.all_reduce(&mut t, ReduceOp::Avg).expect("avg");
+        assert_eq!(Vec::<f32>::try_from(&t).expect("f32"), vec![1.0, 2.0, 3.0]);
+        group.barrier().expect("barrier");
+        assert_eq!(group.stats().all_reduces, 1);
+        assert_eq!(group.stats().barriers, 1);
+        assert_eq!(group.stats().bytes, 12);
+    }
+
+    #[test]
+    fn bad_rank_and_integer_average_are_errors() {
+        let options = GroupOptions {
+            backend: Backend::Gloo,
+            master_addr: "127.0.0.1".into(),
+            master_port: free_port(),
+            rank: 2,
+            world_size: 2,
+            timeout: Duration::from_secs(1),
+            prefix: "unit".into(),
+            device_index: 0,
+        };
+        let err = ProcessGroup::new(&options).expect_err("rank 2 of 2");
+        assert!(err.to_string().contains("rank 2 is not in 0..2"), "{err}");
+
+        let options = GroupOptions {
+            rank: 0,
+            world_size: 1,
+            ..options
+        };
+        let mut group = ProcessGroup::new(&options).expect("world of one");
+        let mut ints = Tensor::from_slice(&[1i64, 2]);
+        let err = group
+            .all_reduce(&mut ints, ReduceOp::Avg)
+            .expect_err("int avg");
+        let text = err.to_string();
+        assert!(text.contains("rank 0 of 1: all_reduce #0 (gloo)"), "{text}");
+        assert!(text.contains("floating-point"), "{text}");
+    }
+
+    #[test]
+    fn nccl_without_support_or_gpu_is_a_clear_error() {
+        let options = GroupOptions {
+            backend: Backend::Nccl,
+            master_addr: "127.0.0.1".into(),
+            master_port: free_port(),
+            rank: 0,
+            world_size: 1,
+            timeout: Duration::from_secs(5),
+            prefix: "unit".into(),
+            device_index: 0,
+        };
+        if tch::Cuda::is_available() {
+            return; // a GPU machine: the NCCL path is exercised elsewhere
+        }
+        let err = ProcessGroup::new(&options).expect_err("no GPU");
+        let text = err.to_string();
+        assert!(
+            text.contains("no NCCL backend") || text.contains("needs a CUDA device"),
+            "{text}"
+        );
+    }
+
+    fn free_port() -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    }
+}

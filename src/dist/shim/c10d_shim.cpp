@@ -1,0 +1,395 @@
+// c10d shim: exposes libtorch's distributed engine (TCPStore + PrefixStore
+// rendezvous, ProcessGroupGloo, ProcessGroupNCCL when built with
+// VS_WITH_NCCL, the CUDA caching allocator's statistics) through a C ABI
+// for the Rust side (src/dist/ffi.rs). No C++ exception crosses this
+// boundary: every entry point catches and returns an owned error string
+// (NULL on success) that the caller frees with vs_string_free.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#ifdef VS_WITH_NCCL
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace {
+
+// Backends the Rust side can ask for (mirrors `Backend` in src/dist/ffi.rs).
+constexpr int kBackendGloo = 0;
+constexpr int kBackendNccl = 1;
+
+// Reductions (mirrors `ReduceOp` in src/dist/ffi.rs).
+constexpr int kOpSum = 0;
+constexpr int kOpAvg = 1;
+constexpr int kOpMin = 2;
+constexpr int kOpMax = 3;
+
+char* owned_copy(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  }
+  return out;
+}
+
+// Runs `body`, turning any exception into an owned error string.
+template <typename F>
+char* guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return owned_copy(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return owned_copy(e.what());
+  } catch (...) {
+    return owned_copy("unknown C++ exception");
+  }
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+}  // namespace
+
+// A process group and the store it rendezvoused through.
+struct vs_group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  int backend_kind;
+  int rank;
+  int world;
+  int device_index;
+  std::chrono::milliseconds timeout;
+  // Collectives this rank has entered; posted to the store before each one so
+  // that a failed rank can tell which peers never reached it.
+  uint64_t seq = 0;
+};
+
+// CUDA caching allocator figures for one device, in bytes.
+struct vs_cuda_mem_stats {
+  int64_t allocated_current;
+  int64_t allocated_peak;
+  int64_t reserved_current;
+  int64_t reserved_peak;
+};
+
+namespace {
+
+std::string progress_key(int rank) { return "progress/" + std::to_string(rank); }
+
+// Posts "<op> #<seq>" for this rank. Best effort: a store that is gone (rank
+// 0 died) must not mask the collective's own error.
+void post_progress(vs_group* group, const char* op, uint64_t seq) {
+  try {
+    std::string text = std::string(op) + " #" + std::to_string(seq);
+    group->store->set(progress_key(group->rank),
+                      std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (...) {
+  }
+}
+
+// Names the peers that never entered collective `seq`, from their posted
+// progress; empty when the store cannot tell (it lives in rank 0).
+std::string laggards(vs_group* group, uint64_t seq) {
+  std::ostringstream out;
+  try {
+    bool first = true;
+    for (int r = 0; r < group->world; ++r) {
+      if (r == group->rank) continue;
+      std::string last = "no collective";
+      bool behind = true;
+      if (group->store->check({progress_key(r)})) {
+        auto bytes = group->store->get(progress_key(r));
+        last.assign(bytes.begin(), bytes.end());
+        auto hash = last.rfind('#');
+        behind = hash == std::string::npos ||
+                 std::stoull(last.substr(hash + 1)) < seq;
+      }
+      if (behind) {
+        out << (first ? "" : "; ") << "rank " << r << " last entered " << last;
+        first = false;
+      }
+    }
+  } catch (...) {
+    return "";
+  }
+  return out.str();
+}
+
+// Runs one collective: posts progress, runs `body`, and on failure appends
+// the peers that never reached this collective.
+template <typename F>
+char* collective(vs_group* group, const char* op, F&& body) {
+  const uint64_t seq = group->seq++;
+  post_progress(group, op, seq);
+  char* error = guarded(body);
+  if (error == nullptr) return nullptr;
+  std::string message(error);
+  std::free(error);
+  std::string behind = laggards(group, seq);
+  if (!behind.empty()) {
+    message += " (peers that never reached " + std::string(op) + " #" +
+               std::to_string(seq) + ": " + behind + ")";
+  }
+  return owned_copy(message);
+}
+
+}  // namespace
+
+extern "C" {
+
+void vs_string_free(char* text) { std::free(text); }
+
+int vs_nccl_compiled() {
+#ifdef VS_WITH_NCCL
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Connects to (rank 0: serves) the TCPStore at master_addr:port, checks that
+// every rank joined within timeout_ms (naming the missing ranks if not), then
+// builds the backend's process group. `prefix` namespaces this group's keys.
+char* vs_group_new(int backend_kind, const char* master_addr, uint16_t port,
+                   int rank, int world, int64_t timeout_ms, const char* prefix,
+                   int device_index, vs_group** out) {
+  *out = nullptr;
+  return guarded([&] {
+    if (world < 1 || rank < 0 || rank >= world) {
+      throw std::invalid_argument("rank " + std::to_string(rank) +
+                                  " out of range for world size " +
+                                  std::to_string(world));
+    }
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    std::string host(master_addr);
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = rank == 0;
+    opts.numWorkers = world;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    c10::intrusive_ptr<c10d::Store> tcp;
+    try {
+      tcp = c10::make_intrusive<c10d::TCPStore>(host, opts);
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      if (auto* ce = dynamic_cast<const c10::Error*>(&e)) {
+        what = ce->what_without_backtrace();
+      }
+      throw std::runtime_error(
+          (rank == 0 ? "could not serve the rendezvous store on port "
+                     : "could not reach rank 0's rendezvous store at ") +
+          (rank == 0 ? std::to_string(port)
+                     : host + ":" + std::to_string(port)) +
+          " within " + std::to_string(timeout_ms) + " ms: " + what);
+    }
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        std::string("vrtspike/") + prefix, tcp);
+
+    // Join barrier with a named culprit: every rank posts its key, then waits
+    // for all of them; on time-out it reports which ranks never posted.
+    store->set("join/" + std::to_string(rank), std::vector<uint8_t>{1});
+    std::vector<std::string> keys;
+    for (int r = 0; r < world; ++r) keys.push_back("join/" + std::to_string(r));
+    try {
+      store->wait(keys, timeout);
+    } catch (const std::exception&) {
+      std::ostringstream missing;
+      bool first = true;
+      for (int r = 0; r < world; ++r) {
+        if (!store->check({keys[r]})) {
+          missing << (first ? "" : ", ") << r;
+          first = false;
+        }
+      }
+      throw std::runtime_error("rendezvous timed out after " +
+                               std::to_string(timeout_ms) +
+                               " ms: rank(s) [" + missing.str() +
+                               "] of " + std::to_string(world) +
+                               " did not join");
+    }
+
+    auto group = std::make_unique<vs_group>();
+    group->store = store;
+    group->backend_kind = backend_kind;
+    group->rank = rank;
+    group->world = world;
+    group->device_index = device_index;
+    group->timeout = timeout;
+    auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg", store);
+    if (backend_kind == kBackendGloo) {
+      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (ifname != nullptr && *ifname != '\0') {
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      } else if (is_loopback(host)) {
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      } else {
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      group->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          pg_store, rank, world, options);
+    } else if (backend_kind == kBackendNccl) {
+#ifdef VS_WITH_NCCL
+      if (device_index < 0 ||
+          device_index >= static_cast<int>(c10::cuda::device_count())) {
+        throw std::invalid_argument(
+            "NCCL needs a CUDA device, but device " +
+            std::to_string(device_index) + " is not among the " +
+            std::to_string(c10::cuda::device_count()) + " visible");
+      }
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(device_index));
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      group->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          pg_store, rank, world, options);
+#else
+      throw std::invalid_argument(
+          "this build has no NCCL backend (the CUDA/NCCL headers were not "
+          "found when the c10d shim was compiled)");
+#endif
+    } else {
+      throw std::invalid_argument("unknown backend " +
+                                  std::to_string(backend_kind));
+    }
+    *out = group.release();
+  });
+}
+
+void vs_group_free(vs_group* group) {
+  try {
+    delete group;
+  } catch (...) {
+    // A destructor that throws has nothing left to report to; swallow.
+  }
+}
+
+// All-reduces one tensor in place. Gloo has no AVG: it sums then divides.
+char* vs_group_allreduce(vs_group* group, at::Tensor* tensor, int op) {
+  return collective(group, "all_reduce", [&] {
+    c10d::AllreduceOptions opts;
+    opts.timeout = group->timeout;
+    bool divide = false;
+    switch (op) {
+      case kOpSum: opts.reduceOp = c10d::ReduceOp::SUM; break;
+      case kOpMin: opts.reduceOp = c10d::ReduceOp::MIN; break;
+      case kOpMax: opts.reduceOp = c10d::ReduceOp::MAX; break;
+      case kOpAvg:
+        if (!at::isFloatingType(tensor->scalar_type())) {
+          throw std::invalid_argument("average needs a floating-point tensor");
+        }
+        if (group->backend_kind == kBackendNccl) {
+          opts.reduceOp = c10d::ReduceOp::AVG;
+        } else {
+          opts.reduceOp = c10d::ReduceOp::SUM;
+          divide = true;
+        }
+        break;
+      default:
+        throw std::invalid_argument("unknown reduce op " + std::to_string(op));
+    }
+    std::vector<at::Tensor> tensors{*tensor};
+    auto work = group->backend->allreduce(tensors, opts);
+    work->wait(group->timeout);
+    if (divide && group->world > 1) {
+      tensor->div_(group->world);
+    }
+  });
+}
+
+// Broadcasts one tensor in place from `root`.
+char* vs_group_broadcast(vs_group* group, at::Tensor* tensor, int root) {
+  return collective(group, "broadcast", [&] {
+    if (root < 0 || root >= group->world) {
+      throw std::invalid_argument("root rank " + std::to_string(root) +
+                                  " out of range for world size " +
+                                  std::to_string(group->world));
+    }
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = group->timeout;
+    std::vector<at::Tensor> tensors{*tensor};
+    auto work = group->backend->broadcast(tensors, opts);
+    work->wait(group->timeout);
+  });
+}
+
+char* vs_group_barrier(vs_group* group) {
+  return collective(group, "barrier", [&] {
+    c10d::BarrierOptions opts;
+    opts.timeout = group->timeout;
+    if (group->backend_kind == kBackendNccl) {
+      opts.device_ids = {group->device_index};
+    }
+    auto work = group->backend->barrier(opts);
+    work->wait(group->timeout);
+  });
+}
+
+// Gives `param` a zero gradient when it has none, so that every rank's
+// gradient list has the same layout even if a parameter went unused.
+char* vs_ensure_grad(at::Tensor* param) {
+  return guarded([&] {
+    if (!param->mutable_grad().defined()) {
+      param->mutable_grad() = at::zeros_like(*param);
+    }
+  });
+}
+
+// Fills `out` for CUDA device `device`; `*available` is 0 (and `out` zeroed)
+// when the build has no CUDA support or the device does not exist.
+char* vs_cuda_memory_stats(int device, vs_cuda_mem_stats* out, int* available) {
+  std::memset(out, 0, sizeof(*out));
+  *available = 0;
+  return guarded([&] {
+#ifdef VS_WITH_NCCL
+    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) {
+      return;
+    }
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+        static_cast<c10::DeviceIndex>(device));
+    const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out->allocated_current = stats.allocated_bytes[agg].current;
+    out->allocated_peak = stats.allocated_bytes[agg].peak;
+    out->reserved_current = stats.reserved_bytes[agg].current;
+    out->reserved_peak = stats.reserved_bytes[agg].peak;
+    *available = 1;
+#else
+    (void)device;
+#endif
+  });
+}
+
+// Returns the CUDA caching allocator's unused blocks to the driver; a no-op
+// without CUDA.
+char* vs_cuda_empty_cache() {
+  return guarded([&] {
+#ifdef VS_WITH_NCCL
+    if (c10::cuda::device_count() > 0) {
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+#endif
+  });
+}
+
+}  // extern "C"

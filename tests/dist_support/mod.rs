@@ -1,0 +1,102 @@
+//! Multi-process harness for the dist tests: a test re-runs its own test binary
+//! as N rank processes (torchrun-style environment, a free loopback port) and
+//! collects their outcomes; inside a rank, `rank_env` says who it is.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Set in rank processes; holds the rank.
+const ROLE_VAR: &str = "VRTSPIKE_TEST_RANK";
+
+/// This process's (rank, world size, port) when it is a spawned rank.
+pub fn rank_env() -> Option<(usize, usize, u16)> {
+    let rank = std::env::var(ROLE_VAR).ok()?.parse().ok()?;
+    let world = std::env::var("WORLD_SIZE").ok()?.parse().ok()?;
+    let port = std::env::var("MASTER_PORT").ok()?.parse().ok()?;
+    Some((rank, world, port))
+}
+
+/// A free TCP port on loopback (bound then released).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// One rank's result: its exit status and output, and how long it ran.
+pub struct RankOutcome {
+    pub rank: usize,
+    pub output: Output,
+    pub elapsed: Duration,
+}
+
+impl RankOutcome {
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.output.stderr).into_owned()
+    }
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.output.stdout).into_owned()
+    }
+    pub fn ok(&self) -> bool {
+        self.output.status.success()
+    }
+}
+
+/// Runs test `test_name` of this binary as ranks `ranks` of a world of `world`,
+/// each with `extra_env`, and waits for all of them.
+pub fn run_ranks(
+    test_name: &str,
+    world: usize,
+    ranks: &[usize],
+    extra_env: &[(&str, String)],
+) -> Vec<RankOutcome> {
+    let exe = std::env::current_exe().expect("test binary path");
+    let port = free_port();
+    let start = Instant::now();
+    let children: Vec<_> = ranks
+        .iter()
+        .map(|&rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE_VAR, rank.to_string())
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (key, value) in extra_env {
+                cmd.env(key, value);
+            }
+            (rank, cmd.spawn().expect("spawn rank"))
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|(rank, child)| {
+            let output = child.wait_with_output().expect("wait for rank");
+            RankOutcome {
+                rank,
+                output,
+                elapsed: start.elapsed(),
+            }
+        })
+        .collect()
+}
+
+/// Asserts every rank exited 0, showing each failing rank's output.
+pub fn assert_all_ok(outcomes: &[RankOutcome]) {
+    for outcome in outcomes {
+        assert!(
+            outcome.ok(),
+            "rank {} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            outcome.rank,
+            outcome.output.status,
+            outcome.stdout(),
+            outcome.stderr()
+        );
+    }
+}
