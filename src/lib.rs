@@ -6,4 +6,5 @@
 
 pub mod cache;
 pub mod config;
+pub mod model;
 pub mod util;

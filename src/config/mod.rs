@@ -17,7 +17,10 @@ pub use data::DataConfig;
 pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
-pub use model::ModelConfig;
+pub use model::{
+    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
+    ARCHS as MODEL_ARCHS,
+};
 pub use train::TrainConfig;
 
 /// A configuration file that could not be used, with the file and key path at fault.
@@ -100,11 +103,13 @@ impl Config {
             let key = err.path().to_string();
             parse_error(key, err.into_inner().to_string())
         })?;
-        config.validate().map_err(|(key, message)| ConfigError::Invalid {
-            path: path.to_path_buf(),
-            key,
-            message,
-        })?;
+        config
+            .validate()
+            .map_err(|(key, message)| ConfigError::Invalid {
+                path: path.to_path_buf(),
+                key,
+                message,
+            })?;
         Ok(config)
     }
 
@@ -113,6 +118,7 @@ impl Config {
         self.data.validate()?;
         self.dataloader.validate()?;
         self.train.validate()?;
+        self.model.validate()?;
         self.log.validate()?;
         self.dist.validate()?;
         Ok(())
@@ -155,15 +161,21 @@ mod tests {
 
     #[test]
     fn wrong_type_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n").unwrap_err().to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
     }
 
     #[test]
     fn bad_value_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n").unwrap_err().to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
-        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n").unwrap_err().to_string();
+        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATALOADER.TOTAL_WORKERS"), "{err}");
     }
 
