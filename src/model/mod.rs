@@ -70,6 +70,19 @@ pub trait Restorer: Send {
     ) -> Result<Tensor, ModelError>;
     /// Top-level parameter groups (name prefix, label), for summaries and profiles.
     fn parts(&self) -> Vec<(String, String)>;
+    /// As [`Restorer::forward`], calling `mark(part)` after each timed part (named like
+    /// the prefixes of [`Restorer::parts`]); by default one mark, `forward`.
+    fn forward_marked(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
+        let out = self.forward(blur, voxels, train)?;
+        mark("forward");
+        Ok(out)
+    }
 }
 
 impl Restorer for Vrt {
@@ -89,6 +102,15 @@ impl Restorer for Vrt {
     }
     fn parts(&self) -> Vec<(String, String)> {
         Vrt::parts(self)
+    }
+    fn forward_marked(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
+        Vrt::forward_marked(self, blur, voxels, train, mark)
     }
 }
 

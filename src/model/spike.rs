@@ -345,8 +345,10 @@ mod tests {
 
     #[test]
     fn chunk_plans_respect_the_budget() {
-        let mut cfg = FuseConfig::default();
-        cfg.max_batch_tokens = 1000;
+        let mut cfg = FuseConfig {
+            max_batch_tokens: 1000,
+            ..FuseConfig::default()
+        };
         let p = ChunkPlan::choose(&cfg, 2, 64, 64);
         assert_eq!(p, ChunkPlan { rows: 22, cols: 22 });
         assert!(2 * p.rows * p.cols <= 1000);

@@ -386,12 +386,30 @@ impl Vrt {
         voxels: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor, ModelError> {
+        self.forward_marked(x, voxels, train, &mut |_| {})
+    }
+
+    /// As [`Vrt::forward`], calling `mark(part)` after each part (flows, conv_first,
+    /// spike encoder, stages 1-8, reconstruction) so a profiler can time them.
+    pub fn forward_marked(
+        &self,
+        x: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
         self.check(x, voxels)?;
         let (backward, forward) = self.flows(x);
+        mark("spynet");
         let input = self.aligned_input(x, &backward[0], &forward[0]);
         let feat = self.conv_first.forward(&input.transpose(1, 2));
+        mark("conv_first");
         let spike_feats = match (&self.spike, voxels) {
-            (Some(branch), Some(v)) => Some(branch.encode(v, &x.size(), train)?),
+            (Some(branch), Some(v)) => {
+                let feats = branch.encode(v, &x.size(), train)?;
+                mark("spike_encoder");
+                Some(feats)
+            }
             _ => None,
         };
         let fuse = |i: usize, y: Tensor| -> Result<Tensor, ModelError> {
@@ -402,23 +420,33 @@ impl Vrt {
         };
         let st = &self.stages;
         let x1 = fuse(0, st[0].forward(&feat, &backward[0], &forward[0], train))?;
+        mark("stage1");
         let x2 = fuse(1, st[1].forward(&x1, &backward[1], &forward[1], train))?;
+        mark("stage2");
         let x3 = fuse(2, st[2].forward(&x2, &backward[2], &forward[2], train))?;
+        mark("stage3");
         let x4 = fuse(3, st[3].forward(&x3, &backward[3], &forward[3], train))?;
+        mark("stage4");
         let y = st[4].forward(&x4, &backward[2], &forward[2], train);
+        mark("stage5");
         let y = st[5].forward(&(y + &x3), &backward[1], &forward[1], train);
+        mark("stage6");
         let y = st[6].forward(&(y + &x2), &backward[0], &forward[0], train);
+        mark("stage7");
         let y = (y + &x1).permute([0, 2, 3, 4, 1]);
         let mut y = self.stage8_linear.forward(&self.stage8_norm.forward(&y));
         for group in &self.stage8 {
             y = group.forward(&y, train);
         }
+        mark("stage8");
         let body = self
             .conv_after_body
             .forward(&self.norm.forward(&y))
             .permute([0, 4, 1, 2, 3]);
         let out = self.conv_last.forward(&(feat + body)).transpose(1, 2);
-        Ok(out + x)
+        let out = out + x;
+        mark("reconstruction");
+        Ok(out)
     }
 
     /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
