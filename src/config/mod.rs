@@ -18,8 +18,7 @@ pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
 pub use model::{
-    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
-    ARCHS as MODEL_ARCHS,
+    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig, ARCHS as MODEL_ARCHS,
 };
 pub use train::TrainConfig;
 
@@ -103,13 +102,11 @@ impl Config {
             let key = err.path().to_string();
             parse_error(key, err.into_inner().to_string())
         })?;
-        config
-            .validate()
-            .map_err(|(key, message)| ConfigError::Invalid {
-                path: path.to_path_buf(),
-                key,
-                message,
-            })?;
+        config.validate().map_err(|(key, message)| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            key,
+            message,
+        })?;
         Ok(config)
     }
 
@@ -161,21 +158,15 @@ mod tests {
 
     #[test]
     fn wrong_type_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n").unwrap_err().to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
     }
 
     #[test]
     fn bad_value_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n").unwrap_err().to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
-        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n").unwrap_err().to_string();
         assert!(err.contains("DATALOADER.TOTAL_WORKERS"), "{err}");
     }
 
