@@ -368,3 +368,38 @@ impl ModelConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{ChunkShape, Config};
+    use std::path::Path;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("m.yaml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn nested_sections_parse_and_unknown_keys_name_their_path() {
+        let cfg = parse("MODEL:\n  ARCH: vrt_spike\n  FUSE:\n    CHUNK_SHAPE: row\n    MAX_BATCH_TOKENS: 4096\n")
+            .unwrap();
+        assert_eq!(cfg.model.fuse.chunk_shape, ChunkShape::Row);
+        assert_eq!(cfg.model.fuse.max_batch_tokens, 4096);
+        let err = parse("MODEL:\n  FUSE:\n    CHUNK_SHAP: row\n").unwrap_err();
+        assert!(
+            err.contains("MODEL.FUSE") && err.contains("CHUNK_SHAP"),
+            "{err}"
+        );
+        let err = parse("MODEL:\n  SPIKE_TSA:\n    HEADS: many\n").unwrap_err();
+        assert!(err.contains("MODEL.SPIKE_TSA.HEADS"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_vrt_sizes_name_the_key() {
+        let err = parse("MODEL:\n  ARCH: vrt_spike\n  EMBED_DIMS: [96, 96]\n").unwrap_err();
+        assert!(err.contains("MODEL.EMBED_DIMS"), "{err}");
+        let err = parse("MODEL:\n  ARCH: vrt_spike\n  DEFORMABLE_GROUPS: 7\n").unwrap_err();
+        assert!(err.contains("MODEL.DEFORMABLE_GROUPS"), "{err}");
+        let err = parse("MODEL:\n  ARCH: vrt\n").unwrap_err();
+        assert!(err.contains("MODEL.ARCH"), "{err}");
+    }
+}
