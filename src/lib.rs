@@ -8,4 +8,5 @@ pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod dist;
+pub mod model;
 pub mod util;

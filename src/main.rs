@@ -26,6 +26,11 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Versions and devices this binary sees (libtorch, CUDA).
     Info,
+    /// Model tools: parameter summary, running the model on a tensor file.
+    #[command(subcommand)]
+    Model(vrtspike::model::cli::ModelCommand),
+    /// Forward/backward time per stage, parameters and memory of a model config.
+    Profile(vrtspike::model::cli::ProfileArgs),
 }
 
 fn main() -> Result<()> {
@@ -36,5 +41,7 @@ fn main() -> Result<()> {
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info => cli::info(),
+        Command::Model(cmd) => vrtspike::model::cli::run(cmd),
+        Command::Profile(args) => vrtspike::model::cli::profile(args),
     }
 }

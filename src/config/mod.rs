@@ -17,7 +17,9 @@ pub use data::DataConfig;
 pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
-pub use model::ModelConfig;
+pub use model::{
+    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig, ARCHS as MODEL_ARCHS,
+};
 pub use train::TrainConfig;
 
 /// A configuration file that could not be used, with the file and key path at fault.
@@ -115,6 +117,7 @@ impl Config {
         self.data.validate()?;
         self.dataloader.validate()?;
         self.train.validate()?;
+        self.model.validate()?;
         self.log.validate()?;
         self.dist.validate()?;
         Ok(())

@@ -1,6 +1,10 @@
-//! `MODEL`: the architecture and its sizes.
+//! `MODEL`: the architecture and its sizes. `vrt_spike` is VRT (Liang et al. 2022)
+//! with an optional spike branch; `unet_spike` is a compact U-Net for CPU runs and tests.
+//! Key names follow the original trainer (`VRT_DEPTHS`, `WINDOW_SIZE`, `FUSE.*`, ...).
 
 use serde::Deserialize;
+
+use super::invalid;
 
 /// The `MODEL` section.
 #[derive(Debug, Clone, Deserialize)]
@@ -9,12 +13,393 @@ pub struct ModelConfig {
     /// Architecture name (`unet_spike`, `vrt_spike`).
     #[serde(rename = "ARCH")]
     pub arch: String,
+    /// Image channels in and out.
+    #[serde(rename = "IN_CHANS")]
+    pub in_chans: i64,
+    /// Blocks per stage: 7 U-stages, then one entry per stage-8 RTMSA group.
+    #[serde(rename = "VRT_DEPTHS")]
+    pub vrt_depths: Vec<i64>,
+    /// Attention window (frames, height, width).
+    #[serde(rename = "WINDOW_SIZE")]
+    pub window_size: [i64; 3],
+    /// Channels per stage (same length as `VRT_DEPTHS`).
+    #[serde(rename = "EMBED_DIMS")]
+    pub embed_dims: Vec<i64>,
+    /// Attention heads per stage (same length as `VRT_DEPTHS`).
+    #[serde(rename = "NUM_HEADS")]
+    pub num_heads: Vec<i64>,
+    /// Stage-8 groups (indices into `VRT_DEPTHS`) that attend within one frame.
+    #[serde(rename = "INDEP_RECONSTS")]
+    pub indep_reconsts: Vec<i64>,
+    /// Share of a stage's blocks that use mutual + self attention.
+    #[serde(rename = "MUL_ATTN_RATIO")]
+    pub mul_attn_ratio: f64,
+    /// Hidden width of the GEGLU MLP over the embedding width.
+    #[serde(rename = "MLP_RATIO")]
+    pub mlp_ratio: f64,
+    /// Bias in the q/k/v projections.
+    #[serde(rename = "QKV_BIAS")]
+    pub qkv_bias: bool,
+    /// Stochastic depth, rising linearly over all blocks to this rate.
+    #[serde(rename = "DROP_PATH_RATE")]
+    pub drop_path_rate: f64,
+    /// Frames aligned in parallel warping (VRT supports 2; 0 is not supported here).
+    #[serde(rename = "PA_FRAMES")]
+    pub pa_frames: i64,
+    /// Offset groups of the flow-guided deformable convolution.
+    #[serde(rename = "DEFORMABLE_GROUPS")]
+    pub deformable_groups: i64,
+    /// The spike encoder (voxel clip input).
+    #[serde(rename = "SPIKE")]
+    pub spike: SpikeConfig,
+    /// Temporal self-attention over the spike features, per pixel.
+    #[serde(rename = "SPIKE_TSA")]
+    pub spike_tsa: SpikeTsaConfig,
+    /// RGB-spike cross-attention after stages 1-4, in spatial chunks.
+    #[serde(rename = "FUSE")]
+    pub fuse: FuseConfig,
+    /// The compact `unet_spike` architecture.
+    #[serde(rename = "UNET")]
+    pub unet: UnetConfig,
+}
+
+/// `MODEL.SPIKE`: the spike branch's encoder.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpikeConfig {
+    /// `false` gives plain VRT with exactly the reference's parameters.
+    #[serde(rename = "ENABLED")]
+    pub enabled: bool,
+    /// Voxel bins per frame (K).
+    #[serde(rename = "VOXEL_BINS")]
+    pub voxel_bins: i64,
+    /// Residual Conv3d blocks per pyramid level.
+    #[serde(rename = "BLOCKS_PER_LEVEL")]
+    pub blocks_per_level: i64,
+}
+
+/// `MODEL.SPIKE_TSA`: per-pixel temporal self-attention over spike features.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpikeTsaConfig {
+    /// Apply temporal self-attention to the spike features.
+    #[serde(rename = "ENABLED")]
+    pub enabled: bool,
+    /// Attention heads (must divide each fused stage's width).
+    #[serde(rename = "HEADS")]
+    pub heads: i64,
+    /// Transformer layers per scale.
+    #[serde(rename = "LAYERS")]
+    pub layers: i64,
+}
+
+/// Shape of the spatial chunks of the per-pixel attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChunkShape {
+    /// `CHUNK_SIZE` x `CHUNK_SIZE` tiles.
+    Square,
+    /// Bands of `CHUNK_SIZE` full rows.
+    Row,
+}
+
+/// `MODEL.FUSE`: RGB-spike cross-attention.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FuseConfig {
+    /// Attention heads (must divide each fused stage's width).
+    #[serde(rename = "HEADS")]
+    pub heads: i64,
+    /// Pick the chunk from `MAX_BATCH_TOKENS` (`false`: use `CHUNK_SIZE`).
+    #[serde(rename = "ADAPTIVE_CHUNK")]
+    pub adaptive_chunk: bool,
+    /// Upper bound of batch x pixels attended at once.
+    #[serde(rename = "MAX_BATCH_TOKENS")]
+    pub max_batch_tokens: i64,
+    /// Side of a square chunk, or rows of a row chunk, in pixels of the stage.
+    #[serde(rename = "CHUNK_SIZE")]
+    pub chunk_size: i64,
+    /// `square` or `row`.
+    #[serde(rename = "CHUNK_SHAPE")]
+    pub chunk_shape: ChunkShape,
+}
+
+/// `MODEL.UNET`: the compact spike-fused U-Net.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UnetConfig {
+    /// Channels at full resolution (doubled at each level).
+    #[serde(rename = "CHANNELS")]
+    pub channels: i64,
+    /// Down-sampling levels (input sides must divide by 2^LEVELS).
+    #[serde(rename = "LEVELS")]
+    pub levels: i64,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             arch: "unet_spike".to_string(),
+            in_chans: 3,
+            vrt_depths: vec![8, 8, 8, 8, 4, 4, 4, 8],
+            window_size: [6, 8, 8],
+            embed_dims: vec![96, 96, 96, 96, 96, 96, 96, 120],
+            num_heads: vec![6; 8],
+            indep_reconsts: vec![],
+            mul_attn_ratio: 0.75,
+            mlp_ratio: 2.0,
+            qkv_bias: true,
+            drop_path_rate: 0.2,
+            pa_frames: 2,
+            deformable_groups: 16,
+            spike: SpikeConfig::default(),
+            spike_tsa: SpikeTsaConfig::default(),
+            fuse: FuseConfig::default(),
+            unet: UnetConfig::default(),
         }
+    }
+}
+
+impl Default for SpikeConfig {
+    fn default() -> Self {
+        SpikeConfig {
+            enabled: true,
+            voxel_bins: 32,
+            blocks_per_level: 1,
+        }
+    }
+}
+
+impl Default for SpikeTsaConfig {
+    fn default() -> Self {
+        SpikeTsaConfig {
+            enabled: true,
+            heads: 4,
+            layers: 1,
+        }
+    }
+}
+
+impl Default for FuseConfig {
+    fn default() -> Self {
+        FuseConfig {
+            heads: 4,
+            adaptive_chunk: true,
+            max_batch_tokens: 65536,
+            chunk_size: 64,
+            chunk_shape: ChunkShape::Square,
+        }
+    }
+}
+
+impl Default for UnetConfig {
+    fn default() -> Self {
+        UnetConfig {
+            channels: 32,
+            levels: 2,
+        }
+    }
+}
+
+/// The architectures `MODEL.ARCH` may name.
+pub const ARCHS: [&str; 2] = ["vrt_spike", "unet_spike"];
+
+impl ModelConfig {
+    pub(super) fn validate(&self) -> Result<(), (String, String)> {
+        let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
+        if !ARCHS.contains(&self.arch.as_str()) {
+            return bad(
+                "ARCH",
+                format!("expected one of {ARCHS:?}, got {:?}", self.arch),
+            );
+        }
+        if self.in_chans < 1 {
+            return bad("IN_CHANS", "expected at least 1".into());
+        }
+        if self.spike.voxel_bins < 1 {
+            return bad("SPIKE.VOXEL_BINS", "expected at least 1".into());
+        }
+        if self.spike.blocks_per_level < 0 {
+            return bad("SPIKE.BLOCKS_PER_LEVEL", "expected 0 or more".into());
+        }
+        if self.fuse.max_batch_tokens < 1 {
+            return bad("FUSE.MAX_BATCH_TOKENS", "expected at least 1".into());
+        }
+        if self.fuse.chunk_size < 1 {
+            return bad("FUSE.CHUNK_SIZE", "expected at least 1".into());
+        }
+        if self.arch == "unet_spike" {
+            if self.unet.channels < 1 {
+                return bad("UNET.CHANNELS", "expected at least 1".into());
+            }
+            if !(1..=5).contains(&self.unet.levels) {
+                return bad("UNET.LEVELS", "expected 1 to 5".into());
+            }
+            return Ok(());
+        }
+        self.validate_vrt()
+    }
+
+    fn validate_vrt(&self) -> Result<(), (String, String)> {
+        let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
+        let n = self.vrt_depths.len();
+        if n < 8 {
+            return bad(
+                "VRT_DEPTHS",
+                format!("expected 7 U-stages and at least one stage-8 group (8+ entries), got {n}"),
+            );
+        }
+        if let Some(d) = self.vrt_depths.iter().find(|&&d| d < 1) {
+            return bad("VRT_DEPTHS", format!("expected positive depths, got {d}"));
+        }
+        if self.embed_dims.len() != n {
+            return bad(
+                "EMBED_DIMS",
+                format!(
+                    "expected {n} entries (one per VRT_DEPTHS entry), got {}",
+                    self.embed_dims.len()
+                ),
+            );
+        }
+        if self.num_heads.len() != n {
+            return bad(
+                "NUM_HEADS",
+                format!(
+                    "expected {n} entries (one per VRT_DEPTHS entry), got {}",
+                    self.num_heads.len()
+                ),
+            );
+        }
+        if self.window_size.iter().any(|&w| w < 1) {
+            return bad("WINDOW_SIZE", "expected positive sizes".into());
+        }
+        for (i, (&dim, &heads)) in self.embed_dims.iter().zip(&self.num_heads).enumerate() {
+            if heads < 1 || dim < 1 || dim % heads != 0 {
+                return bad(
+                    "NUM_HEADS",
+                    format!("entry {i}: {heads} heads must divide EMBED_DIMS {dim}"),
+                );
+            }
+            if dim % 2 != 0 {
+                return bad(
+                    "EMBED_DIMS",
+                    format!("entry {i}: expected an even width, got {dim}"),
+                );
+            }
+        }
+        for i in 4..7 {
+            if self.embed_dims[i - 1] % 4 != 0 {
+                return bad(
+                    "EMBED_DIMS",
+                    format!(
+                        "entry {}: stage {} pixel-shuffles it, so it must divide by 4",
+                        i - 1,
+                        i + 1
+                    ),
+                );
+            }
+        }
+        if let Some(i) = self
+            .indep_reconsts
+            .iter()
+            .find(|&&i| i < 7 || i as usize >= n)
+        {
+            return bad(
+                "INDEP_RECONSTS",
+                format!("{i} is not a stage-8 group index (7..{n})"),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.mul_attn_ratio) {
+            return bad("MUL_ATTN_RATIO", "expected a ratio in [0, 1]".into());
+        }
+        if self.mlp_ratio <= 0.0 {
+            return bad("MLP_RATIO", "expected a positive ratio".into());
+        }
+        if !(0.0..1.0).contains(&self.drop_path_rate) {
+            return bad("DROP_PATH_RATE", "expected a rate in [0, 1)".into());
+        }
+        if self.pa_frames != 2 {
+            return bad(
+                "PA_FRAMES",
+                format!("only 2 is supported, got {}", self.pa_frames),
+            );
+        }
+        if self.deformable_groups < 1 {
+            return bad("DEFORMABLE_GROUPS", "expected at least 1".into());
+        }
+        for (i, &dim) in self.embed_dims[..7].iter().enumerate() {
+            if dim % self.deformable_groups != 0 {
+                return bad(
+                    "DEFORMABLE_GROUPS",
+                    format!(
+                        "{} must divide EMBED_DIMS entry {i} ({dim})",
+                        self.deformable_groups
+                    ),
+                );
+            }
+        }
+        if self.spike.enabled {
+            for (i, &dim) in self.embed_dims[..4].iter().enumerate() {
+                if dim % self.fuse.heads != 0 || self.fuse.heads < 1 {
+                    return bad(
+                        "FUSE.HEADS",
+                        format!(
+                            "{} must divide EMBED_DIMS entry {i} ({dim})",
+                            self.fuse.heads
+                        ),
+                    );
+                }
+                if self.spike_tsa.enabled
+                    && (self.spike_tsa.heads < 1 || dim % self.spike_tsa.heads != 0)
+                {
+                    return bad(
+                        "SPIKE_TSA.HEADS",
+                        format!(
+                            "{} must divide EMBED_DIMS entry {i} ({dim})",
+                            self.spike_tsa.heads
+                        ),
+                    );
+                }
+            }
+            if self.spike_tsa.layers < 0 {
+                return bad("SPIKE_TSA.LAYERS", "expected 0 or more".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{ChunkShape, Config};
+    use std::path::Path;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("m.yaml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn nested_sections_parse_and_unknown_keys_name_their_path() {
+        let cfg = parse("MODEL:\n  ARCH: vrt_spike\n  FUSE:\n    CHUNK_SHAPE: row\n    MAX_BATCH_TOKENS: 4096\n")
+            .unwrap();
+        assert_eq!(cfg.model.fuse.chunk_shape, ChunkShape::Row);
+        assert_eq!(cfg.model.fuse.max_batch_tokens, 4096);
+        let err = parse("MODEL:\n  FUSE:\n    CHUNK_SHAP: row\n").unwrap_err();
+        assert!(
+            err.contains("MODEL.FUSE") && err.contains("CHUNK_SHAP"),
+            "{err}"
+        );
+        let err = parse("MODEL:\n  SPIKE_TSA:\n    HEADS: many\n").unwrap_err();
+        assert!(err.contains("MODEL.SPIKE_TSA.HEADS"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_vrt_sizes_name_the_key() {
+        let err = parse("MODEL:\n  ARCH: vrt_spike\n  EMBED_DIMS: [96, 96]\n").unwrap_err();
+        assert!(err.contains("MODEL.EMBED_DIMS"), "{err}");
+        let err = parse("MODEL:\n  ARCH: vrt_spike\n  DEFORMABLE_GROUPS: 7\n").unwrap_err();
+        assert!(err.contains("MODEL.DEFORMABLE_GROUPS"), "{err}");
+        let err = parse("MODEL:\n  ARCH: vrt\n").unwrap_err();
+        assert!(err.contains("MODEL.ARCH"), "{err}");
     }
 }

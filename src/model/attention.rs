@@ -1,0 +1,402 @@
+//! VRT's temporal mutual self attention: window attention (self attention with a 3-D
+//! relative position bias, plus mutual attention between the two frames of a window),
+//! the TMSA block, the TMSA group (alternating cyclic shifts) and stage 8's RTMSA.
+//! Attention goes through `scaled_dot_product_attention` so GPUs get fused kernels.
+
+use std::sync::Arc;
+
+use tch::{nn, Tensor};
+
+use super::layers::{drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
+use super::window::{
+    effective_window, relative_position_index, sine_position_encoding, window_partition,
+    window_reverse, MaskCache,
+};
+
+/// Attention (B, nH, L, hd) x (B, nH, S, hd) with an optional additive mask that
+/// broadcasts to (B, nH, L, S); scale hd^-0.5.
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    let mask = mask.map(|m| m.to_kind(q.kind()));
+    Tensor::scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
+}
+
+/// Window attention: self attention with relative position bias and, when `mutual`,
+/// mutual attention between the first and second half (frame) of each window.
+#[derive(Debug)]
+pub struct WindowAttention {
+    heads: i64,
+    window: [i64; 3],
+    bias_table: Tensor,
+    position_index: Tensor,
+    qkv_self: Linear,
+    qkv_mut: Option<(Linear, Tensor)>,
+    proj: Linear,
+}
+
+impl WindowAttention {
+    /// Parameters `relative_position_bias_table`, `qkv_self`, `proj` and, with mutual
+    /// attention, `qkv_mut`; buffers `relative_position_index` and `position_bias`.
+    pub fn new(
+        p: &nn::Path,
+        dim: i64,
+        window: [i64; 3],
+        heads: i64,
+        qkv_bias: bool,
+        mutual: bool,
+    ) -> Self {
+        let table = (2 * window[0] - 1) * (2 * window[1] - 1) * (2 * window[2] - 1);
+        let bias_table = trunc_normal(p, "relative_position_bias_table", &[table, heads], 0.02);
+        let index = relative_position_index(window).to_device(p.device());
+        let position_index = p.add("relative_position_index", index, false);
+        let qkv_self = Linear::new(&(p / "qkv_self"), dim, 3 * dim, qkv_bias);
+        let qkv_mut = mutual.then(|| {
+            let pe = sine_position_encoding([window[1], window[2]], dim / 2).to_device(p.device());
+            let pe = p.add("position_bias", pe, false);
+            (Linear::new(&(p / "qkv_mut"), dim, 3 * dim, qkv_bias), pe)
+        });
+        let proj_in = if mutual { 2 * dim } else { dim };
+        let proj = Linear::new(&(p / "proj"), proj_in, dim, true);
+        WindowAttention {
+            heads,
+            window,
+            bias_table,
+            position_index,
+            qkv_self,
+            qkv_mut,
+            proj,
+        }
+    }
+
+    /// Splits (B_, N, 3C) into q, k, v of (B_, nH, N, hd).
+    fn split_heads(&self, qkv: &Tensor, b: i64, n: i64, c: i64) -> (Tensor, Tensor, Tensor) {
+        let qkv = qkv
+            .reshape([b, n, 3, self.heads, c / self.heads])
+            .permute([2, 0, 3, 1, 4]);
+        (qkv.get(0), qkv.get(1), qkv.get(2))
+    }
+
+    /// Attention of (B_, nH, L, hd) queries with an optional (nW, L, S) mask and bias.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        bias: Option<&Tensor>,
+    ) -> Tensor {
+        let s = q.size();
+        let (b_, nh, l, hd) = (s[0], s[1], s[2], s[3]);
+        let combined = match (mask, bias) {
+            (None, None) => None,
+            (None, Some(bias)) => Some(bias.unsqueeze(0)),
+            (Some(mask), bias) => {
+                let nw = mask.size()[0];
+                let lm = mask.size()[1];
+                let sm = mask.size()[2];
+                let m = mask.unsqueeze(1); // (nW, 1, L, S)
+                let m = match bias {
+                    Some(bias) => m + bias.unsqueeze(0),
+                    None => m,
+                };
+                let heads = m.size()[1];
+                let m = m.unsqueeze(0).expand([b_ / nw, nw, heads, lm, sm], false);
+                Some(m.reshape([b_, heads, lm, sm]))
+            }
+        };
+        let out = sdpa(q, k, v, combined.as_ref());
+        out.transpose(1, 2).reshape([b_, l, nh * hd])
+    }
+
+    /// Attention over windows `x` (B_, N, C) with an optional shift mask (nW, N', N');
+    /// `window` is the window in use (smaller than the built one on small inputs).
+    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>, window: [i64; 3]) -> Tensor {
+        let s = x.size();
+        let (b_, n, c) = (s[0], s[1], s[2]);
+        let (q, k, v) = self.split_heads(&self.qkv_self.forward(x), b_, n, c);
+        let index = self
+            .position_index
+            .narrow(0, 0, n)
+            .narrow(1, 0, n)
+            .reshape([-1]);
+        let bias = self
+            .bias_table
+            .index_select(0, &index)
+            .reshape([n, n, -1])
+            .permute([2, 0, 1]);
+        let mask_n = mask.map(|m| m.narrow(1, 0, n).narrow(2, 0, n));
+        let mut out = self.attend(&q, &k, &v, mask_n.as_ref(), Some(&bias));
+
+        if let Some((qkv_mut, position_bias)) = &self.qkv_mut {
+            let half = n / 2;
+            let pe = if window[1] == self.window[1] && window[2] == self.window[2] {
+                position_bias.shallow_clone()
+            } else {
+                // The window shrank in H/W (small input): encode the grid actually used.
+                // The reference cannot run this case; this keeps small inputs usable.
+                sine_position_encoding([window[1], window[2]], c / 2).to_device(x.device())
+            };
+            let pe = pe.to_kind(x.kind()).repeat([1, 2, 1]);
+            let (q, k, v) = self.split_heads(&qkv_mut.forward(&(x + pe)), b_, n, c);
+            let (q1, q2) = (q.narrow(2, 0, half), q.narrow(2, half, half));
+            let (k1, k2) = (k.narrow(2, 0, half), k.narrow(2, half, half));
+            let (v1, v2) = (v.narrow(2, 0, half), v.narrow(2, half, half));
+            let mask_h = mask.map(|m| m.narrow(1, 0, half).narrow(2, 0, half));
+            let x1_aligned = self.attend(&q2, &k1, &v1, mask_h.as_ref(), None);
+            let x2_aligned = self.attend(&q1, &k2, &v2, mask_h.as_ref(), None);
+            out = Tensor::cat(&[Tensor::cat(&[x1_aligned, x2_aligned], 1), out], 2);
+        }
+        self.proj.forward(&out)
+    }
+}
+
+/// One TMSA block: pre-norm window attention (shifted on odd blocks) and a GEGLU MLP,
+/// both residual with stochastic depth.
+#[derive(Debug)]
+pub struct Tmsa {
+    window: [i64; 3],
+    shift: [i64; 3],
+    drop_path: f64,
+    norm1: LayerNorm,
+    attn: WindowAttention,
+    norm2: LayerNorm,
+    mlp: MlpGeglu,
+}
+
+/// Settings shared by the blocks of a TMSA group.
+#[derive(Debug, Clone)]
+pub struct GroupSpec {
+    /// Channels.
+    pub dim: i64,
+    /// Blocks.
+    pub depth: i64,
+    /// Heads.
+    pub heads: i64,
+    /// Window (frames, height, width).
+    pub window: [i64; 3],
+    /// Mutual + self attention (`false`: self only).
+    pub mutual: bool,
+    /// MLP hidden width over `dim`.
+    pub mlp_ratio: f64,
+    /// Bias in q/k/v.
+    pub qkv_bias: bool,
+    /// Drop path rate of each block (indexed by block; missing entries are 0).
+    pub drop_path: Vec<f64>,
+}
+
+impl Tmsa {
+    fn new(p: &nn::Path, spec: &GroupSpec, shift: [i64; 3], drop_path: f64) -> Tmsa {
+        Tmsa {
+            window: spec.window,
+            shift,
+            drop_path,
+            norm1: LayerNorm::new(&(p / "norm1"), spec.dim),
+            attn: WindowAttention::new(
+                &(p / "attn"),
+                spec.dim,
+                spec.window,
+                spec.heads,
+                spec.qkv_bias,
+                spec.mutual,
+            ),
+            norm2: LayerNorm::new(&(p / "norm2"), spec.dim),
+            mlp: MlpGeglu::new(
+                &(p / "mlp"),
+                spec.dim,
+                (spec.dim as f64 * spec.mlp_ratio) as i64,
+                spec.dim,
+            ),
+        }
+    }
+
+    fn attention_part(&self, x: &Tensor, masks: &MaskCache, train: bool) -> Tensor {
+        let s = x.size();
+        let (b, d, h, w, c) = (s[0], s[1], s[2], s[3], s[4]);
+        let (window, shift) = effective_window([d, h, w], self.window, self.shift);
+        let x = self.norm1.forward(x);
+        let pad = |len: i64, win: i64| (win - len % win) % win;
+        let (pd, ph, pw) = (pad(d, window[0]), pad(h, window[1]), pad(w, window[2]));
+        let x = if pd + ph + pw > 0 {
+            x.constant_pad_nd([0, 0, 0, pw, 0, ph, 0, pd])
+        } else {
+            x
+        };
+        let (dp, hp, wp) = (d + pd, h + ph, w + pw);
+        let shifted = shift.iter().any(|&v| v > 0);
+        let (x, mask) = if shifted {
+            let mask = masks.get([dp, hp, wp], window, shift, x.device());
+            (
+                x.roll([-shift[0], -shift[1], -shift[2]], [1, 2, 3]),
+                Some(mask),
+            )
+        } else {
+            (x, None)
+        };
+        let windows = window_partition(&x, window);
+        let attended = self.attn.forward(&windows, mask.as_ref(), window);
+        let x = window_reverse(
+            &attended.view([-1, window[0], window[1], window[2], c]),
+            window,
+            b,
+            dp,
+            hp,
+            wp,
+        );
+        let x = if shifted {
+            x.roll([shift[0], shift[1], shift[2]], [1, 2, 3])
+        } else {
+            x
+        };
+        let x = if pd + ph + pw > 0 {
+            x.narrow(1, 0, d).narrow(2, 0, h).narrow(3, 0, w)
+        } else {
+            x
+        };
+        drop_path(&x, self.drop_path, train)
+    }
+
+    /// (B, D, H, W, C) to the same shape.
+    pub fn forward(&self, x: &Tensor, masks: &MaskCache, train: bool) -> Tensor {
+        let x = x + self.attention_part(x, masks, train);
+        let mlp = self.mlp.forward(&self.norm2.forward(&x));
+        &x + drop_path(&mlp, self.drop_path, train)
+    }
+}
+
+/// A group of TMSA blocks, cyclic shift by half a window on odd blocks (`blocks.{i}`).
+#[derive(Debug)]
+pub struct Tmsag {
+    blocks: Vec<Tmsa>,
+    masks: Arc<MaskCache>,
+}
+
+impl Tmsag {
+    /// Blocks `blocks.0` .. `blocks.{depth-1}`.
+    pub fn new(p: &nn::Path, spec: &GroupSpec, masks: Arc<MaskCache>) -> Tmsag {
+        let half = spec.window.map(|v| v / 2);
+        let blocks = (0..spec.depth)
+            .map(|i| {
+                let shift = if i % 2 == 0 { [0, 0, 0] } else { half };
+                let rate = spec.drop_path.get(i as usize).copied().unwrap_or(0.0);
+                Tmsa::new(&(p / "blocks" / i), spec, shift, rate)
+            })
+            .collect();
+        Tmsag { blocks, masks }
+    }
+
+    /// Channel-last (B, D, H, W, C) to the same shape.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let mut x = x.shallow_clone();
+        for block in &self.blocks {
+            x = block.forward(&x, &self.masks, train);
+        }
+        x
+    }
+}
+
+/// Residual TMSA group of stage 8: `x + linear(residual_group(x))`.
+#[derive(Debug)]
+pub struct Rtmsa {
+    residual_group: Tmsag,
+    linear: Linear,
+}
+
+impl Rtmsa {
+    /// `residual_group` (self attention only) and `linear`.
+    pub fn new(p: &nn::Path, spec: &GroupSpec, masks: Arc<MaskCache>) -> Rtmsa {
+        Rtmsa {
+            residual_group: Tmsag::new(&(p / "residual_group"), spec, masks),
+            linear: Linear::new(&(p / "linear"), spec.dim, spec.dim, true),
+        }
+    }
+
+    /// Channel-last (B, D, H, W, C) to the same shape.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        x + self.linear.forward(&self.residual_group.forward(x, train))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn manual_attention(q: &Tensor, k: &Tensor, v: &Tensor, add: Option<&Tensor>) -> Tensor {
+        let scale = (q.size()[3] as f64).powf(-0.5);
+        let mut attn = (q * scale).matmul(&k.transpose(-2, -1));
+        if let Some(add) = add {
+            attn += add;
+        }
+        attn.softmax(-1, Kind::Float).matmul(v)
+    }
+
+    #[test]
+    fn sdpa_matches_explicit_softmax_with_masks() {
+        let opts = (Kind::Float, Device::Cpu);
+        let (q, k, v) = (
+            Tensor::randn([6, 2, 8, 4], opts),
+            Tensor::randn([6, 2, 8, 4], opts),
+            Tensor::randn([6, 2, 8, 4], opts),
+        );
+        let mask = Tensor::randn([3, 1, 8, 8], opts).repeat([2, 2, 1, 1]);
+        let got = sdpa(&q, &k, &v, Some(&mask));
+        assert!(got.allclose(
+            &manual_attention(&q, &k, &v, Some(&mask)),
+            1e-5,
+            1e-5,
+            false
+        ));
+    }
+
+    #[test]
+    fn window_attention_mask_broadcasts_per_window() {
+        // B = 2 samples x nW = 3 windows; the mask of window w must apply to windows w of both samples.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let attn = WindowAttention::new(&(vs.root() / "a"), 8, [1, 2, 2], 2, true, false);
+        let x = Tensor::randn([6, 4, 8], (Kind::Float, Device::Cpu));
+        let mask = Tensor::randn([3, 4, 4], (Kind::Float, Device::Cpu)) * 10.0;
+        let batched = attn.forward(&x, Some(&mask), [1, 2, 2]);
+        for b in 0..2 {
+            for w in 0..3 {
+                let one = attn.forward(
+                    &x.narrow(0, b * 3 + w, 1),
+                    Some(&mask.narrow(0, w, 1)),
+                    [1, 2, 2],
+                );
+                assert!(batched
+                    .narrow(0, b * 3 + w, 1)
+                    .allclose(&one, 1e-5, 1e-5, false));
+            }
+        }
+    }
+
+    #[test]
+    fn tmsa_group_keeps_shape_and_pads_odd_sizes() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let spec = GroupSpec {
+            dim: 8,
+            depth: 2,
+            heads: 2,
+            window: [2, 4, 4],
+            mutual: true,
+            mlp_ratio: 2.0,
+            qkv_bias: true,
+            drop_path: vec![0.0, 0.1],
+        };
+        let group = Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()));
+        let x = Tensor::randn([1, 3, 6, 10, 8], (Kind::Float, Device::Cpu));
+        let y = group.forward(&x, false);
+        assert_eq!(y.size(), x.size());
+        assert!(!y.isnan().any().int64_value(&[]) != 0);
+        let names = vs.variables();
+        assert!(names.contains_key("g.blocks.1.attn.position_bias"));
+        assert_eq!(
+            names["g.blocks.0.attn.position_bias"].size(),
+            vec![1, 16, 8]
+        );
+        assert_eq!(
+            names["g.blocks.0.attn.relative_position_bias_table"].size(),
+            vec![3 * 7 * 7, 2]
+        );
+        assert_eq!(names["g.blocks.0.attn.proj.weight"].size(), vec![8, 16]);
+    }
+}

@@ -1,0 +1,227 @@
+//! Modulated deformable convolution (DCNv2, torchvision's `deform_conv2d` semantics),
+//! built from `grid_sampler` (bilinear, zero padding) and one matrix product, since
+//! core libtorch has no deformable convolution; and VRT's flow-guided alignment module.
+
+use tch::{nn, Tensor};
+
+use super::layers::{leaky_relu, Conv};
+
+/// DCNv2: `x` (B, Cin, H, W), `offset` (B, 2*G*kh*kw, Ho, Wo) as (dy, dx) pairs per
+/// group and kernel tap, `mask` (B, G*kh*kw, Ho, Wo), `weight` (Cout, Cin, kh, kw);
+/// stride 1, dilation 1, zero padding `padding`. Samples outside the input read 0.
+pub fn modulated_deform_conv(
+    x: &Tensor,
+    offset: &Tensor,
+    mask: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    padding: i64,
+) -> Tensor {
+    let xs = x.size();
+    let (b, cin, h, w) = (xs[0], xs[1], xs[2], xs[3]);
+    let ws = weight.size();
+    let (cout, kh, kw) = (ws[0], ws[2], ws[3]);
+    let taps = kh * kw;
+    let os = offset.size();
+    let (ho, wo) = (os[2], os[3]);
+    let groups = os[1] / (2 * taps);
+    let opts = (offset.kind(), offset.device());
+
+    let off = offset.view([b, groups, taps, 2, ho, wo]);
+    let tap_y = Tensor::arange(kh, opts).repeat_interleave_self_int(kw, 0, None);
+    let tap_x = Tensor::arange(kw, opts).repeat([kh]);
+    let base_y =
+        (tap_y.view([taps, 1, 1]) + Tensor::arange(ho, opts).view([1, ho, 1])) - padding as f64;
+    let base_x =
+        (tap_x.view([taps, 1, 1]) + Tensor::arange(wo, opts).view([1, 1, wo])) - padding as f64;
+    let py = off.select(3, 0) + base_y; // (B, G, taps, Ho, Wo)
+    let px = off.select(3, 1) + base_x;
+    // Normalised coordinates for align_corners = false: pixel p -> (2p + 1) / size - 1.
+    let gy = (py * 2.0 + 1.0) / h as f64 - 1.0;
+    let gx = (px * 2.0 + 1.0) / w as f64 - 1.0;
+    let grid = Tensor::stack(&[gx, gy], -1).view([b * groups, taps * ho, wo, 2]);
+    let grouped = x.reshape([b * groups, cin / groups, h, w]);
+    let sampled = grouped.grid_sampler(&grid.to_kind(x.kind()), 0, 0, false);
+    let modulated = sampled.view([b, groups, cin / groups, taps, ho, wo])
+        * mask.view([b, groups, 1, taps, ho, wo]).to_kind(x.kind());
+    let columns = modulated.reshape([b, cin * taps, ho * wo]);
+    let out = weight
+        .reshape([cout, cin * taps])
+        .matmul(&columns)
+        .view([b, cout, ho, wo]);
+    match bias {
+        Some(bias) => out + bias.view([1, cout, 1, 1]),
+        None => out,
+    }
+}
+
+/// Flow-guided deformable alignment (BasicVSR++ / VRT `DCNv2PackFlowGuided`, 2 frames):
+/// offsets are `max_residue * tanh(conv)` around the flow, the mask a sigmoid.
+#[derive(Debug)]
+pub struct FlowGuidedDcn {
+    weight: Tensor,
+    bias: Tensor,
+    conv_offset: [Conv; 4],
+    max_residue: f64,
+}
+
+impl FlowGuidedDcn {
+    /// `weight` (dim, dim, 3, 3), `bias`, and `conv_offset.{0,2,4,6}` taking
+    /// [warped, current, flow] (2*dim + 2 channels) to 27 * `groups` channels.
+    pub fn new(p: &nn::Path, dim: i64, groups: i64, max_residue: f64) -> FlowGuidedDcn {
+        let bound = 1.0 / ((dim * 9) as f64).sqrt();
+        let weight = p.uniform("weight", &[dim, dim, 3, 3], -bound, bound);
+        let bias = p.zeros("bias", &[dim]);
+        let co = p / "conv_offset";
+        let mut last = Conv::new(&(&co / 6), dim, 27 * groups, &[3, 3], &[1, 1]);
+        last.zero_();
+        let conv_offset = [
+            Conv::new(&(&co / 0), 2 * dim + 2, dim, &[3, 3], &[1, 1]),
+            Conv::new(&(&co / 2), dim, dim, &[3, 3], &[1, 1]),
+            Conv::new(&(&co / 4), dim, dim, &[3, 3], &[1, 1]),
+            last,
+        ];
+        FlowGuidedDcn {
+            weight,
+            bias,
+            conv_offset,
+            max_residue,
+        }
+    }
+
+    /// Aligns `x` (B, C, H, W) to `current` given `warped` (x warped by `flow`) and the
+    /// flow (B, 2, H, W) in pixels (x, y).
+    pub fn forward(&self, x: &Tensor, warped: &Tensor, current: &Tensor, flow: &Tensor) -> Tensor {
+        let mut out = Tensor::cat(&[warped, current, flow], 1);
+        for (i, conv) in self.conv_offset.iter().enumerate() {
+            out = conv.forward(&out);
+            if i < 3 {
+                out = leaky_relu(&out, 0.1);
+            }
+        }
+        let parts = out.chunk(3, 1);
+        let offset = Tensor::cat(&[&parts[0], &parts[1]], 1).tanh() * self.max_residue;
+        let pairs = offset.size()[1] / 2;
+        let offset = offset + flow.flip([1]).repeat([1, pairs, 1, 1]);
+        let mask = parts[2].sigmoid();
+        modulated_deform_conv(x, &offset, &mask, &self.weight, Some(&self.bias), 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    /// Bilinear read of channel plane `c` at (y, x), zero outside (torchvision rules).
+    fn bilinear(data: &[f32], h: i64, w: i64, y: f64, x: f64) -> f64 {
+        if y <= -1.0 || y >= h as f64 || x <= -1.0 || x >= w as f64 {
+            return 0.0;
+        }
+        let (y0, x0) = (y.floor() as i64, x.floor() as i64);
+        let (ly, lx) = (y - y0 as f64, x - x0 as f64);
+        let at = |yy: i64, xx: i64| {
+            if yy < 0 || yy >= h || xx < 0 || xx >= w {
+                0.0
+            } else {
+                data[(yy * w + xx) as usize] as f64
+            }
+        };
+        (1.0 - ly) * (1.0 - lx) * at(y0, x0)
+            + (1.0 - ly) * lx * at(y0, x0 + 1)
+            + ly * (1.0 - lx) * at(y0 + 1, x0)
+            + ly * lx * at(y0 + 1, x0 + 1)
+    }
+
+    /// Plain-loop DCNv2 reference.
+    fn reference(
+        x: &Tensor,
+        offset: &Tensor,
+        mask: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        pad: i64,
+    ) -> Tensor {
+        let s = x.size();
+        let (b, cin, h, w) = (s[0], s[1], s[2], s[3]);
+        let ws = weight.size();
+        let (cout, kh, kw) = (ws[0], ws[2], ws[3]);
+        let (ho, wo) = (h + 2 * pad - kh + 1, w + 2 * pad - kw + 1);
+        let groups = offset.size()[1] / (2 * kh * kw);
+        let xv: Vec<f32> = Vec::try_from(x.flatten(0, -1)).unwrap();
+        let ov: Vec<f32> = Vec::try_from(offset.flatten(0, -1)).unwrap();
+        let mv: Vec<f32> = Vec::try_from(mask.flatten(0, -1)).unwrap();
+        let wv: Vec<f32> = Vec::try_from(weight.flatten(0, -1)).unwrap();
+        let bv: Vec<f32> = Vec::try_from(bias).unwrap();
+        let mut out = vec![0f32; (b * cout * ho * wo) as usize];
+        let cpg = cin / groups;
+        for n in 0..b {
+            for co in 0..cout {
+                for oy in 0..ho {
+                    for ox in 0..wo {
+                        let mut acc = bv[co as usize] as f64;
+                        for ci in 0..cin {
+                            let g = ci / cpg;
+                            let plane = &xv[((n * cin + ci) * h * w) as usize
+                                ..((n * cin + ci + 1) * h * w) as usize];
+                            for i in 0..kh {
+                                for j in 0..kw {
+                                    let k = i * kw + j;
+                                    let oidx = |c: i64| {
+                                        (((n * 2 * groups * kh * kw + c) * ho + oy) * wo + ox)
+                                            as usize
+                                    };
+                                    let dy = ov[oidx(2 * (g * kh * kw + k))] as f64;
+                                    let dx = ov[oidx(2 * (g * kh * kw + k) + 1)] as f64;
+                                    let m = mv[(((n * groups * kh * kw + g * kh * kw + k) * ho
+                                        + oy)
+                                        * wo
+                                        + ox)
+                                        as usize]
+                                        as f64;
+                                    let y = (oy - pad + i) as f64 + dy;
+                                    let xx = (ox - pad + j) as f64 + dx;
+                                    let v = bilinear(plane, h, w, y, xx) * m;
+                                    acc += v * wv[(((co * cin + ci) * kh + i) * kw + j) as usize]
+                                        as f64;
+                                }
+                            }
+                        }
+                        out[(((n * cout + co) * ho + oy) * wo + ox) as usize] = acc as f32;
+                    }
+                }
+            }
+        }
+        Tensor::from_slice(&out).view([b, cout, ho, wo])
+    }
+
+    #[test]
+    fn deform_conv_matches_loop_reference() {
+        tch::manual_seed(7);
+        let opts = (Kind::Float, Device::Cpu);
+        let (b, cin, cout, h, w, groups) = (2, 4, 3, 5, 6, 2);
+        let x = Tensor::randn([b, cin, h, w], opts);
+        // Offsets up to a few pixels, some landing outside the image.
+        let offset = Tensor::randn([b, 2 * groups * 9, h, w], opts) * 2.5;
+        let mask = Tensor::rand([b, groups * 9, h, w], opts);
+        let weight = Tensor::randn([cout, cin, 3, 3], opts);
+        let bias = Tensor::randn([cout], opts);
+        let got = modulated_deform_conv(&x, &offset, &mask, &weight, Some(&bias), 1);
+        let expected = reference(&x, &offset, &mask, &weight, &bias, 1);
+        assert_eq!(got.size(), vec![b, cout, h, w]);
+        let err = (&got - &expected).abs().max().double_value(&[]);
+        assert!(err < 1e-4, "max error {err}");
+    }
+
+    #[test]
+    fn zero_offset_full_mask_is_a_plain_convolution() {
+        let opts = (Kind::Float, Device::Cpu);
+        let x = Tensor::randn([1, 4, 7, 5], opts);
+        let weight = Tensor::randn([2, 4, 3, 3], opts);
+        let offset = Tensor::zeros([1, 2 * 9, 7, 5], opts);
+        let mask = Tensor::ones([1, 9, 7, 5], opts);
+        let got = modulated_deform_conv(&x, &offset, &mask, &weight, None, 1);
+        let conv = x.conv2d(&weight, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1);
+        assert!(got.allclose(&conv, 1e-4, 1e-4, false));
+    }
+}

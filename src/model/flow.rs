@@ -1,0 +1,217 @@
+//! Optical flow for VRT: flow warping (bilinear, or VRT's `nearest4` which stacks the
+//! four integer neighbours) and SpyNet (6-level pyramid, ImageNet normalisation
+//! buffers) returning flows at scales 1, 1/2, 1/4 and 1/8.
+
+use tch::{nn, Tensor};
+
+use super::layers::Conv;
+
+/// How [`flow_warp`] samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WarpMode {
+    /// Bilinear interpolation, zero outside.
+    Bilinear,
+    /// Bilinear interpolation, border values outside (SpyNet).
+    BilinearBorder,
+    /// The four integer neighbours (floor/ceil of x and y), nearest, zero outside:
+    /// 4x the channels, ordered (xf,yf), (xf,yc), (xc,yf), (xc,yc).
+    Nearest4,
+}
+
+/// Warps `x` (N, C, H, W) by `flow` (N, 2, H, W), flow in pixels (x, y), with the
+/// reference's coordinate convention (align_corners = true).
+pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Tensor {
+    let s = x.size();
+    let (h, w) = (s[2], s[3]);
+    let opts = (flow.kind(), flow.device());
+    let grid_x = Tensor::arange(w, opts).view([1, 1, w]);
+    let grid_y = Tensor::arange(h, opts).view([1, h, 1]);
+    let vx = flow.select(1, 0) + grid_x;
+    let vy = flow.select(1, 1) + grid_y;
+    let norm_x = |v: &Tensor| v * (2.0 / (w - 1).max(1) as f64) - 1.0;
+    let norm_y = |v: &Tensor| v * (2.0 / (h - 1).max(1) as f64) - 1.0;
+    let sample = |gx: Tensor, gy: Tensor, interp: i64, padding: i64| {
+        let grid = Tensor::stack(&[gx, gy], 3).to_kind(x.kind());
+        x.grid_sampler(&grid, interp, padding, true)
+    };
+    match mode {
+        WarpMode::Bilinear => sample(norm_x(&vx), norm_y(&vy), 0, 0),
+        WarpMode::BilinearBorder => sample(norm_x(&vx), norm_y(&vy), 0, 1),
+        WarpMode::Nearest4 => {
+            let (xf, xc) = (norm_x(&vx.floor()), norm_x(&vx.ceil()));
+            let (yf, yc) = (norm_y(&vy.floor()), norm_y(&vy.ceil()));
+            Tensor::cat(
+                &[
+                    sample(xf.shallow_clone(), yf.shallow_clone(), 1, 0),
+                    sample(xf, yc.shallow_clone(), 1, 0),
+                    sample(xc.shallow_clone(), yf, 1, 0),
+                    sample(xc, yc, 1, 0),
+                ],
+                1,
+            )
+        }
+    }
+}
+
+/// One SpyNet level: five 7x7 convolutions (8 -> 32 -> 64 -> 32 -> 16 -> 2) with ReLU.
+#[derive(Debug)]
+struct BasicModule {
+    convs: Vec<Conv>,
+}
+
+impl BasicModule {
+    fn new(p: &nn::Path) -> BasicModule {
+        let p = p / "basic_module";
+        let chans = [8, 32, 64, 32, 16, 2];
+        let convs = (0..5)
+            .map(|i| Conv::new(&(&p / (2 * i)), chans[i], chans[i + 1], &[7, 7], &[3, 3]))
+            .collect();
+        BasicModule { convs }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let mut x = x.shallow_clone();
+        for (i, conv) in self.convs.iter().enumerate() {
+            x = conv.forward(&x);
+            if i < 4 {
+                x = x.relu();
+            }
+        }
+        x
+    }
+}
+
+/// SpyNet optical flow (`basic_module.{0..5}`, buffers `mean` and `std`).
+#[derive(Debug)]
+pub struct SpyNet {
+    levels: Vec<BasicModule>,
+    mean: Tensor,
+    std: Tensor,
+}
+
+impl SpyNet {
+    /// Six levels and the ImageNet normalisation buffers (1, 3, 1, 1).
+    pub fn new(p: &nn::Path) -> SpyNet {
+        let levels = (0..6)
+            .map(|i| BasicModule::new(&(p / "basic_module" / i)))
+            .collect();
+        let device = p.device();
+        let mean = Tensor::from_slice(&[0.485f32, 0.456, 0.406])
+            .view([1, 3, 1, 1])
+            .to_device(device);
+        let std = Tensor::from_slice(&[0.229f32, 0.224, 0.225])
+            .view([1, 3, 1, 1])
+            .to_device(device);
+        SpyNet {
+            levels,
+            mean: p.add("mean", mean, false),
+            std: p.add("std", std, false),
+        }
+    }
+
+    /// Flows from `reference` to `support` (both (N, 3, H, W) in [0, 1]) at scales
+    /// 1, 1/2, 1/4, 1/8: flow k is (N, 2, H / 2^k, W / 2^k).
+    pub fn forward(&self, reference: &Tensor, support: &Tensor) -> Vec<Tensor> {
+        let s = reference.size();
+        let (h, w) = (s[2], s[3]);
+        let h_floor = (h + 31) / 32 * 32;
+        let w_floor = (w + 31) / 32 * 32;
+        let resize = |x: &Tensor| {
+            if (h, w) == (h_floor, w_floor) {
+                x.shallow_clone()
+            } else {
+                x.upsample_bilinear2d([h_floor, w_floor], false, None, None)
+            }
+        };
+        let kind = reference.kind();
+        let normalise = |x: &Tensor| (resize(x) - self.mean.to_kind(kind)) / self.std.to_kind(kind);
+        let mut refs = vec![normalise(reference)];
+        let mut sups = vec![normalise(support)];
+        for _ in 0..5 {
+            let pool = |x: &Tensor| x.avg_pool2d([2, 2], [2, 2], [0, 0], false, false, None::<i64>);
+            refs.insert(0, pool(&refs[0]));
+            sups.insert(0, pool(&sups[0]));
+        }
+        let n = s[0];
+        let (h0, w0) = (refs[0].size()[2], refs[0].size()[3]);
+        let mut flow = Tensor::zeros([n, 2, h0 / 2, w0 / 2], (kind, reference.device()));
+        let mut flows = Vec::with_capacity(4);
+        for level in 0..6 {
+            let (lh, lw) = (refs[level].size()[2], refs[level].size()[3]);
+            let mut up = if flow.size()[2] == 0 || flow.size()[3] == 0 {
+                // Inputs of 32 px or less: no coarser flow exists; start from zero.
+                Tensor::zeros([n, 2, lh, lw], (kind, reference.device()))
+            } else {
+                let fs = flow.size();
+                flow.upsample_bilinear2d([fs[2] * 2, fs[3] * 2], true, None, None) * 2.0
+            };
+            if up.size()[2] != lh {
+                up = up.replication_pad2d([0, 0, 0, 1]);
+            }
+            if up.size()[3] != lw {
+                up = up.replication_pad2d([0, 1, 0, 0]);
+            }
+            let warped = flow_warp(&sups[level], &up, WarpMode::BilinearBorder);
+            flow = self.levels[level].forward(&Tensor::cat(&[&refs[level], &warped, &up], 1)) + &up;
+            if level >= 2 {
+                let scale = 1i64 << (5 - level);
+                let (oh, ow) = (h / scale, w / scale);
+                let out = flow.upsample_bilinear2d([oh, ow], false, None, None);
+                let sx = ow as f64 / (w_floor / scale) as f64;
+                let sy = oh as f64 / (h_floor / scale) as f64;
+                let factors = Tensor::from_slice(&[sx as f32, sy as f32])
+                    .view([1, 2, 1, 1])
+                    .to_kind(kind)
+                    .to_device(out.device());
+                flows.insert(0, out * factors);
+            }
+        }
+        flows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn integer_flow_shifts_pixels() {
+        let x = Tensor::arange(20, (Kind::Float, Device::Cpu)).view([1, 1, 4, 5]);
+        let flow = Tensor::zeros([1, 2, 4, 5], (Kind::Float, Device::Cpu));
+        let _ = flow.select(1, 0).fill_(1.0); // read from x + 1
+        let warped = flow_warp(&x, &flow, WarpMode::Bilinear);
+        let v: Vec<f32> = Vec::try_from(warped.flatten(0, -1)).unwrap();
+        assert_eq!(&v[0..5], &[1.0, 2.0, 3.0, 4.0, 0.0]);
+        let near = flow_warp(&x, &(flow * 0.5), WarpMode::Nearest4);
+        assert_eq!(near.size(), vec![1, 4, 4, 5]);
+        let v: Vec<f32> = Vec::try_from(near.get(0).get(2).get(0)).unwrap();
+        // x ceil of 0.5 shift = 1 pixel right.
+        assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0, 0.0]);
+    }
+
+    #[test]
+    fn spynet_returns_four_scales() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = SpyNet::new(&(vs.root() / "spynet"));
+        let a = Tensor::rand([2, 3, 48, 40], (Kind::Float, Device::Cpu));
+        let flows = tch::no_grad(|| net.forward(&a, &a));
+        let sizes: Vec<_> = flows.iter().map(|f| f.size()).collect();
+        assert_eq!(
+            sizes,
+            vec![
+                vec![2, 2, 48, 40],
+                vec![2, 2, 24, 20],
+                vec![2, 2, 12, 10],
+                vec![2, 2, 6, 5]
+            ]
+        );
+        let params: i64 = vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.numel() as i64)
+            .sum();
+        assert_eq!(params, 1_440_300);
+        assert_eq!(vs.variables().len(), 6 * 10 + 2);
+    }
+}

@@ -1,0 +1,207 @@
+//! Small layers with PyTorch's parameter names (`weight`, `bias`) and default
+//! initialisation, so a `VarStore` holds the same keys and shapes as a PyTorch
+//! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path.
+
+use tch::{nn, Kind, Tensor};
+
+/// A fully connected layer acting on the last dimension.
+#[derive(Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// `weight` (out, in) and `bias` (out), both U(-1/sqrt(in), 1/sqrt(in)) as in PyTorch.
+    pub fn new(p: &nn::Path, in_dim: i64, out_dim: i64, bias: bool) -> Linear {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        let weight = p.uniform("weight", &[out_dim, in_dim], -bound, bound);
+        let bias = bias.then(|| p.uniform("bias", &[out_dim], -bound, bound));
+        Linear { weight, bias }
+    }
+
+    /// Applies the layer to the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// Layer normalisation over the last dimension (eps 1e-5).
+#[derive(Debug)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    dim: i64,
+}
+
+impl LayerNorm {
+    /// `weight` ones and `bias` zeros of size `dim`.
+    pub fn new(p: &nn::Path, dim: i64) -> LayerNorm {
+        LayerNorm {
+            weight: p.ones("weight", &[dim]),
+            bias: p.zeros("bias", &[dim]),
+            dim,
+        }
+    }
+
+    /// Normalises the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
+    }
+}
+
+/// A 2-D or 3-D convolution, stride 1, with PyTorch's default initialisation.
+#[derive(Debug)]
+pub struct Conv {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    padding: Vec<i64>,
+    stride: Vec<i64>,
+}
+
+impl Conv {
+    /// A convolution with kernel `kernel` (2 or 3 sizes), `padding` per dimension, bias.
+    pub fn new(p: &nn::Path, in_dim: i64, out_dim: i64, kernel: &[i64], padding: &[i64]) -> Conv {
+        Conv::strided(p, in_dim, out_dim, kernel, padding, &vec![1; kernel.len()])
+    }
+
+    /// As [`Conv::new`] with a stride per dimension.
+    pub fn strided(
+        p: &nn::Path,
+        in_dim: i64,
+        out_dim: i64,
+        kernel: &[i64],
+        padding: &[i64],
+        stride: &[i64],
+    ) -> Conv {
+        let fan_in = in_dim * kernel.iter().product::<i64>();
+        let bound = 1.0 / (fan_in as f64).sqrt();
+        let mut shape = vec![out_dim, in_dim];
+        shape.extend_from_slice(kernel);
+        let weight = p.uniform("weight", &shape, -bound, bound);
+        let bias = Some(p.uniform("bias", &[out_dim], -bound, bound));
+        Conv {
+            weight,
+            bias,
+            padding: padding.to_vec(),
+            stride: stride.to_vec(),
+        }
+    }
+
+    /// Zeroes weight and bias (the reference does this for the last offset conv).
+    pub fn zero_(&mut self) {
+        tch::no_grad(|| {
+            let _ = self.weight.zero_();
+            if let Some(b) = &mut self.bias {
+                let _ = b.zero_();
+            }
+        });
+    }
+
+    /// Applies the convolution to (N, C, H, W) or (N, C, D, H, W).
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let dilation = vec![1; self.padding.len()];
+        x.convolution(
+            &self.weight,
+            self.bias.as_ref(),
+            &self.stride,
+            &self.padding,
+            &dilation,
+            false,
+            vec![0; self.padding.len()],
+            1,
+        )
+    }
+}
+
+/// Multilayer perceptron with a GELU-gated linear unit: `fc2(gelu(fc11 x) * fc12 x)`.
+#[derive(Debug)]
+pub struct MlpGeglu {
+    fc11: Linear,
+    fc12: Linear,
+    fc2: Linear,
+}
+
+impl MlpGeglu {
+    /// Parameters `fc11`, `fc12` (in -> hidden) and `fc2` (hidden -> out).
+    pub fn new(p: &nn::Path, in_dim: i64, hidden: i64, out_dim: i64) -> MlpGeglu {
+        MlpGeglu {
+            fc11: Linear::new(&(p / "fc11"), in_dim, hidden, true),
+            fc12: Linear::new(&(p / "fc12"), in_dim, hidden, true),
+            fc2: Linear::new(&(p / "fc2"), hidden, out_dim, true),
+        }
+    }
+
+    /// Applies the MLP to the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let gated = self.fc11.forward(x).gelu("none") * self.fc12.forward(x);
+        self.fc2.forward(&gated)
+    }
+}
+
+/// Leaky ReLU with a chosen negative slope (below 1).
+pub fn leaky_relu(x: &Tensor, slope: f64) -> Tensor {
+    x.maximum(&(x * slope))
+}
+
+/// Stochastic depth: in training, zeroes whole samples with probability `rate` and
+/// rescales the rest by 1/(1-rate); identity in evaluation or at rate 0.
+pub fn drop_path(x: &Tensor, rate: f64, train: bool) -> Tensor {
+    if rate <= 0.0 || !train {
+        return x.shallow_clone();
+    }
+    let keep = 1.0 - rate;
+    let mut shape = vec![x.size()[0]];
+    shape.extend(std::iter::repeat_n(1, x.dim() - 1));
+    let mask = (Tensor::rand(&shape, (x.kind(), x.device())) + keep).floor();
+    x / keep * mask
+}
+
+/// Truncated normal in [-2 std, 2 std] (timm's `trunc_normal_` with a = -2, b = 2 in std units
+/// when std is small, as VRT uses it for the relative position bias tables).
+pub fn trunc_normal(p: &nn::Path, name: &str, shape: &[i64], std: f64) -> Tensor {
+    let t = p.zeros(name, shape);
+    tch::no_grad(|| {
+        let sample = (Tensor::randn(shape, (Kind::Float, t.device())) * std).clamp(-2.0, 2.0);
+        let mut dst = t.shallow_clone();
+        dst.copy_(&sample);
+    });
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geglu_matches_its_formula() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let mlp = MlpGeglu::new(&(vs.root() / "mlp"), 4, 6, 3);
+        let x = Tensor::randn([2, 5, 4], (Kind::Float, tch::Device::Cpu));
+        let vars = vs.variables();
+        let lin = |name: &str, x: &Tensor| {
+            x.matmul(&vars[&format!("mlp.{name}.weight")].tr()) + &vars[&format!("mlp.{name}.bias")]
+        };
+        let h = lin("fc11", &x);
+        let gelu = &h * 0.5 * (1.0 + (&h / 2f64.sqrt()).erf());
+        let expected = lin("fc2", &(gelu * lin("fc12", &x)));
+        let got = mlp.forward(&x);
+        assert_eq!(got.size(), vec![2, 5, 3]);
+        assert!(got.allclose(&expected, 1e-5, 1e-5, false));
+        let mut names: Vec<_> = vars.keys().cloned().collect();
+        names.sort();
+        assert_eq!(names.len(), 6);
+        assert_eq!(names[0], "mlp.fc11.bias");
+    }
+
+    #[test]
+    fn drop_path_is_identity_in_eval_and_drops_samples_in_training() {
+        let x = Tensor::ones([64, 3], (Kind::Float, tch::Device::Cpu));
+        assert!(drop_path(&x, 0.5, false).equal(&x));
+        let y = drop_path(&x, 0.5, true);
+        let per_sample = y.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+        let values: Vec<f32> = Vec::try_from(per_sample).unwrap();
+        assert!(values.iter().all(|&v| v == 0.0 || (v - 6.0).abs() < 1e-5));
+        assert!(values.contains(&0.0) && values.iter().any(|&v| v > 0.0));
+    }
+}

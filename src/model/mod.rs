@@ -1,0 +1,148 @@
+//! The restoration models: VRT (faithful to the reference, loading its weights) with an
+//! optional spike branch (`MODEL.ARCH: vrt_spike`), and a compact spike-fused U-Net
+//! (`unet_spike`) for CPU runs and tests, both behind the [`Restorer`] trait.
+
+pub mod attention;
+pub mod cli;
+pub mod deform;
+pub mod flow;
+pub mod layers;
+pub mod spike;
+pub mod summary;
+pub mod unet;
+pub mod vrt;
+pub mod weights;
+pub mod window;
+
+use std::path::PathBuf;
+
+use tch::{nn, Tensor};
+
+use crate::config::ModelConfig;
+
+pub use summary::{summarize, PartCount, Summary};
+pub use unet::UnetSpike;
+pub use vrt::Vrt;
+pub use weights::{load_safetensors, save_safetensors};
+
+/// Why a model could not be built, run, loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The `MODEL` config cannot describe a model.
+    #[error("MODEL config: {0}")]
+    Config(String),
+    /// An input tensor has the wrong shape.
+    #[error("model input: {0}")]
+    Shape(String),
+    /// A weights file does not match the model.
+    #[error("weights {path}: {key}: {message}")]
+    Weights {
+        /// The weights file.
+        path: PathBuf,
+        /// The first key at fault.
+        key: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// libtorch failed (reading or writing a file, an operation).
+    #[error("weights {path}: {source}")]
+    Torch {
+        /// The file involved.
+        path: PathBuf,
+        /// What libtorch said.
+        source: tch::TchError,
+    },
+}
+
+/// A video restoration model: blurred clip (and spike voxels) in, restored clip out.
+pub trait Restorer: Send {
+    /// The `MODEL.ARCH` name.
+    fn arch(&self) -> &'static str;
+    /// Whether `forward` needs voxels.
+    fn uses_voxels(&self) -> bool;
+    /// Restores `blur` (N, D, 3, H, W) in [0, 1], given `voxels` (N, D, K, Hs, Ws) when
+    /// [`Restorer::uses_voxels`]; returns (N, D, 3, H, W). `train` enables stochastic depth.
+    fn forward(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor, ModelError>;
+    /// Top-level parameter groups (name prefix, label), for summaries and profiles.
+    fn parts(&self) -> Vec<(String, String)>;
+    /// As [`Restorer::forward`], calling `mark(part)` after each timed part (named like
+    /// the prefixes of [`Restorer::parts`]); by default one mark, `forward`.
+    fn forward_marked(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
+        let out = self.forward(blur, voxels, train)?;
+        mark("forward");
+        Ok(out)
+    }
+}
+
+impl Restorer for Vrt {
+    fn arch(&self) -> &'static str {
+        "vrt_spike"
+    }
+    fn uses_voxels(&self) -> bool {
+        self.has_spike_branch()
+    }
+    fn forward(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
+        Vrt::forward(self, blur, voxels, train)
+    }
+    fn parts(&self) -> Vec<(String, String)> {
+        Vrt::parts(self)
+    }
+    fn forward_marked(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
+        Vrt::forward_marked(self, blur, voxels, train, mark)
+    }
+}
+
+impl Restorer for UnetSpike {
+    fn arch(&self) -> &'static str {
+        "unet_spike"
+    }
+    fn uses_voxels(&self) -> bool {
+        self.has_spike_input()
+    }
+    fn forward(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
+        UnetSpike::forward(self, blur, voxels, train)
+    }
+    fn parts(&self) -> Vec<(String, String)> {
+        UnetSpike::parts(self)
+    }
+}
+
+/// Builds the model `MODEL.ARCH` names under `vs` (use the VarStore's root so that
+/// variable names equal the reference's state_dict keys).
+pub fn build(vs: &nn::Path, cfg: &ModelConfig) -> Result<Box<dyn Restorer>, ModelError> {
+    match cfg.arch.as_str() {
+        "vrt_spike" => Ok(Box::new(Vrt::new(vs, cfg)?)),
+        "unet_spike" => Ok(Box::new(UnetSpike::new(vs, cfg)?)),
+        other => Err(ModelError::Config(format!(
+            "ARCH {other:?} is unknown; expected one of {:?}",
+            crate::config::MODEL_ARCHS
+        ))),
+    }
+}

@@ -1,0 +1,402 @@
+//! The spike branch of VRT-Spike: a Conv3d residual pyramid over the voxel clip
+//! giving features at the scales of stages 1-4, per-pixel temporal self-attention
+//! (`SPIKE_TSA`), and RGB-spike cross-attention (`FUSE`) after stages 1-4, computed in
+//! spatial chunks so that batch x pixels per chunk stays under `MAX_BATCH_TOKENS`.
+
+use tch::{nn, Tensor};
+
+use super::attention::sdpa;
+use super::layers::{leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
+use super::ModelError;
+use crate::config::{ChunkShape, FuseConfig, ModelConfig};
+
+/// How per-pixel attention is cut into spatial chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkPlan {
+    /// Chunk height in pixels.
+    pub rows: i64,
+    /// Chunk width in pixels.
+    pub cols: i64,
+}
+
+impl ChunkPlan {
+    /// The chunk for a batch of `batch` over an (h, w) map: from the token budget when
+    /// `ADAPTIVE_CHUNK`, else `CHUNK_SIZE`; square tiles or bands of full rows.
+    pub fn choose(cfg: &FuseConfig, batch: i64, h: i64, w: i64) -> ChunkPlan {
+        let budget = (cfg.max_batch_tokens / batch.max(1)).max(1); // pixels per chunk
+        match (cfg.chunk_shape, cfg.adaptive_chunk) {
+            (ChunkShape::Square, true) => {
+                let side = ((budget as f64).sqrt().floor() as i64).max(1);
+                ChunkPlan {
+                    rows: side.min(h),
+                    cols: side.min(w),
+                }
+            }
+            (ChunkShape::Row, true) => ChunkPlan {
+                rows: (budget / w.max(1)).clamp(1, h),
+                cols: w,
+            },
+            (ChunkShape::Square, false) => ChunkPlan {
+                rows: cfg.chunk_size.min(h),
+                cols: cfg.chunk_size.min(w),
+            },
+            (ChunkShape::Row, false) => ChunkPlan {
+                rows: cfg.chunk_size.min(h),
+                cols: w,
+            },
+        }
+    }
+}
+
+/// Applies `f` to every pixel's sequence over time, chunk by chunk. Inputs are
+/// (N, C_i, D, H, W); `f` gets (N * pixels, D, C_i) per input and returns
+/// (N * pixels, D, C_out). The result is (N, C_out, D, H, W), independent of `plan`.
+pub fn per_pixel(inputs: &[&Tensor], plan: ChunkPlan, f: impl Fn(&[Tensor]) -> Tensor) -> Tensor {
+    let s = inputs[0].size();
+    let (n, d, h, w) = (s[0], s[2], s[3], s[4]);
+    let mut rows_out = Vec::new();
+    let mut y0 = 0;
+    while y0 < h {
+        let rh = plan.rows.min(h - y0);
+        let mut tiles = Vec::new();
+        let mut x0 = 0;
+        while x0 < w {
+            let cw = plan.cols.min(w - x0);
+            let seqs: Vec<Tensor> = inputs
+                .iter()
+                .map(|t| {
+                    let c = t.size()[1];
+                    t.narrow(3, y0, rh)
+                        .narrow(4, x0, cw)
+                        .permute([0, 3, 4, 2, 1])
+                        .reshape([n * rh * cw, d, c])
+                })
+                .collect();
+            let out = f(&seqs);
+            let c_out = out.size()[2];
+            tiles.push(out.view([n, rh, cw, d, c_out]).permute([0, 4, 3, 1, 2]));
+            x0 += cw;
+        }
+        rows_out.push(Tensor::cat(&tiles, 4));
+        y0 += rh;
+    }
+    Tensor::cat(&rows_out, 3)
+}
+
+/// Multi-head attention of (B, L, C) queries over (B, S, C) keys/values given projections.
+fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64) -> Tensor {
+    let split = |t: &Tensor| {
+        let s = t.size();
+        t.view([s[0], s[1], heads, s[2] / heads]).transpose(1, 2)
+    };
+    let out = sdpa(&split(q), &split(k), &split(v), None);
+    let s = out.size();
+    out.transpose(1, 2).reshape([s[0], s[2], s[1] * s[3]])
+}
+
+/// One pre-norm temporal transformer layer over spike features.
+#[derive(Debug)]
+struct TsaLayer {
+    norm1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    norm2: LayerNorm,
+    mlp: MlpGeglu,
+    heads: i64,
+}
+
+impl TsaLayer {
+    fn new(p: &nn::Path, dim: i64, heads: i64) -> TsaLayer {
+        TsaLayer {
+            norm1: LayerNorm::new(&(p / "norm1"), dim),
+            qkv: Linear::new(&(p / "qkv"), dim, 3 * dim, true),
+            proj: Linear::new(&(p / "proj"), dim, dim, true),
+            norm2: LayerNorm::new(&(p / "norm2"), dim),
+            mlp: MlpGeglu::new(&(p / "mlp"), dim, 2 * dim, dim),
+            heads,
+        }
+    }
+
+    /// (B, D, C) sequences to the same shape.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let qkv = self.qkv.forward(&self.norm1.forward(x)).chunk(3, 2);
+        let x = x + self
+            .proj
+            .forward(&heads_attention(&qkv[0], &qkv[1], &qkv[2], self.heads));
+        let mlp = self.mlp.forward(&self.norm2.forward(&x));
+        x + mlp
+    }
+}
+
+/// Cross-attention of RGB features (queries) over spike features (keys, values).
+#[derive(Debug)]
+struct Fuse {
+    norm_q: LayerNorm,
+    norm_kv: LayerNorm,
+    q: Linear,
+    kv: Linear,
+    proj: Linear,
+    heads: i64,
+}
+
+impl Fuse {
+    fn new(p: &nn::Path, dim: i64, heads: i64) -> Fuse {
+        Fuse {
+            norm_q: LayerNorm::new(&(p / "norm_q"), dim),
+            norm_kv: LayerNorm::new(&(p / "norm_kv"), dim),
+            q: Linear::new(&(p / "q"), dim, dim, true),
+            kv: Linear::new(&(p / "kv"), dim, 2 * dim, true),
+            proj: Linear::new(&(p / "proj"), dim, dim, true),
+            heads,
+        }
+    }
+
+    /// (B, D, C) RGB and spike sequences to the RGB update (B, D, C).
+    fn forward(&self, rgb: &Tensor, spike: &Tensor) -> Tensor {
+        let q = self.q.forward(&self.norm_q.forward(rgb));
+        let kv = self.kv.forward(&self.norm_kv.forward(spike)).chunk(2, 2);
+        self.proj
+            .forward(&heads_attention(&q, &kv[0], &kv[1], self.heads))
+    }
+}
+
+/// One pyramid level of the encoder: optional stride-2 down-sampling, residual blocks.
+#[derive(Debug)]
+struct Level {
+    down: Option<Conv>,
+    blocks: Vec<(Conv, Conv)>,
+}
+
+/// The spike branch: encoder, temporal self-attention and fusion for stages 1-4.
+#[derive(Debug)]
+pub struct SpikeBranch {
+    bins: i64,
+    head: Conv,
+    levels: Vec<Level>,
+    tsa: Vec<Vec<TsaLayer>>,
+    fuse: Vec<Fuse>,
+    chunks: FuseConfig,
+}
+
+impl SpikeBranch {
+    /// Parameters under `spike_encoder`, `spike_tsa.{0..3}` and `fuse.{0..3}`.
+    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Result<SpikeBranch, ModelError> {
+        let dims = &cfg.embed_dims;
+        if dims.len() < 4 {
+            return Err(ModelError::Config(
+                "EMBED_DIMS needs the widths of stages 1-4".into(),
+            ));
+        }
+        let enc = p / "spike_encoder";
+        let bins = cfg.spike.voxel_bins;
+        let head = Conv::new(&(&enc / "head"), bins, dims[0], &[3, 3, 3], &[1, 1, 1]);
+        let levels = (0..4)
+            .map(|l| {
+                let lp = &enc / "levels" / l;
+                let down = (l > 0).then(|| {
+                    Conv::strided(
+                        &(&lp / "down"),
+                        dims[l - 1],
+                        dims[l],
+                        &[1, 3, 3],
+                        &[0, 1, 1],
+                        &[1, 2, 2],
+                    )
+                });
+                let blocks = (0..cfg.spike.blocks_per_level)
+                    .map(|j| {
+                        let bp = &lp / "blocks" / j;
+                        (
+                            Conv::new(&(&bp / "conv1"), dims[l], dims[l], &[3, 3, 3], &[1, 1, 1]),
+                            Conv::new(&(&bp / "conv2"), dims[l], dims[l], &[3, 3, 3], &[1, 1, 1]),
+                        )
+                    })
+                    .collect();
+                Level { down, blocks }
+            })
+            .collect();
+        let tsa = (0..4)
+            .map(|l| {
+                if !cfg.spike_tsa.enabled {
+                    return Vec::new();
+                }
+                (0..cfg.spike_tsa.layers)
+                    .map(|j| {
+                        TsaLayer::new(
+                            &(p / "spike_tsa" / l / "layers" / j),
+                            dims[l],
+                            cfg.spike_tsa.heads,
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let fuse = (0..4)
+            .map(|l| Fuse::new(&(p / "fuse" / l), dims[l], cfg.fuse.heads))
+            .collect();
+        Ok(SpikeBranch {
+            bins,
+            head,
+            levels,
+            tsa,
+            fuse,
+            chunks: cfg.fuse.clone(),
+        })
+    }
+
+    /// Parameter groups for summaries: (prefix, label).
+    pub fn parts() -> Vec<(String, String)> {
+        vec![
+            ("spike_encoder".into(), "spike encoder".into()),
+            ("spike_tsa".into(), "SPIKE_TSA".into()),
+            ("fuse".into(), "FUSE".into()),
+        ]
+    }
+
+    /// Checks voxels (N, D, K, Hs, Ws) against the RGB input shape (N, D, C, H, W).
+    pub fn check(&self, voxels: &Tensor, rgb: &[i64]) -> Result<(), ModelError> {
+        let v = voxels.size();
+        if v.len() != 5 || v[0] != rgb[0] || v[1] != rgb[1] || v[2] != self.bins {
+            return Err(ModelError::Shape(format!(
+                "voxels must be (N={}, D={}, K={}, Hs, Ws), got {v:?}",
+                rgb[0], rgb[1], self.bins
+            )));
+        }
+        if v[3] % 8 != 0 || v[4] % 8 != 0 || v[3] < 8 || v[4] < 8 {
+            return Err(ModelError::Shape(format!(
+                "voxel height and width must be positive multiples of 8, got {} x {}",
+                v[3], v[4]
+            )));
+        }
+        Ok(())
+    }
+
+    /// Spike features for stages 1-4: (N, C_l, D, H / 2^l, W / 2^l) at the RGB
+    /// resolution (bilinear up/down-sampling on the device when the spike size differs).
+    pub fn encode(
+        &self,
+        voxels: &Tensor,
+        rgb: &[i64],
+        _train: bool,
+    ) -> Result<Vec<Tensor>, ModelError> {
+        self.check(voxels, rgb)?;
+        let (n, d, h, w) = (rgb[0], rgb[1], rgb[3], rgb[4]);
+        let mut x = self.head.forward(&voxels.transpose(1, 2));
+        let mut feats = Vec::with_capacity(4);
+        for (l, level) in self.levels.iter().enumerate() {
+            if let Some(down) = &level.down {
+                x = leaky_relu(&down.forward(&x), 0.1);
+            }
+            for (conv1, conv2) in &level.blocks {
+                x = &x + conv2.forward(&leaky_relu(&conv1.forward(&x), 0.1));
+            }
+            let (th, tw) = (h >> l, w >> l);
+            let s = x.size();
+            let mut f = if (s[3], s[4]) == (th, tw) {
+                x.shallow_clone()
+            } else {
+                x.reshape([n, s[1] * d, s[3], s[4]])
+                    .upsample_bilinear2d([th, tw], false, None, None)
+                    .view([n, s[1], d, th, tw])
+            };
+            if !self.tsa[l].is_empty() {
+                let plan = ChunkPlan::choose(&self.chunks, n, th, tw);
+                let layers = &self.tsa[l];
+                f = per_pixel(&[&f], plan, |seqs| {
+                    let mut y = seqs[0].shallow_clone();
+                    for layer in layers {
+                        y = layer.forward(&y);
+                    }
+                    y
+                });
+            }
+            feats.push(f);
+        }
+        Ok(feats)
+    }
+
+    /// Fuses spike features into the output of stage `i + 1`: x + cross-attention.
+    pub fn fuse(&self, i: usize, x: &Tensor, spike: &Tensor) -> Result<Tensor, ModelError> {
+        if x.size() != spike.size() {
+            return Err(ModelError::Shape(format!(
+                "stage {} features {:?} and spike features {:?} differ",
+                i + 1,
+                x.size(),
+                spike.size()
+            )));
+        }
+        let s = x.size();
+        let plan = ChunkPlan::choose(&self.chunks, s[0], s[3], s[4]);
+        let fuse = &self.fuse[i];
+        let update = per_pixel(&[x, spike], plan, |seqs| fuse.forward(&seqs[0], &seqs[1]));
+        Ok(x + update)
+    }
+
+    /// Sets how fusion and temporal attention are chunked (memory only; same result).
+    pub fn set_chunks(&mut self, chunks: FuseConfig) {
+        self.chunks = chunks;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn chunk_plans_respect_the_budget() {
+        let mut cfg = FuseConfig {
+            max_batch_tokens: 1000,
+            ..FuseConfig::default()
+        };
+        let p = ChunkPlan::choose(&cfg, 2, 64, 64);
+        assert_eq!(p, ChunkPlan { rows: 22, cols: 22 });
+        assert!(2 * p.rows * p.cols <= 1000);
+        cfg.chunk_shape = ChunkShape::Row;
+        let p = ChunkPlan::choose(&cfg, 2, 64, 64);
+        assert_eq!(p, ChunkPlan { rows: 7, cols: 64 });
+        cfg.adaptive_chunk = false;
+        cfg.chunk_size = 5;
+        assert_eq!(
+            ChunkPlan::choose(&cfg, 2, 64, 64),
+            ChunkPlan { rows: 5, cols: 64 }
+        );
+        cfg.chunk_shape = ChunkShape::Square;
+        assert_eq!(
+            ChunkPlan::choose(&cfg, 2, 64, 3),
+            ChunkPlan { rows: 5, cols: 3 }
+        );
+    }
+
+    #[test]
+    fn per_pixel_result_is_independent_of_chunks() {
+        let opts = (Kind::Float, Device::Cpu);
+        let x = Tensor::randn([2, 4, 3, 7, 9], opts);
+        let weights = Tensor::randn([4, 5], opts);
+        // A per-pixel function that mixes time: softmax over frames.
+        let f = |s: &[Tensor]| s[0].softmax(1, Kind::Float).matmul(&weights);
+        let whole = per_pixel(&[&x], ChunkPlan { rows: 7, cols: 9 }, f);
+        assert_eq!(whole.size(), vec![2, 5, 3, 7, 9]);
+        for plan in [
+            ChunkPlan { rows: 2, cols: 4 },
+            ChunkPlan { rows: 1, cols: 9 },
+            ChunkPlan { rows: 3, cols: 3 },
+        ] {
+            let chunked = per_pixel(&[&x], plan, f);
+            assert!(chunked.allclose(&whole, 1e-6, 1e-6, false), "{plan:?}");
+        }
+        // Pixel (1, 2) of sample 1 equals the function on that pixel alone.
+        let one = x
+            .get(1)
+            .select(2, 1)
+            .select(2, 2)
+            .transpose(0, 1)
+            .unsqueeze(0);
+        let expected = f(&[one]).squeeze_dim(0).transpose(0, 1);
+        assert!(whole
+            .get(1)
+            .select(2, 1)
+            .select(2, 2)
+            .allclose(&expected, 1e-6, 1e-6, false));
+    }
+}

@@ -1,0 +1,189 @@
+//! `unet_spike`: a compact spike-fused U-Net for CPU runs and tests. Each frame's RGB
+//! and its voxel bins (resized to the RGB size) go through a 2-D U-Net (Conv3d with
+//! (1,3,3) kernels) with one temporal (3,3,3) block at the bottleneck; the output is a
+//! residual added to the blurred frames.
+
+use tch::{nn, Tensor};
+
+use super::layers::{leaky_relu, Conv};
+use super::ModelError;
+use crate::config::ModelConfig;
+
+/// The compact U-Net (`head`, `down.{l}`, `mid`, `up.{l}`, `tail`).
+#[derive(Debug)]
+pub struct UnetSpike {
+    in_chans: i64,
+    bins: Option<i64>,
+    levels: i64,
+    head: Conv,
+    down: Vec<(Conv, Conv)>,
+    mid: (Conv, Conv),
+    up: Vec<(Conv, Conv)>,
+    tail: Conv,
+}
+
+const K2: [i64; 3] = [1, 3, 3];
+const P2: [i64; 3] = [0, 1, 1];
+
+impl UnetSpike {
+    /// Builds from `MODEL.UNET` (channels, levels), `IN_CHANS` and `SPIKE`.
+    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Result<UnetSpike, ModelError> {
+        let c = cfg.unet.channels;
+        let levels = cfg.unet.levels;
+        if c < 1 || !(1..=5).contains(&levels) {
+            return Err(ModelError::Config(
+                "UNET.CHANNELS >= 1 and UNET.LEVELS in 1..=5".into(),
+            ));
+        }
+        let bins = cfg.spike.enabled.then_some(cfg.spike.voxel_bins);
+        let input = cfg.in_chans + bins.unwrap_or(0);
+        let width = |l: i64| c << l;
+        let head = Conv::new(&(p / "head"), input, c, &K2, &P2);
+        let down = (0..levels)
+            .map(|l| {
+                let dp = p / "down" / l;
+                (
+                    Conv::strided(
+                        &(&dp / "conv"),
+                        width(l),
+                        width(l + 1),
+                        &K2,
+                        &P2,
+                        &[1, 2, 2],
+                    ),
+                    Conv::new(&(&dp / "refine"), width(l + 1), width(l + 1), &K2, &P2),
+                )
+            })
+            .collect();
+        let mid = (
+            Conv::new(
+                &(p / "mid" / "conv1"),
+                width(levels),
+                width(levels),
+                &[3, 3, 3],
+                &[1, 1, 1],
+            ),
+            Conv::new(
+                &(p / "mid" / "conv2"),
+                width(levels),
+                width(levels),
+                &[3, 3, 3],
+                &[1, 1, 1],
+            ),
+        );
+        let up = (0..levels)
+            .map(|l| {
+                let up = p / "up" / l;
+                (
+                    Conv::new(&(&up / "conv"), width(l + 1), width(l), &K2, &P2),
+                    Conv::new(&(&up / "refine"), width(l), width(l), &K2, &P2),
+                )
+            })
+            .collect();
+        let tail = Conv::new(&(p / "tail"), c, cfg.in_chans, &K2, &P2);
+        Ok(UnetSpike {
+            in_chans: cfg.in_chans,
+            bins,
+            levels,
+            head,
+            down,
+            mid,
+            up,
+            tail,
+        })
+    }
+
+    /// Whether the model takes voxels (`MODEL.SPIKE.ENABLED`).
+    pub fn has_spike_input(&self) -> bool {
+        self.bins.is_some()
+    }
+
+    /// Parameter groups for summaries.
+    pub fn parts(&self) -> Vec<(String, String)> {
+        ["head", "down", "mid", "up", "tail"]
+            .iter()
+            .map(|s| (s.to_string(), s.to_string()))
+            .collect()
+    }
+
+    fn check(&self, blur: &Tensor, voxels: Option<&Tensor>) -> Result<(), ModelError> {
+        let s = blur.size();
+        let m = 1i64 << self.levels;
+        if s.len() != 5
+            || s[2] != self.in_chans
+            || s[3] % m != 0
+            || s[4] % m != 0
+            || s[3] == 0
+            || s[4] == 0
+        {
+            return Err(ModelError::Shape(format!(
+                "input must be (N, D, {}, H, W) with H and W positive multiples of {m}, got {s:?}",
+                self.in_chans
+            )));
+        }
+        match (self.bins, voxels) {
+            (Some(k), Some(v)) => {
+                let vs = v.size();
+                if vs.len() != 5
+                    || vs[0] != s[0]
+                    || vs[1] != s[1]
+                    || vs[2] != k
+                    || vs[3] < 1
+                    || vs[4] < 1
+                {
+                    return Err(ModelError::Shape(format!(
+                        "voxels must be (N={}, D={}, K={k}, Hs, Ws), got {vs:?}",
+                        s[0], s[1]
+                    )));
+                }
+                Ok(())
+            }
+            (Some(_), None) => Err(ModelError::Shape(
+                "MODEL.SPIKE.ENABLED is true but no voxels were given".into(),
+            )),
+            (None, _) => Ok(()),
+        }
+    }
+
+    /// (N, D, C, H, W) blur (+ voxels (N, D, K, Hs, Ws)) to the restored clip.
+    pub fn forward(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        _train: bool,
+    ) -> Result<Tensor, ModelError> {
+        self.check(blur, voxels)?;
+        let s = blur.size();
+        let (n, d, h, w) = (s[0], s[1], s[3], s[4]);
+        let mut input = blur.shallow_clone();
+        if let (Some(k), Some(v)) = (self.bins, voxels) {
+            let vs = v.size();
+            let v = v.to_kind(blur.kind());
+            let v = if (vs[3], vs[4]) == (h, w) {
+                v
+            } else {
+                v.reshape([n * d, k, vs[3], vs[4]])
+                    .upsample_bilinear2d([h, w], false, None, None)
+                    .view([n, d, k, h, w])
+            };
+            input = Tensor::cat(&[&input, &v], 2);
+        }
+        let act = |x: Tensor| leaky_relu(&x, 0.1);
+        let mut x = act(self.head.forward(&input.transpose(1, 2)));
+        let mut skips = Vec::with_capacity(self.down.len());
+        for (conv, refine) in &self.down {
+            skips.push(x.shallow_clone());
+            x = act(conv.forward(&x));
+            x = &x + act(refine.forward(&x));
+        }
+        x = &x + self.mid.1.forward(&act(self.mid.0.forward(&x)));
+        for ((conv, refine), skip) in self.up.iter().zip(skips.iter()).rev() {
+            let ss = skip.size();
+            let up = x.upsample_nearest3d([ss[2], ss[3], ss[4]], None, None, None);
+            x = act(conv.forward(&up)) + skip;
+            x = &x + act(refine.forward(&x));
+        }
+        let residual = self.tail.forward(&x).transpose(1, 2);
+        Ok(residual + blur)
+    }
+}

@@ -1,0 +1,485 @@
+//! VRT (Video Restoration Transformer, Liang et al. 2022) for deblurring (upscale 1,
+//! parallel warping of 2 frames), with parameter names and shapes of the reference
+//! state_dict; plus the optional spike branch fused after stages 1-4 (VRT-Spike).
+
+use std::sync::Arc;
+
+use tch::{nn, Tensor};
+
+use super::attention::{GroupSpec, Rtmsa, Tmsag};
+use super::deform::FlowGuidedDcn;
+use super::flow::{flow_warp, SpyNet, WarpMode};
+use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
+use super::spike::SpikeBranch;
+use super::window::MaskCache;
+use super::ModelError;
+use crate::config::ModelConfig;
+
+/// How a stage changes resolution before its attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reshape {
+    /// LayerNorm only.
+    None,
+    /// Pixel-unshuffle by 2, LayerNorm(4 in), Linear(4 in -> dim).
+    Down,
+    /// Pixel-shuffle by 2, LayerNorm(in / 4), Linear(in / 4 -> dim).
+    Up,
+}
+
+/// One of stages 1-7: reshape, mutual+self TMSA group, self TMSA group, parallel warping.
+#[derive(Debug)]
+struct Stage {
+    reshape: Reshape,
+    norm: LayerNorm,
+    reshape_linear: Option<Linear>,
+    residual_group1: Tmsag,
+    linear1: Linear,
+    residual_group2: Tmsag,
+    linear2: Linear,
+    pa_deform: FlowGuidedDcn,
+    pa_fuse: MlpGeglu,
+}
+
+/// Settings of one stage.
+struct StageSpec {
+    in_dim: i64,
+    dim: i64,
+    depth: i64,
+    heads: i64,
+    reshape: Reshape,
+    max_residue: f64,
+    drop_path: Vec<f64>,
+}
+
+impl Stage {
+    fn new(p: &nn::Path, cfg: &ModelConfig, spec: &StageSpec, masks: &Arc<MaskCache>) -> Stage {
+        let rp = p / "reshape";
+        let (norm, reshape_linear) = match spec.reshape {
+            Reshape::None => (LayerNorm::new(&(&rp / 1), spec.dim), None),
+            Reshape::Down => (
+                LayerNorm::new(&(&rp / 1), 4 * spec.in_dim),
+                Some(Linear::new(&(&rp / 2), 4 * spec.in_dim, spec.dim, true)),
+            ),
+            Reshape::Up => (
+                LayerNorm::new(&(&rp / 1), spec.in_dim / 4),
+                Some(Linear::new(&(&rp / 2), spec.in_dim / 4, spec.dim, true)),
+            ),
+        };
+        let mutual_depth = (spec.depth as f64 * cfg.mul_attn_ratio) as i64;
+        let [_, wh, ww] = cfg.window_size;
+        let group = |depth: i64, window: [i64; 3], mutual: bool| GroupSpec {
+            dim: spec.dim,
+            depth,
+            heads: spec.heads,
+            window,
+            mutual,
+            mlp_ratio: cfg.mlp_ratio,
+            qkv_bias: cfg.qkv_bias,
+            drop_path: spec.drop_path.clone(),
+        };
+        let g1 = group(mutual_depth, [2, wh, ww], true);
+        let g2 = group(spec.depth - mutual_depth, cfg.window_size, false);
+        Stage {
+            reshape: spec.reshape,
+            norm,
+            reshape_linear,
+            residual_group1: Tmsag::new(&(p / "residual_group1"), &g1, masks.clone()),
+            linear1: Linear::new(&(p / "linear1"), spec.dim, spec.dim, true),
+            residual_group2: Tmsag::new(&(p / "residual_group2"), &g2, masks.clone()),
+            linear2: Linear::new(&(p / "linear2"), spec.dim, spec.dim, true),
+            pa_deform: FlowGuidedDcn::new(
+                &(p / "pa_deform"),
+                spec.dim,
+                cfg.deformable_groups,
+                spec.max_residue,
+            ),
+            pa_fuse: MlpGeglu::new(&(p / "pa_fuse"), 3 * spec.dim, 3 * spec.dim, spec.dim),
+        }
+    }
+
+    /// (N, C, D, H, W) channel-first to channel-last (N, D, H', W', C') after the reshape.
+    fn reshape_in(&self, x: &Tensor) -> Tensor {
+        let s = x.size();
+        let (n, c, d, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+        let x = match self.reshape {
+            Reshape::None => x.permute([0, 2, 3, 4, 1]),
+            // 'n c d (h nh) (w nw) -> n d h w (nw nh c)'
+            Reshape::Down => x
+                .view([n, c, d, h / 2, 2, w / 2, 2].as_slice())
+                .permute([0, 2, 3, 5, 6, 4, 1])
+                .reshape([n, d, h / 2, w / 2, 4 * c]),
+            // 'n (nw nh c) d h w -> n d (h nh) (w nw) c'
+            Reshape::Up => x
+                .view([n, 2, 2, c / 4, d, h, w].as_slice())
+                .permute([0, 4, 5, 2, 6, 1, 3])
+                .reshape([n, d, 2 * h, 2 * w, c / 4]),
+        };
+        let x = self.norm.forward(&x);
+        match &self.reshape_linear {
+            Some(linear) => linear.forward(&x),
+            None => x,
+        }
+    }
+
+    /// (N, C_in, D, H, W) to (N, C, D, H', W'); flows (N, D-1, 2, H', W') at this scale.
+    fn forward(
+        &self,
+        x: &Tensor,
+        flow_backward: &Tensor,
+        flow_forward: &Tensor,
+        train: bool,
+    ) -> Tensor {
+        let x = self.reshape_in(x);
+        let x = self
+            .linear1
+            .forward(&self.residual_group1.forward(&x, train))
+            + &x;
+        let x = self
+            .linear2
+            .forward(&self.residual_group2.forward(&x, train))
+            + &x;
+        // Parallel warping on (N, D, C, H, W).
+        let frames = x.permute([0, 1, 4, 2, 3]);
+        let (aligned_backward, aligned_forward) = self.align(&frames, flow_backward, flow_forward);
+        let fused = self.pa_fuse.forward(
+            &Tensor::cat(&[&frames, &aligned_backward, &aligned_forward], 2)
+                .permute([0, 1, 3, 4, 2]),
+        );
+        fused.permute([0, 4, 1, 2, 3])
+    }
+
+    /// Each frame's neighbours aligned to it: backward (from frame t+1; zeros at the
+    /// last frame) and forward (from t-1; zeros at the first), all pairs in one batch.
+    fn align(&self, x: &Tensor, flow_backward: &Tensor, flow_forward: &Tensor) -> (Tensor, Tensor) {
+        let s = x.size();
+        let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+        let pairs = n * (d - 1);
+        let flat = |t: Tensor, ch: i64| t.reshape([pairs, ch, h, w]);
+        let later = flat(x.narrow(1, 1, d - 1), c);
+        let earlier = flat(x.narrow(1, 0, d - 1), c);
+        let fb = flat(flow_backward.shallow_clone(), 2);
+        let ff = flat(flow_forward.shallow_clone(), 2);
+        // Sources, targets and flows of both directions in one batch.
+        let source = Tensor::cat(&[&later, &earlier], 0);
+        let target = Tensor::cat(&[&earlier, &later], 0);
+        let flow = Tensor::cat(&[&fb, &ff], 0);
+        let warped = flow_warp(&source, &flow, WarpMode::Bilinear);
+        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow);
+        let backward = aligned.narrow(0, 0, pairs).view([n, d - 1, c, h, w]);
+        let forward = aligned.narrow(0, pairs, pairs).view([n, d - 1, c, h, w]);
+        let zeros = Tensor::zeros([n, 1, c, h, w], (x.kind(), x.device()));
+        (
+            Tensor::cat(&[&backward, &zeros], 1),
+            Tensor::cat(&[&zeros, &forward], 1),
+        )
+    }
+}
+
+/// VRT for deblurring, optionally with the spike branch (VRT-Spike).
+#[derive(Debug)]
+pub struct Vrt {
+    in_chans: i64,
+    conv_first: Conv,
+    spynet: SpyNet,
+    stages: Vec<Stage>,
+    stage8_norm: LayerNorm,
+    stage8_linear: Linear,
+    stage8: Vec<Rtmsa>,
+    norm: LayerNorm,
+    conv_after_body: Linear,
+    conv_last: Conv,
+    spike: Option<SpikeBranch>,
+}
+
+impl Vrt {
+    /// Builds the model under `p` from a validated `MODEL` config.
+    pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Result<Vrt, ModelError> {
+        let depths = &cfg.vrt_depths;
+        let dims = &cfg.embed_dims;
+        if depths.len() < 8 || dims.len() != depths.len() || cfg.num_heads.len() != depths.len() {
+            return Err(ModelError::Config(
+                "VRT_DEPTHS, EMBED_DIMS and NUM_HEADS need equal lengths of at least 8".into(),
+            ));
+        }
+        let total: i64 = depths.iter().sum();
+        let dpr: Vec<f64> = (0..total)
+            .map(|i| {
+                if total > 1 {
+                    cfg.drop_path_rate * i as f64 / (total - 1) as f64
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let rates = |i: usize| {
+            let start: i64 = depths[..i].iter().sum();
+            dpr[start as usize..(start + depths[i]) as usize].to_vec()
+        };
+        let masks = Arc::new(MaskCache::default());
+        let in_chans = cfg.in_chans;
+        let conv_first = Conv::new(
+            &(p / "conv_first"),
+            in_chans * 9,
+            dims[0],
+            &[1, 3, 3],
+            &[0, 1, 1],
+        );
+        let spynet = SpyNet::new(&(p / "spynet"));
+        let reshapes = [
+            Reshape::None,
+            Reshape::Down,
+            Reshape::Down,
+            Reshape::Down,
+            Reshape::Up,
+            Reshape::Up,
+            Reshape::Up,
+        ];
+        let scales = [1.0, 2.0, 4.0, 8.0, 4.0, 2.0, 1.0];
+        let stages = (0..7)
+            .map(|i| {
+                let spec = StageSpec {
+                    // Stage 1 has no reshape; the reference passes embed_dims[-1], unused.
+                    in_dim: if i == 0 {
+                        dims[dims.len() - 1]
+                    } else {
+                        dims[i - 1]
+                    },
+                    dim: dims[i],
+                    depth: depths[i],
+                    heads: cfg.num_heads[i],
+                    reshape: reshapes[i],
+                    max_residue: 10.0 / scales[i],
+                    drop_path: rates(i),
+                };
+                Stage::new(&(p / format!("stage{}", i + 1)), cfg, &spec, &masks)
+            })
+            .collect();
+        let s8 = p / "stage8";
+        let stage8_norm = LayerNorm::new(&(&s8 / 0 / 1), dims[6]);
+        let stage8_linear = Linear::new(&(&s8 / 0 / 2), dims[6], dims[7], true);
+        let [wd, wh, ww] = cfg.window_size;
+        let stage8 = (7..depths.len())
+            .map(|i| {
+                let indep = cfg.indep_reconsts.contains(&(i as i64));
+                let spec = GroupSpec {
+                    dim: dims[i],
+                    depth: depths[i],
+                    heads: cfg.num_heads[i],
+                    window: if indep { [1, wh, ww] } else { [wd, wh, ww] },
+                    mutual: false,
+                    mlp_ratio: cfg.mlp_ratio,
+                    qkv_bias: cfg.qkv_bias,
+                    drop_path: rates(i),
+                };
+                Rtmsa::new(&(&s8 / (i - 6)), &spec, masks.clone())
+            })
+            .collect();
+        let last = dims[dims.len() - 1];
+        let spike = if cfg.spike.enabled {
+            Some(SpikeBranch::new(p, cfg)?)
+        } else {
+            None
+        };
+        Ok(Vrt {
+            in_chans,
+            conv_first,
+            spynet,
+            stages,
+            stage8_norm,
+            stage8_linear,
+            stage8,
+            norm: LayerNorm::new(&(p / "norm"), last),
+            conv_after_body: Linear::new(&(p / "conv_after_body"), last, dims[0], true),
+            conv_last: Conv::new(
+                &(p / "conv_last"),
+                dims[0],
+                in_chans,
+                &[1, 3, 3],
+                &[0, 1, 1],
+            ),
+            spike,
+        })
+    }
+
+    /// Flows between neighbours at scales 1, 1/2, 1/4, 1/8: backward[k] is the flow of
+    /// frame t to t+1, forward[k] of t+1 to t; each (N, D-1, 2, H/2^k, W/2^k).
+    pub fn flows(&self, x: &Tensor) -> (Vec<Tensor>, Vec<Tensor>) {
+        let s = x.size();
+        let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+        let first = x.narrow(1, 0, d - 1).reshape([-1, c, h, w]);
+        let second = x.narrow(1, 1, d - 1).reshape([-1, c, h, w]);
+        // Both directions in one SpyNet batch.
+        let all = self.spynet.forward(
+            &Tensor::cat(&[&first, &second], 0),
+            &Tensor::cat(&[&second, &first], 0),
+        );
+        let pairs = n * (d - 1);
+        let mut backward = Vec::with_capacity(4);
+        let mut forward = Vec::with_capacity(4);
+        for (k, flow) in all.iter().enumerate() {
+            let shape = [n, d - 1, 2, h >> k, w >> k];
+            backward.push(flow.narrow(0, 0, pairs).reshape(shape));
+            forward.push(flow.narrow(0, pairs, pairs).reshape(shape));
+        }
+        (backward, forward)
+    }
+
+    /// Each frame with its neighbours warped by the flow (`nearest4`): (N, D, 9C, H, W).
+    fn aligned_input(&self, x: &Tensor, flow_backward: &Tensor, flow_forward: &Tensor) -> Tensor {
+        let s = x.size();
+        let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+        let pairs = n * (d - 1);
+        let later = x.narrow(1, 1, d - 1).reshape([pairs, c, h, w]);
+        let earlier = x.narrow(1, 0, d - 1).reshape([pairs, c, h, w]);
+        let source = Tensor::cat(&[&later, &earlier], 0);
+        let flow = Tensor::cat(
+            &[
+                flow_backward.reshape([pairs, 2, h, w]),
+                flow_forward.reshape([pairs, 2, h, w]),
+            ],
+            0,
+        );
+        let warped = flow_warp(&source, &flow, WarpMode::Nearest4);
+        let backward = warped.narrow(0, 0, pairs).view([n, d - 1, 4 * c, h, w]);
+        let forward = warped.narrow(0, pairs, pairs).view([n, d - 1, 4 * c, h, w]);
+        let zeros = Tensor::zeros([n, 1, 4 * c, h, w], (x.kind(), x.device()));
+        let backward = Tensor::cat(&[&backward, &zeros], 1);
+        let forward = Tensor::cat(&[&zeros, &forward], 1);
+        Tensor::cat(&[x, &backward, &forward], 2)
+    }
+
+    /// Checks the input shapes; returns (N, D, H, W).
+    fn check(&self, x: &Tensor, voxels: Option<&Tensor>) -> Result<(), ModelError> {
+        let s = x.size();
+        if s.len() != 5 || s[2] != self.in_chans {
+            return Err(ModelError::Shape(format!(
+                "input must be (N, D, {}, H, W), got {s:?}",
+                self.in_chans
+            )));
+        }
+        if s[1] < 2 {
+            return Err(ModelError::Shape(format!(
+                "VRT needs at least 2 frames, got {}",
+                s[1]
+            )));
+        }
+        if s[3] % 8 != 0 || s[4] % 8 != 0 || s[3] < 8 || s[4] < 8 {
+            return Err(ModelError::Shape(format!(
+                "height and width must be positive multiples of 8, got {} x {}",
+                s[3], s[4]
+            )));
+        }
+        match (&self.spike, voxels) {
+            (Some(branch), Some(v)) => branch.check(v, &s),
+            (Some(_), None) => Err(ModelError::Shape(
+                "the spike branch is on (MODEL.SPIKE.ENABLED) but no voxels were given".into(),
+            )),
+            (None, _) => Ok(()),
+        }
+    }
+
+    /// Deblurs (N, D, C, H, W) in [0, 1]; `voxels` (N, D, K, Hs, Ws) when the spike
+    /// branch is on. Returns (N, D, C, H, W).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
+        self.forward_marked(x, voxels, train, &mut |_| {})
+    }
+
+    /// As [`Vrt::forward`], calling `mark(part)` after each part (flows, conv_first,
+    /// spike encoder, stages 1-8, reconstruction) so a profiler can time them.
+    pub fn forward_marked(
+        &self,
+        x: &Tensor,
+        voxels: Option<&Tensor>,
+        train: bool,
+        mark: &mut dyn FnMut(&str),
+    ) -> Result<Tensor, ModelError> {
+        self.check(x, voxels)?;
+        let (backward, forward) = self.flows(x);
+        mark("spynet");
+        let input = self.aligned_input(x, &backward[0], &forward[0]);
+        let feat = self.conv_first.forward(&input.transpose(1, 2));
+        mark("conv_first");
+        let spike_feats = match (&self.spike, voxels) {
+            (Some(branch), Some(v)) => {
+                let feats = branch.encode(v, &x.size(), train)?;
+                mark("spike_encoder");
+                Some(feats)
+            }
+            _ => None,
+        };
+        let fuse = |i: usize, y: Tensor| -> Result<Tensor, ModelError> {
+            match (&self.spike, &spike_feats) {
+                (Some(branch), Some(feats)) => branch.fuse(i, &y, &feats[i]),
+                _ => Ok(y),
+            }
+        };
+        let st = &self.stages;
+        let x1 = fuse(0, st[0].forward(&feat, &backward[0], &forward[0], train))?;
+        mark("stage1");
+        let x2 = fuse(1, st[1].forward(&x1, &backward[1], &forward[1], train))?;
+        mark("stage2");
+        let x3 = fuse(2, st[2].forward(&x2, &backward[2], &forward[2], train))?;
+        mark("stage3");
+        let x4 = fuse(3, st[3].forward(&x3, &backward[3], &forward[3], train))?;
+        mark("stage4");
+        let y = st[4].forward(&x4, &backward[2], &forward[2], train);
+        mark("stage5");
+        let y = st[5].forward(&(y + &x3), &backward[1], &forward[1], train);
+        mark("stage6");
+        let y = st[6].forward(&(y + &x2), &backward[0], &forward[0], train);
+        mark("stage7");
+        let y = (y + &x1).permute([0, 2, 3, 4, 1]);
+        let mut y = self.stage8_linear.forward(&self.stage8_norm.forward(&y));
+        for group in &self.stage8 {
+            y = group.forward(&y, train);
+        }
+        mark("stage8");
+        let body = self
+            .conv_after_body
+            .forward(&self.norm.forward(&y))
+            .permute([0, 4, 1, 2, 3]);
+        let out = self.conv_last.forward(&(feat + body)).transpose(1, 2);
+        let out = out + x;
+        mark("reconstruction");
+        Ok(out)
+    }
+
+    /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
+    pub fn has_spike_branch(&self) -> bool {
+        self.spike.is_some()
+    }
+
+    /// Sets how the spike branch chunks its per-pixel attention (no effect without it).
+    pub fn set_chunks(&mut self, chunks: crate::config::FuseConfig) {
+        if let Some(branch) = &mut self.spike {
+            branch.set_chunks(chunks);
+        }
+    }
+
+    /// Top-level parameter groups for summaries: (prefix, label).
+    pub fn parts(&self) -> Vec<(String, String)> {
+        let mut parts = vec![
+            ("spynet".to_string(), "SpyNet".to_string()),
+            ("conv_first".to_string(), "conv_first".to_string()),
+        ];
+        let labels = [
+            "1 (x1)", "2 (x1/2)", "3 (x1/4)", "4 (x1/8)", "5 (x1/4)", "6 (x1/2)", "7 (x1)",
+        ];
+        for (i, label) in labels.iter().enumerate() {
+            parts.push((format!("stage{}", i + 1), format!("stage {label}")));
+        }
+        parts.push(("stage8".to_string(), "stage 8 (RTMSA)".to_string()));
+        parts.push(("norm".to_string(), "norm".to_string()));
+        parts.push(("conv_after_body".to_string(), "conv_after_body".to_string()));
+        parts.push(("conv_last".to_string(), "conv_last".to_string()));
+        if self.spike.is_some() {
+            parts.extend(SpikeBranch::parts());
+        }
+        parts
+    }
+}
