@@ -18,7 +18,8 @@ pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
 pub use model::{
-    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig, ARCHS as MODEL_ARCHS,
+    ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
+    ARCHS as MODEL_ARCHS,
 };
 pub use train::TrainConfig;
 
