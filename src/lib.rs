@@ -6,4 +6,5 @@
 
 pub mod cache;
 pub mod config;
+pub mod data;
 pub mod util;

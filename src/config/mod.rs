@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use data::DataConfig;
+pub use data::{Augment, BlurDir, DataConfig};
 pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
@@ -100,11 +100,13 @@ impl Config {
             let key = err.path().to_string();
             parse_error(key, err.into_inner().to_string())
         })?;
-        config.validate().map_err(|(key, message)| ConfigError::Invalid {
-            path: path.to_path_buf(),
-            key,
-            message,
-        })?;
+        config
+            .validate()
+            .map_err(|(key, message)| ConfigError::Invalid {
+                path: path.to_path_buf(),
+                key,
+                message,
+            })?;
         Ok(config)
     }
 
@@ -155,15 +157,21 @@ mod tests {
 
     #[test]
     fn wrong_type_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n").unwrap_err().to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
     }
 
     #[test]
     fn bad_value_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n").unwrap_err().to_string();
+        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
-        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n").unwrap_err().to_string();
+        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("DATALOADER.TOTAL_WORKERS"), "{err}");
     }
 
