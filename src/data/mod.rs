@@ -8,6 +8,8 @@ pub mod image;
 pub mod index;
 pub mod meta;
 pub mod record;
+pub mod rng;
+pub mod synth;
 pub mod voxel;
 
 pub use error::DataError;
