@@ -26,6 +26,10 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Versions and devices this binary sees (libtorch, CUDA).
     Info,
+    /// Write a synthetic GoPro-Spike dataset (folder layout).
+    Synth(vrtspike::data::cli::SynthArgs),
+    /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
+    Inspect(vrtspike::data::cli::InspectArgs),
 }
 
 fn main() -> Result<()> {
@@ -36,5 +40,7 @@ fn main() -> Result<()> {
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info => cli::info(),
+        Command::Synth(args) => vrtspike::data::cli::run_synth(args),
+        Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),
     }
 }

@@ -2,6 +2,7 @@
 //! the dataset index, the compact cache record, the crop-only voxelizer, samples,
 //! the distributed sampler and the synthetic generator.
 
+pub mod cli;
 pub mod dat;
 pub mod error;
 pub mod image;
@@ -9,7 +10,9 @@ pub mod index;
 pub mod meta;
 pub mod record;
 pub mod rng;
+pub mod sample;
 pub mod synth;
+pub mod transform;
 pub mod voxel;
 
 pub use error::DataError;
