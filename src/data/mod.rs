@@ -11,6 +11,7 @@ pub mod meta;
 pub mod record;
 pub mod rng;
 pub mod sample;
+pub mod sampler;
 pub mod synth;
 pub mod transform;
 pub mod voxel;
