@@ -4,6 +4,7 @@
 //! The modules follow the data: [`config`] -> `data` -> [`cache`] -> loader ->
 //! `model` -> `train` -> `dist`; the `vrtspike-launch` binary supervises processes.
 
+pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod data;

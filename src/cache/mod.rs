@@ -1,1 +1,164 @@
-//! cache
+//! The node-wide data cache: one server process holds the only RAM copy of the
+//! dataset, in compact records in one shared-memory store with a byte cap and LRU
+//! eviction; every loader thread of every rank reads records zero-copy under a lease.
+//!
+//! [`store`] is the bookkeeping, [`shm`] the memory, [`server`] and [`client`] the two
+//! ends of the control channel whose messages are in [`protocol`].
+
+pub mod client;
+pub mod protocol;
+pub mod server;
+pub mod shm;
+pub mod stats;
+pub mod store;
+
+pub use client::{CacheClient, FillTicket, Lease, Lookup};
+pub use protocol::RequestError;
+pub use server::{default_address, spawn_server, Server, ServerConfig, ServerHandle};
+pub use stats::StatsReport;
+
+use crate::util::bytes::human;
+use crate::util::meminfo::MeminfoError;
+
+/// Environment variable that tells a rank where its node's cache server listens.
+pub const ADDRESS_ENV: &str = "VRTSPIKE_CACHE_ADDR";
+
+/// What can go wrong talking to, or starting, the cache.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// No server listens at the address.
+    #[error("cannot connect to the cache server at {address:?}: {source} (is `vrtspike cache serve --address {address}` running?)")]
+    Connect {
+        /// The address tried.
+        address: String,
+        /// The socket error.
+        source: std::io::Error,
+    },
+    /// The connection was made but the handshake failed.
+    #[error("handshake with the cache server at {address:?} failed: {message}")]
+    Handshake {
+        /// The address.
+        address: String,
+        /// What failed.
+        message: String,
+    },
+    /// The server went away.
+    #[error("the cache server at {address:?} has gone away")]
+    ServerGone {
+        /// The address.
+        address: String,
+    },
+    /// The server refused a request; the connection is still usable.
+    #[error("cache {request} refused: {error}")]
+    Refused {
+        /// The request.
+        request: &'static str,
+        /// Why.
+        error: RequestError,
+    },
+    /// No reply in time; the connection is out of step and unusable.
+    #[error("no reply from the cache server to {request} within {waited_s} s")]
+    Timeout {
+        /// The request.
+        request: &'static str,
+        /// Seconds waited.
+        waited_s: u64,
+    },
+    /// A connection that timed out before is used again.
+    #[error("this cache connection lost a reply earlier and cannot be used; open a new one")]
+    Broken,
+    /// The control channel failed.
+    #[error("cache channel failed during {op}: {message}")]
+    Ipc {
+        /// The operation.
+        op: &'static str,
+        /// The channel's error.
+        message: String,
+    },
+    /// A reply made no sense.
+    #[error("cache protocol error: {0}")]
+    Protocol(String),
+    /// The server granted a range outside the store.
+    #[error("cache server granted bytes {offset}..+{len} outside the store of {store_len} bytes")]
+    BadGrant {
+        /// Granted offset.
+        offset: u64,
+        /// Granted length.
+        len: u64,
+        /// The store's size.
+        store_len: u64,
+    },
+    /// A write past the reserved slot.
+    #[error("write of {len} bytes at offset {offset} into the slot of {key:?} exceeds its reserved {slot_len} bytes")]
+    WriteOutOfSlot {
+        /// The key being filled.
+        key: String,
+        /// Write offset.
+        offset: u64,
+        /// Write length.
+        len: u64,
+        /// The slot's reserved length.
+        slot_len: u64,
+    },
+    /// A write before a reservation.
+    #[error("fill of {key:?}: reserve a slot before writing")]
+    NotReserved {
+        /// The key being filled.
+        key: String,
+    },
+    /// The machine cannot hold the store.
+    #[error("cache store needs {} ({requested} bytes) of shared memory but only {} ({available} bytes) is free ({limit}); lower DATA.CACHE_SIZE_GB / --cap", human(*requested), human(*available))]
+    ShmTooSmall {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes free.
+        available: u64,
+        /// Which limit binds.
+        limit: String,
+    },
+    /// The cap cannot hold even one slot.
+    #[error("cache cap of {cap} bytes holds no slot of {slot_bytes} bytes; raise DATA.CACHE_SIZE_GB / --cap")]
+    StoreTooSmall {
+        /// The cap.
+        cap: u64,
+        /// The slot that does not fit.
+        slot_bytes: u64,
+    },
+    /// The address is taken.
+    #[error("cache address {address:?} is in use: another cache server of this run is running")]
+    AddressInUse {
+        /// The address.
+        address: String,
+    },
+    /// The address is not usable as an abstract socket name.
+    #[error("bad cache address {address:?}: expected 1 to 100 bytes")]
+    BadAddress {
+        /// The address.
+        address: String,
+    },
+    /// Binding failed for another reason.
+    #[error("cannot listen at cache address {address:?}: {source}")]
+    Bind {
+        /// The address.
+        address: String,
+        /// The socket error.
+        source: std::io::Error,
+    },
+    /// Memory figures could not be read.
+    #[error(transparent)]
+    Meminfo(#[from] MeminfoError),
+    /// A lock was poisoned by a panic elsewhere in this process.
+    #[error("cache client state poisoned by a panic in another thread")]
+    Poisoned,
+}
+
+/// A failed `get_or_fill`: the cache failed, or the caller's fill did.
+#[derive(Debug, thiserror::Error)]
+pub enum FillError<E> {
+    /// The cache failed.
+    #[error(transparent)]
+    Cache(CacheError),
+    /// The fill function failed (the fill was abandoned).
+    #[error("{0}")]
+    Fill(E),
+}

@@ -1,0 +1,465 @@
+//! `vrtspike bench cache`: a cache server in its own process, several worker
+//! processes of several threads doing random gets over more keys than fit (so fills
+//! evict), every read checked for tearing; then single-thread crop reads under a
+//! lease against a plain memcpy measured in the same run.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::histogram::Histogram;
+use super::record::{check_rows, copy_crop, verify_record, write_record, FrameShape};
+use crate::cache::store::slot_size_for;
+use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
+
+/// Errors of the benchmark driver and workers.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// A child process could not be run or failed.
+    #[error("{what}: {message}")]
+    Process {
+        /// Which process.
+        what: String,
+        /// What happened.
+        message: String,
+    },
+    /// Options that cannot work.
+    #[error("bad benchmark options: {0}")]
+    Options(String),
+}
+
+/// What one worker process does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerOptions {
+    /// The cache server's address.
+    pub address: String,
+    /// Reader threads in this process.
+    pub threads: usize,
+    /// Keys drawn uniformly from `0..keys`.
+    pub keys: u64,
+    /// Seconds to run.
+    pub seconds: f64,
+    /// Record shape.
+    pub height: usize,
+    /// Record shape.
+    pub width: usize,
+    /// Crop side in pixels.
+    pub crop: usize,
+    /// Seed of this process's key sequence.
+    pub seed: u64,
+    /// Verify the whole record's checksum on every n-th hit (1: every read).
+    pub verify_every: u64,
+}
+
+impl WorkerOptions {
+    fn shape(&self) -> FrameShape {
+        FrameShape {
+            height: self.height,
+            width: self.width,
+            channels: 3,
+        }
+    }
+}
+
+/// What one worker process measured.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct WorkerReport {
+    /// Gets completed.
+    pub ops: u64,
+    /// Hits.
+    pub hits: u64,
+    /// Misses (filled by this worker).
+    pub misses: u64,
+    /// Fills refused because every slot was pinned.
+    pub store_full: u64,
+    /// Reads that failed their integrity check.
+    pub torn_reads: u64,
+    /// Full-record checksum verifications done.
+    pub verified: u64,
+    /// Latency of gets that hit, µs.
+    pub hit_latency: Histogram,
+    /// Seconds the threads ran.
+    pub elapsed_s: f64,
+}
+
+impl WorkerReport {
+    fn merge(&mut self, other: &WorkerReport) {
+        self.ops += other.ops;
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.store_full += other.store_full;
+        self.torn_reads += other.torn_reads;
+        self.verified += other.verified;
+        self.hit_latency.merge(&other.hit_latency);
+        self.elapsed_s = self.elapsed_s.max(other.elapsed_s);
+    }
+}
+
+fn key_name(id: u64) -> String {
+    format!("bench/{id}")
+}
+
+/// One reader thread: random gets; hits are checked and cropped, misses filled.
+fn reader_thread(opts: &WorkerOptions, thread: usize) -> Result<WorkerReport, BenchError> {
+    let shape = opts.shape();
+    let client = CacheClient::connect(&opts.address, &format!("bench-{}-{thread}", opts.seed))?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed * 1000 + thread as u64);
+    let mut report = WorkerReport::default();
+    let mut crop = vec![0u8; opts.crop * opts.crop * 3];
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(opts.seconds);
+    while Instant::now() < deadline {
+        let id = rng.random_range(0..opts.keys);
+        let key = key_name(id);
+        let t0 = Instant::now();
+        let lookup = client.get(&key)?;
+        let lease = match lookup {
+            Lookup::Hit(lease) => {
+                report.hit_latency.record(t0.elapsed().as_secs_f64() * 1e6);
+                report.hits += 1;
+                lease
+            }
+            Lookup::Miss(mut ticket) => {
+                report.misses += 1;
+                match ticket.reserve(shape.record_bytes() as u64) {
+                    Ok(()) => {}
+                    Err(e) if matches!(e.refusal(), Some(RequestError::StoreFull { .. })) => {
+                        report.store_full += 1;
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                let slot = ticket.slot_mut()?;
+                write_record(shape, id, slot)
+                    .map_err(|e| BenchError::Options(format!("record shape: {e}")))?;
+                ticket.commit()?
+            }
+        };
+        let y = rng.random_range(0..=shape.height - opts.crop);
+        let x = rng.random_range(0..=shape.width - opts.crop);
+        let rows_ok = check_rows(shape, id, &lease, y..y + opts.crop);
+        copy_crop(shape, &lease, y, x, opts.crop, &mut crop);
+        let full_ok = if report.ops % opts.verify_every == 0 {
+            report.verified += 1;
+            verify_record(shape, id, &lease)
+        } else {
+            Ok(())
+        };
+        if let Err(e) = rows_ok.and(full_ok) {
+            tracing::error!("torn read of {key}: {e}");
+            report.torn_reads += 1;
+        }
+        drop(lease);
+        report.ops += 1;
+    }
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// A worker process: `threads` reader threads, reports merged.
+pub fn run_worker(opts: &WorkerOptions) -> Result<WorkerReport, BenchError> {
+    if opts.crop == 0 || opts.crop > opts.height || opts.crop > opts.width || opts.keys == 0 {
+        return Err(BenchError::Options(format!(
+            "crop {} must fit {}x{} records and keys must be > 0",
+            opts.crop, opts.height, opts.width
+        )));
+    }
+    let results: Vec<Result<WorkerReport, BenchError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..opts.threads)
+            .map(|t| scope.spawn(move || reader_thread(opts, t)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(BenchError::Options("a reader thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let mut total = WorkerReport::default();
+    for result in results {
+        total.merge(&result?);
+    }
+    Ok(total)
+}
+
+/// The whole benchmark's settings.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// The `vrtspike` binary that runs the server and workers.
+    pub exe: PathBuf,
+    /// Worker processes.
+    pub processes: usize,
+    /// Reader threads per worker process.
+    pub threads: usize,
+    /// Store size.
+    pub cap_bytes: u64,
+    /// Keys; 0: 5/4 of what fits.
+    pub keys: u64,
+    /// Seconds of random gets.
+    pub seconds: f64,
+    /// Record rows.
+    pub height: usize,
+    /// Record columns.
+    pub width: usize,
+    /// Crop side.
+    pub crop: usize,
+    /// Full checksum every n-th read.
+    pub verify_every: u64,
+    /// Crops in the single-thread crop-read phase.
+    pub crop_reads: usize,
+}
+
+/// The figures `vrtspike bench cache --json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Median latency of a get that hits, µs.
+    pub hit_p50_us: f64,
+    /// 99th percentile of the same.
+    pub hit_p99_us: f64,
+    /// Largest.
+    pub hit_max_us: f64,
+    /// Gets per second, all processes and threads.
+    pub ops_per_s: f64,
+    /// Hits / gets.
+    pub hit_rate: f64,
+    /// Records the server evicted.
+    pub evictions: u64,
+    /// Reads that failed their integrity check (must be 0).
+    pub torn_reads: u64,
+    /// Reads whose whole-record checksum was verified.
+    pub verified_reads: u64,
+    /// Fills refused because every slot was pinned.
+    pub store_full: u64,
+    /// 256x256 crop copy out of a leased record, single thread, GB/s.
+    pub crop_read_gbps: f64,
+    /// The same including the get and release of the lease, GB/s.
+    pub crop_with_lease_gbps: f64,
+    /// Plain single-thread memcpy of a 64 MiB buffer, GB/s.
+    pub memcpy_gbps: f64,
+    /// Worker processes.
+    pub processes: usize,
+    /// Reader threads per process.
+    pub threads: usize,
+    /// Keys drawn from.
+    pub keys: u64,
+    /// Records that fit the store.
+    pub slots: u64,
+    /// Bytes per record.
+    pub record_bytes: u64,
+    /// Store size.
+    pub cap_bytes: u64,
+    /// Seconds of the random-get phase.
+    pub seconds: f64,
+    /// The server's stats at the end.
+    #[serde(skip)]
+    pub server: Option<StatsReport>,
+}
+
+/// A child process killed when dropped (the server, on any error path).
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits until a server accepts connections at `address`.
+pub fn wait_for_server(address: &str, timeout: Duration) -> Result<CacheClient, CacheError> {
+    let started = Instant::now();
+    loop {
+        match CacheClient::connect(address, "bench-driver") {
+            Ok(client) => return Ok(client),
+            Err(e @ CacheError::Connect { .. }) if started.elapsed() < timeout => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn memcpy_gbps() -> f64 {
+    let len = 64 << 20;
+    let src = vec![1u8; len];
+    let mut dst = vec![0u8; len];
+    dst.copy_from_slice(&src); // fault the pages in first
+    let rounds = 8;
+    let t0 = Instant::now();
+    for _ in 0..rounds {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    (len * rounds) as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+/// Runs the whole benchmark.
+pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
+    let shape = FrameShape {
+        height: opts.height,
+        width: opts.width,
+        channels: 3,
+    };
+    let record_bytes = shape.record_bytes() as u64;
+    let slots = opts.cap_bytes / slot_size_for(record_bytes);
+    if slots == 0 {
+        return Err(BenchError::Options(format!(
+            "a cap of {} bytes holds no {record_bytes}-byte record",
+            opts.cap_bytes
+        )));
+    }
+    let keys = if opts.keys == 0 {
+        slots * 5 / 4 + 1
+    } else {
+        opts.keys
+    };
+    let address = crate::cache::default_address(&format!(
+        "bench-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let server = Command::new(&opts.exe)
+        .args(["cache", "serve", "--address", &address, "--exit-with-parent"])
+        .args(["--cap", &opts.cap_bytes.to_string()])
+        .args(["--slot-bytes", &record_bytes.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| BenchError::Process {
+            what: format!("starting the cache server {}", opts.exe.display()),
+            message: e.to_string(),
+        })?;
+    let _server = ChildGuard(server);
+    let driver = wait_for_server(&address, Duration::from_secs(60))?;
+
+    // Warm: fill every slot once, so the timed phase runs at steady eviction pressure.
+    for id in 0..slots.min(keys) {
+        let lease = driver
+            .get_or_fill(&key_name(id), record_bytes as usize, |slot| {
+                write_record(shape, id, slot)
+            })
+            .map_err(|e| BenchError::Options(format!("warm-up fill: {e}")))?;
+        drop(lease);
+    }
+
+    let worker = WorkerOptions {
+        address: address.clone(),
+        threads: opts.threads,
+        keys,
+        seconds: opts.seconds,
+        height: opts.height,
+        width: opts.width,
+        crop: opts.crop,
+        seed: 0,
+        verify_every: opts.verify_every.max(1),
+    };
+    let mut children = Vec::new();
+    for p in 0..opts.processes {
+        let mut w = worker.clone();
+        w.seed = p as u64 + 1;
+        let json = serde_json::to_string(&w).map_err(|e| BenchError::Options(e.to_string()))?;
+        let child = Command::new(&opts.exe)
+            .args(["bench", "cache-worker", "--options", &json])
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| BenchError::Process {
+                what: format!("starting bench worker {p}"),
+                message: e.to_string(),
+            })?;
+        children.push(ChildGuard(child));
+    }
+    let mut total = WorkerReport::default();
+    for (p, mut child) in children.into_iter().enumerate() {
+        let what = format!("bench worker {p}");
+        let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Process {
+            what: what.clone(),
+            message: "no stdout".into(),
+        })?;
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|e| BenchError::Process {
+                what: what.clone(),
+                message: e.to_string(),
+            })?;
+        let status = child.0.wait().map_err(|e| BenchError::Process {
+            what: what.clone(),
+            message: e.to_string(),
+        })?;
+        if !status.success() {
+            return Err(BenchError::Process {
+                what,
+                message: format!("exited with {status}"),
+            });
+        }
+        let report: WorkerReport = serde_json::from_str(line.trim()).map_err(|e| {
+            BenchError::Process {
+                what: what.clone(),
+                message: format!("bad report {line:?}: {e}"),
+            }
+        })?;
+        total.merge(&report);
+    }
+
+    // Crop reads, one thread, the store otherwise idle.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut crop = vec![0u8; opts.crop * opts.crop * 3];
+    let mut copy_s = 0.0;
+    let t_all = Instant::now();
+    for _ in 0..opts.crop_reads {
+        let id = rng.random_range(0..slots.min(keys));
+        let lease = driver
+            .get_or_fill(&key_name(id), record_bytes as usize, |slot| {
+                write_record(shape, id, slot)
+            })
+            .map_err(|e| BenchError::Options(format!("crop phase: {e}")))?;
+        let y = rng.random_range(0..=shape.height - opts.crop);
+        let x = rng.random_range(0..=shape.width - opts.crop);
+        let t0 = Instant::now();
+        copy_crop(shape, &lease, y, x, opts.crop, &mut crop);
+        std::hint::black_box(&mut crop);
+        copy_s += t0.elapsed().as_secs_f64();
+    }
+    let all_s = t_all.elapsed().as_secs_f64();
+    let crop_bytes = (opts.crop_reads * crop.len()) as f64;
+    let memcpy = memcpy_gbps();
+    let server_stats = driver.stats()?;
+    let _ = driver.shutdown_server();
+
+    let gets = total.hits + total.misses;
+    Ok(BenchReport {
+        hit_p50_us: total.hit_latency.percentile(0.50),
+        hit_p99_us: total.hit_latency.percentile(0.99),
+        hit_max_us: total.hit_latency.max(),
+        ops_per_s: total.ops as f64 / total.elapsed_s.max(1e-9),
+        hit_rate: if gets == 0 {
+            0.0
+        } else {
+            total.hits as f64 / gets as f64
+        },
+        evictions: server_stats.evictions,
+        torn_reads: total.torn_reads,
+        verified_reads: total.verified,
+        store_full: total.store_full,
+        crop_read_gbps: crop_bytes / copy_s.max(1e-12) / 1e9,
+        crop_with_lease_gbps: crop_bytes / all_s.max(1e-12) / 1e9,
+        memcpy_gbps: memcpy,
+        processes: opts.processes,
+        threads: opts.threads,
+        keys,
+        slots,
+        record_bytes,
+        cap_bytes: opts.cap_bytes,
+        seconds: opts.seconds,
+        server: Some(server_stats),
+    })
+}

@@ -1,0 +1,234 @@
+//! The control channel's messages. Every request gets exactly one reply, in order,
+//! on the client's own reply channel; record bytes never travel here, only the
+//! offsets of slots in the shared store that the client has mapped.
+
+use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use serde::{Deserialize, Serialize};
+
+use super::stats::StatsReport;
+
+/// A connection's id, unique for the server's lifetime.
+pub type ClientId = u64;
+/// A pin on a committed record; released by `Release` or by disconnecting.
+pub type LeaseId = u64;
+/// The right to fill one key after a miss.
+pub type TicketId = u64;
+
+/// A request from a client.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Request {
+    /// First message of a connection: who is asking, where to reply, and which
+    /// store (if any) this process has already mapped.
+    Hello {
+        /// Label for stats and logs.
+        name: String,
+        /// The client's process id.
+        pid: u32,
+        /// Id of the store this process already maps for this address.
+        mapped_store: Option<u64>,
+        /// Where the server sends replies.
+        reply: IpcSender<Reply>,
+    },
+    /// Lease on `key` if cached; otherwise a fill ticket, or a wait for the fill in flight.
+    Get {
+        /// The record's key.
+        key: String,
+    },
+    /// Lease on `key` if cached, `NotCached` otherwise; never fills.
+    Peek {
+        /// The record's key.
+        key: String,
+    },
+    /// Reserve a slot of `len` bytes for a ticket from a miss.
+    Reserve {
+        /// The ticket from `Miss`.
+        ticket: TicketId,
+        /// Exact record length in bytes.
+        len: u64,
+    },
+    /// The reserved slot is written: publish it and lease it to the filler.
+    Commit {
+        /// The ticket whose slot is written.
+        ticket: TicketId,
+    },
+    /// Give up a fill; waiters on the key retry.
+    Abort {
+        /// The ticket to abandon.
+        ticket: TicketId,
+    },
+    /// Unpin a record.
+    Release {
+        /// The lease to release.
+        lease: LeaseId,
+    },
+    /// Drop a cached, unpinned record (for example after its file changed).
+    Invalidate {
+        /// The record's key.
+        key: String,
+    },
+    /// Live statistics.
+    Stats,
+    /// Stop the server.
+    Shutdown,
+}
+
+impl Request {
+    /// Short name of the request, for logs and errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "hello",
+            Request::Get { .. } => "get",
+            Request::Peek { .. } => "peek",
+            Request::Reserve { .. } => "reserve",
+            Request::Commit { .. } => "commit",
+            Request::Abort { .. } => "abort",
+            Request::Release { .. } => "release",
+            Request::Invalidate { .. } => "invalidate",
+            Request::Stats => "stats",
+            Request::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Where a leased record lies in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    /// The lease to release when done.
+    pub lease: LeaseId,
+    /// Byte offset of the slot in the store.
+    pub offset: u64,
+    /// Committed length of the record.
+    pub len: u64,
+}
+
+/// A reply from the server.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Reply {
+    /// Answer to `Hello`: the store to map (absent if the process maps it already).
+    Welcome {
+        /// This connection's id.
+        client: ClientId,
+        /// Id of the server's store (changes when a server restarts).
+        store_id: u64,
+        /// Bytes in the store.
+        store_len: u64,
+        /// The store's memory (a memfd), unless the process maps it already.
+        store: Option<IpcSharedMemory>,
+    },
+    /// The record is cached and now pinned for this client.
+    Hit(LeaseGrant),
+    /// Not cached: this client fills it with the ticket.
+    Miss {
+        /// The fill's ticket.
+        ticket: TicketId,
+    },
+    /// A slot is reserved; write `len` bytes at `offset`, then commit.
+    Reserved {
+        /// The fill's ticket.
+        ticket: TicketId,
+        /// Byte offset of the slot in the store.
+        offset: u64,
+        /// Reserved length (the record's exact length).
+        len: u64,
+    },
+    /// The fill is published and leased to the filler.
+    Committed(LeaseGrant),
+    /// `Peek` found nothing.
+    NotCached,
+    /// A request that needs no data succeeded.
+    Done,
+    /// Live statistics.
+    Stats(Box<StatsReport>),
+    /// The request was refused; the connection stays usable.
+    Error(RequestError),
+}
+
+/// Why the server refused a request. The server logs it and keeps serving.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum RequestError {
+    /// Release of a lease this client does not hold (double release, or a made-up id).
+    #[error("lease {lease} is not held by this client (released already, or never granted)")]
+    LeaseNotHeld {
+        /// The lease named in the request.
+        lease: LeaseId,
+    },
+    /// A ticket this client does not hold.
+    #[error("fill ticket {ticket} is not held by this client (committed, aborted, or never granted)")]
+    TicketNotHeld {
+        /// The ticket named in the request.
+        ticket: TicketId,
+    },
+    /// Commit before Reserve, or a second Reserve.
+    #[error("fill ticket {ticket} for key {key:?}: {problem}")]
+    TicketState {
+        /// The ticket named in the request.
+        ticket: TicketId,
+        /// Its key.
+        key: String,
+        /// What was out of order.
+        problem: String,
+    },
+    /// The key is not cached.
+    #[error("key {key:?} is not cached")]
+    UnknownKey {
+        /// The key named in the request.
+        key: String,
+    },
+    /// The record is pinned and cannot be invalidated now.
+    #[error("key {key:?} is pinned by {pins} lease(s)")]
+    Pinned {
+        /// The key named in the request.
+        key: String,
+        /// Leases holding it.
+        pins: u32,
+    },
+    /// No slot class can hold the record.
+    #[error("record {key:?} of {len} bytes is larger than the largest slot ({largest_slot} bytes)")]
+    RecordTooLarge {
+        /// The record's key.
+        key: String,
+        /// Its length.
+        len: u64,
+        /// The largest slot the store has or could have.
+        largest_slot: u64,
+    },
+    /// A zero-length record.
+    #[error("record {key:?}: a record must be at least 1 byte")]
+    EmptyRecord {
+        /// The record's key.
+        key: String,
+    },
+    /// Every slot of the needed size is pinned or being filled.
+    #[error("no slot for {key:?} ({len} bytes): all {slots} slots of {slot_bytes} bytes are pinned or being filled; release leases or raise DATA.CACHE_SIZE_GB")]
+    StoreFull {
+        /// The record's key.
+        key: String,
+        /// Its length.
+        len: u64,
+        /// Slots of that class.
+        slots: usize,
+        /// Their size.
+        slot_bytes: u64,
+    },
+    /// The same client asked for a key it is filling itself.
+    #[error("key {key:?} is already being filled by this client (ticket {ticket})")]
+    AlreadyFilling {
+        /// The key.
+        key: String,
+        /// The client's own ticket for it.
+        ticket: TicketId,
+    },
+    /// Waited too long for another client's fill of the key.
+    #[error("key {key:?}: the fill by client {filler} did not finish within {waited_s} s")]
+    FillTimedOut {
+        /// The key.
+        key: String,
+        /// The client filling it.
+        filler: ClientId,
+        /// Seconds waited.
+        waited_s: u64,
+    },
+    /// A request that makes no sense at this point of the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}

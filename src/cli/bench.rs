@@ -1,0 +1,148 @@
+//! `vrtspike bench cache`: the shared-memory cache benchmark (one JSON object with
+//! `--json`), and the hidden worker subcommand it runs in each worker process.
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+
+use vrtspike::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
+use vrtspike::util::bytes::{human, parse_size};
+
+/// The benchmarks.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Cache server under several processes x threads of random gets with eviction.
+    Cache(CacheBenchArgs),
+    /// One worker process of `bench cache` (run by it, not by hand).
+    #[command(hide = true)]
+    CacheWorker {
+        /// The worker's options as JSON.
+        #[arg(long)]
+        options: String,
+    },
+}
+
+/// `bench cache`.
+#[derive(Args)]
+pub struct CacheBenchArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Worker processes.
+    #[arg(long, default_value_t = 2)]
+    processes: usize,
+    /// Reader threads per worker process.
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Store size.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    cap: u64,
+    /// Keys drawn from (0: 5/4 of the records that fit, so fills evict).
+    #[arg(long, default_value_t = 0)]
+    keys: u64,
+    /// Seconds of random gets.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Record height in pixels (RGB u8).
+    #[arg(long, default_value_t = 720)]
+    height: usize,
+    /// Record width in pixels.
+    #[arg(long, default_value_t = 1280)]
+    width: usize,
+    /// Crop side in pixels.
+    #[arg(long, default_value_t = 256)]
+    crop: usize,
+    /// Verify the whole record's checksum every n-th read (1: every read).
+    #[arg(long, default_value_t = 8)]
+    verify_every: u64,
+    /// Crops in the single-thread crop-read phase.
+    #[arg(long, default_value_t = 4000)]
+    crop_reads: usize,
+}
+
+/// Runs a benchmark subcommand.
+pub fn run(command: BenchCommand) -> Result<()> {
+    match command {
+        BenchCommand::Cache(args) => {
+            let report = run_cache(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print_cache(&report);
+            }
+            Ok(())
+        }
+        BenchCommand::CacheWorker { options } => {
+            let opts: WorkerOptions =
+                serde_json::from_str(&options).context("parsing the worker's --options")?;
+            let report = cache_bench::run_worker(&opts)?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+    }
+}
+
+/// Runs the cache benchmark with these arguments.
+pub fn run_cache(args: &CacheBenchArgs) -> Result<BenchReport> {
+    let opts = BenchOptions {
+        exe: std::env::current_exe().context("finding the vrtspike binary")?,
+        processes: args.processes,
+        threads: args.threads,
+        cap_bytes: args.cap,
+        keys: args.keys,
+        seconds: args.seconds,
+        height: args.height,
+        width: args.width,
+        crop: args.crop,
+        verify_every: args.verify_every,
+        crop_reads: args.crop_reads,
+    };
+    Ok(cache_bench::run(&opts)?)
+}
+
+fn print_cache(r: &BenchReport) {
+    println!(
+        "cache bench: {} processes x {} threads, {} keys over {} slots of {} ({} cap), {:.1} s",
+        r.processes,
+        r.threads,
+        r.keys,
+        r.slots,
+        human(r.record_bytes),
+        human(r.cap_bytes),
+        r.seconds
+    );
+    println!(
+        "  gets/s {:.0}  hit rate {:.1}%  evictions {}  torn reads {} ({} fully verified)",
+        r.ops_per_s,
+        100.0 * r.hit_rate,
+        r.evictions,
+        r.torn_reads,
+        r.verified_reads
+    );
+    println!(
+        "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}",
+        r.hit_p50_us, r.hit_p99_us, r.hit_max_us
+    );
+    println!(
+        "  crop read {:.2} GB/s ({:.2} with lease get/release)  memcpy {:.2} GB/s",
+        r.crop_read_gbps, r.crop_with_lease_gbps, r.memcpy_gbps
+    );
+}
+
+impl CacheBenchArgs {
+    /// A short, small run (the demo's synthetic load) of `seconds`.
+    pub fn demo(seconds: f64) -> CacheBenchArgs {
+        CacheBenchArgs {
+            json: false,
+            processes: 2,
+            threads: 2,
+            cap: 256 << 20,
+            keys: 0,
+            seconds,
+            height: 720,
+            width: 1280,
+            crop: 256,
+            verify_every: 1,
+            crop_reads: 500,
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! `vrtspike cache serve | stats | shutdown`: run the node's cache server, or query
+//! and stop a running one.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+
+use vrtspike::cache::{self, CacheClient, Server, ServerConfig};
+use vrtspike::config::Config;
+use vrtspike::util::bytes::parse_size;
+
+/// The cache subcommands.
+#[derive(Subcommand)]
+pub enum CacheCommand {
+    /// Run a cache server in the foreground until it is told to stop.
+    Serve(ServeArgs),
+    /// Print a running server's statistics.
+    Stats(StatsArgs),
+    /// Ask a running server to stop.
+    Shutdown(AddressArgs),
+}
+
+/// Where the server listens.
+#[derive(Args)]
+pub struct AddressArgs {
+    /// Abstract socket name (default: $VRTSPIKE_CACHE_ADDR, else vrtspike-cache-default).
+    #[arg(long)]
+    pub address: Option<String>,
+}
+
+impl AddressArgs {
+    fn resolve(&self) -> String {
+        self.address
+            .clone()
+            .or_else(|| std::env::var(cache::ADDRESS_ENV).ok())
+            .unwrap_or_else(|| cache::default_address("default"))
+    }
+}
+
+/// `cache serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    address: AddressArgs,
+    /// Byte cap (e.g. 20G); default: DATA.CACHE_SIZE_GB of --config.
+    #[arg(long, value_parser = parse_size)]
+    cap: Option<u64>,
+    /// A run config whose DATA.CACHE_SIZE_GB sets the cap.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Slot sizes (bytes, or with K/M/G); default: one class per record size.
+    #[arg(long, value_parser = parse_size, value_delimiter = ',')]
+    slot_bytes: Vec<u64>,
+    /// Seconds a get waits for another client's fill of the same key.
+    #[arg(long, default_value_t = 120)]
+    fill_wait_s: u64,
+    /// Exit when the parent process dies (set by the launcher).
+    #[arg(long)]
+    exit_with_parent: bool,
+}
+
+/// `cache stats`.
+#[derive(Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    address: AddressArgs,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Print again every this many seconds until interrupted.
+    #[arg(long)]
+    watch: Option<f64>,
+}
+
+/// Runs a cache subcommand.
+pub fn run(command: CacheCommand) -> Result<()> {
+    match command {
+        CacheCommand::Serve(args) => serve(args),
+        CacheCommand::Stats(args) => stats(args),
+        CacheCommand::Shutdown(args) => {
+            let address = args.resolve();
+            let client = CacheClient::connect(&address, "vrtspike cache shutdown")?;
+            client.shutdown_server()?;
+            println!("cache server at {address} stopped");
+            Ok(())
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    if args.exit_with_parent {
+        nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+            .context("setting the parent-death signal")?;
+    }
+    let cap = match (args.cap, &args.config) {
+        (Some(cap), _) => cap,
+        (None, Some(path)) => Config::load(path)?.data.cache_bytes(),
+        (None, None) => bail!("give the cache size with --cap SIZE or --config FILE"),
+    };
+    let mut config = ServerConfig::new(args.address.resolve(), cap);
+    config.slot_bytes = args.slot_bytes;
+    config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
+    let server = Server::bind(config)?;
+    println!("cache server listening at {}", server.address());
+    server.run()?;
+    Ok(())
+}
+
+fn stats(args: StatsArgs) -> Result<()> {
+    let address = args.address.resolve();
+    let client = CacheClient::connect(&address, "vrtspike cache stats")?;
+    loop {
+        let report = client.stats()?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{report}");
+        }
+        match args.watch {
+            Some(secs) if secs > 0.0 => std::thread::sleep(Duration::from_secs_f64(secs)),
+            _ => return Ok(()),
+        }
+    }
+}
