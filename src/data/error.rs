@@ -30,6 +30,9 @@ pub enum DataError {
         /// What is wrong with it.
         message: String,
     },
+    /// The node cache failed (connection, reservation, commit).
+    #[error("cache: {0}")]
+    Cache(#[from] crate::cache::CacheError),
     /// A request does not fit the data (crop out of bounds, unknown sequence, ...).
     #[error("{0}")]
     Request(String),

@@ -7,6 +7,7 @@ pub mod dat;
 pub mod error;
 pub mod image;
 pub mod index;
+pub mod loader;
 pub mod meta;
 pub mod record;
 pub mod rng;
