@@ -2,6 +2,7 @@
 //! the dataset index, the compact cache record, the crop-only voxelizer, samples,
 //! the distributed sampler and the synthetic generator.
 
+pub mod bench;
 pub mod cli;
 pub mod dat;
 pub mod error;
