@@ -19,6 +19,7 @@ use tracing::{debug, info, warn};
 use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::shm::Segment;
 use super::store::{GetOutcome, Store, SLOT_ALIGN};
+use super::table::Layout;
 use super::CacheError;
 use crate::util::bytes::human;
 
@@ -90,7 +91,7 @@ struct Shared {
     store: Mutex<Store>,
     /// Signalled whenever a fill commits or is abandoned.
     fill_done: Condvar,
-    segment: Segment,
+    segment: Arc<Segment>,
     store_id: u64,
     address: String,
     pid: u32,
@@ -129,13 +130,17 @@ impl Server {
                 }
             }
         })?;
-        let segment = Segment::create(config.cap_bytes)?;
+        let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
+        let segment = Arc::new(Segment::create(layout.total_bytes())?);
+        let table = segment.create_table(layout)?;
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let store = Store::new(store_id, segment.len(), &config.slot_bytes);
+        let store = Store::new(store_id, config.cap_bytes, &config.slot_bytes, table);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),
+            metadata = %human(layout.meta_bytes()),
+            slot_entries = layout.slots,
             "cache server ready"
         );
         Ok(Server {
@@ -283,16 +288,28 @@ fn handshake(
     else {
         return Err(format!("first message was {}, not hello", hello.kind()));
     };
-    let client = shared.store().connect(name.clone(), pid);
+    let connected = shared.store().connect(name.clone(), pid);
+    let (client, pin_bit) = match connected {
+        Ok(parts) => parts,
+        Err(error) => {
+            let message = format!("client {name:?} (pid {pid}) refused: {error}");
+            let _ = reply.send(Reply::Error(error));
+            return Err(message);
+        }
+    };
     let store = (mapped_store != Some(shared.store_id)).then(|| shared.segment.share());
-    reply
-        .send(Reply::Welcome {
-            client,
-            store_id: shared.store_id,
-            store_len: shared.segment.len(),
-            store,
-        })
-        .map_err(|e| format!("welcome: {e:?}"))?;
+    let welcome = Reply::Welcome {
+        client,
+        store_id: shared.store_id,
+        store_len: shared.segment.len(),
+        arena_bytes: shared.config.cap_bytes,
+        pin_bit: pin_bit as u32,
+        store,
+    };
+    if let Err(e) = reply.send(welcome) {
+        shared.store().disconnect(client);
+        return Err(format!("welcome: {e:?}"));
+    }
     debug!(client, %name, pid, "client connected");
     Ok((requests, reply, client))
 }
@@ -340,6 +357,7 @@ fn serve_connection(shared: &Shared, stream: UnixStream) {
 
 fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {
     let kind = request.kind();
+    shared.store().count_request(client);
     let result = match request {
         Request::Get { key } => get_or_wait(shared, client, &key),
         Request::Peek { key } => shared
