@@ -42,6 +42,8 @@ pub struct CacheClient {
     pin_bit: usize,
     /// Leases this connection holds per slot; the pin bit is set while above 0.
     held: RefCell<HashMap<usize, u32>>,
+    /// Hits this connection served from the shared index, with no message.
+    shared_hits: Cell<u64>,
     /// Aborts sent whose acknowledgement has not been read yet.
     pending_acks: Cell<usize>,
     /// Set when a reply was lost (timeout): the channel is out of step for good.
@@ -125,6 +127,7 @@ impl CacheClient {
             arena_bytes,
             pin_bit,
             held: RefCell::new(HashMap::new()),
+            shared_hits: Cell::new(0),
             pending_acks: Cell::new(0),
             broken: Cell::new(false),
         })
@@ -133,6 +136,12 @@ impl CacheClient {
     /// This connection's id in the server's stats.
     pub fn id(&self) -> ClientId {
         self.id
+    }
+
+    /// Hits this connection took straight from shared memory (no message); the rest
+    /// of its hits went through the server (a fill in flight, a racing eviction).
+    pub fn shared_hits(&self) -> u64 {
+        self.shared_hits.get()
     }
 
     /// The server's address.
@@ -297,6 +306,7 @@ impl CacheClient {
                     *self.held.borrow_mut().entry(slot).or_insert(0) += 1;
                     self.table.touch(slot);
                     self.table.count_hit(bit);
+                    self.shared_hits.set(self.shared_hits.get() + 1);
                     return Some(Lease {
                         client: self,
                         grant,

@@ -843,4 +843,23 @@ mod tests {
         assert_eq!(sizes, vec![8192, MB + SLOT_ALIGN]);
         assert_eq!(s.bytes_carved, 2 * 8192 + MB + SLOT_ALIGN);
     }
+
+    #[test]
+    fn connections_beyond_the_pin_bits_are_refused_until_one_leaves() {
+        let mut store = Store::on_heap(1, MB, &[]);
+        let ids: Vec<ClientId> = (0..MAX_CONNECTIONS)
+            .map(|i| store.connect(format!("c{i}"), 1).unwrap().0)
+            .collect();
+        let err = store.connect("one too many".into(), 1).unwrap_err();
+        assert_eq!(
+            err,
+            RequestError::TooManyConnections {
+                max: MAX_CONNECTIONS
+            }
+        );
+        assert!(err.to_string().contains("512"), "{err}");
+        store.disconnect(ids[7]);
+        let (_, bit) = store.connect("late".into(), 1).unwrap();
+        assert!(bit < MAX_CONNECTIONS);
+    }
 }
