@@ -242,6 +242,7 @@ impl CacheClient {
                 grant,
                 slot,
                 ptr,
+                waited: false,
             }),
             Err(e) => {
                 self.drop_hold(slot);
@@ -312,6 +313,7 @@ impl CacheClient {
                         grant,
                         slot,
                         ptr,
+                        waited: false,
                     });
                 }
                 _ => {
@@ -334,6 +336,11 @@ impl CacheClient {
             key: key.to_string(),
         })? {
             Reply::Hit(grant) => Ok(Lookup::Hit(self.lease(grant)?)),
+            Reply::HitAfterWait(grant) => {
+                let mut lease = self.lease(grant)?;
+                lease.waited = true;
+                Ok(Lookup::Hit(lease))
+            }
             Reply::Miss { ticket } => Ok(Lookup::Miss(FillTicket {
                 client: self,
                 ticket,
@@ -414,12 +421,20 @@ pub struct Lease<'c> {
     grant: LeaseGrant,
     slot: usize,
     ptr: *mut u8,
+    /// Whether the get waited for another client's fill of the key.
+    waited: bool,
 }
 
 impl Lease<'_> {
     /// The lease's id.
     pub fn id(&self) -> LeaseId {
         self.grant.lease
+    }
+
+    /// Whether the get that returned this lease found the key being filled by another
+    /// client and waited for that fill (single flight), rather than finding it cached.
+    pub fn waited_for_fill(&self) -> bool {
+        self.waited
     }
 
     /// The record's offset in the store (for diagnostics).

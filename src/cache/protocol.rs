@@ -122,6 +122,9 @@ pub enum Reply {
     },
     /// The record is cached and now pinned for this client.
     Hit(LeaseGrant),
+    /// The record was being filled by another client when asked for; this client
+    /// waited for that fill (single flight) and now holds a lease on it.
+    HitAfterWait(LeaseGrant),
     /// Not cached: this client fills it with the ticket.
     Miss {
         /// The fill's ticket.

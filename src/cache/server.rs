@@ -404,11 +404,14 @@ fn get_or_wait(shared: &Shared, client: ClientId, key: &str) -> Result<Reply, Re
     let started = Instant::now();
     let timeout = shared.config.fill_wait_timeout;
     let mut store = shared.store();
+    let mut waited = false;
     loop {
         match store.get(client, key)? {
+            GetOutcome::Hit(grant) if waited => return Ok(Reply::HitAfterWait(grant)),
             GetOutcome::Hit(grant) => return Ok(Reply::Hit(grant)),
             GetOutcome::Miss(ticket) => return Ok(Reply::Miss { ticket }),
             GetOutcome::Wait { filler } => {
+                waited = true;
                 let waited = started.elapsed();
                 if waited >= timeout {
                     return Err(RequestError::FillTimedOut {
