@@ -1,8 +1,9 @@
 //! The cache server: one per node. It listens on an abstract Unix socket (nothing on
 //! disk, gone with the process), hands each client the store's memfd and typed
 //! channels, and serves each connection on its own thread over one locked store.
-//! Concurrent misses on a key wait for the first fill; a client that disconnects or
-//! dies gets its leases released and its fills abandoned.
+//! Hits on cached records never reach it: clients pin them in the shared slot table
+//! themselves. Concurrent misses on a key wait for the first fill; a client that
+//! disconnects or dies gets its pin bit cleared everywhere and its fills abandoned.
 
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
