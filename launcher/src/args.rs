@@ -10,7 +10,7 @@ use nix::sys::signal::Signal;
 /// Runs a vrtspike training job on this node: the node's cache server, then one
 /// rank per GPU (or `--gpus 0 --ranks N` CPU ranks), supervised as a gang.
 #[derive(Parser, Debug)]
-#[command(name = "vrtspike-launch", version, about, long_about = None)]
+#[command(name = "vrtspike-launch", version, about, long_about = None, args_override_self = true)]
 pub struct Args {
     /// Run config (YAML), handed to every rank and to the cache server.
     #[arg(long)]
