@@ -52,7 +52,14 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
                 spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
             );
         }
-        if stats(spec.vrtspike, spec.address).is_some() {
+        // `cache stats` starts a process that loads libtorch, so ask only once the
+        // server has said it listens (or after a while, should that line change).
+        let said_ready = std::fs::read(&spec.log).is_ok_and(|log| {
+            log.get(usize::try_from(server.log_offset).unwrap_or(usize::MAX)..)
+                .is_some_and(|new| contains(new, READY_LINE.as_bytes()))
+        });
+        let may_ask = said_ready || started.elapsed() > Duration::from_secs(2);
+        if may_ask && stats(spec.vrtspike, spec.address).is_some() {
             tracing::info!(
                 address = spec.address,
                 pid = server.pid(),
@@ -72,6 +79,13 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// What `vrtspike cache serve` prints once it is bound.
+const READY_LINE: &str = "cache server listening at";
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// The server's statistics as JSON, or `None` if it does not answer.

@@ -19,12 +19,21 @@ echo "rank $RANK finished"
 #[test]
 fn two_cpu_ranks_get_the_torchrun_contract() {
     let job = Job::new(CHECK_CACHE_AND_EXIT);
-    let output = job.run(&["--gpus", "0", "--ranks", "2", "--", "--steps", "3"], LIMIT);
+    let output = job.run(
+        &["--gpus", "0", "--ranks", "2", "--", "--steps", "3"],
+        LIMIT,
+    );
     let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
 
     let run_dir = job.run_dir.canonicalize().unwrap_or_else(|e| panic!("{e}"));
-    assert!(stdout.contains(&format!("run dir: {}", run_dir.display())), "{stdout}");
+    assert!(
+        stdout.contains(&format!("run dir: {}", run_dir.display())),
+        "{stdout}"
+    );
     // Rank 0's log is echoed with a prefix, rank 1's is not.
     assert!(stdout.contains("[rank0] rank 0 finished"), "{stdout}");
     assert!(!stdout.contains("rank 1 finished"), "{stdout}");
@@ -41,7 +50,10 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
         assert_eq!(get("VRTSPIKE_RESTART_COUNT"), Some("0"));
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("0"));
         assert_eq!(get("VRTSPIKE_DEVICE"), Some("cpu"));
-        assert_eq!(get("VRTSPIKE_RUN_DIR"), Some(run_dir.to_str().unwrap_or("?")));
+        assert_eq!(
+            get("VRTSPIKE_RUN_DIR"),
+            Some(run_dir.to_str().unwrap_or("?"))
+        );
         assert_eq!(
             get("PYTORCH_CUDA_ALLOC_CONF"),
             Some("expandable_segments:True")
@@ -51,12 +63,17 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
     let port = env0.get("MASTER_PORT").and_then(|p| p.parse::<u16>().ok());
     assert!(port.is_some_and(|p| p > 0), "{env0:?}");
     assert_eq!(env0.get("MASTER_PORT"), env1.get("MASTER_PORT"));
-    assert_eq!(env0.get("VRTSPIKE_CACHE_ADDR"), env1.get("VRTSPIKE_CACHE_ADDR"));
+    assert_eq!(
+        env0.get("VRTSPIKE_CACHE_ADDR"),
+        env1.get("VRTSPIKE_CACHE_ADDR")
+    );
     // The rank command is `train --config <absolute path>` plus the arguments after `--`.
     let config = job.config.canonicalize().unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        job.rank_log(1)
-            .contains(&format!("args: train --config {} --steps 3", config.display())),
+        job.rank_log(1).contains(&format!(
+            "args: train --config {} --steps 3",
+            config.display()
+        )),
         "{}",
         job.rank_log(1)
     );
@@ -66,9 +83,15 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
     assert_eq!(summary["exit_code"], 0);
     assert_eq!(summary["restarts"], 0);
     assert_eq!(summary["world_size"], 2);
-    assert!(summary["peak_pss_mb"].as_f64().is_some_and(|mb| mb > 0.0), "{summary}");
+    assert!(
+        summary["peak_pss_mb"].as_f64().is_some_and(|mb| mb > 0.0),
+        "{summary}"
+    );
     // The cache server's last statistics are in the summary.
-    assert!(summary["cache"]["cap_bytes"].as_u64() == Some(16 << 20), "{summary}");
+    assert!(
+        summary["cache"]["cap_bytes"].as_u64() == Some(16 << 20),
+        "{summary}"
+    );
     for key in [
         "val_psnr",
         "input_psnr",
@@ -102,7 +125,10 @@ fn second_node_offsets_ranks() {
         LIMIT,
     );
     let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     for (rank, local) in [(2, "0"), (3, "1")] {
         let env = job.rank_env(rank, 0);
         let get = |k: &str| env.get(k).map(String::as_str);
@@ -135,7 +161,10 @@ fn slurm_step_sets_node_ranks_and_master() {
         .env("SLURM_NODELIST", "gpunode[07-08]");
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     for rank in [2, 3] {
         let env = job.rank_env(rank, 0);
         let get = |k: &str| env.get(k).map(String::as_str);
@@ -154,13 +183,19 @@ fn missing_config_names_the_path() {
     let command = job.command_with_config(&missing, &["--gpus", "0"]);
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
-    assert_eq!(output.status.code(), Some(2), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     let shown = missing.display().to_string();
     assert!(stderr.contains(&shown), "{stderr}");
     let summary = job.summary(0);
     assert_eq!(summary["exit"], "error");
     assert!(
-        summary["error"].as_str().is_some_and(|e| e.contains(&shown)),
+        summary["error"]
+            .as_str()
+            .is_some_and(|e| e.contains(&shown)),
         "{summary}"
     );
     // Nothing was started.

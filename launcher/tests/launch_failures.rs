@@ -20,10 +20,17 @@ i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done
 "#,
     );
     let started = Instant::now();
-    let output = job.run(&["--gpus", "0", "--ranks", "2", "--max-restarts", "0"], LIMIT);
+    let output = job.run(
+        &["--gpus", "0", "--ranks", "2", "--max-restarts", "0"],
+        LIMIT,
+    );
     let elapsed = started.elapsed();
     let (stdout, stderr) = texts(&output);
-    assert_eq!(output.status.code(), Some(1), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     assert!(elapsed < Duration::from_secs(15), "took {elapsed:?}");
     // The message names the rank, its exit code, and shows its last log lines.
     assert!(stderr.contains("rank 1 (pid"), "{stderr}");
@@ -37,9 +44,14 @@ i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done
     assert_eq!(summary["failure"]["exit_code"], 3);
     let tail = summary["failure"]["log_tail"].to_string();
     assert!(tail.contains("disk on fire"), "{summary}");
-    let rank0 = job.rank_pid(0, 0).unwrap_or_else(|| panic!("rank 0 never ran"));
+    let rank0 = job
+        .rank_pid(0, 0)
+        .unwrap_or_else(|| panic!("rank 0 never ran"));
     assert!(!alive(rank0), "rank 0 (pid {rank0}) survived the gang stop");
-    println!("launch_failures: fail-fast exit after {:.2} s", elapsed.as_secs_f64());
+    println!(
+        "launch_failures: fail-fast exit after {:.2} s",
+        elapsed.as_secs_f64()
+    );
 }
 
 #[test]
@@ -53,13 +65,30 @@ while :; do sleep 0.05; done
     );
     let started = Instant::now();
     let output = job.run(
-        &["--gpus", "0", "--ranks", "2", "--max-restarts", "0", "--grace-s", "1"],
+        &[
+            "--gpus",
+            "0",
+            "--ranks",
+            "2",
+            "--max-restarts",
+            "0",
+            "--grace-s",
+            "1",
+        ],
         LIMIT,
     );
     let elapsed = started.elapsed();
     let (stdout, stderr) = texts(&output);
-    assert_eq!(output.status.code(), Some(1), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(job.rank_log(0).contains("rank 0 got TERM"), "{}", job.rank_log(0));
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        job.rank_log(0).contains("rank 0 got TERM"),
+        "{}",
+        job.rank_log(0)
+    );
     let summary = job.summary(0);
     assert_eq!(summary["failure"]["rank"], 1);
     assert_eq!(
@@ -68,8 +97,13 @@ while :; do sleep 0.05; done
         "{summary}"
     );
     assert!(stderr.contains("got SIGKILL"), "{stderr}");
-    assert!(elapsed >= Duration::from_secs(1), "no grace period: {elapsed:?}");
-    let rank0 = job.rank_pid(0, 0).unwrap_or_else(|| panic!("rank 0 never ran"));
+    assert!(
+        elapsed >= Duration::from_secs(1),
+        "no grace period: {elapsed:?}"
+    );
+    let rank0 = job
+        .rank_pid(0, 0)
+        .unwrap_or_else(|| panic!("rank 0 never ran"));
     assert!(!alive(rank0));
 }
 
@@ -87,13 +121,21 @@ fi
 echo "rank $RANK resumed"
 "#,
     );
-    let output = job.run(&["--gpus", "0", "--ranks", "2", "--max-restarts", "2"], LIMIT);
+    let output = job.run(
+        &["--gpus", "0", "--ranks", "2", "--max-restarts", "2"],
+        LIMIT,
+    );
     let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     assert!(stdout.contains("[rank0] rank 0 resumed"), "{stdout}");
     for rank in [0, 1] {
         assert_eq!(
-            job.rank_env(rank, 1).get("VRTSPIKE_RESTART_COUNT").map(String::as_str),
+            job.rank_env(rank, 1)
+                .get("VRTSPIKE_RESTART_COUNT")
+                .map(String::as_str),
             Some("1")
         );
     }
@@ -113,14 +155,23 @@ echo "rank $RANK resumed"
 #[test]
 fn crash_loop_is_not_restarted_forever() {
     let job = Job::new(r#"if [ "$RANK" = 0 ]; then exit 7; fi"#);
-    let output = job.run(&["--gpus", "0", "--ranks", "1", "--max-restarts", "5"], LIMIT);
+    let output = job.run(
+        &["--gpus", "0", "--ranks", "1", "--max-restarts", "5"],
+        LIMIT,
+    );
     let (stdout, stderr) = texts(&output);
-    assert_eq!(output.status.code(), Some(1), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     let summary = job.summary(0);
     // One restart, then the same failure without a new checkpoint ends it.
     assert_eq!(summary["restarts"], 1, "{summary}");
     assert!(
-        summary["error"].as_str().is_some_and(|e| e.contains("crash loop")),
+        summary["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("crash loop")),
         "{summary}"
     );
 }

@@ -42,9 +42,15 @@ fn kill_9_of_the_launcher_leaves_nothing() {
     launcher.kill().unwrap_or_else(|e| panic!("{e}")); // SIGKILL
     let killed_at = Instant::now();
     let _ = launcher.wait();
-    let all_gone = wait_until(Duration::from_secs(5), || !children.iter().any(|&p| alive(p)));
+    let all_gone = wait_until(Duration::from_secs(5), || {
+        !children.iter().any(|&p| alive(p))
+    });
     let procs_gone_s = killed_at.elapsed().as_secs_f64();
-    assert!(all_gone, "still alive 5 s after kill -9: {:?}", children.iter().filter(|&&p| alive(p)).collect::<Vec<_>>());
+    assert!(
+        all_gone,
+        "still alive 5 s after kill -9: {:?}",
+        children.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+    );
     // The cache's memfd goes with its last process. Other jobs on the machine move
     // Shmem too, so compare with what this job added.
     let freed = wait_until(Duration::from_secs(5), || {
@@ -82,10 +88,18 @@ fn preempt_with(sig: Signal) {
     if !exited {
         let _ = launcher.kill();
     }
-    let output = launcher.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    let output = launcher
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("{e}"));
     let (stdout, stderr) = texts(&output);
-    assert!(exited, "the launcher did not exit after {sig}; stderr:\n{stderr}");
-    assert!(output.status.success(), "{sig}: stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        exited,
+        "the launcher did not exit after {sig}; stderr:\n{stderr}"
+    );
+    assert!(
+        output.status.success(),
+        "{sig}: stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     for rank in [0, 1] {
         let marker = job.run_dir.join(format!("checkpoints/preempt.rank{rank}"));
         assert!(marker.exists(), "rank {rank} did not checkpoint on {sig}");
@@ -117,7 +131,9 @@ fn sigint_interrupts_the_job() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(wait_until(Duration::from_secs(20), || job.rank_pid(0, 0).is_some()));
+    assert!(wait_until(Duration::from_secs(20), || job
+        .rank_pid(0, 0)
+        .is_some()));
     let rank0 = job.rank_pid(0, 0).unwrap_or(0);
     signal(launcher.id(), Signal::SIGINT);
     let status = launcher.wait().unwrap_or_else(|e| panic!("{e}"));

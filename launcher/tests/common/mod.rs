@@ -56,8 +56,7 @@ impl Job {
     pub fn new(body: &str) -> Job {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let config = tmp.path().join("job.yaml");
-        std::fs::write(&config, "DATA:\n  CACHE_SIZE_GB: 0.01\n")
-            .unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&config, "DATA:\n  CACHE_SIZE_GB: 0.01\n").unwrap_or_else(|e| panic!("{e}"));
         let rank_cmd = tmp.path().join("rank.sh");
         std::fs::write(&rank_cmd, format!("{PRELUDE}{body}\n")).unwrap_or_else(|e| panic!("{e}"));
         std::fs::set_permissions(&rank_cmd, std::fs::Permissions::from_mode(0o755))
@@ -118,9 +117,11 @@ impl Job {
 
     /// The environment a stand-in recorded, if it ran.
     pub fn rank_env(&self, rank: u32, attempt: u32) -> HashMap<String, String> {
-        let path = self.run_dir.join(format!("env.rank{rank}.attempt{attempt}"));
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let path = self
+            .run_dir
+            .join(format!("env.rank{rank}.attempt{attempt}"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         text.lines()
             .filter_map(|line| line.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -129,11 +130,14 @@ impl Job {
 
     /// The pid a stand-in recorded, once it has.
     pub fn rank_pid(&self, rank: u32, attempt: u32) -> Option<u32> {
-        std::fs::read_to_string(self.run_dir.join(format!("pid.rank{rank}.attempt{attempt}")))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
+        std::fs::read_to_string(
+            self.run_dir
+                .join(format!("pid.rank{rank}.attempt{attempt}")),
+        )
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
     }
 
     /// A rank's log.
@@ -145,8 +149,7 @@ impl Job {
 
 /// Reads and parses a JSON file.
 pub fn read_json(path: &Path) -> Value {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -216,7 +219,11 @@ pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool 
 pub fn children_of(pid: u32) -> Vec<u32> {
     let mut kids = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(child) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
