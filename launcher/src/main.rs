@@ -22,7 +22,7 @@ use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -75,6 +75,8 @@ fn main() -> ExitCode {
 struct Job {
     run_dir: RunDir,
     started: Instant,
+    /// Wall-clock time of the launch (rank 0's figures must be newer).
+    launched: SystemTime,
     nnodes: u32,
     node_rank: u32,
     world_size: u32,
@@ -90,6 +92,7 @@ impl Job {
         Job {
             run_dir,
             started: Instant::now(),
+            launched: SystemTime::now(),
             nnodes: args.nnodes.unwrap_or(1),
             node_rank: args.node_rank.unwrap_or(0),
             world_size: 0,
@@ -298,7 +301,8 @@ impl Job {
             cache: self.cache_stats,
         };
         let summary_path = self.run_dir.summary_path(self.node_rank);
-        if let Err(e) = summary.write(&summary_path, &self.run_dir.train_summary_path()) {
+        let train_summary = self.run_dir.train_summary_path();
+        if let Err(e) = summary.write(&summary_path, &train_summary, self.launched) {
             tracing::error!("{e:#}");
         }
         match (&error, &summary.failure) {
@@ -389,7 +393,7 @@ fn banner(log: &Path, restart_count: u32, resumed_from: Option<&str>) {
         let _ = writeln!(
             file,
             "=== vrtspike-launch: attempt {restart_count} at {} UTC, checkpoint: {} ===",
-            rundir::utc_stamp(std::time::SystemTime::now()),
+            rundir::utc_stamp(SystemTime::now()),
             resumed_from.unwrap_or("none")
         );
     }

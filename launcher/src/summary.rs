@@ -3,6 +3,7 @@
 //! failure, the job's peak memory, and rank 0's training figures merged in.
 
 use std::path::Path;
+use std::time::SystemTime;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -147,17 +148,22 @@ impl Summary {
     }
 
     /// Writes the summary to `path` atomically (temporary file, then rename),
-    /// merging the JSON object at `train_summary` if it exists and parses.
-    pub fn write(&self, path: &Path, train_summary: &Path) -> Result<()> {
-        let train = match std::fs::read(train_summary) {
-            Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
+    /// merging the JSON object at `train_summary` if it parses and was written at
+    /// or after `launched` (one left by an earlier run in the same directory is not
+    /// this run's result).
+    pub fn write(&self, path: &Path, train_summary: &Path, launched: SystemTime) -> Result<()> {
+        let fresh = std::fs::metadata(train_summary)
+            .and_then(|m| m.modified())
+            .is_ok_and(|modified| modified >= launched);
+        let train = match std::fs::read(train_summary).ok().filter(|_| fresh) {
+            None => None,
+            Some(bytes) => match serde_json::from_slice::<Value>(&bytes) {
                 Ok(value) => Some(value),
                 Err(e) => {
                     tracing::warn!("ignoring {}: {e}", train_summary.display());
                     None
                 }
             },
-            Err(_) => None,
         };
         let text = serde_json::to_string_pretty(&self.to_json(train))?;
         let tmp = path.with_extension("json.tmp");
@@ -169,6 +175,8 @@ impl Summary {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use serde_json::json;
 
     use super::*;
@@ -216,13 +224,36 @@ mod tests {
         let train = tmp.path().join("train_summary.json");
         std::fs::write(&train, "{not json").unwrap_or_else(|e| panic!("{e}"));
         let path = tmp.path().join("summary.json");
+        let launched = SystemTime::now() - Duration::from_secs(60);
         summary()
-            .write(&path, &train)
+            .write(&path, &train, launched)
             .unwrap_or_else(|e| panic!("{e:#}"));
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}"));
-        let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+        let value = read(&path);
         assert_eq!(value["restarts"], 1);
         assert!(value["steps"].is_null());
         assert!(!tmp.path().join("summary.json.tmp").exists());
+    }
+
+    #[test]
+    fn train_summary_of_an_earlier_run_is_not_merged() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let train = tmp.path().join("train_summary.json");
+        std::fs::write(&train, r#"{"steps": 500}"#).unwrap_or_else(|e| panic!("{e}"));
+        let path = tmp.path().join("summary.json");
+        let before = SystemTime::now() - Duration::from_secs(60);
+        summary()
+            .write(&path, &train, before)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(read(&path)["steps"], 500);
+        let after = SystemTime::now() + Duration::from_secs(60);
+        summary()
+            .write(&path, &train, after)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(read(&path)["steps"].is_null());
+    }
+
+    fn read(path: &Path) -> Value {
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{e}"));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"))
     }
 }

@@ -10,9 +10,13 @@ use common::{texts, Job};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
-/// Ranks that prove the cache server answers before they start, then exit 0.
+/// Ranks that prove the cache server answers before they start, then exit 0;
+/// rank 0 leaves its figures for the summary.
 const CHECK_CACHE_AND_EXIT: &str = r#"
 "$VRTSPIKE" cache stats --address "$VRTSPIKE_CACHE_ADDR" > /dev/null || { echo "no cache server"; exit 9; }
+if [ "$RANK" = 0 ]; then
+  echo '{"steps": 3, "val_psnr": 31.5, "input_psnr": 28.25}' > "$VRTSPIKE_RUN_DIR/train_summary.json"
+fi
 echo "rank $RANK finished"
 "#;
 
@@ -87,6 +91,10 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
         summary["peak_pss_mb"].as_f64().is_some_and(|mb| mb > 0.0),
         "{summary}"
     );
+    // Rank 0's figures are merged in.
+    assert_eq!(summary["steps"], 3);
+    assert_eq!(summary["val_psnr"], 31.5);
+    assert_eq!(summary["input_psnr"], 28.25);
     // The cache server's last statistics are in the summary.
     assert!(
         summary["cache"]["cap_bytes"].as_u64() == Some(16 << 20),
