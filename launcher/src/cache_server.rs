@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+use crate::signals;
 use crate::spawn::{self, Supervised};
 
 /// How to start the server.
@@ -44,6 +45,10 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
         .with_context(|| format!("starting the cache server ({})", spec.vrtspike.display()))?;
     let started = Instant::now();
     loop {
+        if signals::interrupts() > 0 {
+            spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
+            bail!("interrupted while the cache server was starting");
+        }
         if let Some(status) = server.poll().context("waiting for the cache server")? {
             bail!(
                 "the cache server {} before accepting connections; the end of {}:\n{}",

@@ -24,6 +24,59 @@ pub struct NodeRanks {
     pub gpus: bool,
 }
 
+/// Why --gpus/--ranks cannot be honoured.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RanksError {
+    /// --ranks given with GPUs.
+    #[error("--ranks is for CPU ranks (--gpus 0); with GPUs there is one rank per GPU")]
+    RanksWithGpus,
+    /// More GPUs asked for than visible.
+    #[error("--gpus {asked} asks for more GPUs than the {visible} visible here (CUDA_VISIBLE_DEVICES / the NVIDIA driver)")]
+    TooManyGpus {
+        /// --gpus.
+        asked: u32,
+        /// GPUs visible.
+        visible: u32,
+    },
+    /// --ranks 0.
+    #[error("--ranks must be at least 1")]
+    NoRanks,
+}
+
+impl NodeRanks {
+    /// The ranks of this node from --gpus (default: every visible GPU) and --ranks
+    /// (CPU ranks, default 1, only with no GPU).
+    pub fn from_args(
+        gpus: Option<u32>,
+        ranks: Option<u32>,
+        visible_gpus: u32,
+    ) -> Result<NodeRanks, RanksError> {
+        let gpus = gpus.unwrap_or(visible_gpus);
+        if gpus > 0 {
+            if ranks.is_some_and(|r| r != gpus) {
+                return Err(RanksError::RanksWithGpus);
+            }
+            if gpus > visible_gpus {
+                return Err(RanksError::TooManyGpus {
+                    asked: gpus,
+                    visible: visible_gpus,
+                });
+            }
+            return Ok(NodeRanks {
+                per_node: gpus,
+                gpus: true,
+            });
+        }
+        match ranks.unwrap_or(1) {
+            0 => Err(RanksError::NoRanks),
+            per_node => Ok(NodeRanks {
+                per_node,
+                gpus: false,
+            }),
+        }
+    }
+}
+
 /// What one attempt shares between its ranks.
 #[derive(Debug, Clone)]
 pub struct AttemptEnv<'a> {
@@ -190,6 +243,37 @@ mod tests {
         assert_eq!(visible_gpus(&with("")), 0);
         assert_eq!(visible_gpus(&with("-1")), 0);
         assert_eq!(visible_gpus(&with("GPU-abc,GPU-def")), 2);
+    }
+
+    #[test]
+    fn ranks_from_gpus_and_cpu_ranks() {
+        let cpu = |per_node| NodeRanks {
+            per_node,
+            gpus: false,
+        };
+        let gpu = |per_node| NodeRanks {
+            per_node,
+            gpus: true,
+        };
+        assert_eq!(NodeRanks::from_args(None, None, 0), Ok(cpu(1)));
+        assert_eq!(NodeRanks::from_args(Some(0), Some(2), 4), Ok(cpu(2)));
+        assert_eq!(NodeRanks::from_args(None, None, 4), Ok(gpu(4)));
+        assert_eq!(NodeRanks::from_args(Some(3), None, 4), Ok(gpu(3)));
+        assert_eq!(
+            NodeRanks::from_args(Some(3), None, 0),
+            Err(RanksError::TooManyGpus {
+                asked: 3,
+                visible: 0
+            })
+        );
+        assert_eq!(
+            NodeRanks::from_args(Some(2), Some(4), 2),
+            Err(RanksError::RanksWithGpus)
+        );
+        assert_eq!(
+            NodeRanks::from_args(Some(0), Some(0), 0),
+            Err(RanksError::NoRanks)
+        );
     }
 
     #[test]

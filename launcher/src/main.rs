@@ -57,7 +57,7 @@ fn main() -> ExitCode {
             return ExitCode::from(ExitKind::Error.exit_code());
         }
     };
-    println!("run dir: {}", run_dir.path.display());
+    say(&format!("run dir: {}", run_dir.path.display()));
     if run_dir.existed {
         tracing::info!(
             "the run dir exists: the ranks resume from its last checkpoint ({})",
@@ -115,7 +115,7 @@ impl Job {
         let topology = cluster::resolve(args, &env)?;
         self.nnodes = topology.nnodes;
         self.node_rank = topology.node_rank;
-        let ranks = node_ranks(args, env_contract::visible_gpus(&env))?;
+        let ranks = NodeRanks::from_args(args.gpus, args.ranks, env_contract::visible_gpus(&env))?;
         self.local_world_size = ranks.per_node;
         self.world_size = ranks.per_node * topology.nnodes;
         tracing::info!(
@@ -326,7 +326,7 @@ impl Job {
                     .trim_matches('"')
             ),
         }
-        println!("summary: {}", summary_path.display());
+        say(&format!("summary: {}", summary_path.display()));
         exit.exit_code()
     }
 }
@@ -342,28 +342,11 @@ fn check_config(path: &Path) -> Result<PathBuf> {
         .with_context(|| format!("resolving the config path {}", path.display()))
 }
 
-/// Ranks on this node from --gpus/--ranks and the GPUs visible.
-fn node_ranks(args: &Args, visible_gpus: u32) -> Result<NodeRanks> {
-    let gpus = args.gpus.unwrap_or(visible_gpus);
-    if gpus > 0 {
-        if args.ranks.is_some_and(|r| r != gpus) {
-            bail!("--ranks is for CPU ranks (--gpus 0); with GPUs there is one rank per GPU");
-        }
-        if gpus > visible_gpus {
-            bail!("--gpus {gpus} asks for more GPUs than the {visible_gpus} visible here (CUDA_VISIBLE_DEVICES / the NVIDIA driver)");
-        }
-        return Ok(NodeRanks {
-            per_node: gpus,
-            gpus: true,
-        });
-    }
-    match args.ranks.unwrap_or(1) {
-        0 => bail!("--ranks must be at least 1"),
-        per_node => Ok(NodeRanks {
-            per_node,
-            gpus: false,
-        }),
-    }
+/// Prints one line of the launcher's real output; a closed stdout (e.g. piped into
+/// `head`) must not stop the launcher, so write errors are ignored.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
 }
 
 /// The `vrtspike` binary beside this one.
