@@ -58,6 +58,8 @@ pub struct AttemptEnd {
     pub failed_at: Option<Instant>,
     /// Processes that needed SIGKILL after the grace period.
     pub killed_after_grace: Vec<String>,
+    /// Whether the ranks had been asked to preempt before the attempt ended.
+    pub preempting: bool,
 }
 
 /// Starts the ranks (rank 0's log echoed to the terminal when it runs here) and
@@ -113,6 +115,19 @@ fn supervise(
     cache_server: &mut Supervised,
     timing: GangTiming,
 ) -> AttemptEnd {
+    let mut preempting = false;
+    let mut end = watch(ranks, cache_server, timing, &mut preempting);
+    end.preempting = preempting;
+    end
+}
+
+/// The supervision loop; sets `preempting` once the ranks got the preemption signal.
+fn watch(
+    ranks: &mut [(u32, Supervised)],
+    cache_server: &mut Supervised,
+    timing: GangTiming,
+    preempting: &mut bool,
+) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
     let mut preempt_deadline: Option<Instant> = None;
     loop {
@@ -129,6 +144,7 @@ fn supervise(
                 rank.signal_leader(RANK_PREEMPT_SIGNAL);
             }
             preempt_deadline = Some(Instant::now() + timing.preempt_timeout);
+            *preempting = true;
         }
         for (rank, child) in ranks.iter_mut() {
             let status = match child.poll() {
@@ -161,6 +177,7 @@ fn supervise(
                 failure: None,
                 failed_at: None,
                 killed_after_grace: Vec::new(),
+                preempting: false,
             };
         }
         if preempt_deadline.is_some_and(|deadline| Instant::now() > deadline) {
@@ -206,6 +223,7 @@ fn stop_gang(
         failure,
         failed_at,
         killed_after_grace,
+        preempting: false,
     }
 }
 

@@ -233,11 +233,19 @@ impl Job {
             if self.first_failure.is_none() {
                 self.first_failure = Some(failure.clone());
             }
-            if signals::preempt_requests() > 0 || signals::interrupts() > 0 {
+            if end.preempting {
                 break (
                     ExitKind::Failed,
-                    Some("no restart after a preemption or interrupt request".into()),
+                    Some("it failed while checkpointing for a preemption".into()),
                 );
+            }
+            // A request that came while the gang was being stopped: the last
+            // checkpoint is on disk, so end as asked instead of restarting.
+            if signals::interrupts() > 0 {
+                break (ExitKind::Interrupted, None);
+            }
+            if signals::preempt_requests() > 0 {
+                break (ExitKind::Preempted, None);
             }
             let previous_failure = self
                 .attempts

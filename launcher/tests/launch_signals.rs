@@ -141,3 +141,69 @@ fn sigint_interrupts_the_job() {
     assert!(!alive(rank0));
     assert_eq!(job.summary(0)["exit"], "interrupted");
 }
+
+/// Starts a 2-rank job running `body`, sends the launcher SIGUSR2 once both ranks
+/// run, and returns its exit code and summary.
+fn preempt_job(body: &str, extra: &[&str]) -> (Option<i32>, serde_json::Value) {
+    let job = Job::new(body);
+    let mut args = vec!["--gpus", "0", "--ranks", "2", "--grace-s", "1"];
+    args.extend_from_slice(extra);
+    let mut launcher = job
+        .command(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ranks_up = wait_until(Duration::from_secs(20), || {
+        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
+    });
+    assert!(ranks_up, "the ranks never started");
+    signal(launcher.id(), Signal::SIGUSR2);
+    let exited = wait_until(Duration::from_secs(15), || {
+        matches!(launcher.try_wait(), Ok(Some(_)))
+    });
+    if !exited {
+        let _ = launcher.kill();
+    }
+    let status = launcher.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(exited, "the launcher did not exit");
+    (status.code(), job.summary(0))
+}
+
+#[test]
+fn rank_failing_its_preemption_checkpoint_fails_the_job() {
+    let (code, summary) = preempt_job(
+        r#"
+if [ "$RANK" = 1 ]; then trap 'echo "checkpoint write failed"; exit 4' USR2; else trap 'exit 0' USR2; fi
+while :; do sleep 0.05; done
+"#,
+        &["--max-restarts", "3"],
+    );
+    assert_eq!(code, Some(1), "{summary}");
+    assert_eq!(summary["exit"], "failed");
+    assert_eq!(
+        summary["restarts"], 0,
+        "no restart after a preemption request"
+    );
+    assert_eq!(summary["failure"]["exit_code"], 4);
+    let error = summary["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("rank 1") && error.contains("preemption"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn ranks_ignoring_preemption_fail_after_the_timeout() {
+    let (code, summary) = preempt_job(
+        "trap '' USR2; while :; do sleep 0.05; done",
+        &["--preempt-timeout-s", "1"],
+    );
+    assert_eq!(code, Some(1), "{summary}");
+    assert_eq!(summary["exit"], "failed");
+    let error = summary["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("within 1 s of the preemption request"),
+        "{summary}"
+    );
+}
