@@ -160,12 +160,9 @@ impl Job {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut last_failed_at: Option<Instant> = None;
         let ending = loop {
-            if signals::interrupts() > 0 {
-                break (ExitKind::Interrupted, None);
-            }
-            if signals::preempt_requests() > 0 {
-                // Between attempts the last checkpoint is already on disk.
-                break (ExitKind::Preempted, None);
+            // Between attempts the last checkpoint is already on disk.
+            if let Some(ending) = signals::requested_ending() {
+                break (ending, None);
             }
             let restart_count = self.attempts.len() as u32;
             if !server.running() {
@@ -241,11 +238,8 @@ impl Job {
             }
             // A request that came while the gang was being stopped: the last
             // checkpoint is on disk, so end as asked instead of restarting.
-            if signals::interrupts() > 0 {
-                break (ExitKind::Interrupted, None);
-            }
-            if signals::preempt_requests() > 0 {
-                break (ExitKind::Preempted, None);
+            if let Some(ending) = signals::requested_ending() {
+                break (ending, None);
             }
             let previous_failure = self
                 .attempts
@@ -393,7 +387,7 @@ fn banner(log: &Path, restart_count: u32, resumed_from: Option<&str>) {
 /// Sleeps, waking early on a signal the loop must handle.
 fn interruptible_sleep(duration: Duration) {
     let until = Instant::now() + duration;
-    while Instant::now() < until && signals::interrupts() == 0 && signals::preempt_requests() == 0 {
+    while Instant::now() < until && signals::requested_ending().is_none() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }

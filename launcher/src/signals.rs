@@ -5,6 +5,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, Result};
+
+use crate::summary::ExitKind;
 use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 
 static PREEMPT_REQUESTS: AtomicU32 = AtomicU32::new(0);
@@ -55,4 +57,16 @@ pub fn preempt_requests() -> u32 {
 /// Interrupts (SIGINT) received so far.
 pub fn interrupts() -> u32 {
     INTERRUPTS.load(Ordering::SeqCst)
+}
+
+/// How the job should end because of a signal received so far: interrupted
+/// (SIGINT wins), preempted, or `None` to go on.
+pub fn requested_ending() -> Option<ExitKind> {
+    if interrupts() > 0 {
+        Some(ExitKind::Interrupted)
+    } else if preempt_requests() > 0 {
+        Some(ExitKind::Preempted)
+    } else {
+        None
+    }
 }
