@@ -71,6 +71,15 @@ pub struct Args {
     #[arg(long)]
     pub master_port: Option<u16>,
 
+    /// Port where node 0's launcher listens for the other nodes' launchers
+    /// (multi-node only; default MASTER_PORT + 1).
+    #[arg(long)]
+    pub control_port: Option<u16>,
+
+    /// Seconds a node's launcher keeps trying to reach node 0's launcher.
+    #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
+    pub peer_timeout_s: f64,
+
     /// Whether to take the node layout from SLURM's environment.
     #[arg(long, value_enum, default_value_t = SlurmMode::Auto)]
     pub slurm: SlurmMode,

@@ -38,9 +38,11 @@ pub struct RankLaunch {
     pub log: PathBuf,
 }
 
-/// Timing of the gang's supervision.
+/// How the gang is supervised.
 #[derive(Debug, Clone, Copy)]
-pub struct GangTiming {
+pub struct GangSettings {
+    /// This node (failures name it).
+    pub node_rank: u32,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
     /// Time the ranks have to checkpoint and exit after preemption.
@@ -67,7 +69,8 @@ pub struct AttemptEnd {
 pub fn run_attempt(
     launches: &[RankLaunch],
     cache_server: &mut Supervised,
-    timing: GangTiming,
+    timing: GangSettings,
+    peer_stop: &dyn Fn() -> Option<Failure>,
 ) -> Result<AttemptEnd> {
     let mut ranks: Vec<(u32, Supervised)> = Vec::with_capacity(launches.len());
     let mut echo = None;
@@ -105,7 +108,7 @@ pub fn run_attempt(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let end = supervise(&mut ranks, cache_server, timing);
+    let end = supervise(&mut ranks, cache_server, timing, peer_stop);
     drop(echo);
     Ok(end)
 }
@@ -113,10 +116,11 @@ pub fn run_attempt(
 fn supervise(
     ranks: &mut [(u32, Supervised)],
     cache_server: &mut Supervised,
-    timing: GangTiming,
+    timing: GangSettings,
+    peer_stop: &dyn Fn() -> Option<Failure>,
 ) -> AttemptEnd {
     let mut preempting = false;
-    let mut end = watch(ranks, cache_server, timing, &mut preempting);
+    let mut end = watch(ranks, cache_server, timing, peer_stop, &mut preempting);
     end.preempting = preempting;
     end
 }
@@ -125,7 +129,8 @@ fn supervise(
 fn watch(
     ranks: &mut [(u32, Supervised)],
     cache_server: &mut Supervised,
-    timing: GangTiming,
+    timing: GangSettings,
+    peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
 ) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
@@ -156,14 +161,18 @@ fn watch(
                 }
             };
             if !status.success() {
-                let failure = failure_of(Some(*rank), child, status);
+                let failure = failure_of(timing.node_rank, Some(*rank), child, status);
                 tracing::error!("{}: stopping the other ranks", failure.cause);
                 return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
             }
         }
         if let Ok(Some(status)) = cache_server.poll() {
-            let failure = failure_of(None, cache_server, status);
+            let failure = failure_of(timing.node_rank, None, cache_server, status);
             tracing::error!("{}: stopping the ranks", failure.cause);
+            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+        }
+        if let Some(failure) = peer_stop() {
+            tracing::error!("{}: stopping the ranks of this node", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
         if ranks.iter_mut().all(|(_, c)| !c.running()) {
@@ -182,6 +191,7 @@ fn watch(
         }
         if preempt_deadline.is_some_and(|deadline| Instant::now() > deadline) {
             let failure = Failure {
+                node: timing.node_rank,
                 rank: None,
                 process: "ranks".into(),
                 pid: 0,
@@ -228,7 +238,7 @@ fn stop_gang(
 }
 
 /// The failure report of a process that ended with `status`.
-pub fn failure_of(rank: Option<u32>, child: &Supervised, status: ExitStatus) -> Failure {
+pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: ExitStatus) -> Failure {
     let cause = format!(
         "{} (pid {}) {}",
         child.name,
@@ -236,6 +246,7 @@ pub fn failure_of(rank: Option<u32>, child: &Supervised, status: ExitStatus) -> 
         spawn::describe(status)
     );
     Failure {
+        node,
         rank,
         process: child.name.clone(),
         pid: child.pid(),

@@ -11,6 +11,7 @@ mod echo;
 mod env_contract;
 mod gang;
 mod hostlist;
+mod peers;
 mod pss;
 mod restart;
 mod rundir;
@@ -29,7 +30,8 @@ use clap::Parser;
 
 use args::Args;
 use env_contract::{AttemptEnv, NodeRanks};
-use gang::{GangTiming, RankLaunch};
+use gang::{GangSettings, RankLaunch};
+use peers::{PeerEvent, PeerLinks};
 use restart::{Decision, FailedAttempt, RestartPolicy};
 use rundir::RunDir;
 use summary::{AttemptRecord, ExitKind, Failure, Summary};
@@ -85,6 +87,8 @@ struct Job {
     first_failure: Option<Failure>,
     sampler: pss::PssSampler,
     cache_stats: Option<serde_json::Value>,
+    /// Links to the other nodes' launchers (multi-node jobs).
+    peers: Option<PeerLinks>,
 }
 
 impl Job {
@@ -104,6 +108,7 @@ impl Job {
                 Duration::from_secs_f64(args.pss_interval_s),
             ),
             cache_stats: None,
+            peers: None,
         }
     }
 
@@ -147,13 +152,30 @@ impl Job {
             log: self.run_dir.cache_log(topology.node_rank),
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
         };
+        if topology.nnodes > 1 {
+            let port = match (args.control_port, topology.master_port) {
+                (Some(port), _) => port,
+                (None, Some(master)) => master.checked_add(1).context(
+                    "MASTER_PORT 65535 leaves no room for the control port: give --control-port",
+                )?,
+                (None, None) => bail!("a multi-node job needs --master-port or --control-port"),
+            };
+            self.peers = Some(PeerLinks::start(
+                topology.node_rank,
+                &topology.master_addr,
+                port,
+                Duration::from_secs_f64(args.peer_timeout_s),
+            )?);
+        }
+        let peers = self.peers.clone();
         let mut server = cache_server::start(&cache_spec)?;
 
         let policy = RestartPolicy {
             max_restarts: args.max_restarts,
             delay: Duration::from_secs_f64(args.restart_delay_s),
         };
-        let timing = GangTiming {
+        let timing = GangSettings {
+            node_rank: topology.node_rank,
             grace: Duration::from_secs_f64(args.grace_s),
             preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
         };
@@ -163,6 +185,12 @@ impl Job {
             // Between attempts the last checkpoint is already on disk.
             if let Some(ending) = signals::requested_ending() {
                 break (ending, None);
+            }
+            if let Some(event) = peers.as_ref().and_then(PeerLinks::quit) {
+                let failure = peer_failure(&event);
+                let why = format!("{} (node {} left the job)", failure.cause, failure.node);
+                self.first_failure.get_or_insert(failure);
+                break (ExitKind::Failed, Some(why));
             }
             let restart_count = self.attempts.len() as u32;
             if !server.running() {
@@ -214,7 +242,13 @@ impl Job {
             }
             let attempt_started = Instant::now();
             let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
-            let end = gang::run_attempt(&launches, &mut server, timing)?;
+            let peer_stop = || {
+                peers
+                    .as_ref()
+                    .and_then(|p| p.stop_reason(restart_count))
+                    .map(|event| peer_failure(&event))
+            };
+            let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop)?;
             self.attempts.push(AttemptRecord {
                 attempt: restart_count,
                 duration_s: attempt_started.elapsed().as_secs_f64(),
@@ -229,6 +263,15 @@ impl Job {
             };
             if self.first_failure.is_none() {
                 self.first_failure = Some(failure.clone());
+            }
+            if let Some(peers) = peers
+                .as_ref()
+                .filter(|_| failure.node == topology.node_rank)
+            {
+                peers.report_failure(restart_count, &failure.cause);
+            }
+            if peers.as_ref().and_then(PeerLinks::quit).is_some() {
+                break (ExitKind::Failed, Some("a node left the job".into()));
             }
             if end.preempting {
                 break (
@@ -302,6 +345,12 @@ impl Job {
             memory: self.sampler.peaks(),
             cache: self.cache_stats,
         };
+        if let Some(peers) = &self.peers {
+            match exit {
+                ExitKind::Completed | ExitKind::Preempted => peers.report_end(None),
+                _ => peers.report_end(Some(error.as_deref().unwrap_or("failed"))),
+            }
+        }
         let summary_path = self.run_dir.summary_path(self.node_rank);
         let train_summary = self.run_dir.train_summary_path();
         if let Err(e) = summary.write(&summary_path, &train_summary, self.launched) {
@@ -310,15 +359,19 @@ impl Job {
         match (&error, &summary.failure) {
             (Some(error), Some(failure)) if exit == ExitKind::Failed => {
                 tracing::error!("job failed: {error}");
-                eprintln!(
-                    "--- last {} lines of {} ---",
-                    failure.log_tail.len(),
-                    failure.log
-                );
-                for line in &failure.log_tail {
-                    eprintln!("{line}");
+                if !failure.log.is_empty() {
+                    let mut report = format!(
+                        "--- last {} lines of {} ---\n",
+                        failure.log_tail.len(),
+                        failure.log
+                    );
+                    for line in &failure.log_tail {
+                        report.push_str(line);
+                        report.push('\n');
+                    }
+                    report.push_str("---");
+                    eprintln!("{report}");
                 }
-                eprintln!("---");
             }
             (Some(error), _) => tracing::error!("{error}"),
             (None, _) => tracing::info!(
@@ -342,6 +395,24 @@ fn check_config(path: &Path) -> Result<PathBuf> {
     }
     path.canonicalize()
         .with_context(|| format!("resolving the config path {}", path.display()))
+}
+
+/// The failure report of something another node's launcher said.
+fn peer_failure(event: &PeerEvent) -> Failure {
+    let (node, cause) = match event {
+        PeerEvent::Failed { node, cause, .. } | PeerEvent::Quit { node, cause } => (*node, cause),
+    };
+    Failure {
+        node,
+        rank: None,
+        process: format!("node {node}"),
+        pid: 0,
+        exit_code: None,
+        signal: None,
+        cause: format!("node {node}: {cause}"),
+        log: String::new(),
+        log_tail: Vec::new(),
+    }
 }
 
 /// Prints one line of the launcher's real output; a closed stdout (e.g. piped into

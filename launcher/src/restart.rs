@@ -69,6 +69,7 @@ mod tests {
 
     fn failure(process: &str, code: Option<i32>) -> Failure {
         Failure {
+            node: 0,
             rank: Some(1),
             process: process.into(),
             pid: 1,

@@ -42,7 +42,9 @@ impl ExitKind {
 /// A rank (or the cache server) that failed.
 #[derive(Debug, Clone, Serialize)]
 pub struct Failure {
-    /// Global rank; `None` for the cache server.
+    /// The node where it happened.
+    pub node: u32,
+    /// Global rank; `None` for the cache server or another node.
     pub rank: Option<u32>,
     /// Which process (`rank 1`, `cache server`).
     pub process: String,
