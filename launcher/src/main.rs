@@ -2,7 +2,8 @@
 //! node's cache server, then one rank per GPU (or CPU ranks) with the torchrun
 //! environment contract, supervises them as a gang (fail fast, restart from the last
 //! checkpoint, preemption), and writes `summary.json` in the run directory at every
-//! exit. It does not link libtorch: it runs the `vrtspike` binary beside it.
+//! exit; the launchers of a multi-node job form one gang through links to node 0's
+//! launcher. It does not link libtorch: it runs the `vrtspike` binary beside it.
 
 mod args;
 mod cache_server;
@@ -374,12 +375,7 @@ impl Job {
                 }
             }
             (Some(error), _) => tracing::error!("{error}"),
-            (None, _) => tracing::info!(
-                "job {}",
-                serde_json::to_string(&exit)
-                    .unwrap_or_default()
-                    .trim_matches('"')
-            ),
+            (None, _) => tracing::info!("job {}", exit.name()),
         }
         say(&format!("summary: {}", summary_path.display()));
         exit.exit_code()

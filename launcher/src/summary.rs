@@ -28,6 +28,17 @@ pub enum ExitKind {
 }
 
 impl ExitKind {
+    /// The name used in `summary.json` (`completed`, `failed`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ExitKind::Completed => "completed",
+            ExitKind::Preempted => "preempted",
+            ExitKind::Failed => "failed",
+            ExitKind::Interrupted => "interrupted",
+            ExitKind::Error => "error",
+        }
+    }
+
     /// The launcher's exit status for this ending.
     pub fn exit_code(self) -> u8 {
         match self {
@@ -202,6 +213,19 @@ mod tests {
                 ..MemoryPeaks::default()
             },
             cache: Some(json!({"hit_rate": 0.75})),
+        }
+    }
+
+    #[test]
+    fn exit_names_match_the_json() {
+        for kind in [
+            ExitKind::Completed,
+            ExitKind::Preempted,
+            ExitKind::Failed,
+            ExitKind::Interrupted,
+            ExitKind::Error,
+        ] {
+            assert_eq!(serde_json::to_value(kind).ok(), Some(json!(kind.name())));
         }
     }
 

@@ -115,6 +115,9 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
 #[test]
 fn second_node_offsets_ranks() {
     let job = Job::new("exit 0");
+    let master_port = common::free_port();
+    let node0 = common::fake_node0(master_port + 1);
+    let master_port = master_port.to_string();
     let output = job.run(
         &[
             "--gpus",
@@ -126,9 +129,9 @@ fn second_node_offsets_ranks() {
             "--node-rank",
             "1",
             "--master-addr",
-            "10.9.8.7",
+            "127.0.0.1",
             "--master-port",
-            "29123",
+            &master_port,
         ],
         LIMIT,
     );
@@ -144,9 +147,12 @@ fn second_node_offsets_ranks() {
         assert_eq!(get("WORLD_SIZE"), Some("4"));
         assert_eq!(get("LOCAL_WORLD_SIZE"), Some("2"));
         assert_eq!(get("GROUP_RANK"), Some("1"));
-        assert_eq!(get("MASTER_ADDR"), Some("10.9.8.7"));
-        assert_eq!(get("MASTER_PORT"), Some("29123"));
+        assert_eq!(get("MASTER_ADDR"), Some("127.0.0.1"));
+        assert_eq!(get("MASTER_PORT"), Some(master_port.as_str()));
     }
+    // Node 1's launcher introduced itself to node 0's and said it ended well.
+    let said = node0.join().unwrap_or_default();
+    assert_eq!(said, "HELLO 1\nDONE 1\n");
     // Rank 0 runs elsewhere: nothing is echoed, and node 1 names its summary.
     assert!(!stdout.contains("[rank0]"), "{stdout}");
     let summary = job.summary(1);
@@ -158,7 +164,19 @@ fn second_node_offsets_ranks() {
 #[test]
 fn slurm_step_sets_node_ranks_and_master() {
     let job = Job::new("exit 0");
-    let mut command = job.command(&["--gpus", "0", "--ranks", "2", "--slurm", "auto"]);
+    let control_port = common::free_port();
+    let node0 = common::fake_node0(control_port);
+    let control = control_port.to_string();
+    let mut command = job.command(&[
+        "--gpus",
+        "0",
+        "--ranks",
+        "2",
+        "--slurm",
+        "auto",
+        "--control-port",
+        &control,
+    ]);
     command
         .env("SLURM_JOB_ID", "4242")
         .env("SLURM_PROCID", "1")
@@ -166,7 +184,7 @@ fn slurm_step_sets_node_ranks_and_master() {
         .env("SLURM_LOCALID", "0")
         .env("SLURM_NTASKS", "2")
         .env("SLURM_NNODES", "2")
-        .env("SLURM_NODELIST", "gpunode[07-08]");
+        .env("SLURM_NODELIST", "localhost,gpunode[08]");
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
     assert!(
@@ -178,10 +196,11 @@ fn slurm_step_sets_node_ranks_and_master() {
         let get = |k: &str| env.get(k).map(String::as_str);
         assert_eq!(get("WORLD_SIZE"), Some("4"));
         assert_eq!(get("GROUP_RANK"), Some("1"));
-        assert_eq!(get("MASTER_ADDR"), Some("gpunode07"));
+        assert_eq!(get("MASTER_ADDR"), Some("localhost"));
         assert_eq!(get("MASTER_PORT"), Some("24242"));
     }
     assert_eq!(job.summary(1)["exit"], "completed");
+    assert_eq!(node0.join().unwrap_or_default(), "HELLO 1\nDONE 1\n");
 }
 
 #[test]

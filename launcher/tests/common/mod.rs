@@ -265,3 +265,18 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .unwrap_or_else(|e| panic!("free port: {e}"))
 }
+
+/// Stands in for node 0's launcher on `port` (the control link of a lone node > 0
+/// under test): accepts one launcher and returns all it said once it hangs up.
+pub fn fake_node0(port: u16) -> std::thread::JoinHandle<String> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("fake node 0 on port {port}: {e}"));
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut said = String::new();
+        if let Ok((mut stream, _)) = listener.accept() {
+            let _ = stream.read_to_string(&mut said);
+        }
+        said
+    })
+}
