@@ -117,10 +117,11 @@ impl Job {
     /// restarting, if it did), `Err` a failure to start it at all.
     fn run(&mut self, args: &Args) -> Result<(ExitKind, Option<String>)> {
         let env = |name: &str| std::env::var(name).ok();
-        let config = check_config(&args.config)?;
+        // The node first: an error after this lands in this node's own summary.
         let topology = cluster::resolve(args, &env)?;
         self.nnodes = topology.nnodes;
         self.node_rank = topology.node_rank;
+        let config = check_config(&args.config)?;
         let ranks = NodeRanks::from_args(args.gpus, args.ranks, env_contract::visible_gpus(&env))?;
         self.local_world_size = ranks.per_node;
         self.world_size = ranks.per_node * topology.nnodes;

@@ -25,8 +25,6 @@ pub struct Supervised {
     pub log_offset: u64,
     /// How it ended, once reaped.
     pub status: Option<ExitStatus>,
-    /// The last signal the launcher sent its group, if any.
-    pub signalled: Option<Signal>,
 }
 
 /// Appends the output of `command` to `log` and starts it in a new process group
@@ -66,7 +64,6 @@ pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supe
         log: log.to_path_buf(),
         log_offset,
         status: None,
-        signalled: None,
     })
 }
 
@@ -97,7 +94,6 @@ impl Supervised {
     /// Sends `signal` to the child's whole process group (if it still runs).
     pub fn signal_group(&mut self, signal: Signal) {
         if self.running() {
-            self.signalled = Some(signal);
             // ESRCH is fine: the group may have just exited.
             let _ = killpg(Pid::from_raw(self.pid() as i32), signal);
         }
