@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod cache;
 pub mod config;
+pub mod data;
 pub mod dist;
 pub mod model;
 pub mod util;

@@ -31,6 +31,10 @@ enum Command {
     Model(vrtspike::model::cli::ModelCommand),
     /// Forward/backward time per stage, parameters and memory of a model config.
     Profile(vrtspike::model::cli::ProfileArgs),
+    /// Write a synthetic GoPro-Spike dataset (folder layout).
+    Synth(vrtspike::data::cli::SynthArgs),
+    /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
+    Inspect(vrtspike::data::cli::InspectArgs),
 }
 
 fn main() -> Result<()> {
@@ -43,5 +47,7 @@ fn main() -> Result<()> {
         Command::Info => cli::info(),
         Command::Model(cmd) => vrtspike::model::cli::run(cmd),
         Command::Profile(args) => vrtspike::model::cli::profile(args),
+        Command::Synth(args) => vrtspike::data::cli::run_synth(args),
+        Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),
     }
 }

@@ -19,6 +19,15 @@ pub enum BenchCommand {
         #[arg(long)]
         options: String,
     },
+    /// Loader processes (as ranks) against one cache server: samples/s, hit rate, data_time.
+    Loader(vrtspike::data::cli::LoaderBenchArgs),
+    /// One rank of `bench loader` (run by it, not by hand).
+    #[command(hide = true)]
+    LoaderWorker {
+        /// The rank's options as JSON.
+        #[arg(long)]
+        options: String,
+    },
 }
 
 /// `bench cache`.
@@ -62,6 +71,8 @@ pub struct CacheBenchArgs {
 /// Runs a benchmark subcommand.
 pub fn run(command: BenchCommand) -> Result<()> {
     match command {
+        BenchCommand::Loader(args) => vrtspike::data::cli::run_loader_bench(args),
+        BenchCommand::LoaderWorker { options } => vrtspike::data::cli::run_loader_worker(&options),
         BenchCommand::Cache(args) => {
             let report = run_cache(&args)?;
             if args.json {

@@ -23,6 +23,106 @@ pub struct DataConfig {
     /// Read through the node cache (`false`: every read goes to disk).
     #[serde(rename = "USE_RAM_CACHE")]
     pub use_ram_cache: bool,
+    /// Consecutive frames in one sample (the clip length `L`).
+    #[serde(rename = "CLIP_LEN")]
+    pub clip_len: u32,
+    /// Voxel bins `K` of the spike grid.
+    #[serde(rename = "SPIKE_BINS")]
+    pub spike_bins: u32,
+    /// Folder of the blurred frames: `blur` or `blur_gamma`.
+    #[serde(rename = "BLUR_DIR")]
+    pub blur_dir: BlurDir,
+    /// Skip (count and report) bad frames instead of failing on the first one.
+    #[serde(rename = "SKIP_BAD_FRAMES")]
+    pub skip_bad_frames: bool,
+    /// Training augmentation: `true`/`false` for all or none, or a mapping.
+    #[serde(rename = "AUGMENT")]
+    pub augment: Augment,
+    /// HDF5 chunk cache per open file, in MiB.
+    #[serde(rename = "CHUNK_CACHE_MB")]
+    pub chunk_cache_mb: u32,
+}
+
+/// Which folder holds the blurred frames (GoPro ships both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum BlurDir {
+    /// `blur/`: blur averaged in linear space (the default).
+    #[default]
+    #[serde(rename = "blur")]
+    Blur,
+    /// `blur_gamma/`: blur averaged after gamma.
+    #[serde(rename = "blur_gamma")]
+    BlurGamma,
+}
+
+impl BlurDir {
+    /// The folder name under a sequence.
+    pub fn folder(self) -> &'static str {
+        match self {
+            BlurDir::Blur => "blur",
+            BlurDir::BlurGamma => "blur_gamma",
+        }
+    }
+}
+
+/// `DATA.AUGMENT`: random flips and 90-degree rotations of training crops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Augment {
+    /// Random left-right flips.
+    pub hflip: bool,
+    /// Random up-down flips.
+    pub vflip: bool,
+    /// Random 90-degree rotations (square crops only).
+    pub rot90: bool,
+}
+
+impl Default for Augment {
+    fn default() -> Self {
+        Augment::all(true)
+    }
+}
+
+impl Augment {
+    /// Every augmentation on (`true`) or off (`false`).
+    pub fn all(on: bool) -> Augment {
+        Augment {
+            hflip: on,
+            vflip: on,
+            rot90: on,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Augment {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Parts {
+            #[serde(rename = "HFLIP", default)]
+            hflip: bool,
+            #[serde(rename = "VFLIP", default)]
+            vflip: bool,
+            #[serde(rename = "ROT90", default)]
+            rot90: bool,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            All(bool),
+            Parts(Parts),
+        }
+        match Raw::deserialize(de) {
+            Ok(Raw::All(on)) => Ok(Augment::all(on)),
+            Ok(Raw::Parts(p)) => Ok(Augment {
+                hflip: p.hflip,
+                vflip: p.vflip,
+                rot90: p.rot90,
+            }),
+            Err(_) => Err(serde::de::Error::custom(
+                "expected true, false, or a mapping of HFLIP, VFLIP, ROT90 to booleans",
+            )),
+        }
+    }
 }
 
 impl Default for DataConfig {
@@ -33,6 +133,12 @@ impl Default for DataConfig {
             val_crop_size: Some(256),
             cache_size_gb: 20.0,
             use_ram_cache: true,
+            clip_len: 6,
+            spike_bins: 32,
+            blur_dir: BlurDir::Blur,
+            skip_bad_frames: false,
+            augment: Augment::default(),
+            chunk_cache_mb: 64,
         }
     }
 }
@@ -63,11 +169,57 @@ impl DataConfig {
                 "expected a positive crop size, or null for the full frame",
             ));
         }
+        if self.clip_len == 0 {
+            return Err(invalid("DATA", "CLIP_LEN", "expected at least 1 frame"));
+        }
+        if self.spike_bins == 0 {
+            return Err(invalid("DATA", "SPIKE_BINS", "expected at least 1 bin"));
+        }
         Ok(())
     }
 
     /// The cache cap in bytes.
     pub fn cache_bytes(&self) -> u64 {
         (self.cache_size_gb * (1u64 << 30) as f64) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+    use std::path::Path;
+
+    fn parse(text: &str) -> Result<Config, crate::config::ConfigError> {
+        Config::parse(text, Path::new("t.yaml"))
+    }
+
+    #[test]
+    fn data_keys_parse() {
+        let c = parse(
+            "DATA:\n  CLIP_LEN: 4\n  SPIKE_BINS: 16\n  BLUR_DIR: blur_gamma\n  SKIP_BAD_FRAMES: true\n  AUGMENT: {HFLIP: true}\n  CHUNK_CACHE_MB: 8\n",
+        )
+        .unwrap();
+        assert_eq!(c.data.clip_len, 4);
+        assert_eq!(c.data.spike_bins, 16);
+        assert_eq!(c.data.blur_dir.folder(), "blur_gamma");
+        assert!(c.data.skip_bad_frames);
+        assert!(c.data.augment.hflip && !c.data.augment.vflip && !c.data.augment.rot90);
+        assert_eq!(c.data.chunk_cache_mb, 8);
+        let c = parse("DATA:\n  AUGMENT: false\n").unwrap();
+        assert_eq!(c.data.augment, super::Augment::all(false));
+    }
+
+    #[test]
+    fn bad_data_values_name_the_key() {
+        let err = parse("DATA:\n  BLUR_DIR: blurry\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("DATA.BLUR_DIR"), "{err}");
+        let err = parse("DATA:\n  AUGMENT: {SPIN: true}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("DATA.AUGMENT"), "{err}");
+        let err = parse("DATA:\n  CLIP_LEN: 0\n").unwrap_err().to_string();
+        assert!(err.contains("DATA.CLIP_LEN"), "{err}");
     }
 }

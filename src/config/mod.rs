@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use data::DataConfig;
+pub use data::{Augment, BlurDir, DataConfig};
 pub use dist::DistConfig;
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;

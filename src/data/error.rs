@@ -1,0 +1,60 @@
+//! The data path's error type: every variant names the file (or key) at fault and
+//! what was wrong, so a bad input is never a bare I/O error or a panic.
+
+use std::path::PathBuf;
+
+/// A dataset input that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A file or folder could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// A required file is missing (e.g. a blur frame without its spike partner).
+    #[error("{path}: missing ({why})")]
+    Missing {
+        /// The file that should exist.
+        path: PathBuf,
+        /// Why it is required.
+        why: String,
+    },
+    /// A file exists but its content is not what the format page says.
+    #[error("{path}: {message}")]
+    Format {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The node cache failed (connection, reservation, commit).
+    #[error("cache: {0}")]
+    Cache(#[from] crate::cache::CacheError),
+    /// A request does not fit the data (crop out of bounds, unknown sequence, ...).
+    #[error("{0}")]
+    Request(String),
+}
+
+impl DataError {
+    /// An I/O error on `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> DataError {
+        DataError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// A format error in `path`.
+    pub fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> DataError {
+        DataError::Format {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Result of the data path.
+pub type Result<T, E = DataError> = std::result::Result<T, E>;

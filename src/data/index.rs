@@ -1,0 +1,365 @@
+//! The folder-layout dataset index (format page, section 1): sequences and their
+//! frames in time order, each frame's spike step count, and each sequence's RGB
+//! size, all checked up front. A bad frame is an error naming the file, or with
+//! `skip_bad` a counted skip that [`DatasetIndex::skipped`] reports.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::config::BlurDir;
+
+use super::dat;
+use super::error::{DataError, Result};
+use super::image;
+use super::meta::DatasetMeta;
+use super::record::{RecordLayout, SpikePayload};
+
+/// One usable frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrameEntry {
+    /// File stem shared by `blur/`, `sharp/` and `spike/` (e.g. `000047`).
+    pub name: String,
+    /// Spike steps `T` of its `.dat` file.
+    pub spike_steps: u32,
+}
+
+/// One sequence (a folder under the split).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceIndex {
+    /// Folder name (e.g. `GOPR0372_07_00`).
+    pub name: String,
+    /// `<root>/<split>/<name>`.
+    pub dir: PathBuf,
+    /// RGB rows of every frame.
+    pub height: u32,
+    /// RGB columns of every frame.
+    pub width: u32,
+    /// Usable frames in time (name) order.
+    pub frames: Vec<FrameEntry>,
+}
+
+/// A frame that was skipped, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedFrame {
+    /// The file at fault.
+    pub path: PathBuf,
+    /// The error it gave.
+    pub reason: String,
+}
+
+/// How to index a root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexOptions {
+    /// `blur` or `blur_gamma` (`DATA.BLUR_DIR`).
+    pub blur_dir: BlurDir,
+    /// Skip bad frames (counted) instead of failing (`DATA.SKIP_BAD_FRAMES`).
+    pub skip_bad: bool,
+}
+
+/// The frames of one split of a folder-layout dataset.
+#[derive(Debug, Clone)]
+pub struct DatasetIndex {
+    /// Dataset root.
+    pub root: PathBuf,
+    /// `train` or `test` (any folder under the root).
+    pub split: String,
+    /// `dataset.yaml`.
+    pub meta: DatasetMeta,
+    /// Options it was built with.
+    pub options: IndexOptions,
+    /// Sequences in name order.
+    pub sequences: Vec<SequenceIndex>,
+    /// Frames skipped under `skip_bad` (empty otherwise).
+    pub skipped: Vec<SkippedFrame>,
+}
+
+fn read_dir_sorted(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| DataError::io(dir, e))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| DataError::io(dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with('.') {
+            out.push((name, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Stems of the files with extension `ext` in `dir`.
+fn stems(dir: &Path, ext: &str) -> Result<BTreeSet<String>> {
+    if !dir.is_dir() {
+        return Err(DataError::Missing {
+            path: dir.to_path_buf(),
+            why: "every sequence needs blur, sharp and spike folders".into(),
+        });
+    }
+    Ok(read_dir_sorted(dir)?
+        .into_iter()
+        .filter_map(|(name, _)| name.strip_suffix(ext).map(str::to_owned))
+        .collect())
+}
+
+impl DatasetIndex {
+    /// Indexes `<root>/<split>`: reads `dataset.yaml`, lists sequences and frames,
+    /// checks every PNG header and `.dat` size.
+    pub fn open_folder(root: &Path, split: &str, options: IndexOptions) -> Result<DatasetIndex> {
+        let meta = DatasetMeta::load(root)?;
+        let split_dir = root.join(split);
+        if !split_dir.is_dir() {
+            return Err(DataError::Missing {
+                path: split_dir,
+                why: format!("split '{split}' of the dataset"),
+            });
+        }
+        let mut index = DatasetIndex {
+            root: root.to_path_buf(),
+            split: split.to_owned(),
+            meta,
+            options,
+            sequences: Vec::new(),
+            skipped: Vec::new(),
+        };
+        for (name, dir) in read_dir_sorted(&split_dir)? {
+            if dir.is_dir() {
+                if let Some(seq) = index.index_sequence(&name, &dir)? {
+                    index.sequences.push(seq);
+                }
+            }
+        }
+        if index.sequences.is_empty() {
+            return Err(DataError::format(
+                &split_dir,
+                "no usable sequence (expected <SEQ>/blur, sharp and spike folders)",
+            ));
+        }
+        for skip in &index.skipped {
+            tracing::warn!(file = %skip.path.display(), reason = %skip.reason, "skipped bad frame");
+        }
+        if !index.skipped.is_empty() {
+            tracing::warn!(
+                skipped = index.skipped.len(),
+                kept = index.frame_count(),
+                "DATA.SKIP_BAD_FRAMES: frames skipped while indexing"
+            );
+        }
+        Ok(index)
+    }
+
+    /// Turns `err` into a counted skip when allowed, or returns it.
+    fn skip_or_fail(&mut self, err: DataError) -> Result<()> {
+        if !self.options.skip_bad {
+            return Err(err);
+        }
+        let path = match &err {
+            DataError::Io { path, .. }
+            | DataError::Missing { path, .. }
+            | DataError::Format { path, .. } => path.clone(),
+            DataError::Request(_) | DataError::Cache(_) => PathBuf::new(),
+        };
+        self.skipped.push(SkippedFrame {
+            path,
+            reason: err.to_string(),
+        });
+        Ok(())
+    }
+
+    fn index_sequence(&mut self, name: &str, dir: &Path) -> Result<Option<SequenceIndex>> {
+        let blur_dir = dir.join(self.options.blur_dir.folder());
+        let sharp_dir = dir.join("sharp");
+        let spike_dir = dir.join("spike");
+        let folders = [
+            (&blur_dir, ".png"),
+            (&sharp_dir, ".png"),
+            (&spike_dir, ".dat"),
+        ];
+        let mut sets = Vec::with_capacity(3);
+        for (folder, ext) in folders {
+            match stems(folder, ext) {
+                Ok(s) => sets.push(s),
+                Err(err) => {
+                    self.skip_or_fail(err)?;
+                    return Ok(None);
+                }
+            }
+        }
+        let all: BTreeSet<&String> = sets.iter().flatten().collect();
+        let (hs, ws) = (self.meta.spike_height, self.meta.spike_width);
+        let mut size: Option<(u32, u32)> = None;
+        let mut frames = Vec::new();
+        for stem in all {
+            let blur = blur_dir.join(format!("{stem}.png"));
+            let sharp = sharp_dir.join(format!("{stem}.png"));
+            let spike = spike_dir.join(format!("{stem}.dat"));
+            let checked = (|| -> Result<(u32, u32, u32)> {
+                for (i, (path, kind)) in [(&blur, "blur"), (&sharp, "sharp"), (&spike, "spike")]
+                    .into_iter()
+                    .enumerate()
+                {
+                    if !sets[i].contains(stem) {
+                        return Err(DataError::Missing {
+                            path: path.clone(),
+                            why: format!("partner {kind} file of frame {stem}"),
+                        });
+                    }
+                }
+                let blur_size = image::png_size(&blur)?;
+                let sharp_size = image::png_size(&sharp)?;
+                if sharp_size != blur_size {
+                    return Err(DataError::format(
+                        &sharp,
+                        format!(
+                            "sharp is {}x{} but its blur is {}x{}",
+                            sharp_size.0, sharp_size.1, blur_size.0, blur_size.1
+                        ),
+                    ));
+                }
+                let steps = dat::dat_steps(&spike, hs, ws)?;
+                Ok((blur_size.0, blur_size.1, steps))
+            })();
+            match checked {
+                Ok((h, w, steps)) => {
+                    if let Some((sh, sw)) = size {
+                        if (sh, sw) != (h, w) {
+                            self.skip_or_fail(DataError::format(
+                                &blur,
+                                format!("image is {h}x{w} but its sequence is {sh}x{sw}"),
+                            ))?;
+                            continue;
+                        }
+                    } else {
+                        check_alignment(&blur, h, w, hs, ws)?;
+                        size = Some((h, w));
+                    }
+                    frames.push(FrameEntry {
+                        name: stem.clone(),
+                        spike_steps: steps,
+                    });
+                }
+                Err(err) => self.skip_or_fail(err)?,
+            }
+        }
+        let Some((height, width)) = size else {
+            self.skip_or_fail(DataError::format(dir, "sequence has no usable frame"))?;
+            return Ok(None);
+        };
+        Ok(Some(SequenceIndex {
+            name: name.to_owned(),
+            dir: dir.to_path_buf(),
+            height,
+            width,
+            frames,
+        }))
+    }
+
+    /// Usable frames over all sequences.
+    pub fn frame_count(&self) -> usize {
+        self.sequences.iter().map(|s| s.frames.len()).sum()
+    }
+
+    /// The sequence named `name`.
+    pub fn sequence(&self, name: &str) -> Result<(usize, &SequenceIndex)> {
+        self.sequences
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.name == name)
+            .ok_or_else(|| {
+                DataError::Request(format!(
+                    "no sequence '{name}' in {}",
+                    self.root.join(&self.split).display()
+                ))
+            })
+    }
+
+    /// Paths of the blur, sharp and spike files of a frame.
+    pub fn frame_paths(&self, seq: usize, frame: usize) -> (PathBuf, PathBuf, PathBuf) {
+        let s = &self.sequences[seq];
+        let name = &s.frames[frame].name;
+        (
+            s.dir
+                .join(self.options.blur_dir.folder())
+                .join(format!("{name}.png")),
+            s.dir.join("sharp").join(format!("{name}.png")),
+            s.dir.join("spike").join(format!("{name}.dat")),
+        )
+    }
+
+    /// The record layout of a frame (known before decoding it).
+    pub fn record_layout(&self, seq: usize, frame: usize) -> RecordLayout {
+        let s = &self.sequences[seq];
+        RecordLayout {
+            height: s.height,
+            width: s.width,
+            spike_height: self.meta.spike_height,
+            spike_width: self.meta.spike_width,
+            payload: SpikePayload::Bits {
+                steps: s.frames[frame].spike_steps,
+            },
+        }
+    }
+
+    /// Decodes a frame from disk straight into `record` (exactly
+    /// [`Self::record_layout`]`.byte_len()` bytes, e.g. a cache slot).
+    pub fn encode_into(&self, seq: usize, frame: usize, record: &mut [u8]) -> Result<()> {
+        let layout = self.record_layout(seq, frame);
+        layout.write_header(record)?;
+        let (blur, sharp, spike) = self.frame_paths(seq, frame);
+        let size = (layout.height, layout.width);
+        image::read_png_rgb_into(&blur, size, &mut record[layout.blur_range()])?;
+        image::read_png_rgb_into(&sharp, size, &mut record[layout.sharp_range()])?;
+        dat::read_dat_into(
+            &spike,
+            layout.spike_height,
+            layout.spike_width,
+            self.meta.spike_flipped,
+            &mut record[layout.spike_range()],
+        )?;
+        Ok(())
+    }
+
+    /// A cache key naming the frame unambiguously across datasets on one node:
+    /// `<hash of root + blur dir>/<split>/<seq>/<frame>`.
+    pub fn record_key(&self, seq: usize, frame: usize) -> String {
+        let root = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(root.to_string_lossy().as_bytes());
+        hasher.update(self.options.blur_dir.folder().as_bytes());
+        let s = &self.sequences[seq];
+        format!(
+            "{:08x}/{}/{}/{}",
+            hasher.finalize(),
+            self.split,
+            s.name,
+            s.frames[frame].name
+        )
+    }
+}
+
+/// RGB and spike grids must line up on whole pixels: the RGB size is an exact
+/// multiple-ratio of the spike size in both directions.
+fn check_alignment(path: &Path, h: u32, w: u32, hs: u32, ws: u32) -> Result<()> {
+    if h < hs || w < ws {
+        return Err(DataError::format(
+            path,
+            format!("image is {h}x{w}, smaller than the spike grid {hs}x{ws} of dataset.yaml"),
+        ));
+    }
+    Ok(())
+}
+
+/// The RGB-pixel step on which crops line up with whole spike pixels:
+/// `(H / gcd(H, H_s), W / gcd(W, W_s))`.
+pub fn crop_alignment(height: u32, width: u32, spike_height: u32, spike_width: u32) -> (u32, u32) {
+    fn gcd(a: u32, b: u32) -> u32 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    (
+        height / gcd(height, spike_height).max(1),
+        width / gcd(width, spike_width).max(1),
+    )
+}

@@ -1,0 +1,606 @@
+//! The per-rank loader: worker threads build batches of samples in parallel,
+//! reading records through the node cache (hits are zero-copy leases; a miss is
+//! filled by the worker decoding straight into the reserved slot) or from disk
+//! (`DATA.USE_RAM_CACHE: false`). Batches come out in sampler order from a
+//! bounded prefetch window; the loader reports data_time and the cache hit rate.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::cache::{CacheClient, Lookup};
+use crate::config::Workers;
+
+use super::error::{DataError, Result};
+use super::index::DatasetIndex;
+use super::record::RecordView;
+use super::rng::SplitMix64;
+use super::sample::{build_sample, ClipIndex, DiskSource, RecordSource, Sample, SampleSpec};
+use super::sampler::{DistributedSampler, SamplerState};
+
+/// Loader threads of one rank: `TOTAL_WORKERS` (or 80% of the cores for `auto`)
+/// split evenly over the node's `local_world` ranks, at least one.
+pub fn workers_per_rank(total: Workers, local_world: usize) -> usize {
+    let node = match total {
+        Workers::Count(n) => n as usize,
+        Workers::Auto => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            cores * 4 / 5
+        }
+    };
+    (node / local_world.max(1)).max(1)
+}
+
+/// How a rank loads.
+#[derive(Debug, Clone)]
+pub struct LoaderOptions {
+    /// Worker threads of this rank.
+    pub workers: usize,
+    /// Batches in flight or ready, ahead of the consumer (prefetch factor x workers).
+    pub prefetch_batches: usize,
+    /// Samples per batch.
+    pub batch_size: usize,
+    /// Drop the last incomplete batch of an epoch.
+    pub drop_last_batch: bool,
+    /// How samples are cut.
+    pub spec: SampleSpec,
+    /// Seed of crops and augmentation (with epoch, rank and position).
+    pub seed: u64,
+    /// This rank (mixes into the sample seeds).
+    pub rank: usize,
+    /// Cache server address; `None` reads from disk.
+    pub cache_address: Option<String>,
+    /// Label of this rank's cache clients in the server's stats.
+    pub client_name: String,
+    /// Replace a clip that fails to load with the next one (counted, reported).
+    pub skip_bad: bool,
+}
+
+impl LoaderOptions {
+    /// Options from the run config for `rank` of a node with `local_world` ranks:
+    /// training crops and augmentation, or validation crops (`train == false`).
+    /// `cache_address` is used only when `DATA.USE_RAM_CACHE` is true.
+    pub fn from_config(
+        config: &crate::config::Config,
+        rank: usize,
+        local_world: usize,
+        train: bool,
+        cache_address: Option<String>,
+    ) -> LoaderOptions {
+        let data = &config.data;
+        let workers = workers_per_rank(config.dataloader.total_workers, local_world);
+        let crop = if train {
+            super::sample::CropMode::Random(data.crop_size)
+        } else {
+            data.val_crop_size.map_or(
+                super::sample::CropMode::Full,
+                super::sample::CropMode::Center,
+            )
+        };
+        LoaderOptions {
+            workers,
+            prefetch_batches: workers * config.dataloader.train_prefetch_factor as usize,
+            batch_size: if train {
+                config.train.batch_size as usize
+            } else {
+                1
+            },
+            drop_last_batch: train,
+            spec: SampleSpec {
+                crop,
+                augment: if train {
+                    data.augment
+                } else {
+                    crate::config::Augment::all(false)
+                },
+                bins: data.spike_bins,
+            },
+            seed: config.train.seed,
+            rank,
+            cache_address: if data.use_ram_cache {
+                cache_address
+            } else {
+                None
+            },
+            client_name: format!("rank{rank}"),
+            skip_bad: data.skip_bad_frames,
+        }
+    }
+}
+
+/// A batch: samples of consecutive sampler positions.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// Epoch it belongs to.
+    pub epoch: u64,
+    /// Sampler position after its last sample (the resume point once consumed).
+    pub end_position: usize,
+    /// The samples, in sampler order.
+    pub samples: Vec<Sample>,
+}
+
+impl Batch {
+    /// Blur, sharp and voxels stacked as (B, L, 3, h, w), (B, L, 3, h, w) and
+    /// (B, L, K, h_s, w_s) f32 tensors on `device`; on CUDA through pinned host memory
+    /// with a non-blocking copy. Samples of different shapes are an error.
+    pub fn to_tensors(
+        &self,
+        device: tch::Device,
+    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
+        let first = self
+            .samples
+            .first()
+            .ok_or_else(|| DataError::Request("empty batch".into()))?;
+        let (rgb, vox) = (first.rgb_shape(), first.voxel_shape());
+        if self
+            .samples
+            .iter()
+            .any(|s| s.rgb_shape() != rgb || s.voxel_shape() != vox)
+        {
+            return Err(DataError::Request("batch mixes sample shapes".into()));
+        }
+        let b = self.samples.len() as i64;
+        let stack =
+            |get: &dyn Fn(&Sample) -> &Vec<f32>, shape: [usize; 4]| -> Result<tch::Tensor> {
+                let mut flat = Vec::with_capacity(self.samples.len() * get(first).len());
+                for s in &self.samples {
+                    flat.extend_from_slice(get(s));
+                }
+                let dims = [
+                    b,
+                    shape[0] as i64,
+                    shape[1] as i64,
+                    shape[2] as i64,
+                    shape[3] as i64,
+                ];
+                let torch = |e: tch::TchError| DataError::Request(format!("libtorch: {e}"));
+                let host = tch::Tensor::f_from_slice(&flat)
+                    .and_then(|t| t.f_view(dims))
+                    .map_err(torch)?;
+                if device.is_cuda() {
+                    host.f_pin_memory(device)
+                        .and_then(|p| p.f_to_device_(device, tch::Kind::Float, true, false))
+                        .map_err(torch)
+                } else {
+                    Ok(host)
+                }
+            };
+        Ok((
+            stack(&|s| &s.blur, rgb)?,
+            stack(&|s| &s.sharp, rgb)?,
+            stack(&|s| &s.voxel, vox)?,
+        ))
+    }
+}
+
+/// Loader figures since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct LoaderStats {
+    /// Batches handed to the consumer.
+    pub batches: u64,
+    /// Samples handed to the consumer.
+    pub samples: u64,
+    /// Total time the consumer waited for batches (data_time), in seconds.
+    pub data_time_s: f64,
+    /// Mean wait per batch, in milliseconds.
+    pub data_time_ms: f64,
+    /// Records found in the cache.
+    pub cache_hits: u64,
+    /// Records decoded and filled by this rank's workers.
+    pub cache_misses: u64,
+    /// hits / (hits + misses) of this rank's reads.
+    pub hit_rate: f64,
+    /// Clips replaced under `DATA.SKIP_BAD_FRAMES`.
+    pub skipped: u64,
+}
+
+#[derive(Debug, Default)]
+struct SharedCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    skipped: AtomicU64,
+}
+
+struct Task {
+    seq_no: u64,
+    epoch: u64,
+    /// (sampler position, clip number)
+    items: Vec<(usize, usize)>,
+    end_position: usize,
+}
+
+type Done = (u64, Result<Batch>);
+
+/// Reads through the node cache with this worker's own connection.
+struct CacheSource {
+    client: CacheClient,
+    counters: Arc<SharedCounters>,
+}
+
+impl RecordSource for CacheSource {
+    fn with_record<R>(
+        &mut self,
+        index: &DatasetIndex,
+        seq: usize,
+        frame: usize,
+        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let key = index.record_key(seq, frame);
+        let lease = match self.client.get(&key)? {
+            Lookup::Hit(lease) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                lease
+            }
+            Lookup::Miss(mut ticket) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                let len = index.record_layout(seq, frame).byte_len();
+                ticket.reserve(len as u64)?;
+                if let Err(err) = index.encode_into(seq, frame, ticket.slot_mut()?) {
+                    ticket.abort()?;
+                    return Err(err);
+                }
+                ticket.commit()?
+            }
+        };
+        read(RecordView::parse(&lease, &key)?)
+    }
+}
+
+/// One rank's loader.
+pub struct Loader {
+    index: Arc<DatasetIndex>,
+    sampler: DistributedSampler,
+    options: LoaderOptions,
+    tasks: Option<Sender<Task>>,
+    done: Receiver<Done>,
+    threads: Vec<JoinHandle<()>>,
+    counters: Arc<SharedCounters>,
+    next_seq_no: u64,
+    next_to_yield: u64,
+    ready: BTreeMap<u64, Result<Batch>>,
+    consumed_position: usize,
+    stats: LoaderStats,
+}
+
+fn worker_loop<S: RecordSource>(
+    mut source: S,
+    index: &DatasetIndex,
+    clips: &ClipIndex,
+    options: &LoaderOptions,
+    counters: &SharedCounters,
+    tasks: Receiver<Task>,
+    done: Sender<Done>,
+) {
+    for task in tasks {
+        let mut samples = Vec::with_capacity(task.items.len());
+        let mut failure = None;
+        for &(position, clip_no) in &task.items {
+            let mut attempt = 0;
+            loop {
+                let pick = (clip_no + attempt) % clips.clips.len();
+                let mut rng = SplitMix64::from_parts(&[
+                    options.seed,
+                    task.epoch,
+                    options.rank as u64,
+                    position as u64,
+                    attempt as u64,
+                ]);
+                match build_sample(
+                    index,
+                    clips.clips[pick],
+                    clips.len,
+                    &options.spec,
+                    &mut rng,
+                    &mut source,
+                ) {
+                    Ok(s) => {
+                        samples.push(s);
+                        break;
+                    }
+                    Err(err @ DataError::Cache(_)) => {
+                        failure = Some(err);
+                        break;
+                    }
+                    Err(err) if options.skip_bad && attempt + 1 < clips.clips.len().min(16) => {
+                        counters.skipped.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %err, "DATA.SKIP_BAD_FRAMES: clip replaced by the next one");
+                        attempt += 1;
+                    }
+                    Err(err) => {
+                        failure = Some(err);
+                        break;
+                    }
+                }
+            }
+            if failure.is_some() {
+                break;
+            }
+        }
+        let result = match failure {
+            Some(err) => Err(err),
+            None => Ok(Batch {
+                epoch: task.epoch,
+                end_position: task.end_position,
+                samples,
+            }),
+        };
+        if done.send((task.seq_no, result)).is_err() {
+            return;
+        }
+    }
+}
+
+impl Loader {
+    /// Starts the worker threads (each with its own cache connection, made here so
+    /// a missing server is reported now) for `sampler`'s rank.
+    pub fn new(
+        index: Arc<DatasetIndex>,
+        clips: Arc<ClipIndex>,
+        sampler: DistributedSampler,
+        options: LoaderOptions,
+    ) -> Result<Loader> {
+        if options.workers == 0 || options.batch_size == 0 || options.prefetch_batches == 0 {
+            return Err(DataError::Request(
+                "loader needs at least one worker, batch size 1 and prefetch 1".into(),
+            ));
+        }
+        if clips.clips.is_empty() {
+            return Err(DataError::Request(format!(
+                "no clip of {} frames in {}",
+                clips.len,
+                index.root.join(&index.split).display()
+            )));
+        }
+        let (task_tx, task_rx) = crossbeam_channel::unbounded::<Task>();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<()>>(options.workers);
+        let counters = Arc::new(SharedCounters::default());
+        let mut threads = Vec::with_capacity(options.workers);
+        for w in 0..options.workers {
+            let (index, clips, options_w, counters) = (
+                index.clone(),
+                clips.clone(),
+                options.clone(),
+                counters.clone(),
+            );
+            let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
+            let name = format!("loader-{}-{w}", options.rank);
+            let handle = std::thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || match &options_w.cache_address {
+                    Some(address) => match CacheClient::connect(
+                        address,
+                        &format!("{}/{name}", options_w.client_name),
+                    ) {
+                        Ok(client) => {
+                            let _ = ready.send(Ok(()));
+                            let source = CacheSource {
+                                client,
+                                counters: counters.clone(),
+                            };
+                            worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
+                        }
+                        Err(err) => {
+                            let _ = ready.send(Err(err.into()));
+                        }
+                    },
+                    None => {
+                        let _ = ready.send(Ok(()));
+                        worker_loop(
+                            DiskSource::default(),
+                            &index,
+                            &clips,
+                            &options_w,
+                            &counters,
+                            tasks,
+                            done,
+                        );
+                    }
+                })
+                .map_err(|e| DataError::Request(format!("cannot start loader thread: {e}")))?;
+            threads.push(handle);
+        }
+        let mut loader = Loader {
+            index,
+            sampler,
+            options,
+            tasks: Some(task_tx),
+            done: done_rx,
+            threads,
+            counters,
+            next_seq_no: 0,
+            next_to_yield: 0,
+            ready: BTreeMap::new(),
+            consumed_position: 0,
+            stats: LoaderStats::default(),
+        };
+        for _ in 0..loader.options.workers {
+            match ready_rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => return Err(err),
+                Err(_) => return Err(DataError::Request("loader worker did not start".into())),
+            }
+        }
+        loader.consumed_position = loader.sampler.position();
+        Ok(loader)
+    }
+
+    /// The dataset index it reads.
+    pub fn index(&self) -> &DatasetIndex {
+        &self.index
+    }
+
+    /// Starts `epoch` from its beginning (dropping what was prefetched of another).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.drain();
+        self.sampler.set_epoch(epoch);
+        self.consumed_position = 0;
+    }
+
+    /// The sampler cursor as of the batches consumed so far (prefetched ones not
+    /// counted): save it in a checkpoint.
+    pub fn state(&self) -> SamplerState {
+        let mut state = self.sampler.state();
+        state.position = self.consumed_position;
+        state
+    }
+
+    /// Continues from a saved cursor.
+    pub fn restore(&mut self, state: &SamplerState) -> Result<()> {
+        self.drain();
+        self.sampler.restore(state)?;
+        self.consumed_position = state.position;
+        Ok(())
+    }
+
+    /// Waits for what is in flight and forgets it.
+    fn drain(&mut self) {
+        while self.next_to_yield < self.next_seq_no {
+            if self.ready.remove(&self.next_to_yield).is_none() {
+                match self.done.recv() {
+                    Ok((seq_no, result)) => {
+                        self.ready.insert(seq_no, result);
+                        continue;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.next_to_yield += 1;
+        }
+        self.ready.clear();
+        self.next_to_yield = self.next_seq_no;
+    }
+
+    /// Sends the next batch of sampler positions to the workers; false at epoch end.
+    fn dispatch_one(&mut self) -> bool {
+        let mut items = Vec::with_capacity(self.options.batch_size);
+        while items.len() < self.options.batch_size {
+            match self.sampler.next_index() {
+                Some(pair) => items.push(pair),
+                None => break,
+            }
+        }
+        if items.is_empty()
+            || (self.options.drop_last_batch && items.len() < self.options.batch_size)
+        {
+            return false;
+        }
+        let task = Task {
+            seq_no: self.next_seq_no,
+            epoch: self.sampler.epoch(),
+            items,
+            end_position: self.sampler.position(),
+        };
+        let Some(tasks) = &self.tasks else {
+            return false;
+        };
+        if tasks.send(task).is_err() {
+            return false;
+        }
+        self.next_seq_no += 1;
+        true
+    }
+
+    /// The next batch of the current epoch, or `None` at its end (then call
+    /// [`Self::set_epoch`]). Blocks while workers are behind; that wait is data_time.
+    pub fn next_batch(&mut self) -> Option<Result<Batch>> {
+        while self.next_seq_no - self.next_to_yield < self.options.prefetch_batches as u64 {
+            if !self.dispatch_one() {
+                break;
+            }
+        }
+        if self.next_to_yield == self.next_seq_no {
+            return None;
+        }
+        let start = Instant::now();
+        let result = loop {
+            if let Some(result) = self.ready.remove(&self.next_to_yield) {
+                break result;
+            }
+            match self.done.recv() {
+                Ok((seq_no, result)) => {
+                    self.ready.insert(seq_no, result);
+                }
+                Err(_) => break Err(DataError::Request("loader workers stopped".into())),
+            }
+        };
+        self.next_to_yield += 1;
+        self.stats.data_time_s += start.elapsed().as_secs_f64();
+        if let Ok(batch) = &result {
+            self.consumed_position = batch.end_position;
+            self.stats.batches += 1;
+            self.stats.samples += batch.samples.len() as u64;
+        }
+        // Keep the window full.
+        while self.next_seq_no - self.next_to_yield < self.options.prefetch_batches as u64 {
+            if !self.dispatch_one() {
+                break;
+            }
+        }
+        Some(result)
+    }
+
+    /// Figures since the loader started.
+    pub fn stats(&self) -> LoaderStats {
+        let mut stats = self.stats;
+        stats.cache_hits = self.counters.hits.load(Ordering::Relaxed);
+        stats.cache_misses = self.counters.misses.load(Ordering::Relaxed);
+        stats.skipped = self.counters.skipped.load(Ordering::Relaxed);
+        let reads = stats.cache_hits + stats.cache_misses;
+        stats.hit_rate = if reads > 0 {
+            stats.cache_hits as f64 / reads as f64
+        } else {
+            0.0
+        };
+        stats.data_time_ms = if stats.batches > 0 {
+            stats.data_time_s * 1000.0 / stats.batches as f64
+        } else {
+            0.0
+        };
+        stats
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.tasks = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_split_and_config() {
+        assert_eq!(workers_per_rank(Workers::Count(12), 3), 4);
+        assert_eq!(workers_per_rank(Workers::Count(2), 3), 1);
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(workers_per_rank(Workers::Auto, 1), (cores * 4 / 5).max(1));
+        let config = crate::config::Config::parse(
+            "DATA:\n  USE_RAM_CACHE: false\n  VAL_CROP_SIZE: null\nDATALOADER:\n  TOTAL_WORKERS: 8\n  TRAIN_PREFETCH_FACTOR: 3\nTRAIN:\n  BATCH_SIZE: 4\n",
+            std::path::Path::new("t.yaml"),
+        )
+        .unwrap();
+        let train = LoaderOptions::from_config(&config, 1, 2, true, Some("addr".into()));
+        assert_eq!(
+            (train.workers, train.prefetch_batches, train.batch_size),
+            (4, 12, 4)
+        );
+        assert_eq!(
+            train.cache_address, None,
+            "USE_RAM_CACHE: false reads from disk"
+        );
+        assert_eq!(train.spec.crop, super::super::sample::CropMode::Random(256));
+        let val = LoaderOptions::from_config(&config, 1, 2, false, None);
+        assert_eq!(val.spec.crop, super::super::sample::CropMode::Full);
+        assert_eq!(val.spec.augment, crate::config::Augment::all(false));
+    }
+}
