@@ -308,7 +308,7 @@ pub fn train(
     let mut train_seconds = 0.0f64;
     let mut attempt_step_seconds = 0.0f64;
     let mut losses = Vec::new();
-    let mut window = (Instant::now(), 0u64, 0.0f64, 0u64);
+    let mut window = (Instant::now(), 0u64, 0.0f64, 0u64, 0.0f64);
     let mut last_val: Option<QualitySums> = None;
     let mut last_val_step = None;
     let mut preempted = false;
@@ -322,6 +322,7 @@ pub fn train(
         optimizer.zero_grad();
         let (mut local_loss, mut local_bad, mut bad_samples, mut local_samples) =
             (0.0f64, false, Vec::new(), 0usize);
+        let mut input_loss = 0.0f64;
         for _ in 0..accum {
             let batch = next_batch(&mut loader)?;
             let (blur, sharp, voxels) = batch.to_tensors(device)?;
@@ -330,6 +331,9 @@ pub fn train(
             let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps)
                 / accum as f64;
             let value = loss.double_value(&[]);
+            input_loss +=
+                tch::no_grad(|| charbonnier(&blur, &sharp, tc.charbonnier_eps).double_value(&[]))
+                    / accum as f64;
             local_samples += batch.samples.len();
             if value.is_finite() {
                 local_loss += value;
@@ -352,10 +356,12 @@ pub fn train(
             f64::from(u8::from(local_bad)),
             f64::from(u8::from(preempt::requested())),
             local_samples as f64,
+            input_loss,
         ];
         let reduced = comm.all_reduce(&flags, ReduceOp::Sum)?;
         let (loss_sum, bad_ranks, preempt_ranks, step_samples) =
             (reduced[0], reduced[1], reduced[2], reduced[3] as u64);
+        window.4 += reduced[4] / world as f64;
         if local_bad {
             tracing::warn!(step = step + 1, rank, samples = ?bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
         }
@@ -411,6 +417,7 @@ pub fn train(
             if rank == 0 {
                 sink.write("train", json!({
                     "step": state.step, "epoch": loader.state().epoch, "loss": avg_loss, "lr": lr,
+                    "input_loss": window.4 / window.3.max(1) as f64,
                     "grad_norm": if grad_norm.is_finite() { json!(grad_norm) } else { Value::Null },
                     "samples_per_s": samples_per_s, "data_time_ms": stats.data_time_ms,
                     "cache_hit_rate": stats.hit_rate, "loss_scale": state.scaler.scale,
@@ -422,7 +429,7 @@ pub fn train(
                     100.0 * stats.hit_rate
                 ));
             }
-            window = (Instant::now(), 0, 0.0, 0);
+            window = (Instant::now(), 0, 0.0, 0, 0.0);
         }
         if state.step % log.mem_every_steps == 0 {
             let sample = monitor.sample();
