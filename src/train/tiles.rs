@@ -73,11 +73,14 @@ pub fn tile_spans(len: i64, tile: i64, overlap: i64, align: i64) -> Vec<TileSpan
     spans
 }
 
+/// A model run on one tile: (blur tile, voxel tile) to the restored tile.
+pub type TileModel<'m, E> = dyn FnMut(&Tensor, Option<&Tensor>) -> Result<Tensor, E> + 'm;
+
 /// Runs `model` on tiles of `blur` (N, D, 3, H, W) and of `voxels` (N, D, K, Hs, Ws,
 /// H/Hs = W/Ws an integer ratio) and stitches the (N, D, 3, H, W) output. Tile starts
 /// are aligned to `align` RGB pixels (a multiple of the spike ratio).
 pub fn tiled_forward<E>(
-    model: &mut dyn FnMut(&Tensor, Option<&Tensor>) -> Result<Tensor, E>,
+    model: &mut TileModel<'_, E>,
     blur: &Tensor,
     voxels: Option<&Tensor>,
     tile: i64,

@@ -152,11 +152,7 @@ pub fn train(
         blur_dir: config.data.blur_dir,
         skip_bad: config.data.skip_bad_frames,
     };
-    let train_index = Arc::new(DatasetIndex::open_folder(
-        &root,
-        "train",
-        index_options.clone(),
-    )?);
+    let train_index = Arc::new(DatasetIndex::open_folder(&root, "train", index_options)?);
     let clip_len = config.data.clip_len as usize;
     let clips = Arc::new(ClipIndex::new(&train_index, clip_len, 1, false));
     let val_index = match DatasetIndex::open_folder(&root, "test", index_options) {
@@ -259,16 +255,7 @@ pub fn train(
         loader.restore(&cursor)?;
     }
     let mut validator = match val_index {
-        Some(index) => Some(Validator::new(
-            config,
-            index,
-            rank,
-            world,
-            env.local_world_size,
-            env.cache_addr.clone(),
-            device,
-            amp,
-        )?),
+        Some(index) => Some(Validator::new(config, index, env, amp)?),
         None => None,
     };
 

@@ -15,6 +15,7 @@ use crate::data::DatasetIndex;
 use crate::model::Restorer;
 
 use super::amp::AmpMode;
+use super::env::RankEnv;
 use super::quality::QualitySums;
 use super::tiles::tiled_forward;
 use super::TrainError;
@@ -34,17 +35,14 @@ pub struct Validator {
 
 impl Validator {
     /// Clips of `index` (windows of `DATA.CLIP_LEN`, every frame covered), every
-    /// world-th one from `rank` on, read through `cache_addr` when set.
+    /// world-th one from this rank on, read through the node cache when one runs.
     pub fn new(
         config: &Config,
         index: Arc<DatasetIndex>,
-        rank: usize,
-        world: usize,
-        local_world: usize,
-        cache_addr: Option<String>,
-        device: Device,
+        env: &RankEnv,
         amp: AmpMode,
     ) -> Result<Validator, TrainError> {
+        let (rank, world, device) = (env.rank, env.world_size, env.device);
         let len = config.data.clip_len as usize;
         let all = ClipIndex::new(&index, len, len, true);
         let mine: Vec<_> = all
@@ -55,7 +53,13 @@ impl Validator {
             .map(|(_, c)| *c)
             .collect();
         let clips = mine.len();
-        let mut options = LoaderOptions::from_config(config, rank, local_world, false, cache_addr);
+        let mut options = LoaderOptions::from_config(
+            config,
+            rank,
+            env.local_world_size,
+            false,
+            env.cache_addr.clone(),
+        );
         options.client_name = format!("rank{rank}-val");
         options.workers = options.workers.min(2);
         options.prefetch_batches = options.workers * 2;
