@@ -229,6 +229,22 @@ pub fn train(
         }
         None => fresh_state,
     };
+    // Every rank must resume from the same step (a run directory not shared by all
+    // nodes would silently mix fresh and resumed optimizer state).
+    let highest = comm.all_reduce(&[state.step as f64], ReduceOp::Max)?[0];
+    let lowest = comm.all_reduce(&[state.step as f64], ReduceOp::Min)?[0];
+    if highest != lowest {
+        return Err(TrainError::Config {
+            key: "run directory".into(),
+            message: format!(
+                "ranks resume from different steps ({lowest} to {highest}; this rank {} from {}): \
+                 every node must see the same {}",
+                rank,
+                state.step,
+                env.checkpoint_dir().display()
+            ),
+        });
+    }
     if let Some(group) = &mut comm.group {
         comm.ddp = Some(Ddp::new(
             group,
