@@ -75,7 +75,7 @@ fn sample_values_match_the_files() {
             for y in 0..32 {
                 for x in 0..32 {
                     let src = (((s.crop.y + y) * 96 + s.crop.x + x) * 3 + c) as usize;
-                    let at = j as usize * 3 * 1024 + c as usize * 1024 + (y * 32 + x) as usize;
+                    let at = j * 3 * 1024 + c as usize * 1024 + (y * 32 + x) as usize;
                     assert_eq!(s.blur[at], blur.data[src] as f32 / 255.0);
                     assert_eq!(s.sharp[at], sharp.data[src] as f32 / 255.0);
                 }
@@ -91,7 +91,7 @@ fn sample_values_match_the_files() {
                         .filter(|&t| stream.get(t, sy + y, sx + x))
                         .count();
                     let want = count as f32 / steps.len() as f32;
-                    let at = j as usize * 8 * 256 + (k * 256 + y * 16 + x) as usize;
+                    let at = j * 8 * 256 + (k * 256 + y * 16 + x) as usize;
                     assert_eq!(s.voxel[at], want, "frame {j} bin {k} ({y},{x})");
                 }
             }

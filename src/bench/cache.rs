@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
-use super::record::{check_rows, copy_crop, verify_record, write_record, FrameShape};
+use super::record::{check_rows, copy_crop, template, verify_record, write_record, FrameShape};
 use crate::cache::store::slot_size_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
 
@@ -107,7 +107,11 @@ fn key_name(id: u64) -> String {
 }
 
 /// One reader thread: random gets; hits are checked and cropped, misses filled.
-fn reader_thread(opts: &WorkerOptions, thread: usize) -> Result<WorkerReport, BenchError> {
+fn reader_thread(
+    opts: &WorkerOptions,
+    body: &[u8],
+    thread: usize,
+) -> Result<WorkerReport, BenchError> {
     let shape = opts.shape();
     let client = CacheClient::connect(&opts.address, &format!("bench-{}-{thread}", opts.seed))?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed * 1000 + thread as u64);
@@ -137,7 +141,7 @@ fn reader_thread(opts: &WorkerOptions, thread: usize) -> Result<WorkerReport, Be
                     Err(e) => return Err(e.into()),
                 }
                 let slot = ticket.slot_mut()?;
-                write_record(shape, id, slot)
+                write_record(shape, id, body, slot)
                     .map_err(|e| BenchError::Options(format!("record shape: {e}")))?;
                 ticket.commit()?
             }
@@ -171,9 +175,11 @@ pub fn run_worker(opts: &WorkerOptions) -> Result<WorkerReport, BenchError> {
             opts.crop, opts.height, opts.width
         )));
     }
+    let body = template(opts.shape());
+    let body = &body;
     let results: Vec<Result<WorkerReport, BenchError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..opts.threads)
-            .map(|t| scope.spawn(move || reader_thread(opts, t)))
+            .map(|t| scope.spawn(move || reader_thread(opts, body, t)))
             .collect();
         handles
             .into_iter()
@@ -345,12 +351,13 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         })?;
     let _server = ChildGuard(server);
     let driver = wait_for_server(&address, Duration::from_secs(60))?;
+    let body = template(shape);
 
     // Warm: fill every slot once, so the timed phase runs at steady eviction pressure.
     for id in 0..slots.min(keys) {
         let lease = driver
             .get_or_fill(&key_name(id), record_bytes as usize, |slot| {
-                write_record(shape, id, slot)
+                write_record(shape, id, &body, slot)
             })
             .map_err(|e| BenchError::Options(format!("warm-up fill: {e}")))?;
         drop(lease);
@@ -414,18 +421,26 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         total.merge(&report);
     }
 
-    // Crop reads, one thread, the store otherwise idle.
+    // Crop reads, one thread, the store otherwise idle, over the records cached now
+    // (so every get is a hit): the copy alone, and the copy with get and release.
+    let mut cached = Vec::new();
+    for id in 0..keys {
+        if driver.peek(&key_name(id))?.is_some() {
+            cached.push(id);
+        }
+    }
+    if cached.is_empty() {
+        return Err(BenchError::Options("nothing cached after the run".into()));
+    }
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut crop = vec![0u8; opts.crop * opts.crop * 3];
     let mut copy_s = 0.0;
     let t_all = Instant::now();
     for _ in 0..opts.crop_reads {
-        let id = rng.random_range(0..slots.min(keys));
-        let lease = driver
-            .get_or_fill(&key_name(id), record_bytes as usize, |slot| {
-                write_record(shape, id, slot)
-            })
-            .map_err(|e| BenchError::Options(format!("crop phase: {e}")))?;
+        let id = cached[rng.random_range(0..cached.len())];
+        let lease = driver.peek(&key_name(id))?.ok_or_else(|| {
+            BenchError::Options(format!("{} was evicted with no load running", key_name(id)))
+        })?;
         let y = rng.random_range(0..=shape.height - opts.crop);
         let x = rng.random_range(0..=shape.width - opts.crop);
         let t0 = Instant::now();

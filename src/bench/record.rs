@@ -85,26 +85,40 @@ fn read_u64(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(word)
 }
 
-/// Writes the record of `key_id` into `out` (exactly `shape.record_bytes()` long).
-pub fn write_record(shape: FrameShape, key_id: u64, out: &mut [u8]) -> Result<(), RecordError> {
-    if out.len() != shape.record_bytes() {
+/// Pixel bytes shared by every record of a shape (pseudo-random, made once);
+/// a record is this body with its own row tags, so writing one is a copy.
+pub fn template(shape: FrameShape) -> Vec<u8> {
+    let mut body = vec![0u8; shape.height * shape.row_bytes()];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    for chunk in body.chunks_mut(8) {
+        // xorshift64: cheap and deterministic.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+    }
+    body
+}
+
+/// Writes the record of `key_id` into `out` (exactly `shape.record_bytes()` long):
+/// `template`'s pixels, each row tagged with the key and row, and the header.
+pub fn write_record(
+    shape: FrameShape,
+    key_id: u64,
+    template: &[u8],
+    out: &mut [u8],
+) -> Result<(), RecordError> {
+    if out.len() != shape.record_bytes() || template.len() + HEADER != out.len() {
         return Err(RecordError::Length {
             got: out.len(),
             expected: shape.record_bytes(),
         });
     }
     let (header, body) = out.split_at_mut(HEADER);
-    let mut state = key_id ^ 0x2545_F491_4F6C_DD1D;
+    body.copy_from_slice(template);
     for (row, line) in body.chunks_exact_mut(shape.row_bytes()).enumerate() {
-        let (tag, pixels) = line.split_at_mut(8.min(line.len()));
-        tag.copy_from_slice(&row_tag(key_id, row).to_le_bytes()[..tag.len()]);
-        for chunk in pixels.chunks_mut(8) {
-            // xorshift64: cheap, deterministic per key.
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
-        }
+        let tag = line.len().min(8);
+        line[..tag].copy_from_slice(&row_tag(key_id, row).to_le_bytes()[..tag]);
     }
     let crc = crc32fast::hash(body);
     header[0..8].copy_from_slice(&MAGIC.to_le_bytes());
@@ -192,7 +206,7 @@ mod tests {
     #[test]
     fn written_records_verify() {
         let mut buf = vec![0u8; SMALL.record_bytes()];
-        write_record(SMALL, 42, &mut buf).unwrap();
+        write_record(SMALL, 42, &template(SMALL), &mut buf).unwrap();
         verify_record(SMALL, 42, &buf).unwrap();
         assert!(matches!(
             verify_record(SMALL, 43, &buf),
@@ -203,7 +217,8 @@ mod tests {
     #[test]
     fn corruption_is_detected() {
         let mut buf = vec![0u8; SMALL.record_bytes()];
-        write_record(SMALL, 7, &mut buf).unwrap();
+        let body = template(SMALL);
+        write_record(SMALL, 7, &body, &mut buf).unwrap();
         buf[HEADER + 5 * SMALL.row_bytes() + 20] ^= 1;
         assert!(matches!(
             verify_record(SMALL, 7, &buf),
@@ -211,7 +226,7 @@ mod tests {
         ));
         // A row of another record spliced in is caught by the cheap check too.
         let mut other = vec![0u8; SMALL.record_bytes()];
-        write_record(SMALL, 8, &mut other).unwrap();
+        write_record(SMALL, 8, &body, &mut other).unwrap();
         let row = HEADER + 3 * SMALL.row_bytes();
         buf[row..row + SMALL.row_bytes()].copy_from_slice(&other[row..row + SMALL.row_bytes()]);
         assert!(matches!(
@@ -223,7 +238,7 @@ mod tests {
     #[test]
     fn crop_copies_the_right_pixels() {
         let mut buf = vec![0u8; SMALL.record_bytes()];
-        write_record(SMALL, 1, &mut buf).unwrap();
+        write_record(SMALL, 1, &template(SMALL), &mut buf).unwrap();
         let mut crop = vec![0u8; 4 * 4 * 3];
         copy_crop(SMALL, &buf, 2, 5, 4, &mut crop);
         let at = HEADER + 3 * SMALL.row_bytes() + 5 * 3;

@@ -60,8 +60,9 @@ pub struct CacheBenchArgs {
     /// Crop side in pixels.
     #[arg(long, default_value_t = 256)]
     crop: usize,
-    /// Verify the whole record's checksum every n-th read (1: every read).
-    #[arg(long, default_value_t = 8)]
+    /// Verify the whole record's checksum every n-th read (1: every read); the
+    /// header and the crop's row tags are checked on every read regardless.
+    #[arg(long, default_value_t = 64)]
     verify_every: u64,
     /// Crops in the single-thread crop-read phase.
     #[arg(long, default_value_t = 4000)]

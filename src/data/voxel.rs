@@ -236,7 +236,7 @@ mod tests {
             width: 384,
             steps: 56,
         };
-        assert!(56 * 384 * 400 >= PARALLEL_MIN_WORK);
+        const { assert!(56 * 384 * 400 >= PARALLEL_MIN_WORK) };
         check(
             shape,
             32,
