@@ -10,4 +10,5 @@ pub mod config;
 pub mod data;
 pub mod dist;
 pub mod model;
+pub mod train;
 pub mod util;

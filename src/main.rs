@@ -31,6 +31,8 @@ enum Command {
     Model(vrtspike::model::cli::ModelCommand),
     /// Forward/backward time per stage, parameters and memory of a model config.
     Profile(vrtspike::model::cli::ProfileArgs),
+    /// Train a model (one rank; started by vrtspike-launch, or alone).
+    Train(vrtspike::train::cli::TrainArgs),
     /// Write a synthetic GoPro-Spike dataset (folder layout).
     Synth(vrtspike::data::cli::SynthArgs),
     /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
@@ -47,6 +49,7 @@ fn main() -> Result<()> {
         Command::Info => cli::info(),
         Command::Model(cmd) => vrtspike::model::cli::run(cmd),
         Command::Profile(args) => vrtspike::model::cli::profile(args),
+        Command::Train(args) => vrtspike::train::cli::run(args),
         Command::Synth(args) => vrtspike::data::cli::run_synth(args),
         Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),
     }

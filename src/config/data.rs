@@ -17,6 +17,13 @@ pub struct DataConfig {
     /// Validation centre crop; `null` validates on the full frame.
     #[serde(rename = "VAL_CROP_SIZE")]
     pub val_crop_size: Option<u32>,
+    /// Full-frame validation (`VAL_CROP_SIZE: null`) runs the model on square tiles
+    /// of this many RGB pixels; `null` runs the whole frame at once.
+    #[serde(rename = "VAL_TILE")]
+    pub val_tile: Option<u32>,
+    /// Overlap of neighbouring validation tiles, in RGB pixels.
+    #[serde(rename = "VAL_TILE_OVERLAP")]
+    pub val_tile_overlap: u32,
     /// Byte cap of the node's shared-memory cache, in GiB.
     #[serde(rename = "CACHE_SIZE_GB")]
     pub cache_size_gb: f64,
@@ -131,6 +138,8 @@ impl Default for DataConfig {
             root: None,
             crop_size: 256,
             val_crop_size: Some(256),
+            val_tile: None,
+            val_tile_overlap: 32,
             cache_size_gb: 20.0,
             use_ram_cache: true,
             clip_len: 6,
@@ -168,6 +177,18 @@ impl DataConfig {
                 "VAL_CROP_SIZE",
                 "expected a positive crop size, or null for the full frame",
             ));
+        }
+        if let Some(tile) = self.val_tile {
+            if tile == 0 || self.val_tile_overlap >= tile {
+                return Err(invalid(
+                    "DATA",
+                    "VAL_TILE",
+                    format!(
+                        "expected a tile larger than VAL_TILE_OVERLAP ({}), got {tile}",
+                        self.val_tile_overlap
+                    ),
+                ));
+            }
         }
         if self.clip_len == 0 {
             return Err(invalid("DATA", "CLIP_LEN", "expected at least 1 frame"));

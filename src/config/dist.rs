@@ -4,6 +4,21 @@ use serde::Deserialize;
 
 use super::invalid;
 
+/// Collective backend choice (`DIST.BACKEND`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum DistBackend {
+    /// NCCL on CUDA ranks, Gloo on CPU ranks.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// Gloo (CPU tensors).
+    #[serde(rename = "gloo")]
+    Gloo,
+    /// NCCL (CUDA tensors).
+    #[serde(rename = "nccl")]
+    Nccl,
+}
+
 /// The `DIST` section.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -11,11 +26,17 @@ pub struct DistConfig {
     /// Seconds a collective may wait before the job fails naming the rank.
     #[serde(rename = "TIMEOUT_S")]
     pub timeout_s: u64,
+    /// `auto`, `gloo` or `nccl`.
+    #[serde(rename = "BACKEND")]
+    pub backend: DistBackend,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        DistConfig { timeout_s: 600 }
+        DistConfig {
+            timeout_s: 600,
+            backend: DistBackend::Auto,
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! `LOG`: how often to log, validate and checkpoint.
+//! `LOG`: how often to log, validate, sample memory and checkpoint.
 
 use serde::Deserialize;
 
@@ -8,23 +8,46 @@ use super::invalid;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
-    /// Validation cadence in optimizer steps.
+    /// Validation cadence in optimizer steps (and once at the end).
     #[serde(rename = "VAL_EVERY_STEPS")]
     pub val_every_steps: u64,
+    /// Checkpoint cadence in optimizer steps (and once at the end).
+    #[serde(rename = "CKPT_EVERY_STEPS")]
+    pub ckpt_every_steps: u64,
+    /// Memory monitor cadence in optimizer steps.
+    #[serde(rename = "MEM_EVERY_STEPS")]
+    pub mem_every_steps: u64,
+    /// Metrics line cadence in optimizer steps.
+    #[serde(rename = "LOG_EVERY_STEPS")]
+    pub log_every_steps: u64,
+    /// Checkpoints kept in `checkpoints/` (older ones are removed); 0 keeps all.
+    #[serde(rename = "KEEP_CHECKPOINTS")]
+    pub keep_checkpoints: u32,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {
             val_every_steps: 1000,
+            ckpt_every_steps: 5000,
+            mem_every_steps: 100,
+            log_every_steps: 10,
+            keep_checkpoints: 3,
         }
     }
 }
 
 impl LogConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        if self.val_every_steps == 0 {
-            return Err(invalid("LOG", "VAL_EVERY_STEPS", "expected at least 1"));
+        for (key, value) in [
+            ("VAL_EVERY_STEPS", self.val_every_steps),
+            ("CKPT_EVERY_STEPS", self.ckpt_every_steps),
+            ("MEM_EVERY_STEPS", self.mem_every_steps),
+            ("LOG_EVERY_STEPS", self.log_every_steps),
+        ] {
+            if value == 0 {
+                return Err(invalid("LOG", key, "expected at least 1"));
+            }
         }
         Ok(())
     }

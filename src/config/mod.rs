@@ -14,14 +14,14 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 pub use data::{Augment, BlurDir, DataConfig};
-pub use dist::DistConfig;
+pub use dist::{DistBackend, DistConfig};
 pub use loader::{DataLoaderConfig, Workers};
 pub use log::LogConfig;
 pub use model::{
     ChunkShape, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
     ARCHS as MODEL_ARCHS,
 };
-pub use train::TrainConfig;
+pub use train::{AmpDtype, TrainConfig};
 
 /// A configuration file that could not be used, with the file and key path at fault.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,54 @@
+//! `vrtspike train --config C`: one rank of a training job. Started by
+//! `vrtspike-launch` with the rank environment, or alone as a single rank.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use crate::config::Config;
+
+use super::{train, RankEnv, TrainOptions};
+
+/// `vrtspike train`: trains the model of a config on its dataset.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Run config (YAML).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Run directory (default: VRTSPIKE_RUN_DIR, else `runs/<date>-<time>`); a run
+    /// directory with checkpoints resumes from the newest.
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Device: `cpu`, `cuda` or `cuda:<n>` (default: VRTSPIKE_DEVICE, else cpu).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Stop with a checkpoint after this many steps (the schedule still spans
+    /// TRAIN.TOTAL_STEPS); resume later with the same run directory.
+    #[arg(long)]
+    pub stop_after_steps: Option<u64>,
+}
+
+/// Runs `vrtspike train`.
+pub fn run(args: TrainArgs) -> Result<()> {
+    let config = Config::load(&args.config)?;
+    let env = RankEnv::from_env(args.run_dir.as_deref(), args.device.as_deref())?;
+    if env.rank == 0 {
+        println!("run directory: {}", env.run_dir.display());
+    }
+    let options = TrainOptions {
+        stop_after_steps: args.stop_after_steps,
+    };
+    let outcome = train(&config, &env, &options).with_context(|| {
+        format!(
+            "rank {} of {}: training {}",
+            env.rank,
+            env.world_size,
+            args.config.display()
+        )
+    })?;
+    if env.rank == 0 {
+        println!("{}", serde_json::to_string_pretty(&outcome.summary)?);
+    }
+    Ok(())
+}

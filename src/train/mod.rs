@@ -1,0 +1,69 @@
+//! The training loop of one rank (`vrtspike train`): data from the per-rank loader,
+//! the model, Charbonnier loss, AdamW with a cosine schedule, optional AMP,
+//! gradients averaged over ranks (DDP), periodic validation, memory monitoring,
+//! metrics, atomic checkpoints with exact resume, and preemption.
+
+pub mod amp;
+pub mod checkpoint;
+pub mod cli;
+pub mod env;
+pub mod loss;
+pub mod metrics;
+pub mod monitor;
+pub mod optim;
+pub mod preempt;
+pub mod quality;
+pub mod schedule;
+pub mod step;
+pub mod tiles;
+pub mod trainer;
+pub mod validate;
+
+use std::path::PathBuf;
+
+pub use env::RankEnv;
+pub use trainer::{train, TrainOptions, TrainOutcome};
+
+/// Why training stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A bad environment variable of the launcher contract.
+    #[error("environment variable {var}: {message}")]
+    Env {
+        /// The variable.
+        var: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// The config cannot run (a key named).
+    #[error("config: {key}: {message}")]
+    Config {
+        /// Key path such as `DATA.ROOT`.
+        key: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// The data path failed (the file at fault named).
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// A collective or the process group failed (the rank named).
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
+    /// The model could not be built or run.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    /// libtorch failed.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// A file of the run directory could not be written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
+}

@@ -1,0 +1,128 @@
+//! The update at the end of an optimizer step, after gradients were averaged over
+//! ranks: unscale (fp16), check that the loss and every gradient are finite, clip,
+//! apply AdamW. A non-finite step is skipped on every rank alike (the averaged
+//! gradients and the reduced loss flag are the same everywhere), so an inf/NaN
+//! never reaches the weights or the optimizer moments.
+
+use tch::Tensor;
+
+use super::amp::GradScaler;
+use super::optim::{grad_norm, AdamW};
+
+/// What happened to one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepResult {
+    /// The weights were updated; the gradient norm before clipping.
+    Applied {
+        /// Global gradient norm before clipping.
+        grad_norm: f64,
+    },
+    /// Nothing was applied: a loss or a gradient was inf/NaN.
+    Skipped {
+        /// Whether the loss (on some rank) was non-finite, rather than only a gradient.
+        nonfinite_loss: bool,
+    },
+}
+
+/// Finishes a step: `nonfinite_loss` says whether any rank's loss was inf/NaN.
+pub fn apply_update(
+    optimizer: &mut AdamW,
+    scaler: &mut GradScaler,
+    nonfinite_loss: bool,
+    lr: f64,
+    max_grad_norm: Option<f64>,
+) -> StepResult {
+    scaler.unscale(optimizer.params());
+    let norm = grad_norm(optimizer.params());
+    if nonfinite_loss || !norm.is_finite() {
+        optimizer.zero_grad();
+        scaler.update(true);
+        return StepResult::Skipped { nonfinite_loss };
+    }
+    if let Some(max) = max_grad_norm {
+        if norm > max {
+            let factor = max / (norm + 1e-6);
+            tch::no_grad(|| {
+                for p in optimizer.params() {
+                    let mut g = p.grad();
+                    if g.defined() {
+                        let _ = g.g_mul_scalar_(factor);
+                    }
+                }
+            });
+        }
+    }
+    optimizer.step(lr);
+    scaler.update(false);
+    StepResult::Applied { grad_norm: norm }
+}
+
+/// Copies of tensors' values (to compare before/after in tests and checks).
+pub fn snapshot(params: &[Tensor]) -> Vec<Tensor> {
+    params.iter().map(|p| p.detach().copy()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn setup() -> (Tensor, AdamW) {
+        let w = Tensor::from_slice(&[0.5f32, -0.25, 1.0]).set_requires_grad(true);
+        let opt = AdamW::new(vec![w.shallow_clone()], [0.9, 0.99], 1e-8, 0.01);
+        (w, opt)
+    }
+
+    #[test]
+    fn nan_loss_never_touches_weights_or_moments() {
+        let (w, mut opt) = setup();
+        let before = snapshot(opt.params());
+        let input = Tensor::from_slice(&[1.0f32, f32::NAN, 2.0]);
+        let loss = super::super::loss::charbonnier(
+            &(&w * &input),
+            &Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+            1e-3,
+        );
+        assert!(loss.double_value(&[]).is_nan());
+        loss.backward();
+        let mut scaler = GradScaler::new(true);
+        let scale = scaler.scale;
+        let result = apply_update(&mut opt, &mut scaler, true, 0.1, Some(1.0));
+        assert_eq!(
+            result,
+            StepResult::Skipped {
+                nonfinite_loss: true
+            }
+        );
+        assert!(w.equal(&before[0]), "weights unchanged");
+        assert_eq!(opt.steps(), 0);
+        for (_, m) in opt.state_tensors() {
+            assert_eq!(
+                m.abs().sum(Kind::Float).double_value(&[]),
+                0.0,
+                "moments untouched"
+            );
+        }
+        assert_eq!(scaler.scale, scale / 2.0, "fp16 scale backs off");
+        // A NaN gradient with a finite loss flag is caught too.
+        let mut g = w.grad();
+        let _ = g.fill_(f64::INFINITY);
+        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, 0.1, None);
+        assert_eq!(
+            result,
+            StepResult::Skipped {
+                nonfinite_loss: false
+            }
+        );
+        assert!(w.equal(&before[0]));
+        // The next good step applies.
+        opt.zero_grad();
+        (&w * 2.0).sum(Kind::Float).backward();
+        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, 0.1, None);
+        assert!(
+            matches!(result, StepResult::Applied { grad_norm } if (grad_norm - 12f64.sqrt()).abs() < 1e-5)
+        );
+        assert!(!w.equal(&before[0]));
+        assert_eq!(opt.steps(), 1);
+    }
+}

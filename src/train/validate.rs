@@ -1,0 +1,127 @@
+//! Validation: no grad, batch 1, each rank on its share of the validation clips,
+//! the centre crop (`DATA.VAL_CROP_SIZE`) or the full frame, run whole or by
+//! overlapping tiles (`DATA.VAL_TILE`, `DATA.VAL_TILE_OVERLAP`); PSNR/SSIM of the
+//! output and PSNR of the blurred input summed online and over ranks.
+
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::Config;
+use crate::data::loader::{Loader, LoaderOptions};
+use crate::data::sample::{ClipIndex, CropMode};
+use crate::data::sampler::DistributedSampler;
+use crate::data::DatasetIndex;
+use crate::model::Restorer;
+
+use super::amp::AmpMode;
+use super::env::RankEnv;
+use super::quality::QualitySums;
+use super::tiles::tiled_forward;
+use super::TrainError;
+
+/// Alignment of tile starts in RGB pixels (a multiple of the spike ratio and of the
+/// models' down-sampling).
+pub const TILE_ALIGN: i64 = 16;
+
+/// One rank's validation data and settings.
+pub struct Validator {
+    loader: Option<Loader>,
+    tile: Option<(i64, i64)>,
+    device: Device,
+    amp: AmpMode,
+    clips: usize,
+}
+
+impl Validator {
+    /// Clips of `index` (windows of `DATA.CLIP_LEN`, every frame covered), every
+    /// world-th one from this rank on, read through the node cache when one runs.
+    pub fn new(
+        config: &Config,
+        index: Arc<DatasetIndex>,
+        env: &RankEnv,
+        amp: AmpMode,
+    ) -> Result<Validator, TrainError> {
+        let (rank, world, device) = (env.rank, env.world_size, env.device);
+        let len = config.data.clip_len as usize;
+        let all = ClipIndex::new(&index, len, len, true);
+        let mine: Vec<_> = all
+            .clips
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % world == rank)
+            .map(|(_, c)| *c)
+            .collect();
+        let clips = mine.len();
+        let mut options = LoaderOptions::from_config(
+            config,
+            rank,
+            env.local_world_size,
+            false,
+            env.cache_addr.clone(),
+        );
+        options.client_name = format!("rank{rank}-val");
+        options.workers = options.workers.min(2);
+        options.prefetch_batches = options.workers * 2;
+        let loader = if mine.is_empty() {
+            None
+        } else {
+            let sampler = DistributedSampler::new(mine.len(), 1, 0, false, 0, false)?;
+            Some(Loader::new(
+                index,
+                Arc::new(ClipIndex { len, clips: mine }),
+                sampler,
+                options.clone(),
+            )?)
+        };
+        let tile = match (options.spec.crop, config.data.val_tile) {
+            (CropMode::Full, Some(tile)) => {
+                Some((tile as i64, config.data.val_tile_overlap as i64))
+            }
+            _ => None,
+        };
+        Ok(Validator {
+            loader,
+            tile,
+            device,
+            amp,
+            clips,
+        })
+    }
+
+    /// Clips this rank validates.
+    pub fn clips(&self) -> usize {
+        self.clips
+    }
+
+    /// Runs the model on this rank's clips and returns its sums (not yet over ranks).
+    pub fn run(&mut self, model: &dyn Restorer) -> Result<QualitySums, TrainError> {
+        let mut sums = QualitySums::default();
+        let Some(loader) = &mut self.loader else {
+            return Ok(sums);
+        };
+        if self.device.is_cuda() {
+            crate::dist::empty_cuda_cache()?;
+        }
+        loader.set_epoch(0);
+        while let Some(batch) = loader.next_batch() {
+            let (blur, sharp, voxels) = batch?.to_tensors(self.device)?;
+            let voxels = model.uses_voxels().then_some(&voxels);
+            let output = tch::no_grad(|| -> Result<Tensor, TrainError> {
+                let mut forward = |b: &Tensor, v: Option<&Tensor>| {
+                    self.amp
+                        .run(|| model.forward(b, v, false))
+                        .map(|y| y.to_kind(Kind::Float))
+                };
+                Ok(match self.tile {
+                    Some((tile, overlap)) => {
+                        tiled_forward(&mut forward, &blur, voxels, tile, overlap, TILE_ALIGN)?
+                    }
+                    None => forward(&blur, voxels)?,
+                })
+            })?;
+            sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0));
+        }
+        Ok(sums)
+    }
+}

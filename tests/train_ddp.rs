@@ -1,0 +1,204 @@
+//! Two CPU ranks of `vrtspike train` started by hand with the launcher's
+//! environment contract and an in-process cache server: they train in lockstep
+//! (parameter-hash checks pass), validate over both ranks, and rank 0 writes the
+//! summary; SIGUSR2 to both ranks makes them agree on a step, checkpoint and exit 0,
+//! and a second start resumes from that checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use vrtspike::cache::{spawn_server, ServerConfig};
+use vrtspike::data::synth::{self, SynthOptions};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn write_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
+    let path = dir.join(format!("ddp{total_steps}.yaml"));
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.1\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n  PARAM_CHECK_EVERY: 2\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 2\n\
+         DIST:\n  TIMEOUT_S: 60\n",
+        data.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
+    let port = free_port().to_string();
+    (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+                .args(["train", "--config"])
+                .arg(config)
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("LOCAL_WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("VRTSPIKE_RUN_DIR", run.display().to_string()),
+                    ("VRTSPIKE_CACHE_ADDR", cache.into()),
+                    ("VRTSPIKE_DEVICE", "cpu".into()),
+                    ("OMP_NUM_THREADS", "1".into()),
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(run.join(format!("rank{rank}.log"))).unwrap())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn wait_all(children: &mut [Child], run: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (rank, child) in children.iter_mut().enumerate() {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                let log = std::fs::read_to_string(run.join(format!("rank{rank}.log")))
+                    .unwrap_or_default();
+                assert!(status.success(), "rank {rank} {status}:\n{log}");
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("rank {rank} did not finish");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn summary(run: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("result.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn two_ranks_train_validate_and_preempt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let options = SynthOptions {
+        train_seqs: 2,
+        test_seqs: 1,
+        frames: 6,
+        height: 64,
+        width: 96,
+        seed: 9,
+    };
+    synth::generate_folder(&data, &options, &|_| {}).unwrap();
+    let address = format!("vrtspike-test-train-{}", std::process::id());
+    let server = spawn_server(ServerConfig::new(address.clone(), 64 << 20)).unwrap();
+
+    // A complete run.
+    let run = tmp.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let config = write_config(tmp.path(), &data, 6);
+    let mut ranks = start_ranks(&config, &run, server.address());
+    wait_all(&mut ranks, &run);
+    let s = summary(&run);
+    assert_eq!(s["status"], "completed");
+    assert_eq!(s["steps"], 6);
+    assert_eq!(s["world_size"], 2);
+    assert_eq!(s["samples_seen"], 24, "2 ranks x batch 2 x 6 steps");
+    assert!(s["val_psnr"].as_f64().unwrap() > 5.0 && s["val_ssim"].as_f64().unwrap() > 0.0);
+    // Validation covered every test frame exactly once over the two ranks.
+    assert_eq!(s["val_frames"], 6, "3 clips of 2 frames split over 2 ranks");
+    assert!(
+        s["cache_hit_rate"].as_f64().unwrap() > 0.0,
+        "the cache served repeated frames"
+    );
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        metrics
+            .lines()
+            .filter(|l| l.contains("\"kind\":\"train\""))
+            .count(),
+        6
+    );
+    assert!(metrics
+        .lines()
+        .any(|l| l.contains("\"kind\":\"memory\"") && l.contains("pss_mb")));
+    assert!(run
+        .join("checkpoints/step_00000006/model.safetensors")
+        .is_file());
+
+    // Preemption: SIGUSR2 to both ranks of a long run.
+    let run = tmp.path().join("preempt");
+    std::fs::create_dir_all(&run).unwrap();
+    let config = write_config(tmp.path(), &data, 100_000);
+    let mut ranks = start_ranks(&config, &run, server.address());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| {
+            m.lines()
+                .filter(|l| l.contains("\"kind\":\"train\""))
+                .count()
+                < 3
+        })
+        .unwrap_or(true)
+    {
+        assert!(Instant::now() < deadline, "no training progress");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for child in &ranks {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGUSR2,
+        )
+        .unwrap();
+    }
+    wait_all(&mut ranks, &run);
+    let s = summary(&run);
+    assert_eq!(s["status"], "preempted");
+    let stopped_at = s["steps"].as_u64().unwrap();
+    let checkpoint = run.join(format!("checkpoints/step_{stopped_at:08}"));
+    assert!(
+        checkpoint.join("state.json").is_file(),
+        "checkpoint at the agreed step"
+    );
+    // A second start resumes there (and stops after two more steps).
+    let mut ranks = start_ranks(&config, &run, server.address());
+    std::thread::sleep(Duration::from_millis(10));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(run.join("metrics.jsonl"))
+        .map(|m| m.matches("\"event\":\"start\"").count() < 2)
+        .unwrap_or(true)
+    {
+        assert!(Instant::now() < deadline, "second attempt did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for child in &ranks {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGUSR2,
+        )
+        .unwrap();
+    }
+    wait_all(&mut ranks, &run);
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let second_start = metrics
+        .lines()
+        .filter(|l| l.contains("\"event\":\"start\""))
+        .nth(1)
+        .unwrap();
+    let start: serde_json::Value = serde_json::from_str(second_start).unwrap();
+    assert_eq!(
+        start["step"].as_u64(),
+        Some(stopped_at),
+        "resumed from the preemption checkpoint"
+    );
+    assert!(summary(&run)["steps"].as_u64().unwrap() > stopped_at);
+    drop(server);
+}
