@@ -1,5 +1,6 @@
 # vrtspike: every target does its own set-up on a fresh machine, idempotently.
-#   make demo   the main job (for now: a cache server driven by a synthetic load)
+#   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent)
+#   make cache-demo  a cache server driven by a short synthetic load, then its stats
 #   make test   formatting, lints, then every unit and multi-process test
 #   make bench  benchmarks, printed as JSON
 #   make build  release binaries in target/release
@@ -22,7 +23,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo bench clean
+.PHONY: setup build test lint demo cache-demo bench clean
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -56,7 +57,14 @@ lint: setup
 test: setup lint
 	cargo test --workspace
 
+DEMO_DATA := $(ROOT)/data/demo
+DEMO_CONFIG := configs/demo/unet_spike_demo.yaml
+
 demo: build
+	@cd $(ROOT) && [ -f $(DEMO_DATA)/dataset.yaml ] || $(BIN) synth --out $(DEMO_DATA) --seqs 12 --test-seqs 4 --frames 12
+	cd $(ROOT) && $(LAUNCH) --gpus 0 --ranks 2 --config $(DEMO_CONFIG)
+
+cache-demo: build
 	$(BIN) demo
 
 bench: build

@@ -22,7 +22,7 @@ enum Command {
     /// Benchmarks that print one JSON object.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
-    /// The main job: a cache server driven by a short synthetic load.
+    /// A cache server driven by a short synthetic load, then its stats (`make cache-demo`).
     Demo(cli::demo::DemoArgs),
     /// Versions and devices this binary sees (libtorch, CUDA).
     Info,
