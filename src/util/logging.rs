@@ -1,4 +1,7 @@
 //! Logging through `tracing` to stderr; `RUST_LOG` overrides the default `info`.
+//! Colours only on a terminal, so rank logs written to files stay plain text.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
@@ -9,5 +12,6 @@ pub fn init() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
