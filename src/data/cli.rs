@@ -232,7 +232,7 @@ pub struct LoaderBenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-    /// Dataset root (folder layout).
+    /// Dataset root (folder layout or HDF5 sessions).
     #[arg(long)]
     pub root: PathBuf,
     /// Split folder.
