@@ -293,3 +293,69 @@ fn start_up_errors_name_the_sizes() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is in use"), "{err}");
 }
+
+#[test]
+fn hits_come_from_shared_memory_without_a_message_and_are_counted() {
+    let server = ServerProc::start("shared-hits", &["--cap", "1M", "--slot-bytes", "64K"]);
+    let reader = server.client("reader");
+    let observer = server.client("observer");
+    fill_pattern(&reader, "k", REC);
+    let counters = |id| {
+        let stats = observer.stats().unwrap();
+        let client = stats.clients.iter().find(|c| c.id == id).cloned();
+        (stats, client.expect("the reader is listed").counters)
+    };
+    let (_, before) = counters(reader.id());
+    for _ in 0..100 {
+        let Lookup::Hit(lease) = reader.get("k").unwrap() else {
+            panic!("expected a hit");
+        };
+        assert!(has_pattern("k", &lease));
+    }
+    let (stats, after) = counters(reader.id());
+    assert_eq!(after.hits - before.hits, 100, "{after:?}");
+    assert_eq!(after.requests, before.requests, "hits sent messages");
+    assert_eq!(reader.shared_hits(), 100);
+    assert_eq!(stats.pinned_bytes, 0, "released leases still pin");
+
+    // A held lease pins in shared memory: the stats see it, invalidate is refused.
+    let lease = reader.peek("k").unwrap().expect("cached");
+    let (stats, _) = counters(reader.id());
+    assert_eq!(stats.pinned_bytes, REC as u64);
+    assert_eq!(stats.leases_held, 1);
+    let err = observer.invalidate("k").unwrap_err();
+    assert!(
+        matches!(err.refusal(), Some(RequestError::Pinned { pins: 1, .. })),
+        "{err}"
+    );
+    drop(lease);
+    assert_eq!(observer.stats().unwrap().pinned_bytes, 0);
+
+    // A key too long for a slot is refused by name.
+    let long = "x".repeat(200);
+    let err = reader
+        .get(&long)
+        .err()
+        .expect("a 200-byte key was accepted");
+    assert!(
+        matches!(
+            err.refusal(),
+            Some(RequestError::KeyTooLong { max: 160, .. })
+        ),
+        "{err}"
+    );
+
+    // The reader's hits outlive its connection in the totals.
+    let hits_before = observer.stats().unwrap().totals.hits;
+    drop(reader);
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let s = observer.stats().unwrap();
+            s.clients.len() == 1 && s.totals.hits == hits_before
+        }),
+        "hits were lost with the connection: {:?}",
+        observer.stats().unwrap()
+    );
+    observer.invalidate("k").unwrap();
+    assert!(observer.peek("k").unwrap().is_none());
+}

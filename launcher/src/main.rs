@@ -1,31 +1,41 @@
-//! `vrtspike-launch`: supervises a vrtspike job on one node. Today it starts the
-//! node's cache server (the only RAM copy of the data) with a parent-death signal
-//! and stops it cleanly on SIGINT/SIGTERM; starting one rank per GPU comes next.
+//! `vrtspike-launch`: runs a vrtspike training job on one node. It starts the
+//! node's cache server, then one rank per GPU (or CPU ranks) with the torchrun
+//! environment contract, supervises them as a gang (fail fast, restart from the last
+//! checkpoint, preemption), and writes `summary.json` in the run directory at every
+//! exit; the launchers of a multi-node job form one gang through links to node 0's
+//! launcher. It does not link libtorch: it runs the `vrtspike` binary beside it.
 
-use std::path::PathBuf;
-use std::process::{Command, ExitCode};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+mod args;
+mod cache_server;
+mod cluster;
+mod echo;
+mod env_contract;
+mod gang;
+mod hostlist;
+mod peers;
+mod pss;
+mod restart;
+mod rundir;
+mod signals;
+mod spawn;
+mod summary;
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
 
-/// Start the node's cache server for a run.
-#[derive(Parser)]
-#[command(name = "vrtspike-launch", version, about)]
-struct Args {
-    /// Run config (its DATA.CACHE_SIZE_GB sizes the cache).
-    #[arg(long)]
-    config: PathBuf,
-    /// Run id: names the cache address (`vrtspike-cache-<run id>`).
-    #[arg(long)]
-    run_id: Option<String>,
-    /// GPUs on this node (ranks are started by a later version).
-    #[arg(long, default_value_t = 0)]
-    gpus: u32,
-}
+use args::Args;
+use env_contract::{AttemptEnv, NodeRanks};
+use gang::{GangSettings, RankLaunch};
+use peers::{PeerEvent, PeerLinks};
+use restart::{Decision, FailedAttempt, RestartPolicy};
+use rundir::RunDir;
+use summary::{AttemptRecord, ExitKind, Failure, Summary};
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -34,95 +44,418 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match run(Args::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let args = Args::parse();
+    if let Err(e) = signals::install(args.preempt_signal) {
+        tracing::error!("{e:#}");
+        return ExitCode::from(ExitKind::Error.exit_code());
+    }
+    let env = |name: &str| std::env::var(name).ok();
+    let run_dir = match RunDir::create(args.run_dir.as_deref(), env("SLURM_JOB_ID").as_deref()) {
+        Ok(run_dir) => run_dir,
         Err(e) => {
             tracing::error!("{e:#}");
-            ExitCode::FAILURE
+            return ExitCode::from(ExitKind::Error.exit_code());
+        }
+    };
+    say(&format!("run dir: {}", run_dir.path.display()));
+    if run_dir.existed {
+        tracing::info!(
+            "the run dir exists: the ranks resume from its last checkpoint ({})",
+            run_dir
+                .latest_checkpoint()
+                .map_or_else(|| "none yet".to_string(), |m| m.name)
+        );
+    }
+    let mut job = Job::new(run_dir, &args);
+    let result = job.run(&args);
+    ExitCode::from(job.finish(result))
+}
+
+/// What the launcher knows about the job, gathered for the summary.
+struct Job {
+    run_dir: RunDir,
+    started: Instant,
+    /// Wall-clock time of the launch (rank 0's figures must be newer).
+    launched: SystemTime,
+    nnodes: u32,
+    node_rank: u32,
+    world_size: u32,
+    local_world_size: u32,
+    attempts: Vec<AttemptRecord>,
+    first_failure: Option<Failure>,
+    sampler: pss::PssSampler,
+    cache_stats: Option<serde_json::Value>,
+    /// Links to the other nodes' launchers (multi-node jobs).
+    peers: Option<PeerLinks>,
+}
+
+impl Job {
+    fn new(run_dir: RunDir, args: &Args) -> Job {
+        Job {
+            run_dir,
+            started: Instant::now(),
+            launched: SystemTime::now(),
+            nnodes: args.nnodes.unwrap_or(1),
+            node_rank: args.node_rank.unwrap_or(0),
+            world_size: 0,
+            local_world_size: 0,
+            attempts: Vec::new(),
+            first_failure: None,
+            sampler: pss::PssSampler::start(
+                std::process::id(),
+                Duration::from_secs_f64(args.pss_interval_s),
+            ),
+            cache_stats: None,
+            peers: None,
         }
     }
+
+    /// Runs the job to its end; `Ok` is how it ended (with the reason it gave up
+    /// restarting, if it did), `Err` a failure to start it at all.
+    fn run(&mut self, args: &Args) -> Result<(ExitKind, Option<String>)> {
+        let env = |name: &str| std::env::var(name).ok();
+        // The node first: an error after this lands in this node's own summary.
+        let topology = cluster::resolve(args, &env)?;
+        self.nnodes = topology.nnodes;
+        self.node_rank = topology.node_rank;
+        let config = check_config(&args.config)?;
+        let ranks = NodeRanks::from_args(args.gpus, args.ranks, env_contract::visible_gpus(&env))?;
+        self.local_world_size = ranks.per_node;
+        self.world_size = ranks.per_node * topology.nnodes;
+        tracing::info!(
+            "node {} of {} ({}), ranks {}..{} of {}, {}",
+            topology.node_rank,
+            topology.nnodes,
+            topology.source,
+            topology.node_rank * ranks.per_node,
+            (topology.node_rank + 1) * ranks.per_node - 1,
+            self.world_size,
+            if ranks.gpus {
+                "one GPU each (NCCL)"
+            } else {
+                "on CPU (Gloo)"
+            }
+        );
+        let vrtspike = vrtspike_exe()?;
+        let rank_program = args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone());
+        let mut rank_args: Vec<OsString> =
+            vec!["train".into(), "--config".into(), config.clone().into()];
+        rank_args.extend(args.train_args.iter().map(OsString::from));
+
+        let cache_addr = cache_server::address(topology.node_rank);
+        let cache_spec = cache_server::CacheServerSpec {
+            vrtspike: &vrtspike,
+            address: &cache_addr,
+            config: &config,
+            cap: args.cache_size.as_deref(),
+            log: self.run_dir.cache_log(topology.node_rank),
+            start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
+        };
+        if topology.nnodes > 1 {
+            let port = match (args.control_port, topology.master_port) {
+                (Some(port), _) => port,
+                (None, Some(master)) => master.checked_add(1).context(
+                    "MASTER_PORT 65535 leaves no room for the control port: give --control-port",
+                )?,
+                (None, None) => bail!("a multi-node job needs --master-port or --control-port"),
+            };
+            self.peers = Some(PeerLinks::start(
+                topology.node_rank,
+                &topology.master_addr,
+                port,
+                Duration::from_secs_f64(args.peer_timeout_s),
+            )?);
+        }
+        let peers = self.peers.clone();
+        let mut server = cache_server::start(&cache_spec)?;
+
+        let policy = RestartPolicy {
+            max_restarts: args.max_restarts,
+            delay: Duration::from_secs_f64(args.restart_delay_s),
+        };
+        let timing = GangSettings {
+            node_rank: topology.node_rank,
+            grace: Duration::from_secs_f64(args.grace_s),
+            preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut last_failed_at: Option<Instant> = None;
+        let ending = loop {
+            // Between attempts the last checkpoint is already on disk.
+            if let Some(ending) = signals::requested_ending() {
+                break (ending, None);
+            }
+            if let Some(event) = peers.as_ref().and_then(PeerLinks::quit) {
+                let failure = peer_failure(&event);
+                let why = format!("{} (node {} left the job)", failure.cause, failure.node);
+                self.first_failure.get_or_insert(failure);
+                break (ExitKind::Failed, Some(why));
+            }
+            let restart_count = self.attempts.len() as u32;
+            if !server.running() {
+                tracing::warn!("restarting the cache server");
+                server = cache_server::start(&cache_spec)?;
+            }
+            let master_port = match topology.master_port {
+                Some(port) => port,
+                None => free_port()?,
+            };
+            let attempt_env = AttemptEnv {
+                topology: &topology,
+                ranks,
+                master_port,
+                restart_count,
+                max_restarts: args.max_restarts,
+                cache_addr: &cache_addr,
+                run_dir: &self.run_dir.path,
+                threads_per_rank: env_contract::threads_per_rank(cores, ranks.per_node),
+            };
+            let launches: Vec<RankLaunch> = (0..ranks.per_node)
+                .map(|local| {
+                    let rank = attempt_env.global_rank(local);
+                    RankLaunch {
+                        rank,
+                        program: rank_program.clone(),
+                        args: rank_args.clone(),
+                        env: attempt_env.vars(local, &env),
+                        log: self.run_dir.rank_log(rank),
+                    }
+                })
+                .collect();
+            let resumed_from = self.run_dir.latest_checkpoint();
+            for launch in &launches {
+                banner(
+                    &launch.log,
+                    restart_count,
+                    resumed_from.as_ref().map(|m| m.name.as_str()),
+                );
+            }
+            if restart_count > 0 {
+                tracing::info!(
+                    "restart {restart_count} of {}, from checkpoint {}",
+                    args.max_restarts,
+                    resumed_from
+                        .as_ref()
+                        .map_or("(none yet)", |m| m.name.as_str())
+                );
+            }
+            let attempt_started = Instant::now();
+            let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
+            let peer_stop = || {
+                peers
+                    .as_ref()
+                    .and_then(|p| p.stop_reason(restart_count))
+                    .map(|event| peer_failure(&event))
+            };
+            let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop)?;
+            self.attempts.push(AttemptRecord {
+                attempt: restart_count,
+                duration_s: attempt_started.elapsed().as_secs_f64(),
+                outcome: end.outcome,
+                resumed_from: resumed_from.as_ref().map(|m| m.name.clone()),
+                restart_latency_s,
+                failure: end.failure.clone(),
+                killed_after_grace: end.killed_after_grace.clone(),
+            });
+            let Some(failure) = end.failure else {
+                break (end.outcome, None);
+            };
+            if self.first_failure.is_none() {
+                self.first_failure = Some(failure.clone());
+            }
+            if let Some(peers) = peers
+                .as_ref()
+                .filter(|_| failure.node == topology.node_rank)
+            {
+                peers.report_failure(restart_count, &failure.cause);
+            }
+            if peers.as_ref().and_then(PeerLinks::quit).is_some() {
+                break (ExitKind::Failed, Some("a node left the job".into()));
+            }
+            if end.preempting {
+                break (
+                    ExitKind::Failed,
+                    Some("it failed while checkpointing for a preemption".into()),
+                );
+            }
+            // A request that came while the gang was being stopped: the last
+            // checkpoint is on disk, so end as asked instead of restarting.
+            if let Some(ending) = signals::requested_ending() {
+                break (ending, None);
+            }
+            let previous_failure = self
+                .attempts
+                .iter()
+                .rev()
+                .nth(1)
+                .and_then(|a| a.failure.as_ref());
+            let made_progress = self.run_dir.latest_checkpoint() != resumed_from;
+            match policy.decide(&FailedAttempt {
+                restarts_done: restart_count,
+                failure: &failure,
+                made_progress,
+                previous_failure,
+            }) {
+                Decision::GiveUp(why) => break (ExitKind::Failed, Some(why)),
+                Decision::Restart(delay) => {
+                    tracing::warn!(
+                        "{}; restarting in {:.1} s",
+                        failure.cause,
+                        delay.as_secs_f64()
+                    );
+                    interruptible_sleep(delay);
+                    last_failed_at = end.failed_at;
+                }
+            }
+        };
+        self.cache_stats = cache_server::stats(&vrtspike, &cache_addr);
+        spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        Ok(ending)
+    }
+
+    /// Writes the summary, reports the ending, and returns the exit status.
+    fn finish(self, result: Result<(ExitKind, Option<String>)>) -> u8 {
+        let (exit, error) = match result {
+            Ok((kind, why)) => {
+                let error = match (&self.first_failure, kind) {
+                    (Some(failure), ExitKind::Failed) => Some(match why {
+                        Some(why) => format!("{} ({why})", failure.cause),
+                        None => failure.cause.clone(),
+                    }),
+                    _ => why,
+                };
+                (kind, error)
+            }
+            Err(e) => (ExitKind::Error, Some(format!("{e:#}"))),
+        };
+        let summary = Summary {
+            exit,
+            exit_code: exit.exit_code(),
+            error: error.clone(),
+            failure: self.first_failure.clone(),
+            restarts: self.attempts.len().saturating_sub(1) as u32,
+            attempts: self.attempts,
+            run_dir: self.run_dir.path.display().to_string(),
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            world_size: self.world_size,
+            local_world_size: self.local_world_size,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            memory: self.sampler.peaks(),
+            cache: self.cache_stats,
+        };
+        if let Some(peers) = &self.peers {
+            match exit {
+                ExitKind::Completed | ExitKind::Preempted => peers.report_end(None),
+                _ => peers.report_end(Some(error.as_deref().unwrap_or("failed"))),
+            }
+        }
+        let summary_path = self.run_dir.summary_path(self.node_rank);
+        let train_summary = self.run_dir.train_summary_path();
+        if let Err(e) = summary.write(&summary_path, &train_summary, self.launched) {
+            tracing::error!("{e:#}");
+        }
+        match (&error, &summary.failure) {
+            (Some(error), Some(failure)) if exit == ExitKind::Failed => {
+                tracing::error!("job failed: {error}");
+                if !failure.log.is_empty() {
+                    let mut report = format!(
+                        "--- last {} lines of {} ---\n",
+                        failure.log_tail.len(),
+                        failure.log
+                    );
+                    for line in &failure.log_tail {
+                        report.push_str(line);
+                        report.push('\n');
+                    }
+                    report.push_str("---");
+                    eprintln!("{report}");
+                }
+            }
+            (Some(error), _) => tracing::error!("{error}"),
+            (None, _) => tracing::info!("job {}", exit.name()),
+        }
+        say(&format!("summary: {}", summary_path.display()));
+        exit.exit_code()
+    }
+}
+
+/// The config must exist and be a readable file; returns its absolute path.
+fn check_config(path: &Path) -> Result<PathBuf> {
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("config file {} cannot be read", path.display()))?;
+    if !meta.is_file() {
+        bail!("config {} is not a file", path.display());
+    }
+    path.canonicalize()
+        .with_context(|| format!("resolving the config path {}", path.display()))
+}
+
+/// The failure report of something another node's launcher said.
+fn peer_failure(event: &PeerEvent) -> Failure {
+    let (node, cause) = match event {
+        PeerEvent::Failed { node, cause, .. } | PeerEvent::Quit { node, cause } => (*node, cause),
+    };
+    Failure {
+        node,
+        rank: None,
+        process: format!("node {node}"),
+        pid: 0,
+        exit_code: None,
+        signal: None,
+        cause: format!("node {node}: {cause}"),
+        log: String::new(),
+        log_tail: Vec::new(),
+    }
+}
+
+/// Prints one line of the launcher's real output; a closed stdout (e.g. piped into
+/// `head`) must not stop the launcher, so write errors are ignored.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
 }
 
 /// The `vrtspike` binary beside this one.
 fn vrtspike_exe() -> Result<PathBuf> {
     let me = std::env::current_exe().context("locating vrtspike-launch")?;
     let exe = me.with_file_name("vrtspike");
-    if !exe.exists() {
-        bail!("{} not found beside {}", exe.display(), me.display());
+    if !exe.is_file() {
+        bail!(
+            "{} not found beside {} (build it: cargo build --workspace)",
+            exe.display(),
+            me.display()
+        );
     }
     Ok(exe)
 }
 
-fn run(args: Args) -> Result<()> {
-    if !args.config.exists() {
-        bail!("config {} does not exist", args.config.display());
-    }
-    if args.gpus > 0 {
-        tracing::warn!(
-            "--gpus {}: ranks are not started yet; only the cache server runs",
-            args.gpus
+/// A TCP port free right now (the ranks bind it moments later).
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind(("0.0.0.0", 0)).context("finding a free port")?;
+    Ok(listener.local_addr().context("finding a free port")?.port())
+}
+
+/// Marks the start of an attempt in a rank's log.
+fn banner(log: &Path, restart_count: u32, resumed_from: Option<&str>) {
+    use std::io::Write;
+    if let Ok(mut file) = spawn::open_log(log) {
+        let _ = writeln!(
+            file,
+            "=== vrtspike-launch: attempt {restart_count} at {} UTC, checkpoint: {} ===",
+            rundir::utc_stamp(SystemTime::now()),
+            resumed_from.unwrap_or("none")
         );
     }
-    let run_id = args
-        .run_id
-        .unwrap_or_else(|| format!("{}", std::process::id()));
-    let address = format!("vrtspike-cache-{run_id}");
-    install_stop_handlers()?;
-    let mut server = Command::new(vrtspike_exe()?)
-        .args([
-            "cache",
-            "serve",
-            "--exit-with-parent",
-            "--address",
-            &address,
-        ])
-        .arg("--config")
-        .arg(&args.config)
-        .spawn()
-        .context("starting the cache server")?;
-    tracing::info!(%address, pid = server.id(), "cache server started; export VRTSPIKE_CACHE_ADDR={address}");
-    loop {
-        if let Some(status) = server.try_wait().context("waiting for the cache server")? {
-            if STOP.load(Ordering::SeqCst) || status.success() {
-                return Ok(());
-            }
-            bail!("the cache server exited with {status}");
-        }
-        if STOP.load(Ordering::SeqCst) {
-            let pid = Pid::from_raw(server.id() as i32);
-            let _ = signal::kill(pid, Signal::SIGTERM);
-            for _ in 0..50 {
-                if server.try_wait()?.is_some() {
-                    return Ok(());
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            let _ = server.kill();
-            let _ = server.wait();
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
-/// Set by SIGINT/SIGTERM.
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: i32) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-/// Makes SIGINT and SIGTERM set [`STOP`] instead of killing the launcher.
-fn install_stop_handlers() -> Result<()> {
-    let action = signal::SigAction::new(
-        signal::SigHandler::Handler(on_signal),
-        signal::SaFlags::SA_RESTART,
-        signal::SigSet::empty(),
-    );
-    for sig in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to a static atomic, which is async-signal-safe.
-        unsafe { signal::sigaction(sig, &action) }.with_context(|| format!("installing {sig}"))?;
+/// Sleeps, waking early on a signal the loop must handle.
+fn interruptible_sleep(duration: Duration) {
+    let until = Instant::now() + duration;
+    while Instant::now() < until && signals::requested_ending().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(())
 }

@@ -83,8 +83,19 @@ pub struct WorkerReport {
     pub torn_reads: u64,
     /// Full-record checksum verifications done.
     pub verified: u64,
-    /// Latency of gets that hit, µs.
+    /// Latency of gets that hit, µs (found the record cached).
     pub hit_latency: Histogram,
+    /// Latency of gets that waited for another client's fill of the key (counted as
+    /// hits in `hits`, like the server does, but not in `hit_latency`), µs.
+    #[serde(default)]
+    pub wait_latency: Histogram,
+    /// Latency of the hits that went through the server (it waited for another
+    /// client's fill of the key, or an eviction raced with the lookup), µs.
+    #[serde(default)]
+    pub server_hit_latency: Histogram,
+    /// Per-crop copy time in the crop phase, µs.
+    #[serde(default)]
+    pub crop_latency: Histogram,
     /// Seconds the threads ran.
     pub elapsed_s: f64,
 }
@@ -98,6 +109,8 @@ impl WorkerReport {
         self.torn_reads += other.torn_reads;
         self.verified += other.verified;
         self.hit_latency.merge(&other.hit_latency);
+        self.server_hit_latency.merge(&other.server_hit_latency);
+        self.wait_latency.merge(&other.wait_latency);
         self.elapsed_s = self.elapsed_s.max(other.elapsed_s);
     }
 }
@@ -122,11 +135,20 @@ fn reader_thread(
     while Instant::now() < deadline {
         let id = rng.random_range(0..opts.keys);
         let key = key_name(id);
+        let shared_before = client.shared_hits();
         let t0 = Instant::now();
         let lookup = client.get(&key)?;
         let lease = match lookup {
             Lookup::Hit(lease) => {
-                report.hit_latency.record(t0.elapsed().as_secs_f64() * 1e6);
+                let us = t0.elapsed().as_secs_f64() * 1e6;
+                if lease.waited_for_fill() {
+                    report.wait_latency.record(us);
+                } else {
+                    report.hit_latency.record(us);
+                    if client.shared_hits() == shared_before {
+                        report.server_hit_latency.record(us);
+                    }
+                }
                 report.hits += 1;
                 lease
             }
@@ -226,12 +248,27 @@ pub struct BenchOptions {
 /// The figures `vrtspike bench cache --json` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
-    /// Median latency of a get that hits, µs.
+    /// Median latency of a get that hits (finds the record cached), µs.
     pub hit_p50_us: f64,
     /// 99th percentile of the same.
     pub hit_p99_us: f64,
     /// Largest.
     pub hit_max_us: f64,
+    /// Gets that found their key being filled by another client and waited for it
+    /// (single flight): hits in `hit_rate`, not in the hit latencies.
+    pub waits: u64,
+    /// Median latency of those, µs.
+    pub wait_p50_us: f64,
+    /// 99th percentile of those, µs.
+    pub wait_p99_us: f64,
+    /// 99th percentile over hits and waits together, µs.
+    pub hit_or_wait_p99_us: f64,
+    /// Hits that went through the server instead of shared memory.
+    pub server_hits: u64,
+    /// Median latency of those, µs.
+    pub server_hit_p50_us: f64,
+    /// 99th percentile of those, µs.
+    pub server_hit_p99_us: f64,
     /// Gets per second, all processes and threads.
     pub ops_per_s: f64,
     /// Hits / gets.
@@ -244,8 +281,12 @@ pub struct BenchReport {
     pub verified_reads: u64,
     /// Fills refused because every slot was pinned.
     pub store_full: u64,
-    /// 256x256 crop copy out of a leased record, single thread, GB/s.
+    /// 256x256 crop copy out of a leased record, single thread, GB/s, from the median
+    /// time of one crop (a crop during which the thread was descheduled does not
+    /// count against the copy).
     pub crop_read_gbps: f64,
+    /// The same from the total time of all crops.
+    pub crop_read_mean_gbps: f64,
     /// The same including the get and release of the lease, GB/s.
     pub crop_with_lease_gbps: f64,
     /// Plain single-thread memcpy of a 64 MiB buffer, GB/s.
@@ -446,7 +487,9 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         let t0 = Instant::now();
         copy_crop(shape, &lease, y, x, opts.crop, &mut crop);
         std::hint::black_box(&mut crop);
-        copy_s += t0.elapsed().as_secs_f64();
+        let took = t0.elapsed().as_secs_f64();
+        copy_s += took;
+        total.crop_latency.record(took * 1e6);
     }
     let all_s = t_all.elapsed().as_secs_f64();
     let crop_bytes = (opts.crop_reads * crop.len()) as f64;
@@ -459,6 +502,17 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         hit_p50_us: total.hit_latency.percentile(0.50),
         hit_p99_us: total.hit_latency.percentile(0.99),
         hit_max_us: total.hit_latency.max(),
+        waits: total.wait_latency.count(),
+        wait_p50_us: total.wait_latency.percentile(0.50),
+        wait_p99_us: total.wait_latency.percentile(0.99),
+        hit_or_wait_p99_us: {
+            let mut both = total.hit_latency.clone();
+            both.merge(&total.wait_latency);
+            both.percentile(0.99)
+        },
+        server_hits: total.server_hit_latency.count(),
+        server_hit_p50_us: total.server_hit_latency.percentile(0.50),
+        server_hit_p99_us: total.server_hit_latency.percentile(0.99),
         ops_per_s: total.ops as f64 / total.elapsed_s.max(1e-9),
         hit_rate: if gets == 0 {
             0.0
@@ -469,7 +523,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         torn_reads: total.torn_reads,
         verified_reads: total.verified,
         store_full: total.store_full,
-        crop_read_gbps: crop_bytes / copy_s.max(1e-12) / 1e9,
+        crop_read_gbps: crop.len() as f64 / total.crop_latency.percentile(0.50).max(1e-6) / 1e3,
+        crop_read_mean_gbps: crop_bytes / copy_s.max(1e-12) / 1e9,
         crop_with_lease_gbps: crop_bytes / all_s.max(1e-12) / 1e9,
         memcpy_gbps: memcpy,
         processes: opts.processes,

@@ -1,9 +1,11 @@
 //! A client connection to the node's cache server. Reads are zero-copy: a hit is a
 //! lease on a slot of the store, which this process maps once and shares between all
-//! its connections; a miss is a ticket to fill a reserved slot in place. Releases are
-//! pipelined (their acknowledgements are read with the next reply).
+//! its connections; a miss is a ticket to fill a reserved slot in place. A hit on a
+//! cached record sends no message: the client finds it in the shared index and sets
+//! its own pin bit (see [`table`](super::table)); releasing clears the bit.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Deref;
 use std::os::unix::net::UnixStream;
@@ -18,6 +20,7 @@ use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestErro
 use super::server::{read_frame, socket_addr};
 use super::shm::{self, Mapping};
 use super::stats::StatsReport;
+use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
 use super::{CacheError, FillError};
 
 /// How long a client waits for any one reply before it gives up on the server.
@@ -31,7 +34,17 @@ pub struct CacheClient {
     requests: IpcSender<Request>,
     replies: IpcReceiver<Reply>,
     mapping: Arc<Mapping>,
-    /// Releases sent whose acknowledgement has not been read yet.
+    /// The store's slot table and index, in the shared mapping.
+    table: Table,
+    /// Bytes of the record arena; every lease lies inside it.
+    arena_bytes: u64,
+    /// This connection's pin bit.
+    pin_bit: usize,
+    /// Leases this connection holds per slot; the pin bit is set while above 0.
+    held: RefCell<HashMap<usize, u32>>,
+    /// Hits this connection served from the shared index, with no message.
+    shared_hits: Cell<u64>,
+    /// Aborts sent whose acknowledgement has not been read yet.
     pending_acks: Cell<usize>,
     /// Set when a reply was lost (timeout): the channel is out of step for good.
     broken: Cell<bool>,
@@ -80,28 +93,41 @@ impl CacheClient {
         let welcome = replies
             .try_recv_timeout(HANDSHAKE_TIMEOUT)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let Reply::Welcome {
-            client,
-            store_id,
-            store_len,
-            store,
-        } = welcome
-        else {
-            return Err(handshake_err(format!("expected welcome, got {welcome:?}")));
+        let (client, store_id, store_len, arena_bytes, pin_bit, store) = match welcome {
+            Reply::Welcome {
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store,
+            } => (client, store_id, store_len, arena_bytes, pin_bit, store),
+            Reply::Error(error) => return Err(handshake_err(error.to_string())),
+            other => return Err(handshake_err(format!("expected welcome, got {other:?}"))),
         };
         let mapping = shm::adopt(address, store_id, store)?;
-        if mapping.len() as u64 != store_len {
+        if mapping.len() as u64 != store_len || arena_bytes > store_len {
             return Err(handshake_err(format!(
-                "store of {store_len} bytes mapped as {} bytes",
+                "store of {store_len} bytes (arena {arena_bytes}) mapped as {} bytes",
                 mapping.len()
             )));
         }
+        let pin_bit = pin_bit as usize;
+        if pin_bit >= MAX_CONNECTIONS {
+            return Err(handshake_err(format!("pin bit {pin_bit} out of range")));
+        }
+        let table = mapping.table(arena_bytes)?;
         Ok(CacheClient {
             address: address.to_string(),
             id: client,
             requests,
             replies,
             mapping,
+            table,
+            arena_bytes,
+            pin_bit,
+            held: RefCell::new(HashMap::new()),
+            shared_hits: Cell::new(0),
             pending_acks: Cell::new(0),
             broken: Cell::new(false),
         })
@@ -110,6 +136,12 @@ impl CacheClient {
     /// This connection's id in the server's stats.
     pub fn id(&self) -> ClientId {
         self.id
+    }
+
+    /// Hits this connection took straight from shared memory (no message); the rest
+    /// of its hits went through the server (a fill in flight, a racing eviction).
+    pub fn shared_hits(&self) -> u64 {
+        self.shared_hits.get()
     }
 
     /// The server's address.
@@ -160,17 +192,28 @@ impl CacheClient {
 
     /// Sends a raw request and returns its reply: the protocol as it is, for tools
     /// and tests. `Reply::Error` comes back as a reply, not as `Err`.
+    ///
+    /// A `Release` that succeeds clears this connection's pin on the lease's slot
+    /// altogether, as if every lease it holds there were released.
     pub fn call(&self, request: Request) -> Result<Reply, CacheError> {
         let kind = request.kind();
+        let released = match request {
+            Request::Release { lease } => Some(table::decode_lease(lease).0),
+            _ => None,
+        };
         self.send(request)?;
         while self.pending_acks.get() > 0 {
-            let ack = self.recv("release")?;
+            let ack = self.recv("abort")?;
             self.pending_acks.set(self.pending_acks.get() - 1);
             if let Reply::Error(error) = ack {
-                warn!("cache release refused: {error}");
+                warn!("cache abort refused: {error}");
             }
         }
-        self.recv(kind)
+        let reply = self.recv(kind)?;
+        if let (Some(slot), Reply::Done) = (released, &reply) {
+            self.held.borrow_mut().remove(&slot);
+        }
+        Ok(reply)
     }
 
     /// Like [`call`](Self::call), with `Reply::Error` turned into `Err`.
@@ -189,22 +232,115 @@ impl CacheClient {
         CacheError::Protocol(format!("unexpected reply to {kind}: {reply:?}"))
     }
 
+    /// A lease on a grant whose pin bit the server has set.
     fn lease(&self, grant: LeaseGrant) -> Result<Lease<'_>, CacheError> {
-        let ptr = self.mapping.range(grant.offset, grant.len)?;
-        Ok(Lease {
-            client: self,
-            grant,
-            ptr,
-        })
+        let slot = table::decode_lease(grant.lease).0;
+        *self.held.borrow_mut().entry(slot).or_insert(0) += 1;
+        match self.range(grant.offset, grant.len) {
+            Ok(ptr) => Ok(Lease {
+                client: self,
+                grant,
+                slot,
+                ptr,
+                waited: false,
+            }),
+            Err(e) => {
+                self.drop_hold(slot);
+                Err(e)
+            }
+        }
+    }
+
+    /// A record's bytes in the arena.
+    fn range(&self, offset: u64, len: u64) -> Result<*mut u8, CacheError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.arena_bytes)
+        {
+            return Err(CacheError::BadGrant {
+                offset,
+                len,
+                store_len: self.arena_bytes,
+            });
+        }
+        self.mapping.range(offset, len)
+    }
+
+    /// One lease fewer on `slot`; the pin bit is cleared with the last.
+    fn drop_hold(&self, slot: usize) {
+        let mut held = self.held.borrow_mut();
+        let Some(count) = held.get_mut(&slot) else {
+            return; // released through the raw protocol already
+        };
+        *count -= 1;
+        if *count == 0 {
+            held.remove(&slot);
+            self.table.unpin(slot, self.pin_bit);
+        }
+    }
+
+    /// A lease on `key` straight from the shared index, with no message: pin, then
+    /// check that the slot is Ready and holds `key`; `None` sends the caller to the
+    /// server (a miss, a fill in flight, an eviction racing with us).
+    fn hit_in_shared_memory(&self, key: &str) -> Option<Lease<'_>> {
+        if key.len() > MAX_KEY_BYTES {
+            return None;
+        }
+        let bit = self.pin_bit;
+        for slot in self.table.candidates(table::key_hash(key)) {
+            let holding = self.held.borrow().contains_key(&slot);
+            if !holding {
+                self.table.pin(slot, bit);
+            }
+            let state = self.table.state(slot);
+            let usable = state.is_some_and(|s| s.code == SlotCode::Ready)
+                && self.table.connection_owner(bit) == self.id
+                && self.table.key_is(slot, key);
+            let grant = state.filter(|_| usable).map(|s| LeaseGrant {
+                lease: table::lease_id(slot, s.generation),
+                offset: self.table.offset(slot),
+                len: self.table.record_len(slot),
+            });
+            let ptr = grant.and_then(|g| self.range(g.offset, g.len).ok());
+            match (grant, ptr) {
+                (Some(grant), Some(ptr)) => {
+                    *self.held.borrow_mut().entry(slot).or_insert(0) += 1;
+                    self.table.touch(slot);
+                    self.table.count_hit(bit);
+                    self.shared_hits.set(self.shared_hits.get() + 1);
+                    return Some(Lease {
+                        client: self,
+                        grant,
+                        slot,
+                        ptr,
+                        waited: false,
+                    });
+                }
+                _ => {
+                    if !holding {
+                        self.table.unpin(slot, bit);
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// A lease on `key` if cached, or the ticket to fill it. If another client is
     /// filling the key, this waits for that fill.
     pub fn get(&self, key: &str) -> Result<Lookup<'_>, CacheError> {
+        if let Some(lease) = self.hit_in_shared_memory(key) {
+            return Ok(Lookup::Hit(lease));
+        }
         match self.request(Request::Get {
             key: key.to_string(),
         })? {
             Reply::Hit(grant) => Ok(Lookup::Hit(self.lease(grant)?)),
+            Reply::HitAfterWait(grant) => {
+                let mut lease = self.lease(grant)?;
+                lease.waited = true;
+                Ok(Lookup::Hit(lease))
+            }
             Reply::Miss { ticket } => Ok(Lookup::Miss(FillTicket {
                 client: self,
                 ticket,
@@ -238,6 +374,9 @@ impl CacheClient {
 
     /// A lease on `key` if it is cached; never fills.
     pub fn peek(&self, key: &str) -> Result<Option<Lease<'_>>, CacheError> {
+        if let Some(lease) = self.hit_in_shared_memory(key) {
+            return Ok(Some(lease));
+        }
         match self.request(Request::Peek {
             key: key.to_string(),
         })? {
@@ -268,15 +407,6 @@ impl CacheClient {
         self.request(Request::Shutdown).map(drop)
     }
 
-    /// Sends a release without waiting; its acknowledgement is read later.
-    fn release_later(&self, lease: LeaseId) {
-        match self.send(Request::Release { lease }) {
-            Ok(()) => self.pending_acks.set(self.pending_acks.get() + 1),
-            // A server that is gone has released everything already.
-            Err(e) => warn!("cache release of lease {lease} not sent: {e}"),
-        }
-    }
-
     fn abort_later(&self, ticket: TicketId) {
         match self.send(Request::Abort { ticket }) {
             Ok(()) => self.pending_acks.set(self.pending_acks.get() + 1),
@@ -289,13 +419,22 @@ impl CacheClient {
 pub struct Lease<'c> {
     client: &'c CacheClient,
     grant: LeaseGrant,
+    slot: usize,
     ptr: *mut u8,
+    /// Whether the get waited for another client's fill of the key.
+    waited: bool,
 }
 
 impl Lease<'_> {
     /// The lease's id.
     pub fn id(&self) -> LeaseId {
         self.grant.lease
+    }
+
+    /// Whether the get that returned this lease found the key being filled by another
+    /// client and waited for that fill (single flight), rather than finding it cached.
+    pub fn waited_for_fill(&self) -> bool {
+        self.waited
     }
 
     /// The record's offset in the store (for diagnostics).
@@ -308,17 +447,17 @@ impl Deref for Lease<'_> {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies inside the mapping (checked by `Mapping::range`),
-        // which outlives the client this lease borrows; the record is committed and
-        // pinned by this lease, so the server hands its slot to no writer until the
-        // lease is released in `drop`.
+        // SAFETY: `ptr..ptr+len` lies inside the arena of the mapping (checked by
+        // `CacheClient::range`), which outlives the client this lease borrows; the
+        // record is committed and this connection's pin bit is set on its slot, so the
+        // server hands the slot to no writer until the last lease on it is dropped.
         unsafe { std::slice::from_raw_parts(self.ptr, self.grant.len as usize) }
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        self.client.release_later(self.grant.lease);
+        self.client.drop_hold(self.slot);
     }
 }
 
@@ -345,7 +484,7 @@ impl<'c> FillTicket<'c> {
             len,
         })? {
             Reply::Reserved { offset, len, .. } => {
-                let ptr = self.client.mapping.range(offset, len)?;
+                let ptr = self.client.range(offset, len)?;
                 self.slot = Some((ptr, len));
                 Ok(())
             }

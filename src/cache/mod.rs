@@ -2,8 +2,9 @@
 //! dataset, in compact records in one shared-memory store with a byte cap and LRU
 //! eviction; every loader thread of every rank reads records zero-copy under a lease.
 //!
-//! [`store`] is the bookkeeping, [`shm`] the memory, [`server`] and [`client`] the two
-//! ends of the control channel whose messages are in [`protocol`].
+//! [`store`] is the bookkeeping, [`shm`] the memory, [`table`] the slot table and
+//! index in shared memory (hits pin there, without a message), [`server`] and
+//! [`client`] the two ends of the control channel whose messages are in [`protocol`].
 
 pub mod client;
 pub mod protocol;
@@ -11,6 +12,7 @@ pub mod server;
 pub mod shm;
 pub mod stats;
 pub mod store;
+pub mod table;
 
 pub use client::{CacheClient, FillTicket, Lease, Lookup};
 pub use protocol::RequestError;
@@ -147,6 +149,9 @@ pub enum CacheError {
     /// Memory figures could not be read.
     #[error(transparent)]
     Meminfo(#[from] MeminfoError),
+    /// The store's shared metadata is unusable.
+    #[error(transparent)]
+    Table(#[from] table::TableError),
     /// A lock was poisoned by a panic elsewhere in this process.
     #[error("cache client state poisoned by a panic in another thread")]
     Poisoned,

@@ -9,7 +9,8 @@ use super::stats::StatsReport;
 
 /// A connection's id, unique for the server's lifetime.
 pub type ClientId = u64;
-/// A pin on a committed record; released by `Release` or by disconnecting.
+/// A pin on a committed record (its slot and generation); released by clearing the
+/// connection's pin bit, by `Release`, or by disconnecting.
 pub type LeaseId = u64;
 /// The right to fill one key after a miss.
 pub type TicketId = u64;
@@ -110,13 +111,20 @@ pub enum Reply {
         client: ClientId,
         /// Id of the server's store (changes when a server restarts).
         store_id: u64,
-        /// Bytes in the store.
+        /// Bytes in the store's memfd: the record arena, then the metadata.
         store_len: u64,
+        /// Bytes of the record arena (the cap); the metadata follows, page-aligned.
+        arena_bytes: u64,
+        /// This connection's pin bit in the shared slot table.
+        pin_bit: u32,
         /// The store's memory (a memfd), unless the process maps it already.
         store: Option<IpcSharedMemory>,
     },
     /// The record is cached and now pinned for this client.
     Hit(LeaseGrant),
+    /// The record was being filled by another client when asked for; this client
+    /// waited for that fill (single flight) and now holds a lease on it.
+    HitAfterWait(LeaseGrant),
     /// Not cached: this client fills it with the ticket.
     Miss {
         /// The fill's ticket.
@@ -231,6 +239,20 @@ pub enum RequestError {
         filler: ClientId,
         /// Seconds waited.
         waited_s: u64,
+    },
+    /// Every connection slot of the server is taken.
+    #[error("the cache server serves at most {max} connections at once; close some clients")]
+    TooManyConnections {
+        /// The limit.
+        max: usize,
+    },
+    /// A key longer than a slot can store.
+    #[error("key {key:?} is {} bytes long; keys are at most {max} bytes", key.len())]
+    KeyTooLong {
+        /// The key named in the request.
+        key: String,
+        /// The limit.
+        max: usize,
     },
     /// A request that makes no sense at this point of the protocol.
     #[error("protocol error: {0}")]

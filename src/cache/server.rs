@@ -1,8 +1,9 @@
 //! The cache server: one per node. It listens on an abstract Unix socket (nothing on
 //! disk, gone with the process), hands each client the store's memfd and typed
 //! channels, and serves each connection on its own thread over one locked store.
-//! Concurrent misses on a key wait for the first fill; a client that disconnects or
-//! dies gets its leases released and its fills abandoned.
+//! Hits on cached records never reach it: clients pin them in the shared slot table
+//! themselves. Concurrent misses on a key wait for the first fill; a client that
+//! disconnects or dies gets its pin bit cleared everywhere and its fills abandoned.
 
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
@@ -19,6 +20,7 @@ use tracing::{debug, info, warn};
 use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::shm::Segment;
 use super::store::{GetOutcome, Store, SLOT_ALIGN};
+use super::table::Layout;
 use super::CacheError;
 use crate::util::bytes::human;
 
@@ -90,7 +92,7 @@ struct Shared {
     store: Mutex<Store>,
     /// Signalled whenever a fill commits or is abandoned.
     fill_done: Condvar,
-    segment: Segment,
+    segment: Arc<Segment>,
     store_id: u64,
     address: String,
     pid: u32,
@@ -129,13 +131,17 @@ impl Server {
                 }
             }
         })?;
-        let segment = Segment::create(config.cap_bytes)?;
+        let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
+        let segment = Arc::new(Segment::create(layout.total_bytes())?);
+        let table = segment.create_table(layout)?;
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let store = Store::new(store_id, segment.len(), &config.slot_bytes);
+        let store = Store::new(store_id, config.cap_bytes, &config.slot_bytes, table);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),
+            metadata = %human(layout.meta_bytes()),
+            slot_entries = layout.slots,
             "cache server ready"
         );
         Ok(Server {
@@ -283,16 +289,28 @@ fn handshake(
     else {
         return Err(format!("first message was {}, not hello", hello.kind()));
     };
-    let client = shared.store().connect(name.clone(), pid);
+    let connected = shared.store().connect(name.clone(), pid);
+    let (client, pin_bit) = match connected {
+        Ok(parts) => parts,
+        Err(error) => {
+            let message = format!("client {name:?} (pid {pid}) refused: {error}");
+            let _ = reply.send(Reply::Error(error));
+            return Err(message);
+        }
+    };
     let store = (mapped_store != Some(shared.store_id)).then(|| shared.segment.share());
-    reply
-        .send(Reply::Welcome {
-            client,
-            store_id: shared.store_id,
-            store_len: shared.segment.len(),
-            store,
-        })
-        .map_err(|e| format!("welcome: {e:?}"))?;
+    let welcome = Reply::Welcome {
+        client,
+        store_id: shared.store_id,
+        store_len: shared.segment.len(),
+        arena_bytes: shared.config.cap_bytes,
+        pin_bit: pin_bit as u32,
+        store,
+    };
+    if let Err(e) = reply.send(welcome) {
+        shared.store().disconnect(client);
+        return Err(format!("welcome: {e:?}"));
+    }
     debug!(client, %name, pid, "client connected");
     Ok((requests, reply, client))
 }
@@ -340,6 +358,7 @@ fn serve_connection(shared: &Shared, stream: UnixStream) {
 
 fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {
     let kind = request.kind();
+    shared.store().count_request(client);
     let result = match request {
         Request::Get { key } => get_or_wait(shared, client, &key),
         Request::Peek { key } => shared
@@ -386,11 +405,14 @@ fn get_or_wait(shared: &Shared, client: ClientId, key: &str) -> Result<Reply, Re
     let started = Instant::now();
     let timeout = shared.config.fill_wait_timeout;
     let mut store = shared.store();
+    let mut waited = false;
     loop {
         match store.get(client, key)? {
+            GetOutcome::Hit(grant) if waited => return Ok(Reply::HitAfterWait(grant)),
             GetOutcome::Hit(grant) => return Ok(Reply::Hit(grant)),
             GetOutcome::Miss(ticket) => return Ok(Reply::Miss { ticket }),
             GetOutcome::Wait { filler } => {
+                waited = true;
                 let waited = started.elapsed();
                 if waited >= timeout {
                     return Err(RequestError::FillTimedOut {

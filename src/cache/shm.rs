@@ -7,13 +7,21 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ipc_channel::ipc::IpcSharedMemory;
 
+use super::table::{Layout, Table};
 use super::CacheError;
 use crate::util::meminfo;
 
 /// The server's segment: the memfd, zero-filled (every page allocated) at creation.
 pub struct Segment {
     memory: IpcSharedMemory,
+    base: *const u8,
 }
+
+// SAFETY: `base` points into the mapping `memory` owns, which lives as long as the
+// segment; the server itself only touches the metadata region, through atomics.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
 
 impl Segment {
     /// Creates and reserves `len` bytes, after checking that the machine has them.
@@ -32,8 +40,30 @@ impl Segment {
             limit: "address space".into(),
         })?;
         // Writing every byte allocates every page of the memfd now.
-        Ok(Segment {
-            memory: IpcSharedMemory::from_byte(0, len),
+        let mut memory = IpcSharedMemory::from_byte(0, len);
+        // SAFETY: the pointer is taken once; no `&mut [u8]` over the region is made
+        // again, and the server reaches it only through the table's atomics.
+        let base = unsafe { memory.deref_mut() }.as_ptr();
+        Ok(Segment { memory, base })
+    }
+
+    /// Writes a fresh slot table into the segment's metadata region.
+    pub fn create_table(self: &Arc<Self>, layout: Layout) -> Result<Table, CacheError> {
+        if layout.total_bytes() > self.len() {
+            return Err(CacheError::Protocol(format!(
+                "segment of {} bytes cannot hold the layout {layout:?}",
+                self.len()
+            )));
+        }
+        // SAFETY: the metadata lies inside the segment (checked above), starts at a
+        // page-aligned offset of a page-aligned mapping, is zeroed (from_byte(0)) and
+        // touched only through atomics; the Arc keeps the mapping alive.
+        Ok(unsafe {
+            Table::create(
+                self.base.add(layout.meta_offset() as usize),
+                layout,
+                Arc::clone(self) as Arc<dyn super::table::Backing>,
+            )
         })
     }
 
@@ -64,7 +94,8 @@ pub struct Mapping {
 
 // SAFETY: the mapping is a fixed MAP_SHARED region that lives as long as `_memory`;
 // threads only touch the ranges of slots they hold a lease or a reserved fill on,
-// which the server never hands to two writers or to a writer and a reader at once.
+// which the server never hands to two writers or to a writer and a reader at once,
+// and the metadata region only through atomics (see `table`).
 unsafe impl Send for Mapping {}
 // SAFETY: as above; shared references only hand out raw ranges under that protocol.
 unsafe impl Sync for Mapping {}
@@ -95,6 +126,30 @@ impl Mapping {
     /// Whether nothing is mapped.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The store's slot table, whose metadata follows an arena of `arena_bytes`.
+    pub fn table(self: &Arc<Self>, arena_bytes: u64) -> Result<Table, CacheError> {
+        let meta_offset = super::table::meta_offset_after(arena_bytes);
+        if meta_offset >= self.len as u64 {
+            return Err(CacheError::Protocol(format!(
+                "store of {} bytes has no metadata after an arena of {arena_bytes} bytes",
+                self.len
+            )));
+        }
+        // SAFETY: `meta_offset` is inside the mapping (checked above) and page-aligned
+        // in a page-aligned mapping; the server created atomics there and every
+        // process touches them only as atomics; the Arc keeps the mapping alive.
+        // `attach` checks the header's sizes against the mapping's length.
+        let table = unsafe {
+            Table::attach(
+                self.base.add(meta_offset as usize),
+                meta_offset,
+                self.len as u64,
+                Arc::clone(self) as Arc<dyn super::table::Backing>,
+            )
+        }?;
+        Ok(table)
     }
 
     /// The start of `[offset, offset + len)`, checked against the mapping's bounds.

@@ -25,6 +25,10 @@ pub struct Counters {
     pub bytes_filled: u64,
     /// Requests refused with an error.
     pub errors: u64,
+    /// Requests served over the control channel (hits pinned in shared memory
+    /// send none).
+    #[serde(default)]
+    pub requests: u64,
 }
 
 impl Counters {
@@ -151,6 +155,12 @@ pub struct StatsReport {
     pub bytes_used: u64,
     /// Bytes of slots carved from the store so far.
     pub bytes_carved: u64,
+    /// Bytes of shared metadata (slot table, index) beyond the cap.
+    #[serde(default)]
+    pub metadata_bytes: u64,
+    /// Entries of the slot table (the most records the store can hold).
+    #[serde(default)]
+    pub slot_entries: usize,
     /// Bytes of slots with at least one lease.
     pub pinned_bytes: u64,
     /// Committed records.
@@ -190,6 +200,13 @@ impl fmt::Display for StatsReport {
             100.0 * self.bytes_used as f64 / self.cap_bytes.max(1) as f64,
             gib(self.pinned_bytes),
             self.records
+        )?;
+        writeln!(
+            f,
+            "metadata {:.1} MiB for {} slot entries  requests {}",
+            self.metadata_bytes as f64 / (1u64 << 20) as f64,
+            self.slot_entries,
+            t.requests
         )?;
         writeln!(
             f,

@@ -1,15 +1,16 @@
-//! The store's bookkeeping, without any I/O: fixed-size slots carved from one byte
-//! range (one class per record size), LRU eviction over unpinned records only,
-//! leases, fill tickets and counters. The server wraps it in a mutex; the bytes
-//! themselves live in shared memory and are never touched here.
+//! The store's bookkeeping: fixed-size slots carved from one byte range (one class
+//! per record size), LRU eviction over unpinned records only, fill tickets and
+//! counters. The server wraps it in a mutex and mirrors every record into the shared
+//! [`Table`], where clients pin hits themselves; pins are read back from there.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Instant;
 
 use lru::LruCache;
 
 use super::protocol::{ClientId, LeaseGrant, LeaseId, RequestError, TicketId};
 use super::stats::{ClassStats, ClientStats, Counters, LatencyWindow, StatsReport};
+use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
 
 /// Slots are page multiples, so records start page-aligned.
 pub const SLOT_ALIGN: u64 = 4096;
@@ -20,24 +21,26 @@ type SlotIdx = usize;
 enum SlotState {
     Free,
     Filling { len: u64 },
-    Ready { key: String, len: u64, pins: u32 },
+    Ready { key: String, len: u64 },
 }
 
 #[derive(Debug)]
 struct Slot {
     offset: u64,
     class: usize,
+    generation: u32,
     state: SlotState,
 }
 
-/// All slots of one size, with the free list and the LRU of unpinned records.
+/// All slots of one size, with the free list and the LRU of committed records.
 #[derive(Debug)]
 struct SlotClass {
     slot_bytes: u64,
     slots: Vec<SlotIdx>,
     free: Vec<SlotIdx>,
-    /// Ready records with no lease, least recently released first.
-    unpinned: LruCache<SlotIdx, ()>,
+    /// Committed records, least recently entered first, with the clock when they
+    /// entered; a record accessed since then gets a second chance.
+    lru: LruCache<SlotIdx, u64>,
 }
 
 #[derive(Debug)]
@@ -52,9 +55,10 @@ struct Fill {
 struct ClientRecord {
     name: String,
     pid: u32,
+    /// This connection's pin bit and counter block in the table.
+    bit: usize,
     counters: Counters,
-    leases: HashSet<LeaseId>,
-    tickets: HashSet<TicketId>,
+    tickets: std::collections::HashSet<TicketId>,
 }
 
 /// Outcome of a `get`.
@@ -72,7 +76,6 @@ pub enum GetOutcome {
 }
 
 /// The cache's bookkeeping.
-#[derive(Debug)]
 pub struct Store {
     store_id: u64,
     cap: u64,
@@ -80,18 +83,32 @@ pub struct Store {
     fixed_classes: bool,
     classes: Vec<SlotClass>,
     slots: Vec<Slot>,
+    table: Table,
     /// Committed records by key.
     index: HashMap<String, SlotIdx>,
+    /// Tombstones in the shared index; it is rebuilt when they pile up.
+    index_tombstones: usize,
     /// Fills in flight by key, and their tickets.
     filling: HashMap<String, TicketId>,
     tickets: HashMap<TicketId, Fill>,
-    leases: HashMap<LeaseId, (SlotIdx, ClientId)>,
     clients: HashMap<ClientId, ClientRecord>,
+    /// Pin bits not given to a connection.
+    free_bits: Vec<usize>,
     totals: Counters,
     evictions: u64,
     fill_latency: LatencyWindow,
     next_id: u64,
     started: Instant,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("store_id", &self.store_id)
+            .field("cap", &self.cap)
+            .field("records", &self.index.len())
+            .finish()
+    }
 }
 
 /// `len` rounded up to the slot alignment.
@@ -100,9 +117,10 @@ pub fn slot_size_for(len: u64) -> u64 {
 }
 
 impl Store {
-    /// A store of `cap` bytes. With `slot_bytes` given, records must fit those
-    /// classes; without, a class is made for each new record size on its first fill.
-    pub fn new(store_id: u64, cap: u64, slot_bytes: &[u64]) -> Store {
+    /// A store of `cap` bytes whose records are mirrored in `table`. With `slot_bytes`
+    /// given, records must fit those classes; without, a class is made for each new
+    /// record size on its first fill.
+    pub fn new(store_id: u64, cap: u64, slot_bytes: &[u64], table: Table) -> Store {
         let mut sizes: Vec<u64> = slot_bytes.iter().map(|&b| slot_size_for(b)).collect();
         sizes.sort_unstable();
         sizes.dedup();
@@ -113,11 +131,13 @@ impl Store {
             fixed_classes: !sizes.is_empty(),
             classes: Vec::new(),
             slots: Vec::new(),
+            table,
             index: HashMap::new(),
+            index_tombstones: 0,
             filling: HashMap::new(),
             tickets: HashMap::new(),
-            leases: HashMap::new(),
             clients: HashMap::new(),
+            free_bits: (0..MAX_CONNECTIONS).rev().collect(),
             totals: Counters::default(),
             evictions: 0,
             fill_latency: LatencyWindow::default(),
@@ -130,12 +150,18 @@ impl Store {
         store
     }
 
+    /// A store over a table on the heap (tests and single-process tools).
+    pub fn on_heap(store_id: u64, cap: u64, slot_bytes: &[u64]) -> Store {
+        let layout = table::Layout::for_store(cap, slot_bytes);
+        Store::new(store_id, cap, slot_bytes, Table::on_heap(cap, layout.slots))
+    }
+
     fn add_class(&mut self, slot_bytes: u64) -> usize {
         self.classes.push(SlotClass {
             slot_bytes,
             slots: Vec::new(),
             free: Vec::new(),
-            unpinned: LruCache::unbounded(),
+            lru: LruCache::unbounded(),
         });
         self.classes.sort_by_key(|c| c.slot_bytes);
         // Keep slot -> class indices right after the sort.
@@ -161,33 +187,44 @@ impl Store {
         self.cap
     }
 
-    /// Registers a connection.
-    pub fn connect(&mut self, name: String, pid: u32) -> ClientId {
+    /// The shared table.
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    /// Registers a connection; returns its id and its pin bit, or an error when all
+    /// [`MAX_CONNECTIONS`] bits are taken.
+    pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
+        let Some(bit) = self.free_bits.pop() else {
+            return Err(RequestError::TooManyConnections {
+                max: MAX_CONNECTIONS,
+            });
+        };
         let id = self.next_id();
+        self.table.claim_connection(bit, id);
         self.clients.insert(
             id,
             ClientRecord {
                 name,
                 pid,
+                bit,
                 counters: Counters::default(),
-                leases: HashSet::new(),
-                tickets: HashSet::new(),
+                tickets: Default::default(),
             },
         );
-        id
+        Ok((id, bit))
     }
 
-    /// Drops a connection: its leases are released and its fills abandoned.
-    /// Returns the number of fills abandoned (waiters must be woken).
+    /// Drops a connection: its pins are cleared, its shared counters folded into the
+    /// totals and its fills abandoned. Returns the number of fills abandoned (waiters
+    /// must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
         let Some(record) = self.clients.remove(&client) else {
             return 0;
         };
-        for lease in record.leases {
-            if let Some((slot, _)) = self.leases.remove(&lease) {
-                self.unpin(slot);
-            }
-        }
+        let hits = self.table.release_connection(record.bit, self.slots.len());
+        self.totals.hits += hits;
+        self.free_bits.push(record.bit);
         let abandoned = record.tickets.len();
         for ticket in record.tickets {
             self.drop_fill(ticket);
@@ -201,6 +238,14 @@ impl Store {
             .ok_or_else(|| RequestError::Protocol(format!("client {client} is not connected")))
     }
 
+    /// Counts a request served over the control channel.
+    pub fn count_request(&mut self, client: ClientId) {
+        self.totals.requests += 1;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.counters.requests += 1;
+        }
+    }
+
     /// Counts a refused request against the client.
     pub fn count_error(&mut self, client: ClientId) {
         self.totals.errors += 1;
@@ -210,39 +255,36 @@ impl Store {
     }
 
     fn lease(&mut self, client: ClientId, slot: SlotIdx) -> Result<LeaseGrant, RequestError> {
-        let offset = self.slots[slot].offset;
-        let len = match &mut self.slots[slot].state {
-            SlotState::Ready { len, pins, .. } => {
-                *pins += 1;
-                *len
-            }
-            _ => {
-                return Err(RequestError::Protocol(format!(
-                    "slot {slot} holds no committed record"
-                )))
-            }
+        let bit = self.client_mut(client)?.bit;
+        let s = &self.slots[slot];
+        let SlotState::Ready { len, .. } = s.state else {
+            return Err(RequestError::Protocol(format!(
+                "slot {slot} holds no committed record"
+            )));
         };
-        let class = self.slots[slot].class;
-        self.classes[class].unpinned.pop(&slot);
-        let lease = self.next_id();
-        self.leases.insert(lease, (slot, client));
-        self.client_mut(client)?.leases.insert(lease);
-        Ok(LeaseGrant { lease, offset, len })
+        self.table.pin(slot, bit);
+        self.table.touch(slot);
+        Ok(LeaseGrant {
+            lease: table::lease_id(slot, s.generation),
+            offset: s.offset,
+            len,
+        })
     }
 
-    fn unpin(&mut self, slot: SlotIdx) {
-        if let SlotState::Ready { pins, .. } = &mut self.slots[slot].state {
-            *pins = pins.saturating_sub(1);
-            if *pins == 0 {
-                let class = self.slots[slot].class;
-                self.classes[class].unpinned.put(slot, ());
-            }
+    fn check_key(key: &str) -> Result<(), RequestError> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(RequestError::KeyTooLong {
+                key: key.to_string(),
+                max: MAX_KEY_BYTES,
+            });
         }
+        Ok(())
     }
 
     /// Looks a key up: a lease, a fill ticket, or a wait for someone else's fill.
     pub fn get(&mut self, client: ClientId, key: &str) -> Result<GetOutcome, RequestError> {
         self.client_mut(client)?;
+        Self::check_key(key)?;
         if let Some(&slot) = self.index.get(key) {
             let grant = self.lease(client, slot)?;
             self.totals.hits += 1;
@@ -286,6 +328,7 @@ impl Store {
         key: &str,
     ) -> Result<Option<LeaseGrant>, RequestError> {
         self.client_mut(client)?;
+        Self::check_key(key)?;
         let Some(&slot) = self.index.get(key) else {
             return Ok(None);
         };
@@ -324,11 +367,21 @@ impl Store {
         }
         let class = self.class_for(&key, len)?;
         let slot = self.take_slot(class, &key, len)?;
-        self.slots[slot].state = SlotState::Filling { len };
+        let s = &mut self.slots[slot];
+        s.state = SlotState::Filling { len };
+        s.generation = s.generation.wrapping_add(1).max(1);
+        self.table.set_state(
+            slot,
+            table::SlotState {
+                generation: s.generation,
+                code: SlotCode::Filling,
+            },
+        );
+        let offset = s.offset;
         if let Some(fill) = self.tickets.get_mut(&ticket) {
             fill.slot = Some(slot);
         }
-        Ok((self.slots[slot].offset, len))
+        Ok((offset, len))
     }
 
     fn class_for(&mut self, key: &str, len: u64) -> Result<usize, RequestError> {
@@ -356,24 +409,20 @@ impl Store {
             return Ok(slot);
         }
         let slot_bytes = self.classes[ci].slot_bytes;
-        if self.cap - self.carved >= slot_bytes {
+        if self.cap - self.carved >= slot_bytes && self.slots.len() < self.table.slots() {
             let slot = self.slots.len();
+            self.table.set_offset(slot, self.carved);
             self.slots.push(Slot {
                 offset: self.carved,
                 class: ci,
+                generation: 0,
                 state: SlotState::Free,
             });
             self.carved += slot_bytes;
             self.classes[ci].slots.push(slot);
             return Ok(slot);
         }
-        if let Some((slot, ())) = self.classes[ci].unpinned.pop_lru() {
-            if let SlotState::Ready { key: old, .. } =
-                std::mem::replace(&mut self.slots[slot].state, SlotState::Free)
-            {
-                self.index.remove(&old);
-            }
-            self.evictions += 1;
+        if let Some(slot) = self.evict_one(ci) {
             return Ok(slot);
         }
         Err(RequestError::StoreFull {
@@ -382,6 +431,50 @@ impl Store {
             slots: self.classes[ci].slots.len(),
             slot_bytes,
         })
+    }
+
+    /// Takes the least recently used unpinned record of class `ci`: a record accessed
+    /// since it entered the LRU goes back in as the most recent (second chance), a
+    /// pinned one too; gives up after going round the whole LRU twice.
+    fn evict_one(&mut self, ci: usize) -> Option<SlotIdx> {
+        let rounds = 2 * self.classes[ci].lru.len();
+        for _ in 0..rounds {
+            let (slot, entered) = self.classes[ci].lru.pop_lru()?;
+            let accessed = self.table.last_access(slot) > entered;
+            if accessed || !self.table.try_evict(slot) {
+                let entered = self.table.tick();
+                self.classes[ci].lru.put(slot, entered);
+                continue;
+            }
+            self.unindex(slot);
+            self.slots[slot].state = SlotState::Free;
+            self.evictions += 1;
+            return Some(slot);
+        }
+        None
+    }
+
+    /// Removes a slot's record from both indexes.
+    fn unindex(&mut self, slot: SlotIdx) {
+        if let SlotState::Ready { key, .. } = &self.slots[slot].state {
+            self.index.remove(key);
+            if self.table.index_remove(table::key_hash(key), slot) {
+                self.index_tombstones += 1;
+            }
+        }
+        if self.index_tombstones > self.table.index_entries() / 4 {
+            self.rebuild_index();
+        }
+    }
+
+    /// Rewrites the shared index from the live records (clients that look meanwhile
+    /// miss and ask the server).
+    fn rebuild_index(&mut self) {
+        self.table.index_clear();
+        for (key, &slot) in &self.index {
+            self.table.index_insert(table::key_hash(key), slot);
+        }
+        self.index_tombstones = 0;
     }
 
     /// Publishes a filled slot and leases it to the filler.
@@ -407,12 +500,24 @@ impl Store {
             _ => 0,
         };
         self.filling.remove(&fill.key);
+        // Key and length first, then Ready, then the index: a client that finds the
+        // slot through the index sees a whole record.
+        let entered = self.table.tick();
+        self.table.write_record(slot, &fill.key, len);
+        self.table.set_state(
+            slot,
+            table::SlotState {
+                generation: self.slots[slot].generation,
+                code: SlotCode::Ready,
+            },
+        );
+        if self.table.index_insert(table::key_hash(&fill.key), slot) {
+            self.index_tombstones = self.index_tombstones.saturating_sub(1);
+        }
+        let class = self.slots[slot].class;
+        self.classes[class].lru.put(slot, entered);
         self.index.insert(fill.key.clone(), slot);
-        self.slots[slot].state = SlotState::Ready {
-            key: fill.key,
-            len,
-            pins: 0,
-        };
+        self.slots[slot].state = SlotState::Ready { key: fill.key, len };
         self.fill_latency
             .push(fill.started.elapsed().as_secs_f64() * 1e3);
         self.totals.fills += 1;
@@ -432,15 +537,27 @@ impl Store {
         Ok(())
     }
 
+    fn free_slot(&mut self, slot: SlotIdx) {
+        let s = &mut self.slots[slot];
+        s.state = SlotState::Free;
+        self.table.set_state(
+            slot,
+            table::SlotState {
+                generation: s.generation,
+                code: SlotCode::Free,
+            },
+        );
+        let class = s.class;
+        self.classes[class].free.push(slot);
+    }
+
     fn drop_fill(&mut self, ticket: TicketId) {
         let Some(fill) = self.tickets.remove(&ticket) else {
             return;
         };
         self.filling.remove(&fill.key);
         if let Some(slot) = fill.slot {
-            self.slots[slot].state = SlotState::Free;
-            let class = self.slots[slot].class;
-            self.classes[class].free.push(slot);
+            self.free_slot(slot);
         }
         self.totals.fills_abandoned += 1;
         if let Some(c) = self.clients.get_mut(&fill.client) {
@@ -448,16 +565,18 @@ impl Store {
         }
     }
 
-    /// Releases a lease held by the client.
+    /// Releases a lease held by the client (clients release by clearing their pin bit
+    /// themselves; this is the protocol's explicit form, for tools and tests).
     pub fn release(&mut self, client: ClientId, lease: LeaseId) -> Result<(), RequestError> {
-        match self.leases.get(&lease) {
-            Some(&(slot, owner)) if owner == client => {
-                self.leases.remove(&lease);
-                self.client_mut(client)?.leases.remove(&lease);
-                self.unpin(slot);
-                Ok(())
-            }
-            _ => Err(RequestError::LeaseNotHeld { lease }),
+        let bit = self.client_mut(client)?.bit;
+        let (slot, generation) = table::decode_lease(lease);
+        let held = self.slots.get(slot).is_some_and(|s| {
+            s.generation == generation && matches!(s.state, SlotState::Ready { .. })
+        });
+        if held && self.table.unpin(slot, bit) {
+            Ok(())
+        } else {
+            Err(RequestError::LeaseNotHeld { lease })
         }
     }
 
@@ -468,19 +587,16 @@ impl Store {
                 key: key.to_string(),
             });
         };
-        if let SlotState::Ready { pins, .. } = self.slots[slot].state {
-            if pins > 0 {
-                return Err(RequestError::Pinned {
-                    key: key.to_string(),
-                    pins,
-                });
-            }
+        if !self.table.try_evict(slot) {
+            return Err(RequestError::Pinned {
+                key: key.to_string(),
+                pins: self.table.pin_count(slot),
+            });
         }
-        self.index.remove(key);
+        self.unindex(slot);
         let class = self.slots[slot].class;
-        self.classes[class].unpinned.pop(&slot);
-        self.classes[class].free.push(slot);
-        self.slots[slot].state = SlotState::Free;
+        self.classes[class].lru.pop(&slot);
+        self.free_slot(slot);
         Ok(())
     }
 
@@ -489,10 +605,13 @@ impl Store {
         self.filling.contains_key(key)
     }
 
-    /// A snapshot of every counter.
+    /// A snapshot of every counter; pins and hits made by clients directly in the
+    /// shared table are read from there.
     pub fn stats(&self, server_pid: u32) -> StatsReport {
         let mut bytes_used = 0;
         let mut pinned_bytes = 0;
+        let mut leases_held = 0;
+        let mut leases_by_bit = vec![0usize; MAX_CONNECTIONS];
         let classes = self
             .classes
             .iter()
@@ -508,10 +627,17 @@ impl Store {
                     match self.slots[s].state {
                         SlotState::Free => {}
                         SlotState::Filling { .. } => cs.filling += 1,
-                        SlotState::Ready { pins, .. } => {
+                        SlotState::Ready { .. } => {
                             cs.ready += 1;
+                            let pins = self.table.pin_count(s) as usize;
                             if pins > 0 {
                                 cs.pinned += 1;
+                                leases_held += pins;
+                                for c in self.clients.values() {
+                                    if self.table.is_pinned_by(s, c.bit) {
+                                        leases_by_bit[c.bit] += 1;
+                                    }
+                                }
                             }
                         }
                     }
@@ -521,17 +647,24 @@ impl Store {
                 cs
             })
             .collect();
+        let mut totals = self.totals;
         let mut clients: Vec<ClientStats> = self
             .clients
             .iter()
-            .map(|(&id, c)| ClientStats {
-                id,
-                name: c.name.clone(),
-                pid: c.pid,
-                counters: c.counters,
-                hit_rate: c.counters.hit_rate(),
-                leases_held: c.leases.len(),
-                fills_in_flight: c.tickets.len(),
+            .map(|(&id, c)| {
+                let mut counters = c.counters;
+                let shared_hits = self.table.connection_hits(c.bit);
+                counters.hits += shared_hits;
+                totals.hits += shared_hits;
+                ClientStats {
+                    id,
+                    name: c.name.clone(),
+                    pid: c.pid,
+                    counters,
+                    hit_rate: counters.hit_rate(),
+                    leases_held: leases_by_bit[c.bit],
+                    fills_in_flight: c.tickets.len(),
+                }
             })
             .collect();
         clients.sort_by_key(|c| c.id);
@@ -542,13 +675,15 @@ impl Store {
             cap_bytes: self.cap,
             bytes_used,
             bytes_carved: self.carved,
+            metadata_bytes: self.table.layout().meta_bytes(),
+            slot_entries: self.table.slots(),
             pinned_bytes,
             records: self.index.len(),
             evictions: self.evictions,
             fills_in_flight: self.tickets.len(),
-            leases_held: self.leases.len(),
-            totals: self.totals,
-            hit_rate: self.totals.hit_rate(),
+            leases_held,
+            totals,
+            hit_rate: totals.hit_rate(),
             fill_latency_ms: self.fill_latency.summary(),
             classes,
             clients,
@@ -572,8 +707,8 @@ mod tests {
 
     #[test]
     fn miss_fill_then_hit() {
-        let mut store = Store::new(1, 4 * MB, &[]);
-        let c = store.connect("a".into(), 1);
+        let mut store = Store::on_heap(1, 4 * MB, &[]);
+        let c = store.connect("a".into(), 1).unwrap().0;
         let grant = fill(&mut store, c, "k", 1000);
         assert_eq!(grant.len, 1000);
         store.release(c, grant.lease).unwrap();
@@ -589,8 +724,8 @@ mod tests {
     #[test]
     fn eviction_takes_lru_and_never_a_pinned_slot() {
         // Room for exactly 3 slots of 1 MiB.
-        let mut store = Store::new(1, 3 * MB, &[MB]);
-        let c = store.connect("a".into(), 1);
+        let mut store = Store::on_heap(1, 3 * MB, &[MB]);
+        let c = store.connect("a".into(), 1).unwrap().0;
         let pinned = fill(&mut store, c, "pinned", MB);
         let old = fill(&mut store, c, "old", MB);
         store.release(c, old.lease).unwrap();
@@ -618,9 +753,9 @@ mod tests {
 
     #[test]
     fn concurrent_miss_waits_then_hits() {
-        let mut store = Store::new(1, 4 * MB, &[]);
-        let a = store.connect("a".into(), 1);
-        let b = store.connect("b".into(), 2);
+        let mut store = Store::on_heap(1, 4 * MB, &[]);
+        let a = store.connect("a".into(), 1).unwrap().0;
+        let b = store.connect("b".into(), 2).unwrap().0;
         let GetOutcome::Miss(t) = store.get(a, "k").unwrap() else {
             panic!()
         };
@@ -636,9 +771,9 @@ mod tests {
 
     #[test]
     fn disconnect_releases_leases_and_abandons_fills() {
-        let mut store = Store::new(1, 2 * MB, &[MB]);
-        let a = store.connect("a".into(), 1);
-        let b = store.connect("b".into(), 2);
+        let mut store = Store::on_heap(1, 2 * MB, &[MB]);
+        let a = store.connect("a".into(), 1).unwrap().0;
+        let b = store.connect("b".into(), 2).unwrap().0;
         fill(&mut store, a, "held", MB);
         let GetOutcome::Miss(t) = store.get(a, "half").unwrap() else {
             panic!()
@@ -656,9 +791,9 @@ mod tests {
 
     #[test]
     fn bad_requests_are_errors() {
-        let mut store = Store::new(1, 2 * MB, &[MB]);
-        let a = store.connect("a".into(), 1);
-        let b = store.connect("b".into(), 2);
+        let mut store = Store::on_heap(1, 2 * MB, &[MB]);
+        let a = store.connect("a".into(), 1).unwrap().0;
+        let b = store.connect("b".into(), 2).unwrap().0;
         let grant = fill(&mut store, a, "k", 100);
         store.release(a, grant.lease).unwrap();
         assert_eq!(
@@ -698,8 +833,8 @@ mod tests {
 
     #[test]
     fn classes_per_record_size() {
-        let mut store = Store::new(1, 8 * MB, &[]);
-        let c = store.connect("a".into(), 1);
+        let mut store = Store::on_heap(1, 8 * MB, &[]);
+        let c = store.connect("a".into(), 1).unwrap().0;
         fill(&mut store, c, "small", 5000);
         fill(&mut store, c, "big", MB + 1);
         fill(&mut store, c, "small2", 4000);
@@ -707,5 +842,24 @@ mod tests {
         let sizes: Vec<u64> = s.classes.iter().map(|c| c.slot_bytes).collect();
         assert_eq!(sizes, vec![8192, MB + SLOT_ALIGN]);
         assert_eq!(s.bytes_carved, 2 * 8192 + MB + SLOT_ALIGN);
+    }
+
+    #[test]
+    fn connections_beyond_the_pin_bits_are_refused_until_one_leaves() {
+        let mut store = Store::on_heap(1, MB, &[]);
+        let ids: Vec<ClientId> = (0..MAX_CONNECTIONS)
+            .map(|i| store.connect(format!("c{i}"), 1).unwrap().0)
+            .collect();
+        let err = store.connect("one too many".into(), 1).unwrap_err();
+        assert_eq!(
+            err,
+            RequestError::TooManyConnections {
+                max: MAX_CONNECTIONS
+            }
+        );
+        assert!(err.to_string().contains("512"), "{err}");
+        store.disconnect(ids[7]);
+        let (_, bit) = store.connect("late".into(), 1).unwrap();
+        assert!(bit < MAX_CONNECTIONS);
     }
 }

@@ -131,12 +131,16 @@ fn print_cache(r: &BenchReport) {
         r.verified_reads
     );
     println!(
-        "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}",
-        r.hit_p50_us, r.hit_p99_us, r.hit_max_us
+        "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}  ({} through the server)",
+        r.hit_p50_us, r.hit_p99_us, r.hit_max_us, r.server_hits
     );
     println!(
-        "  crop read {:.2} GB/s ({:.2} with lease get/release)  memcpy {:.2} GB/s",
-        r.crop_read_gbps, r.crop_with_lease_gbps, r.memcpy_gbps
+        "  waits for another client's fill: {}  µs p50 {:.0}  p99 {:.0}",
+        r.waits, r.wait_p50_us, r.wait_p99_us
+    );
+    println!(
+        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release)  memcpy {:.2} GB/s",
+        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.memcpy_gbps
     );
 }
 

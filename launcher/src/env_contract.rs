@@ -1,0 +1,285 @@
+//! The environment every rank starts with: torchrun's variables (RANK, LOCAL_RANK,
+//! WORLD_SIZE, ...) plus vrtspike's own (cache address, run directory, device,
+//! restart count), built in one place so the contract is written down once.
+
+use std::path::Path;
+
+use crate::cluster::Topology;
+
+/// Environment variable naming the restart count (0 on the first attempt).
+pub const RESTART_COUNT_ENV: &str = "VRTSPIKE_RESTART_COUNT";
+/// Environment variable naming the run directory.
+pub const RUN_DIR_ENV: &str = "VRTSPIKE_RUN_DIR";
+/// Environment variable naming the device (`cpu` or `cuda:<LOCAL_RANK>`).
+pub const DEVICE_ENV: &str = "VRTSPIKE_DEVICE";
+/// Environment variable naming the node's cache server (as in `vrtspike::cache`).
+pub const CACHE_ADDR_ENV: &str = "VRTSPIKE_CACHE_ADDR";
+
+/// How ranks are laid out on every node (the same on each node).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRanks {
+    /// Ranks on each node.
+    pub per_node: u32,
+    /// One GPU per rank (CUDA, NCCL) or CPU ranks (Gloo).
+    pub gpus: bool,
+}
+
+/// Why --gpus/--ranks cannot be honoured.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RanksError {
+    /// --ranks given with GPUs.
+    #[error("--ranks is for CPU ranks (--gpus 0); with GPUs there is one rank per GPU")]
+    RanksWithGpus,
+    /// More GPUs asked for than visible.
+    #[error("--gpus {asked} asks for more GPUs than the {visible} visible here (CUDA_VISIBLE_DEVICES / the NVIDIA driver)")]
+    TooManyGpus {
+        /// --gpus.
+        asked: u32,
+        /// GPUs visible.
+        visible: u32,
+    },
+    /// --ranks 0.
+    #[error("--ranks must be at least 1")]
+    NoRanks,
+}
+
+impl NodeRanks {
+    /// The ranks of this node from --gpus (default: every visible GPU) and --ranks
+    /// (CPU ranks, default 1, only with no GPU).
+    pub fn from_args(
+        gpus: Option<u32>,
+        ranks: Option<u32>,
+        visible_gpus: u32,
+    ) -> Result<NodeRanks, RanksError> {
+        let gpus = gpus.unwrap_or(visible_gpus);
+        if gpus > 0 {
+            if ranks.is_some_and(|r| r != gpus) {
+                return Err(RanksError::RanksWithGpus);
+            }
+            if gpus > visible_gpus {
+                return Err(RanksError::TooManyGpus {
+                    asked: gpus,
+                    visible: visible_gpus,
+                });
+            }
+            return Ok(NodeRanks {
+                per_node: gpus,
+                gpus: true,
+            });
+        }
+        match ranks.unwrap_or(1) {
+            0 => Err(RanksError::NoRanks),
+            per_node => Ok(NodeRanks {
+                per_node,
+                gpus: false,
+            }),
+        }
+    }
+}
+
+/// What one attempt shares between its ranks.
+#[derive(Debug, Clone)]
+pub struct AttemptEnv<'a> {
+    /// The node layout.
+    pub topology: &'a Topology,
+    /// The ranks of each node.
+    pub ranks: NodeRanks,
+    /// The port every rank meets on.
+    pub master_port: u16,
+    /// Restarts before this attempt.
+    pub restart_count: u32,
+    /// The launcher's --max-restarts.
+    pub max_restarts: u32,
+    /// The node's cache server address.
+    pub cache_addr: &'a str,
+    /// The run directory (absolute).
+    pub run_dir: &'a Path,
+    /// OMP_NUM_THREADS for each rank, unless the user set it.
+    pub threads_per_rank: u32,
+}
+
+impl AttemptEnv<'_> {
+    /// Ranks in the whole job.
+    pub fn world_size(&self) -> u32 {
+        self.topology.nnodes * self.ranks.per_node
+    }
+
+    /// Global rank of a local rank on this node.
+    pub fn global_rank(&self, local_rank: u32) -> u32 {
+        self.topology.node_rank * self.ranks.per_node + local_rank
+    }
+
+    /// The variables for local rank `local_rank`; `inherited` looks up the
+    /// launcher's own environment (a user's setting of an optional variable wins).
+    pub fn vars(
+        &self,
+        local_rank: u32,
+        inherited: &dyn Fn(&str) -> Option<String>,
+    ) -> Vec<(String, String)> {
+        let topo = self.topology;
+        let mut vars: Vec<(String, String)> = [
+            ("RANK", self.global_rank(local_rank).to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("WORLD_SIZE", self.world_size().to_string()),
+            ("LOCAL_WORLD_SIZE", self.ranks.per_node.to_string()),
+            ("GROUP_RANK", topo.node_rank.to_string()),
+            ("NODE_RANK", topo.node_rank.to_string()),
+            ("NNODES", topo.nnodes.to_string()),
+            ("MASTER_ADDR", topo.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
+            (RESTART_COUNT_ENV, self.restart_count.to_string()),
+            (CACHE_ADDR_ENV, self.cache_addr.to_string()),
+            (RUN_DIR_ENV, self.run_dir.display().to_string()),
+            (
+                DEVICE_ENV,
+                if self.ranks.gpus {
+                    format!("cuda:{local_rank}")
+                } else {
+                    "cpu".to_string()
+                },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let defaults = [
+            (
+                "PYTORCH_CUDA_ALLOC_CONF",
+                "expandable_segments:True".to_string(),
+            ),
+            ("OMP_NUM_THREADS", self.threads_per_rank.to_string()),
+        ];
+        for (name, value) in defaults {
+            if inherited(name).is_none() {
+                vars.push((name.to_string(), value));
+            }
+        }
+        vars
+    }
+}
+
+/// GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else the driver's
+/// device list (0 on a machine without the NVIDIA driver).
+pub fn visible_gpus(env: &dyn Fn(&str) -> Option<String>) -> u32 {
+    if let Some(list) = env("CUDA_VISIBLE_DEVICES") {
+        let list = list.trim();
+        // CUDA stops at the first invalid entry, e.g. "-1" hides every GPU.
+        return list
+            .split(',')
+            .map(str::trim)
+            .take_while(|id| !id.is_empty() && !id.starts_with('-'))
+            .count() as u32;
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .map(|dir| dir.count() as u32)
+        .unwrap_or(0)
+}
+
+/// Threads per rank that keep the ranks of a node from oversubscribing its cores.
+pub fn threads_per_rank(cores: usize, ranks_per_node: u32) -> u32 {
+    let per = cores / (ranks_per_node.max(1) as usize);
+    per.max(1) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::path::PathBuf;
+
+    use super::*;
+
+    #[test]
+    fn contract_for_node_one_of_two() {
+        let topology = Topology {
+            nnodes: 2,
+            node_rank: 1,
+            master_addr: "n0".into(),
+            master_port: Some(29500),
+            source: "flags",
+        };
+        let run_dir = PathBuf::from("/runs/x");
+        let env = AttemptEnv {
+            topology: &topology,
+            ranks: NodeRanks {
+                per_node: 3,
+                gpus: true,
+            },
+            master_port: 29500,
+            restart_count: 2,
+            max_restarts: 5,
+            cache_addr: "addr",
+            run_dir: &run_dir,
+            threads_per_rank: 4,
+        };
+        let user = |name: &str| (name == "OMP_NUM_THREADS").then(|| "7".to_string());
+        let vars: HashMap<String, String> = env.vars(2, &user).into_iter().collect();
+        let get = |k: &str| vars.get(k).map(String::as_str);
+        assert_eq!(get("RANK"), Some("5"));
+        assert_eq!(get("LOCAL_RANK"), Some("2"));
+        assert_eq!(get("WORLD_SIZE"), Some("6"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("3"));
+        assert_eq!(get("MASTER_ADDR"), Some("n0"));
+        assert_eq!(get("MASTER_PORT"), Some("29500"));
+        assert_eq!(get(RESTART_COUNT_ENV), Some("2"));
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("2"));
+        assert_eq!(get(DEVICE_ENV), Some("cuda:2"));
+        assert_eq!(get(RUN_DIR_ENV), Some("/runs/x"));
+        assert_eq!(
+            get("PYTORCH_CUDA_ALLOC_CONF"),
+            Some("expandable_segments:True")
+        );
+        // The user's own setting is inherited, not overridden.
+        assert_eq!(get("OMP_NUM_THREADS"), None);
+    }
+
+    #[test]
+    fn visible_gpus_from_cuda_visible_devices() {
+        let with = |value: &'static str| {
+            move |name: &str| (name == "CUDA_VISIBLE_DEVICES").then(|| value.to_string())
+        };
+        assert_eq!(visible_gpus(&with("0,1,3")), 3);
+        assert_eq!(visible_gpus(&with("")), 0);
+        assert_eq!(visible_gpus(&with("-1")), 0);
+        assert_eq!(visible_gpus(&with("GPU-abc,GPU-def")), 2);
+    }
+
+    #[test]
+    fn ranks_from_gpus_and_cpu_ranks() {
+        let cpu = |per_node| NodeRanks {
+            per_node,
+            gpus: false,
+        };
+        let gpu = |per_node| NodeRanks {
+            per_node,
+            gpus: true,
+        };
+        assert_eq!(NodeRanks::from_args(None, None, 0), Ok(cpu(1)));
+        assert_eq!(NodeRanks::from_args(Some(0), Some(2), 4), Ok(cpu(2)));
+        assert_eq!(NodeRanks::from_args(None, None, 4), Ok(gpu(4)));
+        assert_eq!(NodeRanks::from_args(Some(3), None, 4), Ok(gpu(3)));
+        assert_eq!(
+            NodeRanks::from_args(Some(3), None, 0),
+            Err(RanksError::TooManyGpus {
+                asked: 3,
+                visible: 0
+            })
+        );
+        assert_eq!(
+            NodeRanks::from_args(Some(2), Some(4), 2),
+            Err(RanksError::RanksWithGpus)
+        );
+        assert_eq!(
+            NodeRanks::from_args(Some(0), Some(0), 0),
+            Err(RanksError::NoRanks)
+        );
+    }
+
+    #[test]
+    fn threads_split_the_cores() {
+        assert_eq!(threads_per_rank(16, 3), 5);
+        assert_eq!(threads_per_rank(2, 4), 1);
+        assert_eq!(threads_per_rank(8, 0), 8);
+    }
+}

@@ -1,0 +1,206 @@
+//! Starting and stopping the job's processes: each child gets its own process group
+//! (so a signal reaches everything it started) and a parent-death signal (so even
+//! `kill -9` of the launcher takes it down), with its output appended to a log file.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+/// A child of the launcher, leader of its own process group.
+#[derive(Debug)]
+pub struct Supervised {
+    /// What it is, for messages (`rank 1`, `cache server`).
+    pub name: String,
+    /// The process.
+    child: Child,
+    /// Where its stdout and stderr go.
+    pub log: PathBuf,
+    /// Length of the log when it started: its own output begins there.
+    pub log_offset: u64,
+    /// How it ended, once reaped.
+    pub status: Option<ExitStatus>,
+}
+
+/// Appends the output of `command` to `log` and starts it in a new process group
+/// that gets SIGKILL when the launcher's thread that spawned it dies.
+///
+/// Call this from the main thread: Linux sends the parent-death signal when the
+/// spawning *thread* exits, not only the process.
+pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supervised> {
+    let out = open_log(log)?;
+    let log_offset = out.metadata()?.len();
+    let err = out.try_clone()?;
+    let parent = std::process::id() as i32;
+    command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    // SAFETY: the closure runs in the forked child before exec; it only makes the
+    // prctl and getppid system calls, which are async-signal-safe, and allocates
+    // nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher died between fork and prctl: nobody supervises us.
+            if libc::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn()?;
+    Ok(Supervised {
+        name,
+        child,
+        log: log.to_path_buf(),
+        log_offset,
+        status: None,
+    })
+}
+
+/// Opens a log for appending, creating it.
+pub fn open_log(path: &Path) -> io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+impl Supervised {
+    /// The process id (also its process group id).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Reaps the child if it has exited; `Some` once it has.
+    pub fn poll(&mut self) -> io::Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait()?;
+        }
+        Ok(self.status)
+    }
+
+    /// Whether it is still running (not yet reaped).
+    pub fn running(&mut self) -> bool {
+        !matches!(self.poll(), Ok(Some(_)))
+    }
+
+    /// Sends `signal` to the child's whole process group (if it still runs).
+    pub fn signal_group(&mut self, signal: Signal) {
+        if self.running() {
+            // ESRCH is fine: the group may have just exited.
+            let _ = killpg(Pid::from_raw(self.pid() as i32), signal);
+        }
+    }
+
+    /// Sends `signal` to the child alone (not to what it started).
+    pub fn signal_leader(&mut self, signal: Signal) {
+        if self.running() {
+            let _ = nix::sys::signal::kill(Pid::from_raw(self.pid() as i32), signal);
+        }
+    }
+}
+
+/// Stops a set of processes: SIGTERM to every still-running group, up to `grace`
+/// for them to exit, then SIGKILL to the rest, and reaps them all. Returns the
+/// names of those that needed SIGKILL.
+pub fn stop_all(procs: &mut [&mut Supervised], grace: Duration) -> Vec<String> {
+    for proc in procs.iter_mut() {
+        proc.signal_group(Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while procs.iter_mut().any(|p| p.running()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut killed = Vec::new();
+    for proc in procs.iter_mut() {
+        if proc.running() {
+            proc.signal_group(Signal::SIGKILL);
+            killed.push(proc.name.clone());
+            // A SIGKILLed process exits promptly; wait for it so nothing is left.
+            let _ = proc.child.wait().map(|status| proc.status = Some(status));
+        }
+    }
+    killed
+}
+
+/// Describes how a process ended: `exited with code 3`, `was killed by SIGKILL`.
+pub fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(sig)) => format!("was killed by {}", signal_name(sig)),
+        _ => format!("ended with {status}"),
+    }
+}
+
+/// `SIGKILL` for 9, or `signal 64` for a number nix does not name.
+pub fn signal_name(number: i32) -> String {
+    Signal::try_from(number)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {number}"))
+}
+
+/// The last `lines` lines of a log after byte `from` (fewer if it is shorter;
+/// empty if unreadable).
+pub fn log_tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return Vec::new();
+    };
+    let start = usize::try_from(from).unwrap_or(usize::MAX).min(bytes.len());
+    let text = String::from_utf8_lossy(&bytes[start..]);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|l| l.to_string())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn child_gets_own_group_and_is_stopped_with_sigkill_after_grace() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("x.log");
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "trap '' TERM; echo started; while :; do sleep 0.05; done",
+        ]);
+        let mut child = spawn("stubborn".into(), &mut cmd, &log).unwrap_or_else(|e| panic!("{e}"));
+        let pgid = nix::unistd::getpgid(Some(Pid::from_raw(child.pid() as i32)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pgid.as_raw() as u32, child.pid());
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let killed = stop_all(&mut [&mut child], Duration::from_millis(300));
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert_eq!(killed, ["stubborn"]);
+        let status = child.status.unwrap_or_else(|| panic!("not reaped"));
+        assert_eq!(describe(status), "was killed by SIGKILL");
+        assert_eq!(log_tail(&log, child.log_offset, 20), ["started"]);
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("t.log");
+        let text: String = (0..30).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&log, text).unwrap_or_else(|e| panic!("{e}"));
+        let tail = log_tail(&log, 0, 20);
+        assert_eq!(tail.len(), 20);
+        assert_eq!(tail[0], "line 10");
+        assert_eq!(tail[19], "line 29");
+        assert_eq!(log_tail(&log, 10 * 7 + 18 * 8, 20), ["line 28", "line 29"]);
+        assert!(log_tail(&log, 1 << 40, 20).is_empty());
+        assert!(log_tail(&dir.path().join("none"), 0, 5).is_empty());
+    }
+}

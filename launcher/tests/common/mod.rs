@@ -1,0 +1,282 @@
+//! Shared pieces of the launcher's tests: the launcher and `vrtspike` binaries, a
+//! stand-in rank (a shell script written into the test's directory, run through
+//! the launcher's hidden `--rank-cmd`), and small waits on files and processes.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+/// The launcher under test.
+pub fn launcher() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_vrtspike-launch"))
+}
+
+/// The `vrtspike` binary beside the launcher (it runs the cache server).
+pub fn vrtspike() -> PathBuf {
+    let exe = launcher().with_file_name("vrtspike");
+    assert!(
+        exe.is_file(),
+        "{} is missing: run the tests with `cargo test --workspace` (or `cargo build -p vrtspike` first)",
+        exe.display()
+    );
+    exe
+}
+
+/// A test's directory: a config file, the stand-in rank, the run directory.
+pub struct Job {
+    /// Holds the directory until the test ends.
+    pub tmp: tempfile::TempDir,
+    /// The config handed to the launcher.
+    pub config: PathBuf,
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// The stand-in rank.
+    pub rank_cmd: PathBuf,
+}
+
+/// Lines every stand-in runs first: it records its environment and pid in the run
+/// directory (`env.rank<R>.attempt<K>`, `pid.rank<R>.attempt<K>`) and its
+/// arguments in its log.
+const PRELUDE: &str = r#"#!/bin/sh
+set -u
+TAG="rank$RANK.attempt$VRTSPIKE_RESTART_COUNT"
+env > "$VRTSPIKE_RUN_DIR/env.$TAG.tmp" && mv "$VRTSPIKE_RUN_DIR/env.$TAG.tmp" "$VRTSPIKE_RUN_DIR/env.$TAG"
+echo $$ > "$VRTSPIKE_RUN_DIR/pid.$TAG"
+echo "stand-in rank $RANK of $WORLD_SIZE, attempt $VRTSPIKE_RESTART_COUNT, args: $*"
+"#;
+
+impl Job {
+    /// A job whose ranks run `body` (POSIX sh, after the prelude).
+    pub fn new(body: &str) -> Job {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let config = tmp.path().join("job.yaml");
+        std::fs::write(&config, "DATA:\n  CACHE_SIZE_GB: 0.01\n").unwrap_or_else(|e| panic!("{e}"));
+        let rank_cmd = tmp.path().join("rank.sh");
+        std::fs::write(&rank_cmd, format!("{PRELUDE}{body}\n")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::set_permissions(&rank_cmd, std::fs::Permissions::from_mode(0o755))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let run_dir = tmp.path().join("run");
+        Job {
+            tmp,
+            config,
+            run_dir,
+            rank_cmd,
+        }
+    }
+
+    /// The launcher command for this job with the stand-in rank, fast timings,
+    /// a small cache, and `extra` arguments.
+    pub fn command(&self, extra: &[&str]) -> Command {
+        self.command_with_config(&self.config, extra)
+    }
+
+    /// [`Job::command`] with another config path.
+    pub fn command_with_config(&self, config: &Path, extra: &[&str]) -> Command {
+        let _ = vrtspike();
+        let mut command = Command::new(launcher());
+        command
+            .arg("--config")
+            .arg(config)
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .arg("--rank-cmd")
+            .arg(&self.rank_cmd)
+            .args(["--cache-size", "16M", "--restart-delay-s", "0"])
+            .args(extra)
+            .env("VRTSPIKE", vrtspike())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null());
+        // Tests that want SLURM fake it; a real one around the tests must not leak in.
+        for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
+            command.env_remove(name);
+        }
+        command
+    }
+
+    /// Runs the launcher to its end (killed after `limit`).
+    pub fn run(&self, extra: &[&str], limit: Duration) -> Output {
+        run_with_limit(self.command(extra), limit)
+    }
+
+    /// The summary written by node `node_rank`'s launcher.
+    pub fn summary(&self, node_rank: u32) -> Value {
+        let name = if node_rank == 0 {
+            "summary.json".to_string()
+        } else {
+            format!("summary.node{node_rank}.json")
+        };
+        read_json(&self.run_dir.join(name))
+    }
+
+    /// The environment a stand-in recorded, if it ran.
+    pub fn rank_env(&self, rank: u32, attempt: u32) -> HashMap<String, String> {
+        let path = self
+            .run_dir
+            .join(format!("env.rank{rank}.attempt{attempt}"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        text.lines()
+            .filter_map(|line| line.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// The pid a stand-in recorded, once it has.
+    pub fn rank_pid(&self, rank: u32, attempt: u32) -> Option<u32> {
+        std::fs::read_to_string(
+            self.run_dir
+                .join(format!("pid.rank{rank}.attempt{attempt}")),
+        )
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+    }
+
+    /// A rank's log.
+    pub fn rank_log(&self, rank: u32) -> String {
+        std::fs::read_to_string(self.run_dir.join(format!("logs/rank{rank}.log")))
+            .unwrap_or_default()
+    }
+}
+
+/// Reads and parses a JSON file.
+pub fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Runs `command`, killing it if it outlives `limit` (then the test fails).
+pub fn run_with_limit(mut command: Command, limit: Duration) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
+    let pid = child.id();
+    let watchdog = std::thread::spawn(move || {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(50));
+            if !alive(pid) {
+                return false;
+            }
+        }
+        signal(pid, Signal::SIGKILL);
+        true
+    });
+    let output = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("waiting for the launcher: {e}"));
+    let timed_out = watchdog.join().unwrap_or(false);
+    assert!(
+        !timed_out,
+        "the launcher ran past {limit:?}; stderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Sends `signal` to process `pid` (ignoring a process that is already gone).
+pub fn signal(pid: u32, signal: Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+}
+
+/// Whether a process exists (and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rfind(')')
+                .and_then(|at| stat[at + 1..].split_whitespace().next())
+                .unwrap_or("");
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Polls `condition` every 20 ms until it holds (true) or `limit` passes (false).
+pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    condition()
+}
+
+/// Direct children of `pid`, from /proc.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut kids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rfind(')')
+            .and_then(|at| stat[at + 1..].split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            kids.push(child);
+        }
+    }
+    kids
+}
+
+/// `Shmem:` of /proc/meminfo in MiB.
+pub fn shmem_mb() -> f64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("Shmem:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Standard output and error as text, for assertions and messages.
+pub fn texts(output: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// A TCP port free right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("free port: {e}"))
+}
+
+/// Stands in for node 0's launcher on `port` (the control link of a lone node > 0
+/// under test): accepts one launcher and returns all it said once it hangs up.
+pub fn fake_node0(port: u16) -> std::thread::JoinHandle<String> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("fake node 0 on port {port}: {e}"));
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut said = String::new();
+        if let Ok((mut stream, _)) = listener.accept() {
+            let _ = stream.read_to_string(&mut said);
+        }
+        said
+    })
+}
