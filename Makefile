@@ -2,7 +2,7 @@
 #   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent)
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
 #   make test   formatting, lints, then every unit and multi-process test
-#   make bench  benchmarks, printed as JSON
+#   make bench  benchmarks: the cache as JSON, then the loader against the peer as a table
 #   make build  release binaries in target/release
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -67,8 +67,31 @@ demo: build
 cache-demo: build
 	$(BIN) demo
 
+# Side-by-side loader benchmark (issue 3, section 5): vrtspike's loader and the
+# PyTorch peer on the same 720x1280 synthetic data, same ranks, workers, clip,
+# crop and epochs, each under pss-tree; PEER_CACHE_GB is the peer's per-worker LRU.
+BENCH_DATA := $(ROOT)/data/bench-gopro
+BENCH_OUT := $(ROOT)/bench-out
+BENCH_ARGS := --ranks 2 --workers 2 --clip 6 --crop 256 --epochs 2
+PEER_CACHE_GB ?= 2.0
+# The cache server reserves its whole capacity up front (counted in Pss): size it
+# for the bench data (24 frames x 8.1 MB = 194 MB), with room to spare.
+LOADER_CACHE_GB ?= 0.5
+PSS_TREE := $(ROOT)/../shared/tools/pss-tree
+PEER := $(ROOT)/../shared/baselines/torch_loader.py
+
 bench: build
 	$(BIN) bench cache --json
+	@test -f $(BENCH_DATA)/dataset.yaml || \
+	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
+	@mkdir -p $(BENCH_OUT)
+	$(PSS_TREE) --json $(BENCH_OUT)/vrtspike-pss.json -- \
+	  $(BIN) bench loader --json --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(LOADER_CACHE_GB) > $(BENCH_OUT)/vrtspike.out
+	$(PSS_TREE) --json $(BENCH_OUT)/peer-pss.json -- \
+	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/peer.out
+	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)
 
 clean:
 	cargo clean

@@ -145,3 +145,62 @@ fn synth_then_inspect() {
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("999999"));
 }
+
+#[test]
+fn synth_h5_then_inspect_matches_the_folder_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tensors = Vec::new();
+    for (name, extra) in [("folder", None), ("h5", Some("--h5"))] {
+        let root = dir.path().join(name);
+        let root_s = root.to_str().unwrap();
+        let mut args = vec![
+            "synth",
+            "--out",
+            root_s,
+            "--seqs",
+            "1",
+            "--test-seqs",
+            "0",
+            "--frames",
+            "2",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--seed",
+            "7",
+        ];
+        args.extend(extra);
+        let out = vrtspike(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(root.join("train/SYN07_000.h5").is_file(), extra.is_some());
+        let file = dir.path().join(format!("{name}.safetensors"));
+        let out = vrtspike(&[
+            "inspect",
+            "--root",
+            root_s,
+            "--seq",
+            "SYN07_000",
+            "--frame",
+            "000002",
+            "--bins",
+            "4",
+            "--out",
+            file.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        tensors.push(["blur", "sharp", "voxel"].map(|t| floats(&st.tensor(t).unwrap())));
+    }
+    assert!(tensors[0][2].iter().any(|v| *v > 0.0));
+    assert_eq!(tensors[0], tensors[1]);
+}

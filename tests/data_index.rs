@@ -29,6 +29,7 @@ fn open(dir: &Path, skip_bad: bool) -> Result<DatasetIndex, vrtspike::data::Data
         IndexOptions {
             blur_dir: BlurDir::Blur,
             skip_bad,
+            ..IndexOptions::default()
         },
     )
 }
@@ -82,6 +83,7 @@ fn blur_dir_picks_blur_gamma() {
     let options = IndexOptions {
         blur_dir: BlurDir::BlurGamma,
         skip_bad: false,
+        ..IndexOptions::default()
     };
     let err = DatasetIndex::open_folder(dir.path(), "train", options)
         .unwrap_err()

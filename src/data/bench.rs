@@ -68,7 +68,7 @@ pub struct LoaderWorkerReport {
 
 /// Runs one loader process's epochs.
 pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
-    let index = DatasetIndex::open_folder(&o.root, &o.split, IndexOptions::default())?;
+    let index = DatasetIndex::open(&o.root, &o.split, IndexOptions::default())?;
     let clips = ClipIndex::new(&index, o.clip, 1, false);
     let sampler = DistributedSampler::new(clips.clips.len(), o.ranks, o.rank, true, o.seed, true)?;
     let options = LoaderOptions {

@@ -42,7 +42,8 @@ pub struct SynthArgs {
     /// Full GoPro frames: 720 x 1280 (overrides --height/--width).
     #[arg(long)]
     pub gopro: bool,
-    /// Also write the HDF5 sessions variant (`<split>/<SEQ>.h5`).
+    /// Write the HDF5 sessions variant (`<split>/<SEQ>.h5`) of the same data instead
+    /// of the folder layout.
     #[arg(long)]
     pub h5: bool,
 }
@@ -62,24 +63,31 @@ pub fn run_synth(args: SynthArgs) -> Result<()> {
         width,
         seed: args.seed,
     };
-    if args.h5 {
-        bail!("--h5: the HDF5 writer is not built into this binary yet");
-    }
     let bar = ProgressBar::new((args.seqs + args.test_seqs) as u64);
     bar.set_style(
         ProgressStyle::with_template("synth {bar:30} {pos}/{len} sequences {msg}")
             .context("progress bar template")?,
     );
-    let meta = synth::generate_folder(&args.out, &options, &|name| {
+    let progress = |name: &str| {
         bar.set_message(name.to_owned());
         bar.inc(1);
-    })
+    };
+    let meta = if args.h5 {
+        synth::generate_h5(&args.out, &options, &progress)
+    } else {
+        synth::generate_folder(&args.out, &options, &progress)
+    }
     .with_context(|| format!("writing a synthetic dataset to {}", args.out.display()))?;
     bar.finish_and_clear();
     println!(
-        "wrote {} train + {} test sequences of {} frames at {height}x{width} (spikes {}x{}) to {}",
+        "wrote {} train + {} test {} of {} frames at {height}x{width} (spikes {}x{}) to {}",
         args.seqs,
         args.test_seqs,
+        if args.h5 {
+            "HDF5 sessions"
+        } else {
+            "sequences"
+        },
         args.frames,
         meta.spike_height,
         meta.spike_width,
@@ -141,9 +149,9 @@ pub fn run_inspect(args: InspectArgs) -> Result<()> {
         } else {
             BlurDir::Blur
         },
-        skip_bad: false,
+        ..IndexOptions::default()
     };
-    let index = DatasetIndex::open_folder(&args.root, &args.split, options)?;
+    let index = DatasetIndex::open(&args.root, &args.split, options)?;
     let (seq, entry) = index.sequence(&args.seq)?;
     let frame = entry
         .frames
@@ -224,7 +232,7 @@ pub struct LoaderBenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-    /// Dataset root (folder layout).
+    /// Dataset root (folder layout or HDF5 sessions).
     #[arg(long)]
     pub root: PathBuf,
     /// Split folder.

@@ -1,17 +1,21 @@
-//! The folder-layout dataset index (format page, section 1): sequences and their
-//! frames in time order, each frame's spike step count, and each sequence's RGB
-//! size, all checked up front. A bad frame is an error naming the file, or with
-//! `skip_bad` a counted skip that [`DatasetIndex::skipped`] reports.
+//! The dataset index: sequences and their frames in time order, each frame's
+//! spike step count and each sequence's sizes, all checked up front, over the
+//! folder layout (PNG + `.dat`, or legacy `.npy` voxels) or HDF5 sessions. A bad
+//! frame is an error naming the file, or with `skip_bad` a counted skip that
+//! [`DatasetIndex::skipped`] reports.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::config::BlurDir;
 
 use super::dat;
 use super::error::{DataError, Result};
+use super::h5::{self, H5Session};
 use super::image;
 use super::meta::DatasetMeta;
+use super::npy;
 use super::record::{RecordLayout, SpikePayload};
 
 /// One usable frame.
@@ -19,8 +23,22 @@ use super::record::{RecordLayout, SpikePayload};
 pub struct FrameEntry {
     /// File stem shared by `blur/`, `sharp/` and `spike/` (e.g. `000047`).
     pub name: String,
-    /// Spike steps `T` of its `.dat` file.
+    /// Spike steps `T` of its `.dat` file (0 in a voxel sequence).
     pub spike_steps: u32,
+}
+
+/// Where a sequence's frames are stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Storage {
+    /// `blur/`, `sharp/` PNG and `spike/` `.dat` files.
+    Folder,
+    /// `blur/`, `sharp/` PNG and legacy `spike_vox/` `.npy` f32 grids of `bins` planes.
+    FolderVoxels {
+        /// Voxel planes `K`.
+        bins: u32,
+    },
+    /// One open HDF5 session file.
+    Hdf5(Arc<H5Session>),
 }
 
 /// One sequence (a folder under the split).
@@ -28,12 +46,18 @@ pub struct FrameEntry {
 pub struct SequenceIndex {
     /// Folder name (e.g. `GOPR0372_07_00`).
     pub name: String,
-    /// `<root>/<split>/<name>`.
+    /// `<root>/<split>/<name>` (a folder, or the `.h5` file).
     pub dir: PathBuf,
     /// RGB rows of every frame.
     pub height: u32,
     /// RGB columns of every frame.
     pub width: u32,
+    /// Rows of the spike grid (or of the stored voxel grids).
+    pub spike_height: u32,
+    /// Columns of the spike grid (or of the stored voxel grids).
+    pub spike_width: u32,
+    /// How its frames are stored.
+    pub storage: Storage,
     /// Usable frames in time (name) order.
     pub frames: Vec<FrameEntry>,
 }
@@ -48,15 +72,38 @@ pub struct SkippedFrame {
 }
 
 /// How to index a root.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexOptions {
     /// `blur` or `blur_gamma` (`DATA.BLUR_DIR`).
     pub blur_dir: BlurDir,
     /// Skip bad frames (counted) instead of failing (`DATA.SKIP_BAD_FRAMES`).
     pub skip_bad: bool,
+    /// HDF5 chunk cache per open session file, MiB (`DATA.CHUNK_CACHE_MB`).
+    pub chunk_cache_mb: u32,
 }
 
-/// The frames of one split of a folder-layout dataset.
+impl Default for IndexOptions {
+    fn default() -> Self {
+        IndexOptions {
+            blur_dir: BlurDir::default(),
+            skip_bad: false,
+            chunk_cache_mb: 64,
+        }
+    }
+}
+
+impl IndexOptions {
+    /// Options from the `DATA` config section.
+    pub fn from_config(data: &crate::config::DataConfig) -> IndexOptions {
+        IndexOptions {
+            blur_dir: data.blur_dir,
+            skip_bad: data.skip_bad_frames,
+            chunk_cache_mb: data.chunk_cache_mb,
+        }
+    }
+}
+
+/// The frames of one split of a dataset.
 #[derive(Debug, Clone)]
 pub struct DatasetIndex {
     /// Dataset root.
@@ -102,6 +149,104 @@ fn stems(dir: &Path, ext: &str) -> Result<BTreeSet<String>> {
 }
 
 impl DatasetIndex {
+    /// Indexes `<root>/<split>` in whichever layout it holds: HDF5 sessions when
+    /// `<split>` has `.h5` files, the folder layout otherwise.
+    pub fn open(root: &Path, split: &str, options: IndexOptions) -> Result<DatasetIndex> {
+        let split_dir = root.join(split);
+        if split_dir.is_dir() && !h5::session_files(&split_dir)?.is_empty() {
+            Self::open_h5(root, split, options)
+        } else {
+            Self::open_folder(root, split, options)
+        }
+    }
+
+    /// Indexes the HDF5 sessions `<root>/<split>/*.h5` (kept open). `dataset.yaml`
+    /// is optional here: the spike size comes from each file's attributes (and
+    /// must agree with `dataset.yaml` when there is one).
+    pub fn open_h5(root: &Path, split: &str, options: IndexOptions) -> Result<DatasetIndex> {
+        let yaml = DatasetMeta::load(root);
+        let split_dir = root.join(split);
+        let files = h5::session_files(&split_dir)?;
+        let mut index = DatasetIndex {
+            root: root.to_path_buf(),
+            split: split.to_owned(),
+            meta: DatasetMeta {
+                spike_height: 0,
+                spike_width: 0,
+                spike_flipped: false,
+                blur_frames: Default::default(),
+            },
+            options,
+            sequences: Vec::new(),
+            skipped: Vec::new(),
+        };
+        let mut grid: Option<(u32, u32)> = match yaml {
+            Ok(meta) => {
+                let grid = (meta.spike_height, meta.spike_width);
+                index.meta = meta;
+                Some(grid)
+            }
+            Err(DataError::Missing { .. }) => None,
+            Err(err) => return Err(err),
+        };
+        for path in files {
+            let opened = H5Session::open(&path, options.chunk_cache_mb).and_then(|session| {
+                let this = (session.spike_height, session.spike_width);
+                match grid {
+                    Some(g) if g != this => Err(DataError::format(
+                        &path,
+                        format!(
+                            "spike grid {}x{} differs from the dataset's {}x{}",
+                            this.0, this.1, g.0, g.1
+                        ),
+                    )),
+                    _ => Ok(session),
+                }
+            });
+            let session = match opened {
+                Ok(s) => s,
+                Err(err) => {
+                    index.skip_or_fail(err)?;
+                    continue;
+                }
+            };
+            grid = Some((session.spike_height, session.spike_width));
+            let name = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            index.sequences.push(SequenceIndex {
+                name,
+                dir: path.clone(),
+                height: session.height,
+                width: session.width,
+                spike_height: session.spike_height,
+                spike_width: session.spike_width,
+                frames: session
+                    .frame_names
+                    .iter()
+                    .map(|n| FrameEntry {
+                        name: n.clone(),
+                        spike_steps: session.steps,
+                    })
+                    .collect(),
+                storage: Storage::Hdf5(Arc::new(session)),
+            });
+        }
+        if let Some((hs, ws)) = grid {
+            index.meta.spike_height = hs;
+            index.meta.spike_width = ws;
+        }
+        if index.sequences.is_empty() {
+            return Err(DataError::format(
+                &split_dir,
+                "no usable HDF5 session (<SEQ>.h5)",
+            ));
+        }
+        index.report_skips();
+        Ok(index)
+    }
+
     /// Indexes `<root>/<split>`: reads `dataset.yaml`, lists sequences and frames,
     /// checks every PNG header and `.dat` size.
     pub fn open_folder(root: &Path, split: &str, options: IndexOptions) -> Result<DatasetIndex> {
@@ -134,6 +279,12 @@ impl DatasetIndex {
                 "no usable sequence (expected <SEQ>/blur, sharp and spike folders)",
             ));
         }
+        index.report_skips();
+        Ok(index)
+    }
+
+    fn report_skips(&self) {
+        let index = self;
         for skip in &index.skipped {
             tracing::warn!(file = %skip.path.display(), reason = %skip.reason, "skipped bad frame");
         }
@@ -144,7 +295,6 @@ impl DatasetIndex {
                 "DATA.SKIP_BAD_FRAMES: frames skipped while indexing"
             );
         }
-        Ok(index)
     }
 
     /// Turns `err` into a counted skip when allowed, or returns it.
@@ -168,11 +318,17 @@ impl DatasetIndex {
     fn index_sequence(&mut self, name: &str, dir: &Path) -> Result<Option<SequenceIndex>> {
         let blur_dir = dir.join(self.options.blur_dir.folder());
         let sharp_dir = dir.join("sharp");
-        let spike_dir = dir.join("spike");
+        // Raw spikes when there are any; legacy voxel grids otherwise.
+        let voxels = !dir.join("spike").is_dir() && dir.join("spike_vox").is_dir();
+        let (spike_dir, spike_ext) = if voxels {
+            (dir.join("spike_vox"), ".npy")
+        } else {
+            (dir.join("spike"), ".dat")
+        };
         let folders = [
             (&blur_dir, ".png"),
             (&sharp_dir, ".png"),
-            (&spike_dir, ".dat"),
+            (&spike_dir, spike_ext),
         ];
         let mut sets = Vec::with_capacity(3);
         for (folder, ext) in folders {
@@ -187,11 +343,12 @@ impl DatasetIndex {
         let all: BTreeSet<&String> = sets.iter().flatten().collect();
         let (hs, ws) = (self.meta.spike_height, self.meta.spike_width);
         let mut size: Option<(u32, u32)> = None;
+        let mut grid: Option<(u32, u32, u32)> = None;
         let mut frames = Vec::new();
         for stem in all {
             let blur = blur_dir.join(format!("{stem}.png"));
             let sharp = sharp_dir.join(format!("{stem}.png"));
-            let spike = spike_dir.join(format!("{stem}.dat"));
+            let spike = spike_dir.join(format!("{stem}{spike_ext}"));
             let checked = (|| -> Result<(u32, u32, u32)> {
                 for (i, (path, kind)) in [(&blur, "blur"), (&sharp, "sharp"), (&spike, "spike")]
                     .into_iter()
@@ -215,6 +372,17 @@ impl DatasetIndex {
                         ),
                     ));
                 }
+                if voxels {
+                    let shape = npy::voxel_header(&spike)?;
+                    if let Some(g) = grid.filter(|g| *g != shape) {
+                        return Err(DataError::format(
+                            &spike,
+                            format!("voxel grid is {shape:?} but its sequence's are {g:?}"),
+                        ));
+                    }
+                    grid = Some(shape);
+                    return Ok((blur_size.0, blur_size.1, 0));
+                }
                 let steps = dat::dat_steps(&spike, hs, ws)?;
                 Ok((blur_size.0, blur_size.1, steps))
             })();
@@ -229,7 +397,8 @@ impl DatasetIndex {
                             continue;
                         }
                     } else {
-                        check_alignment(&blur, h, w, hs, ws)?;
+                        let (gh, gw) = grid.map_or((hs, ws), |g| (g.1, g.2));
+                        check_alignment(&blur, h, w, gh, gw)?;
                         size = Some((h, w));
                     }
                     frames.push(FrameEntry {
@@ -244,11 +413,18 @@ impl DatasetIndex {
             self.skip_or_fail(DataError::format(dir, "sequence has no usable frame"))?;
             return Ok(None);
         };
+        let (storage, spike_height, spike_width) = match grid {
+            Some((bins, gh, gw)) => (Storage::FolderVoxels { bins }, gh, gw),
+            None => (Storage::Folder, hs, ws),
+        };
         Ok(Some(SequenceIndex {
             name: name.to_owned(),
             dir: dir.to_path_buf(),
             height,
             width,
+            spike_height,
+            spike_width,
+            storage,
             frames,
         }))
     }
@@ -272,16 +448,22 @@ impl DatasetIndex {
             })
     }
 
-    /// Paths of the blur, sharp and spike files of a frame.
+    /// Paths of the blur, sharp and spike (`.dat` or voxel `.npy`) files of a frame
+    /// of the folder layout (for an HDF5 session: the `.h5` file three times).
     pub fn frame_paths(&self, seq: usize, frame: usize) -> (PathBuf, PathBuf, PathBuf) {
         let s = &self.sequences[seq];
         let name = &s.frames[frame].name;
+        let spike = match s.storage {
+            Storage::Folder => s.dir.join("spike").join(format!("{name}.dat")),
+            Storage::FolderVoxels { .. } => s.dir.join("spike_vox").join(format!("{name}.npy")),
+            Storage::Hdf5(_) => return (s.dir.clone(), s.dir.clone(), s.dir.clone()),
+        };
         (
             s.dir
                 .join(self.options.blur_dir.folder())
                 .join(format!("{name}.png")),
             s.dir.join("sharp").join(format!("{name}.png")),
-            s.dir.join("spike").join(format!("{name}.dat")),
+            spike,
         )
     }
 
@@ -291,10 +473,13 @@ impl DatasetIndex {
         RecordLayout {
             height: s.height,
             width: s.width,
-            spike_height: self.meta.spike_height,
-            spike_width: self.meta.spike_width,
-            payload: SpikePayload::Bits {
-                steps: s.frames[frame].spike_steps,
+            spike_height: s.spike_height,
+            spike_width: s.spike_width,
+            payload: match s.storage {
+                Storage::FolderVoxels { bins } => SpikePayload::VoxelF16 { bins },
+                Storage::Folder | Storage::Hdf5(_) => SpikePayload::Bits {
+                    steps: s.frames[frame].spike_steps,
+                },
             },
         }
     }
@@ -303,11 +488,18 @@ impl DatasetIndex {
     /// [`Self::record_layout`]`.byte_len()` bytes, e.g. a cache slot).
     pub fn encode_into(&self, seq: usize, frame: usize, record: &mut [u8]) -> Result<()> {
         let layout = self.record_layout(seq, frame);
+        if let Storage::Hdf5(session) = &self.sequences[seq].storage {
+            return session.read_frame_into(frame, record);
+        }
         layout.write_header(record)?;
         let (blur, sharp, spike) = self.frame_paths(seq, frame);
         let size = (layout.height, layout.width);
         image::read_png_rgb_into(&blur, size, &mut record[layout.blur_range()])?;
         image::read_png_rgb_into(&sharp, size, &mut record[layout.sharp_range()])?;
+        if let SpikePayload::VoxelF16 { bins } = layout.payload {
+            let grid = (bins, layout.spike_height, layout.spike_width);
+            return npy::read_voxels_f16_into(&spike, grid, &mut record[layout.spike_range()]);
+        }
         dat::read_dat_into(
             &spike,
             layout.spike_height,
@@ -324,8 +516,13 @@ impl DatasetIndex {
         let root = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(root.to_string_lossy().as_bytes());
-        hasher.update(self.options.blur_dir.folder().as_bytes());
         let s = &self.sequences[seq];
+        match s.storage {
+            Storage::Hdf5(_) => hasher.update(b"h5"),
+            Storage::Folder | Storage::FolderVoxels { .. } => {
+                hasher.update(self.options.blur_dir.folder().as_bytes())
+            }
+        }
         format!(
             "{:08x}/{}/{}/{}",
             hasher.finalize(),

@@ -273,7 +273,7 @@ pub fn build_sample<S: RecordSource>(
             seq.name
         )));
     }
-    let spike_size = (index.meta.spike_height, index.meta.spike_width);
+    let spike_size = (seq.spike_height, seq.spike_width);
     let (rect, region) = choose_crop(spec.crop, (seq.height, seq.width), spike_size, rng)?;
     let transform = Dihedral::random(spec.augment, rect.h == rect.w && region.h == region.w, rng);
     let (h, w) = (rect.h as usize, rect.w as usize);

@@ -353,20 +353,46 @@ pub fn generate_folder(
     options: &SynthOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<DatasetMeta> {
+    generate(out, options, progress, false)
+}
+
+/// Writes the same data as [`generate_folder`] (same options, same bytes) as HDF5
+/// sessions `<out>/<split>/<SEQ>.h5`, with a `dataset.yaml` beside them.
+pub fn generate_h5(
+    out: &Path,
+    options: &SynthOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<DatasetMeta> {
+    generate(out, options, progress, true)
+}
+
+fn generate(
+    out: &Path,
+    options: &SynthOptions,
+    progress: &(dyn Fn(&str) + Sync),
+    h5: bool,
+) -> Result<DatasetMeta> {
     options.validate()?;
     let (hs, ws) = options.spike_size();
     std::fs::create_dir_all(out).map_err(|e| DataError::io(out, e))?;
     let mut blur_frames = BTreeMap::new();
     for (split, name, seed) in plan(options) {
         let seq = generate_sequence(&name, options.frames, options.height, options.width, seed);
-        write_sequence_folder(&out.join(split), &seq, true)?;
+        let split_dir = out.join(split);
+        if h5 {
+            std::fs::create_dir_all(&split_dir).map_err(|e| DataError::io(&split_dir, e))?;
+            super::h5::write_session(&split_dir.join(format!("{name}.h5")), &seq)?;
+        } else {
+            write_sequence_folder(&split_dir, &seq, true)?;
+        }
         blur_frames.insert(name.clone(), seq.subframes);
         progress(&name);
     }
     let meta = DatasetMeta {
         spike_height: hs,
         spike_width: ws,
-        spike_flipped: true,
+        // Rows of `.dat` files are stored bottom-up; HDF5 sessions are top-down.
+        spike_flipped: !h5,
         blur_frames,
     };
     meta.save(out)?;

@@ -1,0 +1,353 @@
+//! HDF5 sessions (format page, section 5): one `<SEQ>.h5` per sequence holding
+//! `blur`/`sharp` (N,H,W,3) u8, `spike` (N,T,H_s,W_s/8) u8 and optional
+//! `frame_names`. Read lazily (the file stays open, each read fetches one frame's
+//! hyperslabs, chunk cache from `DATA.CHUNK_CACHE_MB`); written by `synth --h5`.
+
+use std::path::{Path, PathBuf};
+
+use hdf5::types::VarLenUnicode;
+use hdf5::{Dataset, File};
+use ndarray::{s, ArrayView3, Ix3};
+
+use super::error::{DataError, Result};
+use super::record::{RecordLayout, SpikePayload};
+use super::synth::{frame_name, SyntheticSequence};
+
+/// Chunk-cache hash slots per dataset (a prime, as HDF5 recommends).
+const CHUNK_CACHE_SLOTS: usize = 521;
+
+/// One open HDF5 session: its datasets checked against the format page.
+pub struct H5Session {
+    /// The `.h5` file.
+    pub path: PathBuf,
+    _file: File,
+    blur: Dataset,
+    sharp: Dataset,
+    spike: Dataset,
+    /// RGB rows `H`.
+    pub height: u32,
+    /// RGB columns `W`.
+    pub width: u32,
+    /// Spike steps `T` of every frame.
+    pub steps: u32,
+    /// Spike rows `H_s` (file attribute `spike_height`).
+    pub spike_height: u32,
+    /// Spike columns `W_s` (file attribute `spike_width`).
+    pub spike_width: u32,
+    /// Frame names (`frame_names`, or six-digit numbers from 000001 when absent).
+    pub frame_names: Vec<String>,
+}
+
+impl std::fmt::Debug for H5Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H5Session")
+            .field("path", &self.path)
+            .field("frames", &self.frame_names.len())
+            .field("size", &(self.height, self.width))
+            .field("spike", &(self.steps, self.spike_height, self.spike_width))
+            .finish()
+    }
+}
+
+impl PartialEq for H5Session {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path
+    }
+}
+
+impl Eq for H5Session {}
+
+fn h5_err(path: &Path, what: &str, err: hdf5::Error) -> DataError {
+    DataError::format(path, format!("{what}: {err}"))
+}
+
+fn to_u32(path: &Path, what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| DataError::format(path, format!("{what} = {v} is too large")))
+}
+
+/// Opens a u8 dataset of rank `rank` and returns it with its shape.
+fn u8_dataset(file: &File, path: &Path, name: &str, rank: usize) -> Result<(Dataset, Vec<usize>)> {
+    if !file.link_exists(name) {
+        return Err(DataError::format(
+            path,
+            format!("dataset '{name}' is missing (format page, section 5)"),
+        ));
+    }
+    let ds = file
+        .dataset(name)
+        .map_err(|e| h5_err(path, &format!("dataset '{name}'"), e))?;
+    let dtype = ds
+        .dtype()
+        .map_err(|e| h5_err(path, &format!("dataset '{name}' dtype"), e))?;
+    if !dtype.is::<u8>() {
+        let desc = dtype
+            .to_descriptor()
+            .map_or_else(|_| "an unknown type".to_owned(), |d| d.to_string());
+        return Err(DataError::format(
+            path,
+            format!("dataset '{name}' has dtype {desc}, expected u8"),
+        ));
+    }
+    let shape = ds.shape();
+    if shape.len() != rank {
+        return Err(DataError::format(
+            path,
+            format!(
+                "dataset '{name}' has shape {shape:?}, expected {rank} dimensions (format page, section 5)"
+            ),
+        ));
+    }
+    Ok((ds, shape))
+}
+
+fn size_attr(file: &File, path: &Path, name: &str) -> Result<u32> {
+    if !file
+        .attr_names()
+        .is_ok_and(|names| names.iter().any(|n| n == name))
+    {
+        return Err(DataError::format(
+            path,
+            format!("file attribute '{name}' is missing"),
+        ));
+    }
+    let value: i64 = file
+        .attr(name)
+        .and_then(|a| a.read_scalar())
+        .map_err(|e| h5_err(path, &format!("file attribute '{name}'"), e))?;
+    u32::try_from(value).ok().filter(|v| *v > 0).ok_or_else(|| {
+        DataError::format(
+            path,
+            format!("file attribute '{name}' = {value}, expected a positive size"),
+        )
+    })
+}
+
+fn read_names(file: &File, path: &Path, frames: usize) -> Result<Vec<String>> {
+    if !file.link_exists("frame_names") {
+        return Ok((0..frames as u32).map(frame_name).collect());
+    }
+    let ds = file
+        .dataset("frame_names")
+        .map_err(|e| h5_err(path, "dataset 'frame_names'", e))?;
+    let names: Vec<String> = ds
+        .read_raw::<VarLenUnicode>()
+        .map(|v| v.iter().map(|s| s.as_str().to_owned()).collect())
+        .or_else(|_| {
+            ds.read_raw::<hdf5::types::VarLenAscii>()
+                .map(|v| v.iter().map(|s| s.as_str().to_owned()).collect())
+        })
+        .map_err(|e| h5_err(path, "dataset 'frame_names' (expected strings)", e))?;
+    if names.len() != frames {
+        return Err(DataError::format(
+            path,
+            format!(
+                "dataset 'frame_names' has {} names for {frames} frames",
+                names.len()
+            ),
+        ));
+    }
+    Ok(names)
+}
+
+impl H5Session {
+    /// Opens `path` read-only with a chunk cache of `chunk_cache_mb` MiB for the
+    /// file (split over its three datasets) and checks every dataset and attribute.
+    pub fn open(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
+        let per_dataset = chunk_cache_mb as usize * (1 << 20) / 3;
+        let file = File::with_options()
+            .with_fapl(|p| p.chunk_cache(CHUNK_CACHE_SLOTS, per_dataset, 0.75))
+            .open(path)
+            .map_err(|e| h5_err(path, "cannot open as HDF5", e))?;
+        let spike_height = size_attr(&file, path, "spike_height")?;
+        let spike_width = size_attr(&file, path, "spike_width")?;
+        let (blur, blur_shape) = u8_dataset(&file, path, "blur", 4)?;
+        let (sharp, sharp_shape) = u8_dataset(&file, path, "sharp", 4)?;
+        let (spike, spike_shape) = u8_dataset(&file, path, "spike", 4)?;
+        let frames = blur_shape[0];
+        if blur_shape[3] != 3 || frames == 0 {
+            return Err(DataError::format(
+                path,
+                format!("dataset 'blur' has shape {blur_shape:?}, expected (N>0, H, W, 3)"),
+            ));
+        }
+        if sharp_shape != blur_shape {
+            return Err(DataError::format(
+                path,
+                format!("dataset 'sharp' has shape {sharp_shape:?} but 'blur' has {blur_shape:?}"),
+            ));
+        }
+        let row_bytes = spike_width as usize / 8;
+        if spike_width % 8 != 0
+            || spike_shape[0] != frames
+            || spike_shape[2] != spike_height as usize
+            || spike_shape[3] != row_bytes
+            || spike_shape[1] == 0
+        {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "dataset 'spike' has shape {spike_shape:?}, expected ({frames}, T, {spike_height}, {spike_width}/8) from 'blur' and the spike_height/spike_width attributes"
+                ),
+            ));
+        }
+        let (height, width) = (blur_shape[1], blur_shape[2]);
+        if height < spike_height as usize || width < spike_width as usize {
+            return Err(DataError::format(
+                path,
+                format!("frames are {height}x{width}, smaller than the spike grid {spike_height}x{spike_width}"),
+            ));
+        }
+        let frame_names = read_names(&file, path, frames)?;
+        Ok(H5Session {
+            path: path.to_path_buf(),
+            height: to_u32(path, "H", height)?,
+            width: to_u32(path, "W", width)?,
+            steps: to_u32(path, "T", spike_shape[1])?,
+            spike_height,
+            spike_width,
+            frame_names,
+            _file: file,
+            blur,
+            sharp,
+            spike,
+        })
+    }
+
+    /// The record layout of every frame of the session.
+    pub fn record_layout(&self) -> RecordLayout {
+        RecordLayout {
+            height: self.height,
+            width: self.width,
+            spike_height: self.spike_height,
+            spike_width: self.spike_width,
+            payload: SpikePayload::Bits { steps: self.steps },
+        }
+    }
+
+    fn read_into(&self, ds: &Dataset, name: &str, frame: usize, dst: &mut [u8]) -> Result<()> {
+        let what = format!("dataset '{name}' frame {frame}");
+        let block = ds
+            .read_slice::<u8, _, Ix3>(s![frame, .., .., ..])
+            .map_err(|e| h5_err(&self.path, &what, e))?;
+        let src = block
+            .as_slice()
+            .ok_or_else(|| DataError::format(&self.path, format!("{what}: not contiguous")))?;
+        if src.len() != dst.len() {
+            return Err(DataError::format(
+                &self.path,
+                format!("{what}: {} bytes, expected {}", src.len(), dst.len()),
+            ));
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Reads frame `frame` (blur, sharp and spike hyperslabs only) into `record`,
+    /// which must be exactly [`Self::record_layout`]`.byte_len()` bytes.
+    pub fn read_frame_into(&self, frame: usize, record: &mut [u8]) -> Result<()> {
+        if frame >= self.frame_names.len() {
+            return Err(DataError::Request(format!(
+                "{}: frame {frame} of {}",
+                self.path.display(),
+                self.frame_names.len()
+            )));
+        }
+        let layout = self.record_layout();
+        layout.write_header(record)?;
+        self.read_into(&self.blur, "blur", frame, &mut record[layout.blur_range()])?;
+        self.read_into(
+            &self.sharp,
+            "sharp",
+            frame,
+            &mut record[layout.sharp_range()],
+        )?;
+        self.read_into(
+            &self.spike,
+            "spike",
+            frame,
+            &mut record[layout.spike_range()],
+        )
+    }
+}
+
+/// Writes `seq` as an HDF5 session at `path`: one frame a chunk, rows top-down.
+pub fn write_session(path: &Path, seq: &SyntheticSequence) -> Result<()> {
+    let err = |what: &str, e: hdf5::Error| h5_err(path, what, e);
+    let (Some(first), Some(spikes0)) = (seq.blur.first(), seq.spikes.first()) else {
+        return Err(DataError::Request(format!(
+            "{}: sequence {} has no frame",
+            path.display(),
+            seq.name
+        )));
+    };
+    let n = seq.blur.len();
+    let (h, w) = (first.height as usize, first.width as usize);
+    let (t, hs, ws) = (
+        spikes0.steps as usize,
+        spikes0.height as usize,
+        spikes0.width as usize,
+    );
+    let file = File::create(path).map_err(|e| err("cannot create", e))?;
+    for (name, v) in [("spike_height", hs), ("spike_width", ws)] {
+        file.new_attr::<i64>()
+            .create(name)
+            .and_then(|a| a.write_scalar(&(v as i64)))
+            .map_err(|e| err(name, e))?;
+    }
+    let rgb = |name: &str| {
+        file.new_dataset::<u8>()
+            .chunk((1, h, w, 3))
+            .shape((n, h, w, 3))
+            .create(name)
+            .map_err(|e| err(name, e))
+    };
+    let (blur, sharp) = (rgb("blur")?, rgb("sharp")?);
+    let spike = file
+        .new_dataset::<u8>()
+        .chunk((1, t, hs, ws / 8))
+        .shape((n, t, hs, ws / 8))
+        .create("spike")
+        .map_err(|e| err("spike", e))?;
+    let shape_err = |e: ndarray::ShapeError| DataError::Request(format!("{}: {e}", path.display()));
+    for i in 0..n {
+        for (ds, name, image) in [
+            (&blur, "blur", &seq.blur[i]),
+            (&sharp, "sharp", &seq.sharp[i]),
+        ] {
+            let view = ArrayView3::from_shape((h, w, 3), &image.data).map_err(shape_err)?;
+            ds.write_slice(view, s![i, .., .., ..])
+                .map_err(|e| err(name, e))?;
+        }
+        let view =
+            ArrayView3::from_shape((t, hs, ws / 8), &seq.spikes[i].bits).map_err(shape_err)?;
+        spike
+            .write_slice(view, s![i, .., .., ..])
+            .map_err(|e| err("spike", e))?;
+    }
+    let names: Vec<VarLenUnicode> = (0..n as u32)
+        .map(|i| {
+            frame_name(i)
+                .parse()
+                .map_err(|_| DataError::Request("frame name".into()))
+        })
+        .collect::<Result<_>>()?;
+    file.new_dataset_builder()
+        .with_data(&names)
+        .create("frame_names")
+        .map_err(|e| err("frame_names", e))?;
+    Ok(())
+}
+
+/// `.h5` files directly under `split_dir`, sorted by name.
+pub fn session_files(split_dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(split_dir).map_err(|e| DataError::io(split_dir, e))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| DataError::io(split_dir, e))?.path();
+        if path.is_file() && path.extension().is_some_and(|e| e == "h5") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
