@@ -5,13 +5,14 @@
 
 use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
+use super::process::{spawn_cache_server, ChildGuard};
 use super::record::{check_rows, copy_crop, template, verify_record, write_record, FrameShape};
 use crate::cache::store::slot_size_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
@@ -310,31 +311,6 @@ pub struct BenchReport {
     pub server: Option<StatsReport>,
 }
 
-/// A child process killed when dropped (the server, on any error path).
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Waits until a server accepts connections at `address`.
-pub fn wait_for_server(address: &str, timeout: Duration) -> Result<CacheClient, CacheError> {
-    let started = Instant::now();
-    loop {
-        match CacheClient::connect(address, "bench-driver") {
-            Ok(client) => return Ok(client),
-            Err(e @ CacheError::Connect { .. }) if started.elapsed() < timeout => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 fn memcpy_gbps() -> f64 {
     let len = 64 << 20;
     let src = vec![1u8; len];
@@ -374,24 +350,13 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         std::process::id(),
         rand::random::<u32>()
     ));
-    let server = Command::new(&opts.exe)
-        .args([
-            "cache",
-            "serve",
-            "--address",
-            &address,
-            "--exit-with-parent",
-        ])
-        .args(["--cap", &opts.cap_bytes.to_string()])
-        .args(["--slot-bytes", &record_bytes.to_string()])
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| BenchError::Process {
-            what: format!("starting the cache server {}", opts.exe.display()),
-            message: e.to_string(),
-        })?;
-    let _server = ChildGuard(server);
-    let driver = wait_for_server(&address, Duration::from_secs(60))?;
+    let (_server, driver) =
+        spawn_cache_server(&opts.exe, &address, opts.cap_bytes, Some(record_bytes)).map_err(
+            |e| BenchError::Process {
+                what: "cache server".into(),
+                message: e.to_string(),
+            },
+        )?;
     let body = template(shape);
 
     // Warm: fill every slot once, so the timed phase runs at steady eviction pressure.

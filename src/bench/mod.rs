@@ -3,4 +3,5 @@
 
 pub mod cache;
 pub mod histogram;
+pub mod process;
 pub mod record;

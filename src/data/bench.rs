@@ -4,12 +4,13 @@
 
 use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::bench::process::ChildGuard;
 use crate::config::Augment;
 
 use super::error::{DataError, Result};
@@ -144,15 +145,6 @@ pub struct LoaderBenchReport {
     pub epoch_s: Vec<Vec<f64>>,
 }
 
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn process_error(what: String, e: impl std::fmt::Display) -> DataError {
     DataError::Request(format!("{what}: {e}"))
 }
@@ -169,23 +161,9 @@ pub fn run(
     if let Some(gb) = cache_gb {
         let address = crate::cache::default_address(&format!("loaderbench-{}", std::process::id()));
         let cap = (gb * (1u64 << 30) as f64) as u64;
-        let child = Command::new(exe)
-            .args([
-                "cache",
-                "serve",
-                "--address",
-                &address,
-                "--exit-with-parent",
-                "--cap",
-                &cap.to_string(),
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| {
-                process_error(format!("starting the cache server {}", exe.display()), e)
-            })?;
-        _server = Some(ChildGuard(child));
-        crate::bench::cache::wait_for_server(&address, Duration::from_secs(60))?;
+        let (server, _client) = crate::bench::process::spawn_cache_server(exe, &address, cap, None)
+            .map_err(|e| process_error("cache server".into(), e))?;
+        _server = Some(server);
         template.address = Some(address);
     }
     let mut children = Vec::new();

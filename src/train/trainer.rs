@@ -148,14 +148,11 @@ pub fn train(
             ),
         });
     }
-    let index_options = IndexOptions {
-        blur_dir: config.data.blur_dir,
-        skip_bad: config.data.skip_bad_frames,
-    };
-    let train_index = Arc::new(DatasetIndex::open_folder(&root, "train", index_options)?);
+    let index_options = IndexOptions::from_config(&config.data);
+    let train_index = Arc::new(DatasetIndex::open(&root, "train", index_options)?);
     let clip_len = config.data.clip_len as usize;
     let clips = Arc::new(ClipIndex::new(&train_index, clip_len, 1, false));
-    let val_index = match DatasetIndex::open_folder(&root, "test", index_options) {
+    let val_index = match DatasetIndex::open(&root, "test", index_options) {
         Ok(index) => Some(Arc::new(index)),
         Err(DataError::Missing { path, .. }) => {
             tracing::warn!(path = %path.display(), "no validation split: validation skipped");

@@ -1,0 +1,76 @@
+//! Child processes of the benchmarks: a guard that kills a child when dropped, and
+//! a cache server started from the `vrtspike` binary and waited for until it accepts.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::cache::{CacheClient, CacheError};
+
+/// A child process killed (and reaped) when dropped, on every error path too.
+pub struct ChildGuard(pub Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits until a server accepts connections at `address`.
+pub fn wait_for_server(address: &str, timeout: Duration) -> Result<CacheClient, CacheError> {
+    let started = Instant::now();
+    loop {
+        match CacheClient::connect(address, "bench-driver") {
+            Ok(client) => return Ok(client),
+            Err(CacheError::Connect { .. }) if started.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A cache server that could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerStartError {
+    /// The binary did not run.
+    #[error("starting the cache server {exe}: {source}")]
+    Spawn {
+        /// The binary.
+        exe: String,
+        /// Why it did not run.
+        source: std::io::Error,
+    },
+    /// It ran but never accepted.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+/// Starts `exe cache serve` at `address` with a store of `cap_bytes` (and one slot
+/// size, if given), exiting with this process; returns it with a connection to it.
+pub fn spawn_cache_server(
+    exe: &Path,
+    address: &str,
+    cap_bytes: u64,
+    slot_bytes: Option<u64>,
+) -> Result<(ChildGuard, CacheClient), ServerStartError> {
+    let mut command = Command::new(exe);
+    command
+        .args(["cache", "serve", "--exit-with-parent", "--address", address])
+        .args(["--cap", &cap_bytes.to_string()]);
+    if let Some(slot) = slot_bytes {
+        command.args(["--slot-bytes", &slot.to_string()]);
+    }
+    let child =
+        command
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|source| ServerStartError::Spawn {
+                exe: exe.display().to_string(),
+                source,
+            })?;
+    let guard = ChildGuard(child);
+    let client = wait_for_server(address, Duration::from_secs(60))?;
+    Ok((guard, client))
+}
