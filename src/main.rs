@@ -31,6 +31,8 @@ enum Command {
     Model(vrtspike::model::cli::ModelCommand),
     /// Forward/backward time per stage, parameters and memory of a model config.
     Profile(vrtspike::model::cli::ProfileArgs),
+    /// Deblur a dataset split by clips and tiles; PNGs and PSNR/SSIM per sequence.
+    Infer(vrtspike::model::cli::InferArgs),
     /// Train a model (one rank; started by vrtspike-launch, or alone).
     Train(vrtspike::train::cli::TrainArgs),
     /// Write a synthetic GoPro-Spike dataset (folder layout).
@@ -49,6 +51,7 @@ fn main() -> Result<()> {
         Command::Info => cli::info(),
         Command::Model(cmd) => vrtspike::model::cli::run(cmd),
         Command::Profile(args) => vrtspike::model::cli::profile(args),
+        Command::Infer(args) => vrtspike::model::cli::infer(args),
         Command::Train(args) => vrtspike::train::cli::run(args),
         Command::Synth(args) => vrtspike::data::cli::run_synth(args),
         Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),

@@ -70,6 +70,10 @@ pub trait Restorer: Send {
     ) -> Result<Tensor, ModelError>;
     /// Top-level parameter groups (name prefix, label), for summaries and profiles.
     fn parts(&self) -> Vec<(String, String)>;
+    /// Frame (and tile) heights and widths must be multiples of this.
+    fn size_multiple(&self) -> i64 {
+        1
+    }
     /// As [`Restorer::forward`], calling `mark(part)` after each timed part (named like
     /// the prefixes of [`Restorer::parts`]); by default one mark, `forward`.
     fn forward_marked(
@@ -103,6 +107,9 @@ impl Restorer for Vrt {
     fn parts(&self) -> Vec<(String, String)> {
         Vrt::parts(self)
     }
+    fn size_multiple(&self) -> i64 {
+        8
+    }
     fn forward_marked(
         &self,
         blur: &Tensor,
@@ -131,6 +138,9 @@ impl Restorer for UnetSpike {
     }
     fn parts(&self) -> Vec<(String, String)> {
         UnetSpike::parts(self)
+    }
+    fn size_multiple(&self) -> i64 {
+        UnetSpike::size_multiple(self)
     }
 }
 

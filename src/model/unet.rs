@@ -98,6 +98,11 @@ impl UnetSpike {
         self.bins.is_some()
     }
 
+    /// Heights and widths must be multiples of this (`2^LEVELS`).
+    pub fn size_multiple(&self) -> i64 {
+        1 << self.levels
+    }
+
     /// Parameter groups for summaries.
     pub fn parts(&self) -> Vec<(String, String)> {
         ["head", "down", "mid", "up", "tail"]

@@ -87,7 +87,8 @@ impl From<CosineSchedule> for ScheduleState {
     }
 }
 
-const MODEL_FILE: &str = "model.safetensors";
+/// The model weights file of a checkpoint directory.
+pub const MODEL_FILE: &str = "model.safetensors";
 const OPTIM_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "state.json";
 

@@ -7,6 +7,7 @@ pub mod amp;
 pub mod checkpoint;
 pub mod cli;
 pub mod env;
+pub mod infer;
 pub mod loss;
 pub mod metrics;
 pub mod monitor;
