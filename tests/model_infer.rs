@@ -12,9 +12,9 @@ use vrtspike::data::image::read_png_rgb;
 use vrtspike::model;
 use vrtspike::train::quality::psnr_u8;
 
-const FRAMES: usize = 10;
+const FRAMES: usize = 8;
 const HEIGHT: u32 = 128;
-const WIDTH: u32 = 192;
+const WIDTH: u32 = 160;
 
 fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_vrtspike")
@@ -114,11 +114,11 @@ fn tiled_clipped_inference_matches_a_whole_run_and_reports_png_psnr() {
     let (root, weights) = setup(dir.path());
     let tiled_out = dir.path().join("tiled");
     let whole_out = dir.path().join("whole");
-    // Clips of 6 frames overlapping 4 (starts 0, 2, 4; the middle clip keeps frames
-    // 4..6, two frames from either edge: the temporal receptive field is 2 frames);
-    // tiles of 96 overlapping 80 (kept pixels 40 from a tile edge, beyond the
-    // U-Net's receptive field).
-    let report = infer(&root, &weights, &tiled_out, [6, 4], [96, 80]);
+    // Clips of 6 frames overlapping 4 (starts 0, 2; kept frames at least two frames
+    // from an inner clip edge: the temporal receptive field is 2 frames); tiles of
+    // 96 overlapping 64 (2 x 3 tiles; kept pixels at least 32 from an inner tile
+    // edge, beyond the U-Net's spatial receptive field).
+    let report = infer(&root, &weights, &tiled_out, [6, 4], [96, 64]);
     infer(&root, &weights, &whole_out, [100, 0], [512, 0]);
 
     let sequences = report["sequences"].as_array().unwrap();
@@ -142,7 +142,11 @@ fn tiled_clipped_inference_matches_a_whole_run_and_reports_png_psnr() {
             let sharp = levels(&src.join("sharp").join(input.file_name().unwrap()));
             let whole = levels(&whole_out.join(name).join(output.file_name().unwrap()));
             let diff = (&out_l - &whole).abs().max().double_value(&[]);
-            assert!(diff <= 1.0, "{}: tiled vs whole differ by {diff} levels", output.display());
+            assert!(
+                diff <= 1.0,
+                "{}: tiled vs whole differ by {diff} levels",
+                output.display()
+            );
             // The model is not the identity (the comparison above is not vacuous).
             if (&out_l - &blur_l).abs().max().double_value(&[]) > 1.0 {
                 changed += 1;
@@ -153,7 +157,10 @@ fn tiled_clipped_inference_matches_a_whole_run_and_reports_png_psnr() {
         psnr /= FRAMES as f64;
         input_psnr /= FRAMES as f64;
         let reported = seq["psnr"].as_f64().unwrap();
-        assert!((reported - psnr).abs() < 1e-9, "{name}: reported {reported}, PNGs {psnr}");
+        assert!(
+            (reported - psnr).abs() < 1e-9,
+            "{name}: reported {reported}, PNGs {psnr}"
+        );
         let reported_input = seq["input_psnr"].as_f64().unwrap();
         assert!((reported_input - input_psnr).abs() < 1e-9);
         let ssim = seq["ssim"].as_f64().unwrap();
@@ -164,7 +171,10 @@ fn tiled_clipped_inference_matches_a_whole_run_and_reports_png_psnr() {
     let overall = report["overall"]["psnr"].as_f64().unwrap();
     let mean = seq_psnrs.iter().sum::<f64>() / seq_psnrs.len() as f64;
     assert!((overall - mean).abs() < 1e-9);
-    assert_eq!(report["overall"]["frames"].as_u64(), Some(2 * FRAMES as u64));
+    assert_eq!(
+        report["overall"]["frames"].as_u64(),
+        Some(2 * FRAMES as u64)
+    );
 }
 
 #[test]
@@ -194,7 +204,10 @@ fn bad_inputs_are_errors_naming_the_path_or_option() {
         let result = run(&refs);
         assert!(!result.status.success(), "{args:?} succeeded");
         let err = stderr(&result);
-        assert!(err.contains(needle), "{args:?}: {err:?} does not name {needle:?}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: {err:?} does not name {needle:?}"
+        );
     };
     let missing = dir.path().join("no_such_checkpoint");
     fails(base(&missing, &config, &root), missing.to_str().unwrap());
@@ -215,7 +228,12 @@ fn bad_inputs_are_errors_naming_the_path_or_option() {
     fails(small, "--tile");
     // A sequence with a single frame.
     let test = root.join("test");
-    let seq = std::fs::read_dir(&test).unwrap().next().unwrap().unwrap().path();
+    let seq = std::fs::read_dir(&test)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     for sub in ["blur", "sharp", "spike"] {
         let mut files: Vec<PathBuf> = std::fs::read_dir(seq.join(sub))
             .unwrap()

@@ -451,8 +451,7 @@ pub fn infer(args: InferArgs) -> Result<()> {
         clip_overlap: args.clip_overlap,
         tile: args.tile,
         tile_overlap: args.tile_overlap,
-        bins: u32::try_from(config.model.spike.voxel_bins)
-            .context("MODEL.SPIKE.VOXEL_BINS")?,
+        bins: u32::try_from(config.model.spike.voxel_bins).context("MODEL.SPIKE.VOXEL_BINS")?,
     };
     options.check(net.size_multiple())?;
     if !args.input.is_dir() {

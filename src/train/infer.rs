@@ -101,7 +101,10 @@ impl InferOptions {
         if self.clip_overlap >= self.clip {
             return Err(option_err(
                 "--clip-overlap",
-                format!("{} must be less than --clip {}", self.clip_overlap, self.clip),
+                format!(
+                    "{} must be less than --clip {}",
+                    self.clip_overlap, self.clip
+                ),
             ));
         }
         if self.tile < multiple || self.tile % multiple != 0 {
@@ -245,9 +248,8 @@ fn load_clip(
     let shape = [1, d as i64, 3, h as i64, w as i64];
     let blur = Tensor::from_slice(&blur).view(shape);
     let sharp = Tensor::from_slice(&sharp).view(shape);
-    let voxels = bins.map(|k| {
-        Tensor::from_slice(&voxels).view([1, d as i64, k as i64, hs as i64, ws as i64])
-    });
+    let voxels = bins
+        .map(|k| Tensor::from_slice(&voxels).view([1, d as i64, k as i64, hs as i64, ws as i64]));
     Ok((blur, sharp, voxels))
 }
 
@@ -306,10 +308,7 @@ pub fn infer_dataset(
             ));
         }
         if s.height < 11 || s.width < 11 {
-            return Err(input_err(
-                &s.dir,
-                "frames smaller than SSIM's 11x11 window",
-            ));
+            return Err(input_err(&s.dir, "frames smaller than SSIM's 11x11 window"));
         }
         let tiled = options.tile < s.height as i64 || options.tile < s.width as i64;
         if tiled && bins.is_some() {
