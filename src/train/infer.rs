@@ -434,6 +434,33 @@ mod tests {
     }
 
     #[test]
+    fn checkpoint_paths_resolve_to_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        for step in [1u64, 20] {
+            let ckpt = run
+                .join("checkpoints")
+                .join(checkpoint::step_dir_name(step));
+            std::fs::create_dir_all(&ckpt).unwrap();
+            std::fs::write(ckpt.join(MODEL_FILE), b"").unwrap();
+            std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
+        }
+        let newest = run.join("checkpoints/step_00000020").join(MODEL_FILE);
+        assert_eq!(resolve_weights(&run).unwrap(), newest);
+        let step1 = run.join("checkpoints/step_00000001");
+        assert_eq!(resolve_weights(&step1).unwrap(), step1.join(MODEL_FILE));
+        assert_eq!(
+            resolve_weights(&step1.join(MODEL_FILE)).unwrap(),
+            step1.join(MODEL_FILE)
+        );
+        let missing = dir.path().join("nope");
+        let err = resolve_weights(&missing).unwrap_err().to_string();
+        assert!(err.contains(&missing.display().to_string()), "{err}");
+        let err = resolve_weights(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("no complete checkpoint"), "{err}");
+    }
+
+    #[test]
     fn clips_follow_vrt_and_keep_frames_far_from_edges() {
         // 40 frames, 18-frame clips overlapping 2: starts 0, 16, 22 (end-aligned).
         let spans = tile_spans(40, 18, 2, 1);
