@@ -45,6 +45,30 @@ struct Bucket {
     buffer: Tensor,
 }
 
+impl Bucket {
+    /// Copies `tensors` (one per member, in bucket order) into the flat buffer.
+    fn pack(&self, tensors: &[Tensor], rank: usize, op: &'static str) -> Result<(), DistError> {
+        for (tensor, &(offset, numel)) in tensors.iter().zip(&self.spans) {
+            let flat = tensor.f_reshape([-1]).map_err(tensor_err(rank, op))?;
+            copy_into(&self.buffer.narrow(0, offset, numel), &flat, rank, op)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the flat buffer back into `tensors` (one per member, in bucket order).
+    fn unpack(&self, tensors: &[Tensor], rank: usize, op: &'static str) -> Result<(), DistError> {
+        for (tensor, &(offset, numel)) in tensors.iter().zip(&self.spans) {
+            let slice = self
+                .buffer
+                .narrow(0, offset, numel)
+                .f_view_as(tensor)
+                .map_err(tensor_err(rank, op))?;
+            copy_into(tensor, &slice, rank, op)?;
+        }
+        Ok(())
+    }
+}
+
 /// Data-parallel training state of one rank: its parameters and the bucket
 /// layout (identical on every rank, since shapes were checked to match).
 pub struct Ddp {
@@ -169,30 +193,15 @@ impl Ddp {
     ) -> Result<(), DistError> {
         let rank = self.rank;
         for bucket in &mut self.buckets {
+            let params: Vec<Tensor> = bucket
+                .members
+                .iter()
+                .map(|&index| self.params[index].shallow_clone())
+                .collect();
             tch::no_grad(|| -> Result<(), DistError> {
-                for (&index, &(offset, numel)) in bucket.members.iter().zip(&bucket.spans) {
-                    let flat = self.params[index]
-                        .f_reshape([-1])
-                        .map_err(tensor_err(rank, "broadcast"))?;
-                    copy_into(
-                        &bucket.buffer.narrow(0, offset, numel),
-                        &flat,
-                        rank,
-                        "broadcast",
-                    )?;
-                }
+                bucket.pack(&params, rank, "broadcast")?;
                 group.broadcast(&mut bucket.buffer, root)?;
-                for (&index, &(offset, numel)) in bucket.members.iter().zip(&bucket.spans) {
-                    let param = &self.params[index];
-                    let slice = bucket.buffer.narrow(0, offset, numel).f_view_as(param);
-                    copy_into(
-                        param,
-                        &slice.map_err(tensor_err(rank, "broadcast"))?,
-                        rank,
-                        "broadcast",
-                    )?;
-                }
-                Ok(())
+                bucket.unpack(&params, rank, "broadcast")
             })?;
         }
         Ok(())
@@ -209,38 +218,22 @@ impl Ddp {
         }
         tch::no_grad(|| -> Result<(), DistError> {
             for bucket in &mut self.buckets {
-                for (&index, &(offset, numel)) in bucket.members.iter().zip(&bucket.spans) {
+                let mut grads = Vec::with_capacity(bucket.members.len());
+                for &index in &bucket.members {
                     ensure_grad(&mut self.params[index]).map_err(|message| DistError::Tensor {
                         rank,
                         op: "sync_gradients",
                         message,
                     })?;
-                    let grad = self.params[index]
-                        .f_grad()
-                        .map_err(tensor_err(rank, "sync_gradients"))?;
-                    let flat = grad
-                        .f_reshape([-1])
-                        .map_err(tensor_err(rank, "sync_gradients"))?;
-                    copy_into(
-                        &bucket.buffer.narrow(0, offset, numel),
-                        &flat,
-                        rank,
-                        "sync_gradients",
-                    )?;
+                    grads.push(
+                        self.params[index]
+                            .f_grad()
+                            .map_err(tensor_err(rank, "sync_gradients"))?,
+                    );
                 }
+                bucket.pack(&grads, rank, "sync_gradients")?;
                 group.all_reduce(&mut bucket.buffer, ReduceOp::Avg)?;
-                for (&index, &(offset, numel)) in bucket.members.iter().zip(&bucket.spans) {
-                    let grad = self.params[index]
-                        .f_grad()
-                        .map_err(tensor_err(rank, "sync_gradients"))?;
-                    let slice = bucket.buffer.narrow(0, offset, numel).f_view_as(&grad);
-                    copy_into(
-                        &grad,
-                        &slice.map_err(tensor_err(rank, "sync_gradients"))?,
-                        rank,
-                        "sync_gradients",
-                    )?;
-                }
+                bucket.unpack(&grads, rank, "sync_gradients")?;
             }
             Ok(())
         })
