@@ -1,5 +1,6 @@
 //! `vrtspike`: the per-node tools of the trainer: the cache server and its client
-//! commands, benchmarks, and the demo. Each module brings its own subcommand.
+//! commands, benchmarks, the demo, the model tools, inference, training and the data
+//! tools. One file per subcommand under `src/cli/`; the library does the work.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -28,17 +29,17 @@ enum Command {
     Info,
     /// Model tools: parameter summary, running the model on a tensor file.
     #[command(subcommand)]
-    Model(vrtspike::model::cli::ModelCommand),
+    Model(cli::model::ModelCommand),
     /// Forward/backward time per stage, parameters and memory of a model config.
-    Profile(vrtspike::model::cli::ProfileArgs),
+    Profile(cli::profile::ProfileArgs),
     /// Deblur a dataset split by clips and tiles; PNGs and PSNR/SSIM per sequence.
-    Infer(vrtspike::model::cli::InferArgs),
+    Infer(cli::infer::InferArgs),
     /// Train a model (one rank; started by vrtspike-launch, or alone).
-    Train(vrtspike::train::cli::TrainArgs),
+    Train(cli::train::TrainArgs),
     /// Write a synthetic GoPro-Spike dataset (folder layout).
-    Synth(vrtspike::data::cli::SynthArgs),
+    Synth(cli::synth::SynthArgs),
     /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
-    Inspect(vrtspike::data::cli::InspectArgs),
+    Inspect(cli::inspect::InspectArgs),
 }
 
 fn main() -> Result<()> {
@@ -48,12 +49,12 @@ fn main() -> Result<()> {
         Command::Cache(cmd) => cli::cache::run(cmd),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
-        Command::Info => cli::info(),
-        Command::Model(cmd) => vrtspike::model::cli::run(cmd),
-        Command::Profile(args) => vrtspike::model::cli::profile(args),
-        Command::Infer(args) => vrtspike::model::cli::infer(args),
-        Command::Train(args) => vrtspike::train::cli::run(args),
-        Command::Synth(args) => vrtspike::data::cli::run_synth(args),
-        Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),
+        Command::Info => cli::info::run(),
+        Command::Model(cmd) => cli::model::run(cmd),
+        Command::Profile(args) => cli::profile::run(args),
+        Command::Infer(args) => cli::infer::run(args),
+        Command::Train(args) => cli::train::run(args),
+        Command::Synth(args) => cli::synth::run(args),
+        Command::Inspect(args) => cli::inspect::run(args),
     }
 }

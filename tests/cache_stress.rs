@@ -7,8 +7,8 @@ use std::process::{Command, Stdio};
 
 use common::ServerProc;
 use vrtspike::bench::cache::{WorkerOptions, WorkerReport};
-use vrtspike::bench::record::FrameShape;
 use vrtspike::cache::store::slot_size_for;
+use vrtspike::testkit::record::FrameShape;
 
 #[test]
 fn no_torn_reads_under_concurrent_fill_and_eviction() {

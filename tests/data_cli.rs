@@ -4,9 +4,10 @@
 use std::process::Command;
 
 use vrtspike::config::Augment;
-use vrtspike::data::rng::SplitMix64;
-use vrtspike::data::sample::{build_sample, ClipRef, CropMode, DiskSource, SampleSpec};
-use vrtspike::data::{DatasetIndex, IndexOptions};
+use vrtspike::dataset::{DatasetIndex, IndexOptions};
+use vrtspike::pipeline::sample::{build_sample, ClipRef, CropMode, SampleSpec};
+use vrtspike::pipeline::DiskSource;
+use vrtspike::util::rng::SplitMix64;
 
 fn vrtspike(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_vrtspike"))

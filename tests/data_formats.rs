@@ -5,14 +5,15 @@
 use std::path::Path;
 
 use vrtspike::config::Augment;
-use vrtspike::data::dat;
-use vrtspike::data::index::Storage;
-use vrtspike::data::npy;
-use vrtspike::data::rng::SplitMix64;
-use vrtspike::data::sample::{build_sample, ClipRef, CropMode, DiskSource, SampleSpec};
-use vrtspike::data::synth::{self, SynthOptions};
-use vrtspike::data::voxel::{voxelize_region, SpikeRect, SpikeShape};
-use vrtspike::data::{DatasetIndex, IndexOptions, SpikePayload};
+use vrtspike::dataset::dat;
+use vrtspike::dataset::index::Storage;
+use vrtspike::dataset::npy;
+use vrtspike::dataset::voxel::{voxelize_region, SpikeRect, SpikeShape};
+use vrtspike::dataset::{DatasetIndex, IndexOptions, SpikePayload};
+use vrtspike::pipeline::sample::{build_sample, ClipRef, CropMode, SampleSpec};
+use vrtspike::pipeline::DiskSource;
+use vrtspike::synth::{self, SynthOptions};
+use vrtspike::util::rng::SplitMix64;
 
 fn options() -> SynthOptions {
     SynthOptions {

@@ -4,10 +4,10 @@
 use std::path::Path;
 
 use vrtspike::config::BlurDir;
-use vrtspike::data::dat;
-use vrtspike::data::image;
-use vrtspike::data::synth::{self, SynthOptions};
-use vrtspike::data::{DatasetIndex, IndexOptions, RecordView, SpikePayload};
+use vrtspike::dataset::dat;
+use vrtspike::dataset::image;
+use vrtspike::dataset::{DatasetIndex, IndexOptions, RecordView, SpikePayload};
+use vrtspike::synth::{self, SynthOptions};
 
 fn tiny(dir: &Path) -> SynthOptions {
     let options = SynthOptions {
@@ -22,7 +22,7 @@ fn tiny(dir: &Path) -> SynthOptions {
     options
 }
 
-fn open(dir: &Path, skip_bad: bool) -> Result<DatasetIndex, vrtspike::data::DataError> {
+fn open(dir: &Path, skip_bad: bool) -> Result<DatasetIndex, vrtspike::dataset::DataError> {
     DatasetIndex::open_folder(
         dir,
         "train",

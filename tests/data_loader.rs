@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use vrtspike::cache::{spawn_server, ServerConfig};
 use vrtspike::config::Augment;
-use vrtspike::data::loader::{Batch, Loader, LoaderOptions};
-use vrtspike::data::sample::{ClipIndex, CropMode, SampleSpec};
-use vrtspike::data::sampler::DistributedSampler;
-use vrtspike::data::synth::{self, SynthOptions};
-use vrtspike::data::{DatasetIndex, IndexOptions};
+use vrtspike::dataset::{DatasetIndex, IndexOptions};
+use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
+use vrtspike::pipeline::sample::{ClipIndex, CropMode, SampleSpec};
+use vrtspike::pipeline::sampler::DistributedSampler;
+use vrtspike::synth::{self, SynthOptions};
 
 fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
     let options = SynthOptions {

@@ -4,13 +4,14 @@
 use std::path::Path;
 
 use vrtspike::config::Augment;
-use vrtspike::data::dat;
-use vrtspike::data::image;
-use vrtspike::data::rng::SplitMix64;
-use vrtspike::data::sample::{build_sample, ClipIndex, ClipRef, CropMode, DiskSource, SampleSpec};
-use vrtspike::data::synth::{self, SynthOptions};
-use vrtspike::data::voxel::bin_steps;
-use vrtspike::data::{DatasetIndex, IndexOptions};
+use vrtspike::dataset::dat;
+use vrtspike::dataset::image;
+use vrtspike::dataset::voxel::bin_steps;
+use vrtspike::dataset::{DatasetIndex, IndexOptions};
+use vrtspike::pipeline::sample::{build_sample, ClipIndex, ClipRef, CropMode, SampleSpec};
+use vrtspike::pipeline::DiskSource;
+use vrtspike::synth::{self, SynthOptions};
+use vrtspike::util::rng::SplitMix64;
 
 fn tiny(dir: &Path) -> DatasetIndex {
     let options = SynthOptions {

@@ -8,9 +8,9 @@ use std::process::{Command, Output};
 use serde_json::Value;
 use tch::{nn, Device, Kind, Tensor};
 use vrtspike::config::Config;
-use vrtspike::data::image::read_png_rgb;
+use vrtspike::dataset::image::read_png_rgb;
+use vrtspike::eval::quality::psnr_u8;
 use vrtspike::model;
-use vrtspike::train::quality::psnr_u8;
 
 const FRAMES: usize = 8;
 const HEIGHT: u32 = 128;

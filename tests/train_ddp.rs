@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use vrtspike::cache::{spawn_server, ServerConfig};
-use vrtspike::data::synth::{self, SynthOptions};
+use vrtspike::synth::{self, SynthOptions};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use vrtspike::config::Config;
-use vrtspike::data::synth::{self, SynthOptions};
+use vrtspike::synth::{self, SynthOptions};
 use vrtspike::train::{train, RankEnv, TrainOptions};
 
 fn dataset(dir: &Path) {

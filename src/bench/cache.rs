@@ -12,10 +12,12 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
-use super::process::{spawn_cache_server, ChildGuard};
-use super::record::{check_rows, copy_crop, template, verify_record, write_record, FrameShape};
 use crate::cache::store::slot_size_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
+use crate::testkit::process::{spawn_cache_server, ChildGuard};
+use crate::testkit::record::{
+    check_rows, copy_crop, template, verify_record, write_record, FrameShape,
+};
 
 /// Errors of the benchmark driver and workers.
 #[derive(Debug, thiserror::Error)]

@@ -10,14 +10,34 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bench::process::ChildGuard;
 use crate::config::Augment;
+use crate::dataset::{DataError, DatasetIndex, IndexOptions};
+use crate::pipeline::loader::{Loader, LoaderOptions};
+use crate::pipeline::sample::{ClipIndex, CropMode, SampleSpec};
+use crate::pipeline::sampler::DistributedSampler;
+use crate::pipeline::PipelineError;
+use crate::testkit::process::{spawn_cache_server, ChildGuard};
 
-use super::error::{DataError, Result};
-use super::loader::{Loader, LoaderOptions};
-use super::sample::{ClipIndex, CropMode, SampleSpec};
-use super::sampler::DistributedSampler;
-use super::{DatasetIndex, IndexOptions};
+/// Why the loader benchmark failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderBenchError {
+    /// The dataset could not be opened.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// A loader failed.
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    /// A child process could not be run or failed.
+    #[error("{what}: {message}")]
+    Process {
+        /// Which process.
+        what: String,
+        /// What happened.
+        message: String,
+    },
+}
+
+type Result<T, E = LoaderBenchError> = std::result::Result<T, E>;
 
 /// What one loader process runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -145,8 +165,11 @@ pub struct LoaderBenchReport {
     pub epoch_s: Vec<Vec<f64>>,
 }
 
-fn process_error(what: String, e: impl std::fmt::Display) -> DataError {
-    DataError::Request(format!("{what}: {e}"))
+fn process_error(what: String, e: impl std::fmt::Display) -> LoaderBenchError {
+    LoaderBenchError::Process {
+        what,
+        message: e.to_string(),
+    }
 }
 
 /// Runs the benchmark: a cache server process (unless `cache_gb` is `None`) and
@@ -161,7 +184,7 @@ pub fn run(
     if let Some(gb) = cache_gb {
         let address = crate::cache::default_address(&format!("loaderbench-{}", std::process::id()));
         let cap = (gb * (1u64 << 30) as f64) as u64;
-        let (server, _client) = crate::bench::process::spawn_cache_server(exe, &address, cap, None)
+        let (server, _client) = spawn_cache_server(exe, &address, cap, None)
             .map_err(|e| process_error("cache server".into(), e))?;
         _server = Some(server);
         template.address = Some(address);
@@ -191,9 +214,7 @@ pub fn run(
             .wait()
             .map_err(|e| process_error(format!("waiting for rank {rank}"), e))?;
         if !status.success() {
-            return Err(DataError::Request(format!(
-                "loader rank {rank} failed ({status})"
-            )));
+            return Err(process_error(format!("loader rank {rank}"), status));
         }
         let report: LoaderWorkerReport = serde_json::from_str(out.trim())
             .map_err(|e| process_error(format!("rank {rank} report {out:?}"), e))?;

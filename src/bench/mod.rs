@@ -1,7 +1,8 @@
-//! Benchmarks and stress loads that `vrtspike bench` runs and the tests reuse:
-//! checksummed synthetic records and the cache benchmark's driver and workers.
+//! The benchmarks `vrtspike bench` runs (and the stress tests reuse): the cache
+//! benchmark's driver and workers ([`cache`]), the loader benchmark over ranks
+//! ([`loader`]) and their latency histogram. They sit on top of the library and
+//! `testkit`; no library layer imports them.
 
 pub mod cache;
 pub mod histogram;
-pub mod process;
-pub mod record;
+pub mod loader;

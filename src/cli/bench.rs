@@ -1,10 +1,14 @@
-//! `vrtspike bench cache`: the shared-memory cache benchmark (one JSON object with
-//! `--json`), and the hidden worker subcommand it runs in each worker process.
+//! `vrtspike bench cache` (the shared-memory cache benchmark) and `vrtspike bench
+//! loader` (loader processes against one cache server): one JSON object each with
+//! `--json`, and the hidden worker subcommands they run in their child processes.
+
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
 use vrtspike::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
+use vrtspike::bench::loader as loader_bench;
 use vrtspike::util::bytes::{human, parse_size};
 
 /// The benchmarks.
@@ -20,7 +24,7 @@ pub enum BenchCommand {
         options: String,
     },
     /// Loader processes (as ranks) against one cache server: samples/s, hit rate, data_time.
-    Loader(vrtspike::data::cli::LoaderBenchArgs),
+    Loader(LoaderBenchArgs),
     /// One rank of `bench loader` (run by it, not by hand).
     #[command(hide = true)]
     LoaderWorker {
@@ -72,8 +76,8 @@ pub struct CacheBenchArgs {
 /// Runs a benchmark subcommand.
 pub fn run(command: BenchCommand) -> Result<()> {
     match command {
-        BenchCommand::Loader(args) => vrtspike::data::cli::run_loader_bench(args),
-        BenchCommand::LoaderWorker { options } => vrtspike::data::cli::run_loader_worker(&options),
+        BenchCommand::Loader(args) => run_loader_bench(args),
+        BenchCommand::LoaderWorker { options } => run_loader_worker(&options),
         BenchCommand::Cache(args) => {
             let report = run_cache(&args)?;
             if args.json {
@@ -161,4 +165,91 @@ impl CacheBenchArgs {
             crop_reads: 500,
         }
     }
+}
+
+/// `vrtspike bench loader`: R loader processes against one cache server.
+#[derive(Debug, Args)]
+pub struct LoaderBenchArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Dataset root (folder layout or HDF5 sessions).
+    #[arg(long)]
+    pub root: PathBuf,
+    /// Split folder.
+    #[arg(long, default_value = "train")]
+    pub split: String,
+    /// Loader processes (ranks).
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// Loader threads per rank.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Batches queued ahead per worker.
+    #[arg(long, default_value_t = 2)]
+    pub prefetch: usize,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Epochs (the last one is reported).
+    #[arg(long, default_value_t = 2)]
+    pub epochs: u64,
+    /// Frames per clip.
+    #[arg(long, default_value_t = 6)]
+    pub clip: usize,
+    /// Square crop in RGB pixels.
+    #[arg(long, default_value_t = 256)]
+    pub crop: u32,
+    /// Voxel bins.
+    #[arg(long, default_value_t = 32)]
+    pub bins: u32,
+    /// Cache size in GiB.
+    #[arg(long, default_value_t = 2.0)]
+    pub cache_gb: f64,
+    /// Read from disk (no cache server).
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Runs `vrtspike bench loader`.
+pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
+    let template = loader_bench::LoaderWorkerOptions {
+        root: args.root.clone(),
+        split: args.split.clone(),
+        address: None,
+        rank: 0,
+        ranks: args.ranks,
+        workers: args.workers,
+        prefetch: args.prefetch,
+        batch: args.batch,
+        epochs: args.epochs,
+        clip: args.clip,
+        crop: args.crop,
+        bins: args.bins,
+        seed: args.seed,
+    };
+    let exe = std::env::current_exe().context("finding the vrtspike binary")?;
+    let cache = (!args.no_cache).then_some(args.cache_gb);
+    let report = loader_bench::run(&exe, &template, cache)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms",
+            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms
+        );
+    }
+    Ok(())
+}
+
+/// Runs one hidden `bench loader-worker` process.
+pub fn run_loader_worker(options: &str) -> Result<()> {
+    let o: loader_bench::LoaderWorkerOptions =
+        serde_json::from_str(options).context("parsing the loader worker's --options")?;
+    let report = loader_bench::run_worker(&o)?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
 }

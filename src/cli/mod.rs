@@ -1,16 +1,66 @@
-//! The `vrtspike` subcommands: argument types and the glue from them to the library.
+//! The `vrtspike` subcommands, one file each: argument types, the glue from them to
+//! the library, and printing. Library logic lives in the library; this folder only
+//! parses, calls and prints.
 
 pub mod bench;
 pub mod cache;
 pub mod demo;
+pub mod infer;
+pub mod info;
+pub mod inspect;
+pub mod model;
+pub mod profile;
+pub mod synth;
+pub mod train;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
+use tch::Device;
 
-/// `vrtspike info`: what this binary links and sees.
-pub fn info() -> Result<()> {
-    println!("vrtspike {}", env!("CARGO_PKG_VERSION"));
-    println!("libtorch cuda available: {}", tch::Cuda::is_available());
-    println!("cuda devices: {}", tch::Cuda::device_count());
-    println!("cpu threads: {}", tch::get_num_threads());
-    Ok(())
+/// Parses `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Ok(Device::Cuda(i)),
+            _ => bail!("--device {other:?}: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+/// 18320007 -> "18,320,007".
+pub fn group_digits(n: i64) -> String {
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    #[test]
+    fn digits_are_grouped() {
+        assert_eq!(group_digits(18_320_007), "18,320,007");
+        assert_eq!(group_digits(300), "300");
+        assert_eq!(group_digits(1000), "1,000");
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
+        assert_eq!(parse_device("cuda:1").unwrap(), Device::Cuda(1));
+        assert!(parse_device("gpu").is_err());
+    }
 }

@@ -6,9 +6,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::config::Config;
-
-use super::{train, RankEnv, TrainOptions};
+use vrtspike::config::Config;
+use vrtspike::train::{train, RankEnv, TrainOptions};
 
 /// `vrtspike train`: trains the model of a config on its dataset.
 #[derive(Debug, Args)]

@@ -1,5 +1,6 @@
-//! The data path's error type: every variant names the file (or key) at fault and
-//! what was wrong, so a bad input is never a bare I/O error or a panic.
+//! The dataset layer's error type: every variant names the file (or key) at fault
+//! and what was wrong, so a bad input is never a bare I/O error or a panic. It knows
+//! nothing of the cache or the loader (the pipeline's error wraps it).
 
 use std::path::PathBuf;
 
@@ -30,9 +31,6 @@ pub enum DataError {
         /// What is wrong with it.
         message: String,
     },
-    /// The node cache failed (connection, reservation, commit).
-    #[error("cache: {0}")]
-    Cache(#[from] crate::cache::CacheError),
     /// A request does not fit the data (crop out of bounds, unknown sequence, ...).
     #[error("{0}")]
     Request(String),
@@ -56,5 +54,5 @@ impl DataError {
     }
 }
 
-/// Result of the data path.
+/// Result of the dataset layer.
 pub type Result<T, E = DataError> = std::result::Result<T, E>;

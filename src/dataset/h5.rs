@@ -1,17 +1,17 @@
 //! HDF5 sessions (format page, section 5): one `<SEQ>.h5` per sequence holding
 //! `blur`/`sharp` (N,H,W,3) u8, `spike` (N,T,H_s,W_s/8) u8 and optional
 //! `frame_names`. Read lazily (the file stays open, each read fetches one frame's
-//! hyperslabs, chunk cache from `DATA.CHUNK_CACHE_MB`); written by `synth --h5`.
+//! hyperslabs, chunk cache from `DATA.CHUNK_CACHE_MB`); written by `synth::h5`.
 
 use std::path::{Path, PathBuf};
 
 use hdf5::types::VarLenUnicode;
 use hdf5::{Dataset, File};
-use ndarray::{s, ArrayView3, Ix3};
+use ndarray::{s, Ix3};
 
 use super::error::{DataError, Result};
+use super::frame_name;
 use super::record::{RecordLayout, SpikePayload};
-use super::synth::{frame_name, SyntheticSequence};
 
 /// Chunk-cache hash slots per dataset (a prime, as HDF5 recommends).
 const CHUNK_CACHE_SLOTS: usize = 521;
@@ -57,7 +57,8 @@ impl PartialEq for H5Session {
 
 impl Eq for H5Session {}
 
-fn h5_err(path: &Path, what: &str, err: hdf5::Error) -> DataError {
+/// An HDF5 failure on `path` while doing `what`, as a format error naming the file.
+pub fn h5_err(path: &Path, what: &str, err: hdf5::Error) -> DataError {
     DataError::format(path, format!("{what}: {err}"))
 }
 
@@ -268,74 +269,6 @@ impl H5Session {
             &mut record[layout.spike_range()],
         )
     }
-}
-
-/// Writes `seq` as an HDF5 session at `path`: one frame a chunk, rows top-down.
-pub fn write_session(path: &Path, seq: &SyntheticSequence) -> Result<()> {
-    let err = |what: &str, e: hdf5::Error| h5_err(path, what, e);
-    let (Some(first), Some(spikes0)) = (seq.blur.first(), seq.spikes.first()) else {
-        return Err(DataError::Request(format!(
-            "{}: sequence {} has no frame",
-            path.display(),
-            seq.name
-        )));
-    };
-    let n = seq.blur.len();
-    let (h, w) = (first.height as usize, first.width as usize);
-    let (t, hs, ws) = (
-        spikes0.steps as usize,
-        spikes0.height as usize,
-        spikes0.width as usize,
-    );
-    let file = File::create(path).map_err(|e| err("cannot create", e))?;
-    for (name, v) in [("spike_height", hs), ("spike_width", ws)] {
-        file.new_attr::<i64>()
-            .create(name)
-            .and_then(|a| a.write_scalar(&(v as i64)))
-            .map_err(|e| err(name, e))?;
-    }
-    let rgb = |name: &str| {
-        file.new_dataset::<u8>()
-            .chunk((1, h, w, 3))
-            .shape((n, h, w, 3))
-            .create(name)
-            .map_err(|e| err(name, e))
-    };
-    let (blur, sharp) = (rgb("blur")?, rgb("sharp")?);
-    let spike = file
-        .new_dataset::<u8>()
-        .chunk((1, t, hs, ws / 8))
-        .shape((n, t, hs, ws / 8))
-        .create("spike")
-        .map_err(|e| err("spike", e))?;
-    let shape_err = |e: ndarray::ShapeError| DataError::Request(format!("{}: {e}", path.display()));
-    for i in 0..n {
-        for (ds, name, image) in [
-            (&blur, "blur", &seq.blur[i]),
-            (&sharp, "sharp", &seq.sharp[i]),
-        ] {
-            let view = ArrayView3::from_shape((h, w, 3), &image.data).map_err(shape_err)?;
-            ds.write_slice(view, s![i, .., .., ..])
-                .map_err(|e| err(name, e))?;
-        }
-        let view =
-            ArrayView3::from_shape((t, hs, ws / 8), &seq.spikes[i].bits).map_err(shape_err)?;
-        spike
-            .write_slice(view, s![i, .., .., ..])
-            .map_err(|e| err("spike", e))?;
-    }
-    let names: Vec<VarLenUnicode> = (0..n as u32)
-        .map(|i| {
-            frame_name(i)
-                .parse()
-                .map_err(|_| DataError::Request("frame name".into()))
-        })
-        .collect::<Result<_>>()?;
-    file.new_dataset_builder()
-        .with_data(&names)
-        .create("frame_names")
-        .map_err(|e| err("frame_names", e))?;
-    Ok(())
 }
 
 /// `.h5` files directly under `split_dir`, sorted by name.

@@ -95,11 +95,6 @@ impl DatasetMeta {
             .map_err(|e| DataError::format(&path, format!("cannot serialise: {e}")))?;
         std::fs::write(&path, text).map_err(|e| DataError::io(&path, e))
     }
-
-    /// Bytes of one packed spike step (`H_s * W_s / 8`).
-    pub fn spike_step_bytes(&self) -> usize {
-        self.spike_height as usize * self.spike_width as usize / 8
-    }
 }
 
 #[cfg(test)]
@@ -121,7 +116,7 @@ mod tests {
         let m = DatasetMeta::parse("spike_height: 360\nspike_width: 640\n", Path::new("d.yaml"))
             .unwrap();
         assert!(m.spike_flipped);
-        assert_eq!(m.spike_step_bytes(), 28_800);
+        assert_eq!((m.spike_height, m.spike_width), (360, 640));
     }
 
     #[test]

@@ -10,14 +10,14 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use crate::data::image::{write_png_rgb, RgbImage};
-use crate::data::record::Rect;
-use crate::data::sample::{crop_voxels, DiskSource, RecordSource};
-use crate::data::voxel::SpikeRect;
-use crate::data::{DataError, DatasetIndex};
+use crate::dataset::image::{write_png_rgb, RgbImage};
+use crate::dataset::record::Rect;
+use crate::dataset::voxel::SpikeRect;
+use crate::dataset::{DataError, DatasetIndex};
 use crate::model::{ModelError, Restorer};
+use crate::pipeline::sample::crop_voxels;
+use crate::pipeline::{DiskSource, PipelineError, RecordSource};
 
-use super::checkpoint::{self, MODEL_FILE};
 use super::quality::{quantize_u8, QualitySums};
 use super::tiles::{tile_spans, tiled_forward};
 
@@ -43,6 +43,9 @@ pub enum InferError {
     /// Reading the dataset failed.
     #[error(transparent)]
     Data(#[from] DataError),
+    /// Reading a clip's records failed.
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -164,31 +167,6 @@ pub struct InferReport {
     pub sequences: Vec<SequenceQuality>,
     /// Overall: the mean of the sequences' means (VRT's protocol), `frames` summed.
     pub overall: SequenceQuality,
-}
-
-/// The weights file a `--checkpoint` names: a `.safetensors` file, a checkpoint
-/// directory (`model.safetensors` inside), or a run directory (its newest checkpoint).
-pub fn resolve_weights(path: &Path) -> Result<PathBuf, InferError> {
-    if path.is_file() {
-        return Ok(path.to_path_buf());
-    }
-    if !path.is_dir() {
-        return Err(input_err(path, "no such checkpoint file or directory"));
-    }
-    if path.join(MODEL_FILE).is_file() {
-        return Ok(path.join(MODEL_FILE));
-    }
-    let checkpoints = path.join("checkpoints");
-    match checkpoint::latest(&checkpoints) {
-        Some(dir) if dir.join(MODEL_FILE).is_file() => Ok(dir.join(MODEL_FILE)),
-        _ => Err(input_err(
-            path,
-            format!(
-                "neither a checkpoint directory (no {MODEL_FILE}) nor a run directory \
-                 (no complete checkpoint under checkpoints/)"
-            ),
-        )),
-    }
 }
 
 fn lcm(a: i64, b: i64) -> i64 {
@@ -431,33 +409,6 @@ mod tests {
             },
             "--tile-overlap",
         );
-    }
-
-    #[test]
-    fn checkpoint_paths_resolve_to_weights() {
-        let dir = tempfile::tempdir().unwrap();
-        let run = dir.path().join("run");
-        for step in [1u64, 20] {
-            let ckpt = run
-                .join("checkpoints")
-                .join(checkpoint::step_dir_name(step));
-            std::fs::create_dir_all(&ckpt).unwrap();
-            std::fs::write(ckpt.join(MODEL_FILE), b"").unwrap();
-            std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
-        }
-        let newest = run.join("checkpoints/step_00000020").join(MODEL_FILE);
-        assert_eq!(resolve_weights(&run).unwrap(), newest);
-        let step1 = run.join("checkpoints/step_00000001");
-        assert_eq!(resolve_weights(&step1).unwrap(), step1.join(MODEL_FILE));
-        assert_eq!(
-            resolve_weights(&step1.join(MODEL_FILE)).unwrap(),
-            step1.join(MODEL_FILE)
-        );
-        let missing = dir.path().join("nope");
-        let err = resolve_weights(&missing).unwrap_err().to_string();
-        assert!(err.contains(&missing.display().to_string()), "{err}");
-        let err = resolve_weights(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("no complete checkpoint"), "{err}");
     }
 
     #[test]

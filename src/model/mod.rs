@@ -1,12 +1,14 @@
 //! The restoration models: VRT (faithful to the reference, loading its weights) with an
 //! optional spike branch (`MODEL.ARCH: vrt_spike`), and a compact spike-fused U-Net
-//! (`unet_spike`) for CPU runs and tests, both behind the [`Restorer`] trait.
+//! (`unet_spike`) for CPU runs and tests, both behind the [`Restorer`] trait; their
+//! parameter summary and stage profiler. It imports `config` only (never the data
+//! layers, `eval` or `train`).
 
 pub mod attention;
-pub mod cli;
 pub mod deform;
 pub mod flow;
 pub mod layers;
+pub mod profile;
 pub mod spike;
 pub mod summary;
 pub mod unet;

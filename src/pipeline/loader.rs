@@ -12,15 +12,15 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::cache::{CacheClient, Lookup};
+use crate::cache::CacheClient;
 use crate::config::Workers;
+use crate::dataset::index::DatasetIndex;
+use crate::util::rng::SplitMix64;
 
-use super::error::{DataError, Result};
-use super::index::DatasetIndex;
-use super::record::RecordView;
-use super::rng::SplitMix64;
-use super::sample::{build_sample, ClipIndex, DiskSource, RecordSource, Sample, SampleSpec};
+use super::error::{PipelineError, Result};
+use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
+use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
 
 /// Loader threads of one rank: `TOTAL_WORKERS` (or 80% of the cores for `auto`)
 /// split evenly over the node's `local_world` ranks, at least one.
@@ -134,14 +134,14 @@ impl Batch {
         let first = self
             .samples
             .first()
-            .ok_or_else(|| DataError::Request("empty batch".into()))?;
+            .ok_or_else(|| PipelineError::Request("empty batch".into()))?;
         let (rgb, vox) = (first.rgb_shape(), first.voxel_shape());
         if self
             .samples
             .iter()
             .any(|s| s.rgb_shape() != rgb || s.voxel_shape() != vox)
         {
-            return Err(DataError::Request("batch mixes sample shapes".into()));
+            return Err(PipelineError::Request("batch mixes sample shapes".into()));
         }
         let b = self.samples.len() as i64;
         let stack =
@@ -157,7 +157,7 @@ impl Batch {
                     shape[2] as i64,
                     shape[3] as i64,
                 ];
-                let torch = |e: tch::TchError| DataError::Request(format!("libtorch: {e}"));
+                let torch = |e: tch::TchError| PipelineError::Request(format!("libtorch: {e}"));
                 let host = tch::Tensor::f_from_slice(&flat)
                     .and_then(|t| t.f_view(dims))
                     .map_err(torch)?;
@@ -200,8 +200,7 @@ pub struct LoaderStats {
 
 #[derive(Debug, Default)]
 struct SharedCounters {
-    hits: AtomicU64,
-    misses: AtomicU64,
+    reads: Arc<CacheCounters>,
     skipped: AtomicU64,
 }
 
@@ -214,41 +213,6 @@ struct Task {
 }
 
 type Done = (u64, Result<Batch>);
-
-/// Reads through the node cache with this worker's own connection.
-struct CacheSource {
-    client: CacheClient,
-    counters: Arc<SharedCounters>,
-}
-
-impl RecordSource for CacheSource {
-    fn with_record<R>(
-        &mut self,
-        index: &DatasetIndex,
-        seq: usize,
-        frame: usize,
-        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
-    ) -> Result<R> {
-        let key = index.record_key(seq, frame);
-        let lease = match self.client.get(&key)? {
-            Lookup::Hit(lease) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                lease
-            }
-            Lookup::Miss(mut ticket) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                let len = index.record_layout(seq, frame).byte_len();
-                ticket.reserve(len as u64)?;
-                if let Err(err) = index.encode_into(seq, frame, ticket.slot_mut()?) {
-                    ticket.abort()?;
-                    return Err(err);
-                }
-                ticket.commit()?
-            }
-        };
-        read(RecordView::parse(&lease, &key)?)
-    }
-}
 
 /// One rank's loader.
 pub struct Loader {
@@ -301,7 +265,7 @@ fn worker_loop<S: RecordSource>(
                         samples.push(s);
                         break;
                     }
-                    Err(err @ DataError::Cache(_)) => {
+                    Err(err @ PipelineError::Cache(_)) => {
                         failure = Some(err);
                         break;
                     }
@@ -344,12 +308,12 @@ impl Loader {
         options: LoaderOptions,
     ) -> Result<Loader> {
         if options.workers == 0 || options.batch_size == 0 || options.prefetch_batches == 0 {
-            return Err(DataError::Request(
+            return Err(PipelineError::Request(
                 "loader needs at least one worker, batch size 1 and prefetch 1".into(),
             ));
         }
         if clips.clips.is_empty() {
-            return Err(DataError::Request(format!(
+            return Err(PipelineError::Request(format!(
                 "no clip of {} frames in {}",
                 clips.len,
                 index.root.join(&index.split).display()
@@ -378,10 +342,7 @@ impl Loader {
                     ) {
                         Ok(client) => {
                             let _ = ready.send(Ok(()));
-                            let source = CacheSource {
-                                client,
-                                counters: counters.clone(),
-                            };
+                            let source = CacheSource::new(client, counters.reads.clone());
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
                         Err(err) => {
@@ -401,7 +362,7 @@ impl Loader {
                         );
                     }
                 })
-                .map_err(|e| DataError::Request(format!("cannot start loader thread: {e}")))?;
+                .map_err(|e| PipelineError::Request(format!("cannot start loader thread: {e}")))?;
             threads.push(handle);
         }
         let mut loader = Loader {
@@ -422,7 +383,7 @@ impl Loader {
             match ready_rx.recv_timeout(Duration::from_secs(60)) {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => return Err(err),
-                Err(_) => return Err(DataError::Request("loader worker did not start".into())),
+                Err(_) => return Err(PipelineError::Request("loader worker did not start".into())),
             }
         }
         loader.consumed_position = loader.sampler.position();
@@ -525,7 +486,7 @@ impl Loader {
                 Ok((seq_no, result)) => {
                     self.ready.insert(seq_no, result);
                 }
-                Err(_) => break Err(DataError::Request("loader workers stopped".into())),
+                Err(_) => break Err(PipelineError::Request("loader workers stopped".into())),
             }
         };
         self.next_to_yield += 1;
@@ -547,8 +508,8 @@ impl Loader {
     /// Figures since the loader started.
     pub fn stats(&self) -> LoaderStats {
         let mut stats = self.stats;
-        stats.cache_hits = self.counters.hits.load(Ordering::Relaxed);
-        stats.cache_misses = self.counters.misses.load(Ordering::Relaxed);
+        stats.cache_hits = self.counters.reads.hits.load(Ordering::Relaxed);
+        stats.cache_misses = self.counters.reads.misses.load(Ordering::Relaxed);
         stats.skipped = self.counters.skipped.load(Ordering::Relaxed);
         let reads = stats.cache_hits + stats.cache_misses;
         stats.hit_rate = if reads > 0 {

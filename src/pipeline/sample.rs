@@ -4,13 +4,14 @@
 //! through a [`RecordSource`] (the node cache, or the disk directly).
 
 use crate::config::Augment;
+use crate::dataset::index::{crop_alignment, DatasetIndex};
+use crate::dataset::record::{RecordView, Rect, SpikePayload};
+use crate::dataset::voxel::{self, SpikeRect, SpikeShape};
+use crate::util::rng::SplitMix64;
 
-use super::error::{DataError, Result};
-use super::index::{crop_alignment, DatasetIndex};
-use super::record::{RecordView, Rect, SpikePayload};
-use super::rng::SplitMix64;
+use super::error::{PipelineError, Result};
+use super::source::RecordSource;
 use super::transform::Dihedral;
-use super::voxel::{self, SpikeRect, SpikeShape};
 
 /// A clip: frames `start .. start + len` of sequence `seq`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,43 +137,6 @@ impl Sample {
     }
 }
 
-/// Gives access to the compact record of a frame: from the node cache (zero-copy
-/// lease) or decoded from disk.
-pub trait RecordSource {
-    /// Calls `read` with the record of frame `frame` of sequence `seq`.
-    fn with_record<R>(
-        &mut self,
-        index: &DatasetIndex,
-        seq: usize,
-        frame: usize,
-        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
-    ) -> Result<R>;
-}
-
-/// Reads every record from disk into one reused buffer (`DATA.USE_RAM_CACHE: false`).
-#[derive(Debug, Default)]
-pub struct DiskSource {
-    buffer: Vec<u8>,
-}
-
-impl RecordSource for DiskSource {
-    fn with_record<R>(
-        &mut self,
-        index: &DatasetIndex,
-        seq: usize,
-        frame: usize,
-        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
-    ) -> Result<R> {
-        let len = index.record_layout(seq, frame).byte_len();
-        self.buffer.resize(len, 0);
-        index.encode_into(seq, frame, &mut self.buffer)?;
-        read(RecordView::parse(
-            &self.buffer,
-            &index.record_key(seq, frame),
-        )?)
-    }
-}
-
 /// The crop of a sample in RGB pixels and the matching spike region.
 pub fn choose_crop(
     mode: CropMode,
@@ -183,12 +147,12 @@ pub fn choose_crop(
     let (step_y, step_x) = crop_alignment(height, width, spike_h, spike_w);
     let pick = |size: u32, extent: u32, step: u32, key: &str| -> Result<u32> {
         if size > extent {
-            return Err(DataError::Request(format!(
+            return Err(PipelineError::Request(format!(
                 "{key} = {size} is larger than the {height}x{width} frames"
             )));
         }
         if size % step != 0 {
-            return Err(DataError::Request(format!(
+            return Err(PipelineError::Request(format!(
                 "{key} = {size} is not a multiple of {step}, the RGB step that lines up with the {spike_h}x{spike_w} spike grid"
             )));
         }
@@ -235,7 +199,7 @@ pub fn choose_crop(
             let aligned =
                 y % step_y == 0 && x % step_x == 0 && size % step_y == 0 && size % step_x == 0;
             if !fixed.fits(height, width) || !aligned {
-                return Err(DataError::Request(format!(
+                return Err(PipelineError::Request(format!(
                     "crop {y},{x},{size} must lie inside the {height}x{width} frame with y, x and size multiples of {step_y}x{step_x} (the spike grid is {spike_h}x{spike_w})"
                 )));
             }
@@ -264,9 +228,9 @@ pub fn build_sample<S: RecordSource>(
     let seq = index
         .sequences
         .get(clip.seq)
-        .ok_or_else(|| DataError::Request(format!("clip {clip:?}: no such sequence")))?;
+        .ok_or_else(|| PipelineError::Request(format!("clip {clip:?}: no such sequence")))?;
     if clip.start + clip_len > seq.frames.len() {
-        return Err(DataError::Request(format!(
+        return Err(PipelineError::Request(format!(
             "clip of {clip_len} frames from {} runs past the {} frames of {}",
             clip.start,
             seq.frames.len(),
@@ -337,18 +301,24 @@ pub fn crop_voxels(
                 width: layout.spike_width,
                 steps,
             };
-            voxel::voxelize_region(view.spike(), shape, bins, region, dst)
+            Ok(voxel::voxelize_region(
+                view.spike(),
+                shape,
+                bins,
+                region,
+                dst,
+            )?)
         }
         SpikePayload::VoxelF16 { bins: stored } => {
             if stored != bins {
-                return Err(DataError::Request(format!(
+                return Err(PipelineError::Request(format!(
                     "stored voxel grids have {stored} bins but DATA.SPIKE_BINS is {bins}"
                 )));
             }
             let (vh, vw) = (layout.spike_height as usize, layout.spike_width as usize);
             if region.y + region.h > layout.spike_height || region.x + region.w > layout.spike_width
             {
-                return Err(DataError::Request(format!(
+                return Err(PipelineError::Request(format!(
                     "voxel region {region:?} outside {vh}x{vw} stored voxels"
                 )));
             }

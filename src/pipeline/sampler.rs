@@ -5,8 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::error::{DataError, Result};
-use super::rng::SplitMix64;
+use crate::util::rng::SplitMix64;
+
+use super::error::{PipelineError, Result};
 
 /// The saveable state of a [`DistributedSampler`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,12 +51,12 @@ impl DistributedSampler {
         drop_last: bool,
     ) -> Result<Self> {
         if world == 0 || rank >= world {
-            return Err(DataError::Request(format!(
+            return Err(PipelineError::Request(format!(
                 "sampler: rank {rank} of a world of {world}"
             )));
         }
         if len == 0 {
-            return Err(DataError::Request(
+            return Err(PipelineError::Request(
                 "sampler: the dataset has no sample".into(),
             ));
         }
@@ -154,14 +155,14 @@ impl DistributedSampler {
         ];
         for (what, saved, now) in checks {
             if saved != now {
-                return Err(DataError::Request(format!(
+                return Err(PipelineError::Request(format!(
                     "sampler state saved with {what} {saved}, but this run has {now}"
                 )));
             }
         }
         self.set_epoch(state.epoch);
         if state.position > self.order.len() {
-            return Err(DataError::Request(format!(
+            return Err(PipelineError::Request(format!(
                 "sampler state position {} past the {} samples of an epoch",
                 state.position,
                 self.order.len()

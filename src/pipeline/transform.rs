@@ -3,8 +3,7 @@
 //! the two resolutions stay aligned.
 
 use crate::config::Augment;
-
-use super::rng::SplitMix64;
+use crate::util::rng::SplitMix64;
 
 /// `out = flip(transpose?(in))`: transpose first, then flip rows and/or columns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,18 +1,25 @@
 //! The synthetic GoPro-Spike generator (format page, section 3): periodic textured
 //! scenes moving at sub-frame rate, blur = mean of N in {7, 11, 13} sub-frames,
 //! sharp = the middle one, integrate-and-fire spikes at half resolution with 8
-//! steps a sub-frame. Deterministic for a seed; writes the folder layout.
+//! steps a sub-frame. Deterministic for a seed; written as the folder layout
+//! ([`folder`]) or as HDF5 sessions ([`h5`]). Sits on `dataset` (its formats and
+//! error) and `util`; nothing below it imports it.
+
+pub mod folder;
+pub mod h5;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::dat::{self, SpikeStream};
-use super::error::{DataError, Result};
-use super::image::{self, RgbImage};
-use super::meta::DatasetMeta;
-use super::rng::SplitMix64;
+use crate::dataset::dat::SpikeStream;
+use crate::dataset::error::{DataError, Result};
+use crate::dataset::image::RgbImage;
+use crate::dataset::meta::DatasetMeta;
+use crate::util::rng::SplitMix64;
+
+pub use folder::write_sequence_folder;
 
 /// Spike steps per sharp sub-frame.
 pub const STEPS_PER_SUBFRAME: u32 = 8;
@@ -295,36 +302,6 @@ pub fn generate_sequence(
     seq
 }
 
-/// Frame file stem of frame `i` (GoPro-style six digits).
-pub fn frame_name(i: u32) -> String {
-    format!("{:06}", i + 1)
-}
-
-/// Writes one sequence in the folder layout under `<split_dir>/<name>/`.
-pub fn write_sequence_folder(
-    split_dir: &Path,
-    seq: &SyntheticSequence,
-    flipped: bool,
-) -> Result<()> {
-    let dir = split_dir.join(&seq.name);
-    for sub in ["blur", "sharp", "spike"] {
-        let d = dir.join(sub);
-        std::fs::create_dir_all(&d).map_err(|e| DataError::io(&d, e))?;
-    }
-    for (i, ((blur, sharp), spikes)) in seq.blur.iter().zip(&seq.sharp).zip(&seq.spikes).enumerate()
-    {
-        let stem = frame_name(i as u32);
-        image::write_png_rgb(&dir.join("blur").join(format!("{stem}.png")), blur)?;
-        image::write_png_rgb(&dir.join("sharp").join(format!("{stem}.png")), sharp)?;
-        dat::write_dat(
-            &dir.join("spike").join(format!("{stem}.dat")),
-            spikes,
-            flipped,
-        )?;
-    }
-    Ok(())
-}
-
 /// The sequences to generate: (split, name, seed), in a fixed order.
 pub fn plan(options: &SynthOptions) -> Vec<(&'static str, String, u64)> {
     let mut out = Vec::new();
@@ -381,7 +358,7 @@ fn generate(
         let split_dir = out.join(split);
         if h5 {
             std::fs::create_dir_all(&split_dir).map_err(|e| DataError::io(&split_dir, e))?;
-            super::h5::write_session(&split_dir.join(format!("{name}.h5")), &seq)?;
+            h5::write_session(&split_dir.join(format!("{name}.h5")), &seq)?;
         } else {
             write_sequence_folder(&split_dir, &seq, true)?;
         }

@@ -1,5 +1,6 @@
-//! Child processes of the benchmarks: a guard that kills a child when dropped, and
-//! a cache server started from the `vrtspike` binary and waited for until it accepts.
+//! Child processes of the tests and benchmarks: a guard that kills a child when
+//! dropped, and a cache server started from the `vrtspike` binary and waited for
+//! until it accepts.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -21,7 +22,7 @@ impl Drop for ChildGuard {
 pub fn wait_for_server(address: &str, timeout: Duration) -> Result<CacheClient, CacheError> {
     let started = Instant::now();
     loop {
-        match CacheClient::connect(address, "bench-driver") {
+        match CacheClient::connect(address, "testkit") {
             Ok(client) => return Ok(client),
             Err(CacheError::Connect { .. }) if started.elapsed() < timeout => {
                 std::thread::sleep(Duration::from_millis(20));
@@ -42,9 +43,42 @@ pub enum ServerStartError {
         /// Why it did not run.
         source: std::io::Error,
     },
+    /// It exited before it accepted a connection.
+    #[error("the cache server at {address} exited before accepting: {status}")]
+    Exited {
+        /// Its address.
+        address: String,
+        /// How it ended.
+        status: std::process::ExitStatus,
+    },
     /// It ran but never accepted.
     #[error(transparent)]
     Cache(#[from] CacheError),
+}
+
+/// Waits until the server `child` accepts at `address`, failing at once if the
+/// child exits first; returns a connection to it.
+pub fn wait_for_child_server(
+    child: &mut Child,
+    address: &str,
+    timeout: Duration,
+) -> Result<CacheClient, ServerStartError> {
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(ServerStartError::Exited {
+                address: address.to_owned(),
+                status,
+            });
+        }
+        match CacheClient::connect(address, "testkit") {
+            Ok(client) => return Ok(client),
+            Err(CacheError::Connect { .. }) if started.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Starts `exe cache serve` at `address` with a store of `cap_bytes` (and one slot
@@ -70,7 +104,7 @@ pub fn spawn_cache_server(
                 exe: exe.display().to_string(),
                 source,
             })?;
-    let guard = ChildGuard(child);
-    let client = wait_for_server(address, Duration::from_secs(60))?;
+    let mut guard = ChildGuard(child);
+    let client = wait_for_child_server(&mut guard.0, address, Duration::from_secs(60))?;
     Ok((guard, client))
 }

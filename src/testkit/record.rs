@@ -18,13 +18,6 @@ pub struct FrameShape {
 }
 
 impl FrameShape {
-    /// A 720 x 1280 RGB u8 frame, as GoPro's.
-    pub const GOPRO: FrameShape = FrameShape {
-        height: 720,
-        width: 1280,
-        channels: 3,
-    };
-
     /// Bytes in one row.
     pub fn row_bytes(&self) -> usize {
         self.width * self.channels

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 
-use crate::data::sampler::SamplerState;
+use crate::pipeline::sampler::SamplerState;
 
 use super::amp::GradScaler;
 use super::optim::AdamW;

@@ -5,18 +5,15 @@
 
 pub mod amp;
 pub mod checkpoint;
-pub mod cli;
 pub mod env;
-pub mod infer;
 pub mod loss;
 pub mod metrics;
 pub mod monitor;
 pub mod optim;
 pub mod preempt;
-pub mod quality;
+pub mod resolve;
 pub mod schedule;
 pub mod step;
-pub mod tiles;
 pub mod trainer;
 pub mod validate;
 
@@ -44,9 +41,12 @@ pub enum TrainError {
         /// What was wrong.
         message: String,
     },
-    /// The data path failed (the file at fault named).
+    /// The dataset failed (the file at fault named).
     #[error(transparent)]
-    Data(#[from] crate::data::DataError),
+    Data(#[from] crate::dataset::DataError),
+    /// The input pipeline failed (a record source, the sampler or the loader).
+    #[error(transparent)]
+    Pipeline(#[from] crate::pipeline::PipelineError),
     /// A collective or the process group failed (the rank named).
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),

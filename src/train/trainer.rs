@@ -12,11 +12,12 @@ use serde_json::{json, Value};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{Config, DistBackend};
-use crate::data::loader::{Batch, Loader, LoaderOptions};
-use crate::data::sample::ClipIndex;
-use crate::data::sampler::DistributedSampler;
-use crate::data::{DataError, DatasetIndex, IndexOptions};
+use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 use crate::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup, ReduceOp};
+use crate::eval::quality::QualitySums;
+use crate::pipeline::loader::{Batch, Loader, LoaderOptions};
+use crate::pipeline::sample::ClipIndex;
+use crate::pipeline::sampler::DistributedSampler;
 
 use super::amp::{AmpMode, GradScaler};
 use super::checkpoint::{self, TrainState};
@@ -26,7 +27,6 @@ use super::metrics::MetricsSink;
 use super::monitor::MemoryMonitor;
 use super::optim::AdamW;
 use super::preempt;
-use super::quality::QualitySums;
 use super::schedule::CosineSchedule;
 use super::step::{apply_update, StepResult};
 use super::validate::Validator;

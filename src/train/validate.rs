@@ -8,16 +8,16 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::Config;
-use crate::data::loader::{Loader, LoaderOptions};
-use crate::data::sample::{ClipIndex, CropMode};
-use crate::data::sampler::DistributedSampler;
-use crate::data::DatasetIndex;
+use crate::dataset::DatasetIndex;
+use crate::eval::quality::QualitySums;
+use crate::eval::tiles::tiled_forward;
 use crate::model::Restorer;
+use crate::pipeline::loader::{Loader, LoaderOptions};
+use crate::pipeline::sample::{ClipIndex, CropMode};
+use crate::pipeline::sampler::DistributedSampler;
 
 use super::amp::AmpMode;
 use super::env::RankEnv;
-use super::quality::QualitySums;
-use super::tiles::tiled_forward;
 use super::TrainError;
 
 /// Alignment of tile starts in RGB pixels (a multiple of the spike ratio and of the

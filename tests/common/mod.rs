@@ -1,5 +1,6 @@
-//! Helpers of the multi-process cache tests: a cache server in its own process,
-//! unique addresses, the machine's shared memory, and waiting with a deadline.
+//! Helpers of the multi-process cache tests: a cache server in its own process
+//! (started and waited for through `vrtspike::testkit`), unique addresses, the
+//! machine's shared memory, and waiting with a deadline.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
@@ -7,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vrtspike::cache::CacheClient;
+use vrtspike::testkit::process::wait_for_child_server;
 
 /// The `vrtspike` binary under test.
 pub fn exe() -> &'static str {
@@ -40,22 +42,12 @@ impl ServerProc {
             .spawn()
             .expect("spawn cache server");
         let mut server = ServerProc { child, address };
-        server.wait_ready();
-        server
-    }
-
-    fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("cache server exited early: {status}");
-            }
-            if CacheClient::connect(&self.address, "probe").is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if let Err(e) =
+            wait_for_child_server(&mut server.child, &server.address, Duration::from_secs(30))
+        {
+            panic!("cache server: {e}");
         }
-        panic!("cache server at {} never accepted", self.address);
+        server
     }
 
     /// A new client connection.

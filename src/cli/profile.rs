@@ -1,0 +1,101 @@
+//! `vrtspike profile`: forward/backward time per stage, parameters and memory of a
+//! model config (the timing is `vrtspike::model::profile`), as a table or JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use vrtspike::model::profile::{profile, ProfileOptions};
+
+use super::model::load_model_config;
+use super::{group_digits, parse_device};
+
+/// `vrtspike profile`
+#[derive(Debug, Args)]
+pub struct ProfileArgs {
+    /// Run config (its `MODEL` section is used).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Clips per batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: i64,
+    /// Frames per clip.
+    #[arg(long, default_value_t = 6)]
+    pub frames: i64,
+    /// Square crop side in RGB pixels.
+    #[arg(long, default_value_t = 256)]
+    pub size: i64,
+    /// Spike voxel side over the RGB side (GoPro-Spike: 0.5).
+    #[arg(long, default_value_t = 0.5)]
+    pub spike_scale: f64,
+    /// Timed iterations (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub iters: usize,
+    /// Forward only (no backward pass).
+    #[arg(long)]
+    pub no_backward: bool,
+    /// Run in bfloat16 (weights and inputs cast; the trainer's AMP is close to this).
+    #[arg(long)]
+    pub bf16: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `vrtspike profile`.
+pub fn run(args: ProfileArgs) -> Result<()> {
+    let device = parse_device(&args.device)?;
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let cfg = load_model_config(&args.config)?;
+    let options = ProfileOptions {
+        batch: args.batch,
+        frames: args.frames,
+        size: args.size,
+        spike_scale: args.spike_scale,
+        iters: args.iters,
+        backward: !args.no_backward,
+        bf16: args.bf16,
+    };
+    let profile = profile(&cfg, device, &options)
+        .with_context(|| format!("profiling the model of {}", args.config.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&profile)?);
+        return Ok(());
+    }
+    println!(
+        "{} on {} input {:?} {}: forward {:.1} ms{}",
+        profile.arch,
+        profile.device,
+        profile.input,
+        profile.dtype,
+        profile.forward_ms,
+        profile
+            .backward_ms
+            .map(|b| format!(", backward {b:.1} ms"))
+            .unwrap_or_default()
+    );
+    println!(
+        "{:<16} {:>12} {:>8} {:>14}",
+        "part", "forward ms", "share", "parameters"
+    );
+    for row in &profile.parts {
+        println!(
+            "{:<16} {:>12.2} {:>7.1}% {:>14}",
+            row.part,
+            row.forward_ms,
+            100.0 * row.share,
+            group_digits(row.params)
+        );
+    }
+    println!("total parameters: {}", group_digits(profile.total_params));
+    if let Some(rss) = profile.peak_rss_bytes {
+        println!("peak RSS: {:.1} MiB", rss as f64 / (1 << 20) as f64);
+    }
+    Ok(())
+}

@@ -1,0 +1,223 @@
+//! Forward/backward time per stage of a model on random input: one warm-up
+//! iteration, then the mean over timed ones of each part's forward time (marked by
+//! [`Restorer::forward_marked`]), the backward pass, parameters per part and the
+//! process's peak RSS on CPU. `vrtspike profile` prints it.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::{nn, Device, Kind, Tensor};
+
+use super::{build, summarize, ModelError, Restorer};
+use crate::config::ModelConfig;
+
+/// What to profile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileOptions {
+    /// Clips per batch.
+    pub batch: i64,
+    /// Frames per clip.
+    pub frames: i64,
+    /// Square crop side in RGB pixels.
+    pub size: i64,
+    /// Spike voxel side over the RGB side (GoPro-Spike: 0.5).
+    pub spike_scale: f64,
+    /// Timed iterations (after one warm-up); at least 1.
+    pub iters: usize,
+    /// Time the backward pass too.
+    pub backward: bool,
+    /// Run in bfloat16 (weights and inputs cast).
+    pub bf16: bool,
+}
+
+/// One part of the model in a profile.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProfileRow {
+    /// The part's name (a parameter prefix).
+    pub part: String,
+    /// Mean forward time, ms.
+    pub forward_ms: f64,
+    /// Share of the whole forward time.
+    pub share: f64,
+    /// Parameters of the part.
+    pub params: i64,
+}
+
+/// The whole profile.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Profile {
+    /// `MODEL.ARCH`.
+    pub arch: String,
+    /// The device, as `cpu` or `cuda:N`.
+    pub device: String,
+    /// Input shape (N, D, C, H, W).
+    pub input: Vec<i64>,
+    /// Element kind of weights and inputs.
+    pub dtype: String,
+    /// Forward time per part, in forward order.
+    pub parts: Vec<ProfileRow>,
+    /// Mean forward time, ms.
+    pub forward_ms: f64,
+    /// Mean backward time, ms (when timed).
+    pub backward_ms: Option<f64>,
+    /// Parameters in all.
+    pub total_params: i64,
+    /// Peak resident memory of this process (CPU runs), bytes.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Peak resident set size of this process, from getrusage.
+fn peak_rss() -> Option<u64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a plain-data struct into memory we own and sized for it.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: getrusage returned 0, so it initialised the struct.
+    let usage = unsafe { usage.assume_init() };
+    Some(usage.ru_maxrss as u64 * 1024)
+}
+
+/// Summed times of the timed iterations.
+#[derive(Debug, Default)]
+struct Timings {
+    order: Vec<String>,
+    part_ms: Vec<f64>,
+    forward_ms: f64,
+    backward_ms: f64,
+}
+
+/// One iteration: the forward pass with its marks, then the backward pass.
+fn iterate(
+    net: &dyn Restorer,
+    vs: &nn::VarStore,
+    (x, voxels): (&Tensor, Option<&Tensor>),
+    device: Device,
+    backward: bool,
+) -> Result<(Vec<(String, f64)>, f64, f64), ModelError> {
+    sync(device);
+    let start = Instant::now();
+    let mut last = start;
+    let mut marks: Vec<(String, f64)> = Vec::new();
+    let mut mark = |name: &str| {
+        sync(device);
+        let now = Instant::now();
+        marks.push((name.to_string(), (now - last).as_secs_f64() * 1e3));
+        last = now;
+    };
+    let run = |mark: &mut dyn FnMut(&str)| net.forward_marked(x, voxels, backward, mark);
+    let out = if backward {
+        run(&mut mark)
+    } else {
+        tch::no_grad(|| run(&mut mark))
+    }?;
+    let forward_ms = start.elapsed().as_secs_f64() * 1e3;
+    let back_start = Instant::now();
+    if backward {
+        out.to_kind(Kind::Float)
+            .square()
+            .mean(Kind::Float)
+            .backward();
+        sync(device);
+        vs.trainable_variables().iter().for_each(|t| {
+            let mut g = t.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        });
+    }
+    let backward_ms = back_start.elapsed().as_secs_f64() * 1e3;
+    Ok((marks, forward_ms, backward_ms))
+}
+
+/// Profiles the model `cfg` describes on `device` with random input.
+pub fn profile(
+    cfg: &ModelConfig,
+    device: Device,
+    options: &ProfileOptions,
+) -> Result<Profile, ModelError> {
+    if options.iters == 0 {
+        return Err(ModelError::Config(
+            "a profile needs at least one timed iteration".into(),
+        ));
+    }
+    let mut vs = nn::VarStore::new(device);
+    let net = build(&vs.root(), cfg)?;
+    let kind = if options.bf16 {
+        Kind::BFloat16
+    } else {
+        Kind::Float
+    };
+    if options.bf16 {
+        vs.bfloat16();
+    }
+    let summary = summarize(&vs, net.arch(), &net.parts());
+    let (n, d, side) = (options.batch, options.frames, options.size);
+    let x = Tensor::rand([n, d, cfg.in_chans, side, side], (kind, device));
+    let spike_side = ((side as f64 * options.spike_scale) as i64 / 8 * 8).max(8);
+    let voxels = net.uses_voxels().then(|| {
+        let shape = [n, d, cfg.spike.voxel_bins, spike_side, spike_side];
+        Tensor::rand(shape, (kind, device))
+    });
+    let mut t = Timings::default();
+    for iter in 0..=options.iters {
+        let input = (&x, voxels.as_ref());
+        let (marks, forward_ms, backward_ms) =
+            iterate(net.as_ref(), &vs, input, device, options.backward)?;
+        if iter == 0 {
+            continue;
+        }
+        if t.order.is_empty() {
+            t.order = marks.iter().map(|(n, _)| n.clone()).collect();
+            t.part_ms = vec![0.0; t.order.len()];
+        }
+        for (total, (_, ms)) in t.part_ms.iter_mut().zip(&marks) {
+            *total += ms;
+        }
+        t.forward_ms += forward_ms;
+        t.backward_ms += backward_ms;
+    }
+    let iters = options.iters as f64;
+    let forward_ms = t.forward_ms / iters;
+    let parts = t
+        .order
+        .iter()
+        .zip(&t.part_ms)
+        .map(|(name, total)| ProfileRow {
+            part: name.clone(),
+            forward_ms: total / iters,
+            share: total / iters / forward_ms.max(1e-9),
+            params: summary
+                .parts
+                .iter()
+                .filter(|p| &p.prefix == name)
+                .map(|p| p.params)
+                .sum(),
+        })
+        .collect();
+    Ok(Profile {
+        arch: summary.arch.clone(),
+        device: match device {
+            Device::Cuda(i) => format!("cuda:{i}"),
+            _ => "cpu".into(),
+        },
+        input: x.size(),
+        dtype: format!("{kind:?}"),
+        parts,
+        forward_ms,
+        backward_ms: options.backward.then_some(t.backward_ms / iters),
+        total_params: summary.total_params,
+        peak_rss_bytes: if device == Device::Cpu {
+            peak_rss()
+        } else {
+            None
+        },
+    })
+}

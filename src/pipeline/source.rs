@@ -1,0 +1,101 @@
+//! Where a sample's records come from: the [`RecordSource`] interface, the disk
+//! ([`DiskSource`], `DATA.USE_RAM_CACHE: false`) and the node cache
+//! ([`CacheSource`]: a hit is a zero-copy lease, a miss is filled by decoding the
+//! frame straight into the reserved slot).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::cache::{CacheClient, Lookup};
+use crate::dataset::index::DatasetIndex;
+use crate::dataset::record::RecordView;
+
+use super::error::Result;
+
+/// Gives access to the compact record of a frame: from the node cache (zero-copy
+/// lease) or decoded from disk.
+pub trait RecordSource {
+    /// Calls `read` with the record of frame `frame` of sequence `seq`.
+    fn with_record<R>(
+        &mut self,
+        index: &DatasetIndex,
+        seq: usize,
+        frame: usize,
+        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+    ) -> Result<R>;
+}
+
+/// Reads every record from disk into one reused buffer (`DATA.USE_RAM_CACHE: false`).
+#[derive(Debug, Default)]
+pub struct DiskSource {
+    buffer: Vec<u8>,
+}
+
+impl RecordSource for DiskSource {
+    fn with_record<R>(
+        &mut self,
+        index: &DatasetIndex,
+        seq: usize,
+        frame: usize,
+        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let len = index.record_layout(seq, frame).byte_len();
+        self.buffer.resize(len, 0);
+        index.encode_into(seq, frame, &mut self.buffer)?;
+        read(RecordView::parse(
+            &self.buffer,
+            &index.record_key(seq, frame),
+        )?)
+    }
+}
+
+/// Hits and misses of the cache reads of one loader (all its workers).
+#[derive(Debug, Default)]
+pub struct CacheCounters {
+    /// Records found in the cache.
+    pub hits: AtomicU64,
+    /// Records decoded from disk into the cache.
+    pub misses: AtomicU64,
+}
+
+/// Reads through the node cache with one worker's own connection.
+pub struct CacheSource {
+    client: CacheClient,
+    counters: Arc<CacheCounters>,
+}
+
+impl CacheSource {
+    /// A source over `client`, counting its hits and misses in `counters`.
+    pub fn new(client: CacheClient, counters: Arc<CacheCounters>) -> CacheSource {
+        CacheSource { client, counters }
+    }
+}
+
+impl RecordSource for CacheSource {
+    fn with_record<R>(
+        &mut self,
+        index: &DatasetIndex,
+        seq: usize,
+        frame: usize,
+        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let key = index.record_key(seq, frame);
+        let lease = match self.client.get(&key)? {
+            Lookup::Hit(lease) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                lease
+            }
+            Lookup::Miss(mut ticket) => {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                let len = index.record_layout(seq, frame).byte_len();
+                ticket.reserve(len as u64)?;
+                if let Err(err) = index.encode_into(seq, frame, ticket.slot_mut()?) {
+                    ticket.abort()?;
+                    return Err(err.into());
+                }
+                ticket.commit()?
+            }
+        };
+        read(RecordView::parse(&lease, &key)?)
+    }
+}
