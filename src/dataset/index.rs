@@ -306,7 +306,7 @@ impl DatasetIndex {
             DataError::Io { path, .. }
             | DataError::Missing { path, .. }
             | DataError::Format { path, .. } => path.clone(),
-            DataError::Request(_) | DataError::Cache(_) => PathBuf::new(),
+            DataError::Request(_) => PathBuf::new(),
         };
         self.skipped.push(SkippedFrame {
             path,

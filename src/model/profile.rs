@@ -94,6 +94,14 @@ struct Timings {
     backward_ms: f64,
 }
 
+/// What one iteration measured.
+struct Iteration {
+    /// Forward time per marked part, ms, in forward order.
+    marks: Vec<(String, f64)>,
+    forward_ms: f64,
+    backward_ms: f64,
+}
+
 /// One iteration: the forward pass with its marks, then the backward pass.
 fn iterate(
     net: &dyn Restorer,
@@ -101,7 +109,7 @@ fn iterate(
     (x, voxels): (&Tensor, Option<&Tensor>),
     device: Device,
     backward: bool,
-) -> Result<(Vec<(String, f64)>, f64, f64), ModelError> {
+) -> Result<Iteration, ModelError> {
     sync(device);
     let start = Instant::now();
     let mut last = start;
@@ -134,7 +142,11 @@ fn iterate(
         });
     }
     let backward_ms = back_start.elapsed().as_secs_f64() * 1e3;
-    Ok((marks, forward_ms, backward_ms))
+    Ok(Iteration {
+        marks,
+        forward_ms,
+        backward_ms,
+    })
 }
 
 /// Profiles the model `cfg` describes on `device` with random input.
@@ -169,8 +181,11 @@ pub fn profile(
     let mut t = Timings::default();
     for iter in 0..=options.iters {
         let input = (&x, voxels.as_ref());
-        let (marks, forward_ms, backward_ms) =
-            iterate(net.as_ref(), &vs, input, device, options.backward)?;
+        let Iteration {
+            marks,
+            forward_ms,
+            backward_ms,
+        } = iterate(net.as_ref(), &vs, input, device, options.backward)?;
         if iter == 0 {
             continue;
         }
