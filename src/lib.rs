@@ -6,7 +6,7 @@
 //! writers) -> [`cache`] (the node's shared-memory store) -> [`pipeline`] (samples,
 //! sampler, loader over a record source) -> [`model`] -> [`eval`] (tiles, PSNR/SSIM,
 //! the clip protocol) -> [`train`] -> [`dist`]; [`util`] sits under all of them.
-//! [`testkit`] and [`bench`] serve tests and benchmarks and sit on top; the
+//! [`testkit`] and [`bench`](mod@bench) serve tests and benchmarks and sit on top; the
 //! `vrtspike` binary (`src/cli/`, a file per subcommand) and `vrtspike-launch` use
 //! the library. `docs/layout.md` describes each folder and what it may import.
 
