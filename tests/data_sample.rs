@@ -9,7 +9,7 @@ use vrtspike::dataset::image;
 use vrtspike::dataset::voxel::bin_steps;
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::sample::{build_sample, ClipIndex, ClipRef, CropMode, SampleSpec};
-use vrtspike::pipeline::DiskSource;
+use vrtspike::pipeline::{DiskSource, PipelineError};
 use vrtspike::synth::{self, SynthOptions};
 use vrtspike::util::rng::SplitMix64;
 
@@ -208,4 +208,26 @@ fn validation_crops_and_errors() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("runs past"), "{err}");
+}
+
+#[test]
+fn a_source_error_reaches_the_caller_wrapped_with_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let index = tiny(dir.path());
+    let (blur, _, _) = index.frame_paths(0, 1);
+    std::fs::remove_file(&blur).unwrap();
+    let err = build_sample(
+        &index,
+        ClipRef { seq: 0, start: 0 },
+        3,
+        &spec(CropMode::Full, false),
+        &mut SplitMix64::new(1),
+        &mut DiskSource::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, PipelineError::Data(_)), "{err:?}");
+    assert!(
+        err.to_string().contains(&blur.display().to_string()),
+        "{err}"
+    );
 }
