@@ -1,65 +1,32 @@
-//! The store's bookkeeping: fixed-size slots carved from one byte range (one class
-//! per record size), LRU eviction over unpinned records only, fill tickets and
-//! counters. The server wraps it in a mutex and mirrors every record into the shared
-//! [`Table`], where clients pin hits themselves; pins are read back from there.
+//! The store's bookkeeping, a small facade over one part per job: the slot
+//! [`arena`] (classes, carving, free lists), the [`lru`] with its second chance,
+//! the record [`index`], the [`connections`] with their pin bits, single-flight
+//! [`fills`] and the [`stats`] counters. The server wraps it in a mutex and every
+//! record is mirrored into the shared [`Table`], where clients pin hits themselves;
+//! pins are read back from there.
+//!
+//! Every operation first checks everything that can refuse it, then makes its
+//! changes, none of which can fail: a refused request leaves the store as it was.
 
-use std::collections::HashMap;
-use std::time::Instant;
+pub mod arena;
+pub mod connections;
+pub mod fills;
+pub mod index;
+pub mod lru;
+mod report;
+pub mod stats;
 
-use lru::LruCache;
+use super::ids::{ClientId, LeaseId, TicketId};
+use super::protocol::{LeaseGrant, RequestError};
+use super::table::{self, SlotCode, Table, MAX_KEY_BYTES};
+use arena::{ClassIdx, SlotArena, SlotIdx};
+use connections::Connections;
+use fills::{Fill, Fills};
+use index::RecordIndex;
+use lru::Lru;
+use stats::{Event, StoreStats};
 
-use super::protocol::{ClientId, LeaseGrant, LeaseId, RequestError, TicketId};
-use super::stats::{ClassStats, ClientStats, Counters, LatencyWindow, StatsReport};
-use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
-
-/// Slots are page multiples, so records start page-aligned.
-pub const SLOT_ALIGN: u64 = 4096;
-
-type SlotIdx = usize;
-
-#[derive(Debug)]
-enum SlotState {
-    Free,
-    Filling { len: u64 },
-    Ready { key: String, len: u64 },
-}
-
-#[derive(Debug)]
-struct Slot {
-    offset: u64,
-    class: usize,
-    generation: u32,
-    state: SlotState,
-}
-
-/// All slots of one size, with the free list and the LRU of committed records.
-#[derive(Debug)]
-struct SlotClass {
-    slot_bytes: u64,
-    slots: Vec<SlotIdx>,
-    free: Vec<SlotIdx>,
-    /// Committed records, least recently entered first, with the clock when they
-    /// entered; a record accessed since then gets a second chance.
-    lru: LruCache<SlotIdx, u64>,
-}
-
-#[derive(Debug)]
-struct Fill {
-    key: String,
-    client: ClientId,
-    slot: Option<SlotIdx>,
-    started: Instant,
-}
-
-#[derive(Debug)]
-struct ClientRecord {
-    name: String,
-    pid: u32,
-    /// This connection's pin bit and counter block in the table.
-    bit: usize,
-    counters: Counters,
-    tickets: std::collections::HashSet<TicketId>,
-}
+pub use super::table::{slot_size_for, SLOT_ALIGN};
 
 /// Outcome of a `get`.
 #[derive(Debug, PartialEq, Eq)]
@@ -78,42 +45,25 @@ pub enum GetOutcome {
 /// The cache's bookkeeping.
 pub struct Store {
     store_id: u64,
-    cap: u64,
-    carved: u64,
-    fixed_classes: bool,
-    classes: Vec<SlotClass>,
-    slots: Vec<Slot>,
     table: Table,
-    /// Committed records by key.
-    index: HashMap<String, SlotIdx>,
-    /// Tombstones in the shared index; it is rebuilt when they pile up.
-    index_tombstones: usize,
-    /// Fills in flight by key, and their tickets.
-    filling: HashMap<String, TicketId>,
-    tickets: HashMap<TicketId, Fill>,
-    clients: HashMap<ClientId, ClientRecord>,
-    /// Pin bits not given to a connection.
-    free_bits: Vec<usize>,
-    totals: Counters,
-    evictions: u64,
-    fill_latency: LatencyWindow,
+    arena: SlotArena,
+    lru: Lru,
+    index: RecordIndex,
+    connections: Connections,
+    fills: Fills,
+    stats: StoreStats,
+    /// The next connection or ticket id.
     next_id: u64,
-    started: Instant,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store")
             .field("store_id", &self.store_id)
-            .field("cap", &self.cap)
+            .field("cap", &self.arena.cap())
             .field("records", &self.index.len())
             .finish()
     }
-}
-
-/// `len` rounded up to the slot alignment.
-pub fn slot_size_for(len: u64) -> u64 {
-    len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
 }
 
 impl Store {
@@ -121,33 +71,17 @@ impl Store {
     /// given, records must fit those classes; without, a class is made for each new
     /// record size on its first fill.
     pub fn new(store_id: u64, cap: u64, slot_bytes: &[u64], table: Table) -> Store {
-        let mut sizes: Vec<u64> = slot_bytes.iter().map(|&b| slot_size_for(b)).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        let mut store = Store {
+        Store {
             store_id,
-            cap,
-            carved: 0,
-            fixed_classes: !sizes.is_empty(),
-            classes: Vec::new(),
-            slots: Vec::new(),
+            arena: SlotArena::new(cap, slot_bytes, table.slots()),
             table,
-            index: HashMap::new(),
-            index_tombstones: 0,
-            filling: HashMap::new(),
-            tickets: HashMap::new(),
-            clients: HashMap::new(),
-            free_bits: (0..MAX_CONNECTIONS).rev().collect(),
-            totals: Counters::default(),
-            evictions: 0,
-            fill_latency: LatencyWindow::default(),
+            lru: Lru::new(),
+            index: RecordIndex::new(),
+            connections: Connections::new(),
+            fills: Fills::new(),
+            stats: StoreStats::new(),
             next_id: 1,
-            started: Instant::now(),
-        };
-        for size in sizes {
-            store.add_class(size);
         }
-        store
     }
 
     /// A store over a table on the heap (tests and single-process tools).
@@ -156,35 +90,9 @@ impl Store {
         Store::new(store_id, cap, slot_bytes, Table::on_heap(cap, layout.slots))
     }
 
-    fn add_class(&mut self, slot_bytes: u64) -> usize {
-        self.classes.push(SlotClass {
-            slot_bytes,
-            slots: Vec::new(),
-            free: Vec::new(),
-            lru: LruCache::unbounded(),
-        });
-        self.classes.sort_by_key(|c| c.slot_bytes);
-        // Keep slot -> class indices right after the sort.
-        for (ci, class) in self.classes.iter().enumerate() {
-            for &s in &class.slots {
-                self.slots[s].class = ci;
-            }
-        }
-        self.classes
-            .iter()
-            .position(|c| c.slot_bytes == slot_bytes)
-            .unwrap_or(0)
-    }
-
-    fn next_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
     /// The byte cap.
     pub fn cap(&self) -> u64 {
-        self.cap
+        self.arena.cap()
     }
 
     /// The shared table.
@@ -193,25 +101,12 @@ impl Store {
     }
 
     /// Registers a connection; returns its id and its pin bit, or an error when all
-    /// [`MAX_CONNECTIONS`] bits are taken.
+    /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) bits are taken.
     pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
-        let Some(bit) = self.free_bits.pop() else {
-            return Err(RequestError::TooManyConnections {
-                max: MAX_CONNECTIONS,
-            });
-        };
-        let id = self.next_id();
-        self.table.claim_connection(bit, id);
-        self.clients.insert(
-            id,
-            ClientRecord {
-                name,
-                pid,
-                bit,
-                counters: Counters::default(),
-                tickets: Default::default(),
-            },
-        );
+        let id = self.next_id;
+        let bit = self.connections.connect(id, name, pid, &self.table)?;
+        self.next_id += 1;
+        self.stats.connected(id);
         Ok((id, bit))
     }
 
@@ -219,105 +114,50 @@ impl Store {
     /// totals and its fills abandoned. Returns the number of fills abandoned (waiters
     /// must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
-        let Some(record) = self.clients.remove(&client) else {
+        let carved = self.arena.carved_slots();
+        let Some(gone) = self.connections.disconnect(client, &self.table, carved) else {
             return 0;
         };
-        let hits = self.table.release_connection(record.bit, self.slots.len());
-        self.totals.hits += hits;
-        self.free_bits.push(record.bit);
-        let abandoned = record.tickets.len();
-        for ticket in record.tickets {
-            self.drop_fill(ticket);
+        self.stats.disconnected(client, gone.shared_hits);
+        let abandoned = self.fills.abandon_all(client);
+        for fill in &abandoned {
+            self.given_up(fill);
         }
-        abandoned
-    }
-
-    fn client_mut(&mut self, client: ClientId) -> Result<&mut ClientRecord, RequestError> {
-        self.clients
-            .get_mut(&client)
-            .ok_or_else(|| RequestError::Protocol(format!("client {client} is not connected")))
+        abandoned.len()
     }
 
     /// Counts a request served over the control channel.
     pub fn count_request(&mut self, client: ClientId) {
-        self.totals.requests += 1;
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.counters.requests += 1;
-        }
+        self.stats.count(client, Event::Request);
     }
 
     /// Counts a refused request against the client.
     pub fn count_error(&mut self, client: ClientId) {
-        self.totals.errors += 1;
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.counters.errors += 1;
-        }
-    }
-
-    fn lease(&mut self, client: ClientId, slot: SlotIdx) -> Result<LeaseGrant, RequestError> {
-        let bit = self.client_mut(client)?.bit;
-        let s = &self.slots[slot];
-        let SlotState::Ready { len, .. } = s.state else {
-            return Err(RequestError::Protocol(format!(
-                "slot {slot} holds no committed record"
-            )));
-        };
-        self.table.pin(slot, bit);
-        self.table.touch(slot);
-        Ok(LeaseGrant {
-            lease: table::lease_id(slot, s.generation),
-            offset: s.offset,
-            len,
-        })
-    }
-
-    fn check_key(key: &str) -> Result<(), RequestError> {
-        if key.len() > MAX_KEY_BYTES {
-            return Err(RequestError::KeyTooLong {
-                key: key.to_string(),
-                max: MAX_KEY_BYTES,
-            });
-        }
-        Ok(())
+        self.stats.count(client, Event::Error);
     }
 
     /// Looks a key up: a lease, a fill ticket, or a wait for someone else's fill.
     pub fn get(&mut self, client: ClientId, key: &str) -> Result<GetOutcome, RequestError> {
-        self.client_mut(client)?;
-        Self::check_key(key)?;
-        if let Some(&slot) = self.index.get(key) {
-            let grant = self.lease(client, slot)?;
-            self.totals.hits += 1;
-            self.client_mut(client)?.counters.hits += 1;
+        self.connections.get(client)?;
+        check_key(key)?;
+        if let Some(grant) = self.hit(client, key)? {
             return Ok(GetOutcome::Hit(grant));
         }
-        if let Some(&ticket) = self.filling.get(key) {
-            let filler = self.tickets.get(&ticket).map(|f| f.client).unwrap_or(0);
-            if filler == client {
+        if let Some((ticket, fill)) = self.fills.of_key(key) {
+            if fill.client == client {
                 return Err(RequestError::AlreadyFilling {
                     key: key.to_string(),
                     ticket,
                 });
             }
-            self.totals.waits += 1;
-            self.client_mut(client)?.counters.waits += 1;
+            let filler = fill.client;
+            self.stats.count(client, Event::Wait);
             return Ok(GetOutcome::Wait { filler });
         }
-        let ticket = self.next_id();
-        self.tickets.insert(
-            ticket,
-            Fill {
-                key: key.to_string(),
-                client,
-                slot: None,
-                started: Instant::now(),
-            },
-        );
-        self.filling.insert(key.to_string(), ticket);
-        self.totals.misses += 1;
-        let record = self.client_mut(client)?;
-        record.counters.misses += 1;
-        record.tickets.insert(ticket);
+        let ticket = self.next_id;
+        self.fills.start(ticket, key, client)?;
+        self.next_id += 1;
+        self.stats.count(client, Event::Miss);
         Ok(GetOutcome::Miss(ticket))
     }
 
@@ -327,22 +167,36 @@ impl Store {
         client: ClientId,
         key: &str,
     ) -> Result<Option<LeaseGrant>, RequestError> {
-        self.client_mut(client)?;
-        Self::check_key(key)?;
-        let Some(&slot) = self.index.get(key) else {
+        self.connections.get(client)?;
+        check_key(key)?;
+        self.hit(client, key)
+    }
+
+    /// A lease on `key`'s record if it is cached.
+    fn hit(&mut self, client: ClientId, key: &str) -> Result<Option<LeaseGrant>, RequestError> {
+        let Some(slot) = self.index.get(key) else {
             return Ok(None);
         };
         let grant = self.lease(client, slot)?;
-        self.totals.hits += 1;
-        self.client_mut(client)?.counters.hits += 1;
+        self.stats.count(client, Event::Hit);
         Ok(Some(grant))
     }
 
-    fn check_ticket(&self, client: ClientId, ticket: TicketId) -> Result<(), RequestError> {
-        match self.tickets.get(&ticket) {
-            Some(fill) if fill.client == client => Ok(()),
-            _ => Err(RequestError::TicketNotHeld { ticket }),
-        }
+    /// Pins `slot`'s committed record for `client`.
+    fn lease(&mut self, client: ClientId, slot: SlotIdx) -> Result<LeaseGrant, RequestError> {
+        let bit = self.connections.get(client)?.bit;
+        let Some(placed) = self.arena.ready(slot) else {
+            return Err(RequestError::Protocol(format!(
+                "slot {slot} holds no committed record"
+            )));
+        };
+        self.table.pin(slot, bit);
+        self.table.touch(slot);
+        Ok(LeaseGrant {
+            lease: table::lease_id(slot, placed.generation),
+            offset: placed.offset,
+            len: placed.len,
+        })
     }
 
     /// Reserves a slot of the right class for a ticket: a free slot, else a new one
@@ -353,9 +207,9 @@ impl Store {
         ticket: TicketId,
         len: u64,
     ) -> Result<(u64, u64), RequestError> {
-        self.check_ticket(client, ticket)?;
-        let key = self.tickets[&ticket].key.clone();
-        if self.tickets[&ticket].slot.is_some() {
+        let fill = self.fills.held(client, ticket)?;
+        let key = fill.key.clone();
+        if fill.slot.is_some() {
             return Err(RequestError::TicketState {
                 ticket,
                 key,
@@ -365,116 +219,40 @@ impl Store {
         if len == 0 {
             return Err(RequestError::EmptyRecord { key });
         }
-        let class = self.class_for(&key, len)?;
+        let class = self.arena.class_for(&key, len)?;
         let slot = self.take_slot(class, &key, len)?;
-        let s = &mut self.slots[slot];
-        s.state = SlotState::Filling { len };
-        s.generation = s.generation.wrapping_add(1).max(1);
-        self.table.set_state(
-            slot,
-            table::SlotState {
-                generation: s.generation,
-                code: SlotCode::Filling,
-            },
-        );
-        let offset = s.offset;
-        if let Some(fill) = self.tickets.get_mut(&ticket) {
-            fill.slot = Some(slot);
-        }
-        Ok((offset, len))
+        let placed = self.arena.begin_fill(slot, len);
+        let state = table::SlotState {
+            generation: placed.generation,
+            code: SlotCode::Filling,
+        };
+        self.table.set_state(slot, state);
+        self.fills.set_slot(ticket, slot);
+        Ok((placed.offset, len))
     }
 
-    fn class_for(&mut self, key: &str, len: u64) -> Result<usize, RequestError> {
-        if let Some(ci) = self.classes.iter().position(|c| c.slot_bytes >= len) {
-            return Ok(ci);
-        }
-        let needed = slot_size_for(len);
-        if self.fixed_classes || needed > self.cap - self.carved {
-            let largest_slot = if self.fixed_classes {
-                self.classes.last().map_or(0, |c| c.slot_bytes)
-            } else {
-                self.cap - self.carved
-            };
-            return Err(RequestError::RecordTooLarge {
-                key: key.to_string(),
-                len,
-                largest_slot,
-            });
-        }
-        Ok(self.add_class(needed))
-    }
-
-    fn take_slot(&mut self, ci: usize, key: &str, len: u64) -> Result<SlotIdx, RequestError> {
-        if let Some(slot) = self.classes[ci].free.pop() {
+    /// A slot of class `ci`: a free one, a newly carved one, or an evicted one.
+    fn take_slot(&mut self, ci: ClassIdx, key: &str, len: u64) -> Result<SlotIdx, RequestError> {
+        if let Some(slot) = self.arena.take_free(ci) {
             return Ok(slot);
         }
-        let slot_bytes = self.classes[ci].slot_bytes;
-        if self.cap - self.carved >= slot_bytes && self.slots.len() < self.table.slots() {
-            let slot = self.slots.len();
-            self.table.set_offset(slot, self.carved);
-            self.slots.push(Slot {
-                offset: self.carved,
-                class: ci,
-                generation: 0,
-                state: SlotState::Free,
-            });
-            self.carved += slot_bytes;
-            self.classes[ci].slots.push(slot);
+        if let Some((slot, offset)) = self.arena.carve(ci) {
+            self.table.set_offset(slot, offset);
             return Ok(slot);
         }
-        if let Some(slot) = self.evict_one(ci) {
+        if let Some(slot) = self.lru.victim(ci, &self.table) {
+            if let Some(evicted) = self.arena.evict(slot) {
+                self.index.remove(&evicted, &self.table);
+            }
+            self.stats.evicted();
             return Ok(slot);
         }
         Err(RequestError::StoreFull {
             key: key.to_string(),
             len,
-            slots: self.classes[ci].slots.len(),
-            slot_bytes,
+            slots: self.arena.class_len(ci),
+            slot_bytes: self.arena.slot_bytes(ci),
         })
-    }
-
-    /// Takes the least recently used unpinned record of class `ci`: a record accessed
-    /// since it entered the LRU goes back in as the most recent (second chance), a
-    /// pinned one too; gives up after going round the whole LRU twice.
-    fn evict_one(&mut self, ci: usize) -> Option<SlotIdx> {
-        let rounds = 2 * self.classes[ci].lru.len();
-        for _ in 0..rounds {
-            let (slot, entered) = self.classes[ci].lru.pop_lru()?;
-            let accessed = self.table.last_access(slot) > entered;
-            if accessed || !self.table.try_evict(slot) {
-                let entered = self.table.tick();
-                self.classes[ci].lru.put(slot, entered);
-                continue;
-            }
-            self.unindex(slot);
-            self.slots[slot].state = SlotState::Free;
-            self.evictions += 1;
-            return Some(slot);
-        }
-        None
-    }
-
-    /// Removes a slot's record from both indexes.
-    fn unindex(&mut self, slot: SlotIdx) {
-        if let SlotState::Ready { key, .. } = &self.slots[slot].state {
-            self.index.remove(key);
-            if self.table.index_remove(table::key_hash(key), slot) {
-                self.index_tombstones += 1;
-            }
-        }
-        if self.index_tombstones > self.table.index_entries() / 4 {
-            self.rebuild_index();
-        }
-    }
-
-    /// Rewrites the shared index from the live records (clients that look meanwhile
-    /// miss and ask the server).
-    fn rebuild_index(&mut self) {
-        self.table.index_clear();
-        for (key, &slot) in &self.index {
-            self.table.index_insert(table::key_hash(key), slot);
-        }
-        self.index_tombstones = 0;
     }
 
     /// Publishes a filled slot and leases it to the filler.
@@ -483,96 +261,74 @@ impl Store {
         client: ClientId,
         ticket: TicketId,
     ) -> Result<LeaseGrant, RequestError> {
-        self.check_ticket(client, ticket)?;
-        let fill = &self.tickets[&ticket];
-        let Some(slot) = fill.slot else {
-            return Err(RequestError::TicketState {
-                ticket,
-                key: fill.key.clone(),
-                problem: "commit before reserve".into(),
-            });
+        let fill = self.fills.held(client, ticket)?;
+        let (key, started) = (fill.key.clone(), fill.started);
+        let not_filling = |problem: &str| RequestError::TicketState {
+            ticket,
+            key: key.clone(),
+            problem: problem.into(),
         };
-        let Some(fill) = self.tickets.remove(&ticket) else {
-            return Err(RequestError::TicketNotHeld { ticket });
-        };
-        let len = match self.slots[slot].state {
-            SlotState::Filling { len, .. } => len,
-            _ => 0,
-        };
-        self.filling.remove(&fill.key);
-        // Key and length first, then Ready, then the index: a client that finds the
-        // slot through the index sees a whole record.
+        let slot = fill
+            .slot
+            .ok_or_else(|| not_filling("commit before reserve"))?;
+        self.connections.get(client)?;
+        let placed = self
+            .arena
+            .publish(slot, key.clone())
+            .ok_or_else(|| not_filling("its slot is not being filled"))?;
+        // Nothing below can fail. Key and length first, then Ready, then the index:
+        // a client that finds the slot through the index sees a whole record.
+        self.fills.finish(ticket);
         let entered = self.table.tick();
-        self.table.write_record(slot, &fill.key, len);
-        self.table.set_state(
-            slot,
-            table::SlotState {
-                generation: self.slots[slot].generation,
-                code: SlotCode::Ready,
-            },
-        );
-        if self.table.index_insert(table::key_hash(&fill.key), slot) {
-            self.index_tombstones = self.index_tombstones.saturating_sub(1);
-        }
-        let class = self.slots[slot].class;
-        self.classes[class].lru.put(slot, entered);
-        self.index.insert(fill.key.clone(), slot);
-        self.slots[slot].state = SlotState::Ready { key: fill.key, len };
-        self.fill_latency
-            .push(fill.started.elapsed().as_secs_f64() * 1e3);
-        self.totals.fills += 1;
-        self.totals.bytes_filled += len;
-        let record = self.client_mut(client)?;
-        record.tickets.remove(&ticket);
-        record.counters.fills += 1;
-        record.counters.bytes_filled += len;
+        self.table.write_record(slot, &key, placed.len);
+        let state = table::SlotState {
+            generation: placed.generation,
+            code: SlotCode::Ready,
+        };
+        self.table.set_state(slot, state);
+        self.index.insert(key, slot, &self.table);
+        self.lru.enter(self.arena.class_of(slot), slot, entered);
+        self.stats
+            .fill_committed(client, placed.len, started.elapsed());
         self.lease(client, slot)
     }
 
     /// Abandons a fill; its slot (if any) goes back to the free list.
     pub fn abort(&mut self, client: ClientId, ticket: TicketId) -> Result<(), RequestError> {
-        self.check_ticket(client, ticket)?;
-        self.client_mut(client)?.tickets.remove(&ticket);
-        self.drop_fill(ticket);
+        self.fills.held(client, ticket)?;
+        if let Some(fill) = self.fills.finish(ticket) {
+            self.given_up(&fill);
+        }
         Ok(())
     }
 
-    fn free_slot(&mut self, slot: SlotIdx) {
-        let s = &mut self.slots[slot];
-        s.state = SlotState::Free;
-        self.table.set_state(
-            slot,
-            table::SlotState {
-                generation: s.generation,
-                code: SlotCode::Free,
-            },
-        );
-        let class = s.class;
-        self.classes[class].free.push(slot);
-    }
-
-    fn drop_fill(&mut self, ticket: TicketId) {
-        let Some(fill) = self.tickets.remove(&ticket) else {
-            return;
-        };
-        self.filling.remove(&fill.key);
+    /// Frees the slot of a fill that ended without a commit, and counts it.
+    fn given_up(&mut self, fill: &Fill) {
         if let Some(slot) = fill.slot {
             self.free_slot(slot);
         }
-        self.totals.fills_abandoned += 1;
-        if let Some(c) = self.clients.get_mut(&fill.client) {
-            c.counters.fills_abandoned += 1;
-        }
+        self.stats.count(fill.client, Event::FillAbandoned);
+    }
+
+    /// Empties `slot` here and in the table, onto its class's free list.
+    fn free_slot(&mut self, slot: SlotIdx) {
+        let generation = self.arena.free(slot);
+        let state = table::SlotState {
+            generation,
+            code: SlotCode::Free,
+        };
+        self.table.set_state(slot, state);
     }
 
     /// Releases a lease held by the client (clients release by clearing their pin bit
     /// themselves; this is the protocol's explicit form, for tools and tests).
     pub fn release(&mut self, client: ClientId, lease: LeaseId) -> Result<(), RequestError> {
-        let bit = self.client_mut(client)?.bit;
+        let bit = self.connections.get(client)?.bit;
         let (slot, generation) = table::decode_lease(lease);
-        let held = self.slots.get(slot).is_some_and(|s| {
-            s.generation == generation && matches!(s.state, SlotState::Ready { .. })
-        });
+        let held = self
+            .arena
+            .ready(slot)
+            .is_some_and(|p| p.generation == generation);
         if held && self.table.unpin(slot, bit) {
             Ok(())
         } else {
@@ -582,7 +338,7 @@ impl Store {
 
     /// Drops a cached record that no one holds.
     pub fn invalidate(&mut self, key: &str) -> Result<(), RequestError> {
-        let Some(&slot) = self.index.get(key) else {
+        let Some(slot) = self.index.get(key) else {
             return Err(RequestError::UnknownKey {
                 key: key.to_string(),
             });
@@ -593,107 +349,33 @@ impl Store {
                 pins: self.table.pin_count(slot),
             });
         }
-        self.unindex(slot);
-        let class = self.slots[slot].class;
-        self.classes[class].lru.pop(&slot);
+        self.index.remove(key, &self.table);
+        self.lru.remove(self.arena.class_of(slot), slot);
         self.free_slot(slot);
         Ok(())
     }
 
     /// Whether a fill of `key` is in flight.
     pub fn is_filling(&self, key: &str) -> bool {
-        self.filling.contains_key(key)
+        self.fills.is_filling(key)
     }
+}
 
-    /// A snapshot of every counter; pins and hits made by clients directly in the
-    /// shared table are read from there.
-    pub fn stats(&self, server_pid: u32) -> StatsReport {
-        let mut bytes_used = 0;
-        let mut pinned_bytes = 0;
-        let mut leases_held = 0;
-        let mut leases_by_bit = vec![0usize; MAX_CONNECTIONS];
-        let classes = self
-            .classes
-            .iter()
-            .map(|c| {
-                let mut cs = ClassStats {
-                    slot_bytes: c.slot_bytes,
-                    slots: c.slots.len(),
-                    ready: 0,
-                    pinned: 0,
-                    filling: 0,
-                };
-                for &s in &c.slots {
-                    match self.slots[s].state {
-                        SlotState::Free => {}
-                        SlotState::Filling { .. } => cs.filling += 1,
-                        SlotState::Ready { .. } => {
-                            cs.ready += 1;
-                            let pins = self.table.pin_count(s) as usize;
-                            if pins > 0 {
-                                cs.pinned += 1;
-                                leases_held += pins;
-                                for c in self.clients.values() {
-                                    if self.table.is_pinned_by(s, c.bit) {
-                                        leases_by_bit[c.bit] += 1;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-                bytes_used += (cs.ready + cs.filling) as u64 * c.slot_bytes;
-                pinned_bytes += cs.pinned as u64 * c.slot_bytes;
-                cs
-            })
-            .collect();
-        let mut totals = self.totals;
-        let mut clients: Vec<ClientStats> = self
-            .clients
-            .iter()
-            .map(|(&id, c)| {
-                let mut counters = c.counters;
-                let shared_hits = self.table.connection_hits(c.bit);
-                counters.hits += shared_hits;
-                totals.hits += shared_hits;
-                ClientStats {
-                    id,
-                    name: c.name.clone(),
-                    pid: c.pid,
-                    counters,
-                    hit_rate: counters.hit_rate(),
-                    leases_held: leases_by_bit[c.bit],
-                    fills_in_flight: c.tickets.len(),
-                }
-            })
-            .collect();
-        clients.sort_by_key(|c| c.id);
-        StatsReport {
-            server_pid,
-            store_id: self.store_id,
-            uptime_s: self.started.elapsed().as_secs_f64(),
-            cap_bytes: self.cap,
-            bytes_used,
-            bytes_carved: self.carved,
-            metadata_bytes: self.table.layout().meta_bytes(),
-            slot_entries: self.table.slots(),
-            pinned_bytes,
-            records: self.index.len(),
-            evictions: self.evictions,
-            fills_in_flight: self.tickets.len(),
-            leases_held,
-            totals,
-            hit_rate: totals.hit_rate(),
-            fill_latency_ms: self.fill_latency.summary(),
-            classes,
-            clients,
-        }
+/// Refuses a key longer than a slot can store.
+fn check_key(key: &str) -> Result<(), RequestError> {
+    if key.len() > MAX_KEY_BYTES {
+        return Err(RequestError::KeyTooLong {
+            key: key.to_string(),
+            max: MAX_KEY_BYTES,
+        });
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::table::MAX_CONNECTIONS;
 
     const MB: u64 = 1 << 20;
 
