@@ -302,12 +302,18 @@ mod tests {
     #[test]
     fn open_classes_are_added_per_size_while_bytes_remain() {
         let mut arena = SlotArena::new(3 * MB, &[], 100);
+        let b = arena.class_for("b", 10).unwrap();
+        assert_eq!(arena.slot_bytes(b), SLOT_ALIGN);
         let a = arena.class_for("a", MB + 1).unwrap();
         assert_eq!(arena.slot_bytes(a), MB + SLOT_ALIGN);
-        assert_eq!(arena.class_for("a2", MB).unwrap(), a, "the fit is reused");
-        let b = arena.class_for("b", 10).unwrap();
         assert_ne!(a, b);
-        assert_eq!(arena.class_for("b2", 10).unwrap(), b, "smallest fit");
+        assert_eq!(arena.class_for("a2", MB).unwrap(), a, "the fit is reused");
+        assert_eq!(arena.class_for("b2", 10).unwrap(), b, "the smallest fit");
+        assert_eq!(
+            arena.class_for("c", 5000).unwrap(),
+            a,
+            "a class that fits is used before a new one is made"
+        );
         arena.carve(a).unwrap();
         arena.carve(a).unwrap();
         // 3 MiB - 2 * (1 MiB + 4 KiB) left: not enough for a 2 MiB class.
