@@ -73,6 +73,7 @@ impl CacheClient {
         stream
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .map_err(connect_err)?;
+        let mapped_store = shm::mapped_store(address)?;
         let oneshot = read_frame(&mut stream).map_err(|e| handshake_err(e.to_string()))?;
         let oneshot = String::from_utf8(oneshot).map_err(|e| handshake_err(e.to_string()))?;
         let requests = IpcSender::<Request>::connect(oneshot)
@@ -83,7 +84,7 @@ impl CacheClient {
             .send(Request::Hello {
                 name: name.to_string(),
                 pid: std::process::id(),
-                mapped_store: shm::mapped_store(address),
+                mapped_store,
                 reply: reply_tx,
             })
             .map_err(|e| handshake_err(format!("hello: {e:?}")))?;

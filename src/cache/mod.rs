@@ -7,6 +7,7 @@
 //! [`client`] the two ends of the control channel whose messages are in [`protocol`].
 
 pub mod client;
+pub mod ids;
 pub mod protocol;
 pub mod server;
 pub mod shm;
@@ -152,9 +153,23 @@ pub enum CacheError {
     /// The store's shared metadata is unusable.
     #[error(transparent)]
     Table(#[from] table::TableError),
-    /// A lock was poisoned by a panic elsewhere in this process.
-    #[error("cache client state poisoned by a panic in another thread")]
+    /// This process's registry of store mappings was poisoned by a panic elsewhere
+    /// in the process.
+    #[error(
+        "this process's registry of cache store mappings was poisoned by a panic in another thread"
+    )]
     Poisoned,
+    /// The server stopped because a request panicked and its store may be
+    /// half-updated.
+    #[error(
+        "the cache server at {address:?} stopped: its store is unusable after a panic ({cause})"
+    )]
+    StorePoisoned {
+        /// The server's address.
+        address: String,
+        /// The panic, and the request it happened in.
+        cause: String,
+    },
 }
 
 /// A failed `get_or_fill`: the cache failed, or the caller's fill did.

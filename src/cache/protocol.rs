@@ -1,19 +1,16 @@
 //! The control channel's messages. Every request gets exactly one reply, in order,
 //! on the client's own reply channel; record bytes never travel here, only the
 //! offsets of slots in the shared store that the client has mapped.
+//!
+//! The protocol sits above the [`stats`](super::stats) report it carries and the
+//! [`ids`](super::ids) it names; neither of those looks back up here.
 
 use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
 
 use super::stats::StatsReport;
 
-/// A connection's id, unique for the server's lifetime.
-pub type ClientId = u64;
-/// A pin on a committed record (its slot and generation); released by clearing the
-/// connection's pin bit, by `Release`, or by disconnecting.
-pub type LeaseId = u64;
-/// The right to fill one key after a miss.
-pub type TicketId = u64;
+pub use super::ids::{ClientId, LeaseId, TicketId};
 
 /// A request from a client.
 #[derive(Debug, Serialize, Deserialize)]
@@ -151,7 +148,8 @@ pub enum Reply {
     Error(RequestError),
 }
 
-/// Why the server refused a request. The server logs it and keeps serving.
+/// Why the server refused a request. The server logs it and keeps serving, except
+/// after [`StorePoisoned`](RequestError::StorePoisoned).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum RequestError {
     /// Release of a lease this client does not hold (double release, or a made-up id).
@@ -253,6 +251,13 @@ pub enum RequestError {
         key: String,
         /// The limit.
         max: usize,
+    },
+    /// A request panicked in the server, maybe half-way through an update of the
+    /// store: the server refuses every request from then on and shuts down.
+    #[error("the cache server's store is unusable after a panic ({cause}); the server is shutting down and refuses every request: restart it")]
+    StorePoisoned {
+        /// The panic, and the request it happened in.
+        cause: String,
     },
     /// A request that makes no sense at this point of the protocol.
     #[error("protocol error: {0}")]

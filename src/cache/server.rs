@@ -4,23 +4,31 @@
 //! Hits on cached records never reach it: clients pin them in the shared slot table
 //! themselves. Concurrent misses on a key wait for the first fill; a client that
 //! disconnects or dies gets its pin bit cleared everywhere and its fills abandoned.
+//!
+//! A panic in a request is caught on its connection's thread. It may have left the
+//! store half-updated (the lock it held is poisoned), so the server does not go on
+//! with it: the request gets a [`RequestError::StorePoisoned`] reply naming the
+//! panic, so does every later request on any connection, the server logs it, stops
+//! accepting connections, and [`Server::run`] returns [`CacheError::StorePoisoned`].
 
+use std::any::Any;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use ipc_channel::IpcError;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::shm::Segment;
-use super::store::{GetOutcome, Store, SLOT_ALIGN};
-use super::table::Layout;
+use super::store::{GetOutcome, Store};
+use super::table::{slot_size_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
 
@@ -64,7 +72,7 @@ impl ServerConfig {
             });
         }
         if let Some(&largest) = self.slot_bytes.iter().max() {
-            let slot = super::store::slot_size_for(largest);
+            let slot = slot_size_for(largest);
             if slot > self.cap_bytes {
                 return Err(CacheError::StoreTooSmall {
                     cap: self.cap_bytes,
@@ -98,13 +106,44 @@ struct Shared {
     pid: u32,
     config: ServerConfig,
     shutdown: AtomicBool,
+    /// Why the store is unusable: the first panic in a request, set once.
+    poisoned_by: OnceLock<String>,
 }
 
 impl Shared {
-    fn store(&self) -> MutexGuard<'_, Store> {
-        // The store has no invariant a panicking thread could break half-way through
-        // a request that matters more than serving everyone else.
-        self.store.lock().unwrap_or_else(|e| e.into_inner())
+    /// The store, locked; refused for good once a request has panicked.
+    fn store(&self) -> Result<MutexGuard<'_, Store>, RequestError> {
+        self.check_poison()?;
+        self.store
+            .lock()
+            .map_err(|_| self.poison("a request panicked while holding the store".into()))
+    }
+
+    /// `StorePoisoned` once a request has panicked.
+    fn check_poison(&self) -> Result<(), RequestError> {
+        match self.poisoned_by.get() {
+            Some(cause) => Err(RequestError::StorePoisoned {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the store unusable (the first cause stays): logs it, stops accepting
+    /// connections and wakes the gets waiting for fills; returns the error that
+    /// every request gets from now on.
+    fn poison(&self, cause: String) -> RequestError {
+        if self.poisoned_by.set(cause).is_ok() {
+            error!(
+                address = %self.address,
+                cause = self.poisoned_by.get().map_or("", String::as_str),
+                "the cache store may be half-updated after a panic: refusing every request and shutting down"
+            );
+            request_shutdown(self);
+            self.fill_done.notify_all();
+        }
+        let cause = self.poisoned_by.get().cloned().unwrap_or_default();
+        RequestError::StorePoisoned { cause }
     }
 }
 
@@ -155,6 +194,7 @@ impl Server {
                 pid,
                 config,
                 shutdown: AtomicBool::new(false),
+                poisoned_by: OnceLock::new(),
             }),
         })
     }
@@ -164,7 +204,8 @@ impl Server {
         &self.shared.address
     }
 
-    /// Accepts connections until a shutdown request.
+    /// Accepts connections until a shutdown request, or until a panic in a request
+    /// has made the store unusable (an error then).
     pub fn run(self) -> Result<(), CacheError> {
         for stream in self.listener.incoming() {
             if self.shared.shutdown.load(Ordering::SeqCst) {
@@ -182,6 +223,12 @@ impl Server {
                 }
                 Err(e) => warn!("accept failed: {e}"),
             }
+        }
+        if let Some(cause) = self.shared.poisoned_by.get() {
+            return Err(CacheError::StorePoisoned {
+                address: self.shared.address.clone(),
+                cause: cause.clone(),
+            });
         }
         info!(address = %self.shared.address, "cache server stopped");
         Ok(())
@@ -289,7 +336,9 @@ fn handshake(
     else {
         return Err(format!("first message was {}, not hello", hello.kind()));
     };
-    let connected = shared.store().connect(name.clone(), pid);
+    let connected = shared
+        .store()
+        .and_then(|mut store| store.connect(name.clone(), pid));
     let (client, pin_bit) = match connected {
         Ok(parts) => parts,
         Err(error) => {
@@ -308,7 +357,9 @@ fn handshake(
         store,
     };
     if let Err(e) = reply.send(welcome) {
-        shared.store().disconnect(client);
+        if let Ok(mut store) = shared.store() {
+            store.disconnect(client);
+        }
         return Err(format!("welcome: {e:?}"));
     }
     debug!(client, %name, pid, "client connected");
@@ -347,7 +398,12 @@ fn serve_connection(shared: &Shared, stream: UnixStream) {
             request_shutdown(shared);
         }
     }
-    let abandoned = shared.store().disconnect(client);
+    let Ok(mut store) = shared.store() else {
+        debug!(client, "client gone; no clean-up in a poisoned store");
+        return;
+    };
+    let abandoned = store.disconnect(client);
+    drop(store);
     if abandoned > 0 {
         shared.fill_done.notify_all();
         info!(client, abandoned, "client gone; its fills were abandoned");
@@ -358,16 +414,51 @@ fn serve_connection(shared: &Shared, stream: UnixStream) {
 
 fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {
     let kind = request.kind();
-    shared.store().count_request(client);
-    let result = match request {
+    let result = guarded(shared, client, kind, || serve(shared, client, request));
+    result.unwrap_or_else(|error| {
+        warn!(client, request = kind, "refused: {error}");
+        if let Ok(mut store) = shared.store() {
+            store.count_error(client);
+        }
+        Reply::Error(error)
+    })
+}
+
+/// Runs `serve` (one `kind` request of `client`); a panic in it poisons the store.
+fn guarded(
+    shared: &Shared,
+    client: ClientId,
+    kind: &str,
+    serve: impl FnOnce() -> Result<Reply, RequestError>,
+) -> Result<Reply, RequestError> {
+    panic::catch_unwind(AssertUnwindSafe(serve)).unwrap_or_else(|panic| {
+        let message = panic_message(panic.as_ref());
+        Err(shared.poison(format!(
+            "the {kind} request of client {client} panicked: {message}"
+        )))
+    })
+}
+
+/// The message a panic was raised with.
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic with no message")
+}
+
+fn serve(shared: &Shared, client: ClientId, request: Request) -> Result<Reply, RequestError> {
+    shared.store()?.count_request(client);
+    match request {
         Request::Get { key } => get_or_wait(shared, client, &key),
         Request::Peek { key } => shared
-            .store()
+            .store()?
             .peek(client, &key)
             .map(|g| g.map_or(Reply::NotCached, Reply::Hit)),
         Request::Reserve { ticket, len } => {
             shared
-                .store()
+                .store()?
                 .reserve(client, ticket, len)
                 .map(|(offset, len)| Reply::Reserved {
                     ticket,
@@ -376,35 +467,30 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {
                 })
         }
         Request::Commit { ticket } => {
-            let grant = shared.store().commit(client, ticket);
+            let grant = shared.store()?.commit(client, ticket);
             shared.fill_done.notify_all();
             grant.map(Reply::Committed)
         }
         Request::Abort { ticket } => {
-            let done = shared.store().abort(client, ticket);
+            let done = shared.store()?.abort(client, ticket);
             shared.fill_done.notify_all();
             done.map(|()| Reply::Done)
         }
-        Request::Release { lease } => shared.store().release(client, lease).map(|()| Reply::Done),
-        Request::Invalidate { key } => shared.store().invalidate(&key).map(|()| Reply::Done),
-        Request::Stats => Ok(Reply::Stats(Box::new(shared.store().stats(shared.pid)))),
+        Request::Release { lease } => shared.store()?.release(client, lease).map(|()| Reply::Done),
+        Request::Invalidate { key } => shared.store()?.invalidate(&key).map(|()| Reply::Done),
+        Request::Stats => Ok(Reply::Stats(Box::new(shared.store()?.stats(shared.pid)))),
         Request::Shutdown => Ok(Reply::Done),
         Request::Hello { .. } => Err(RequestError::Protocol(
             "hello after the handshake".to_string(),
         )),
-    };
-    result.unwrap_or_else(|error| {
-        warn!(client, request = kind, "refused: {error}");
-        shared.store().count_error(client);
-        Reply::Error(error)
-    })
+    }
 }
 
 /// A get that waits (single flight) while another client fills the key.
 fn get_or_wait(shared: &Shared, client: ClientId, key: &str) -> Result<Reply, RequestError> {
     let started = Instant::now();
     let timeout = shared.config.fill_wait_timeout;
-    let mut store = shared.store();
+    let mut store = shared.store()?;
     let mut waited = false;
     loop {
         match store.get(client, key)? {
@@ -421,12 +507,80 @@ fn get_or_wait(shared: &Shared, client: ClientId, key: &str) -> Result<Reply, Re
                         waited_s: waited.as_secs(),
                     });
                 }
+                let filling =
+                    |s: &mut Store| s.is_filling(key) && shared.poisoned_by.get().is_none();
                 let (guard, _) = shared
                     .fill_done
-                    .wait_timeout_while(store, timeout - waited, |s| s.is_filling(key))
-                    .unwrap_or_else(|e| e.into_inner());
+                    .wait_timeout_while(store, timeout - waited, filling)
+                    .map_err(|_| {
+                        shared.poison("a request panicked while holding the store".into())
+                    })?;
+                shared.check_poison()?;
                 store = guard;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bound(name: &str) -> Server {
+        let address = format!("vrtspike-test-{name}-{}", std::process::id());
+        Server::bind(ServerConfig::new(address, 1 << 20)).unwrap()
+    }
+
+    fn refused_as_poisoned(reply: Reply) -> String {
+        match reply {
+            Reply::Error(RequestError::StorePoisoned { cause }) => cause,
+            other => panic!("expected a StorePoisoned refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_request_poisons_the_store_and_stops_the_server() {
+        let server = bound("panic");
+        let shared = Arc::clone(&server.shared);
+        let client = shared.store().unwrap().connect("t".into(), 1).unwrap().0;
+        assert!(matches!(
+            handle(&shared, client, Request::Stats),
+            Reply::Stats(_)
+        ));
+        let panicked = guarded(&shared, client, "get", || {
+            let _store = shared.store()?;
+            panic!("bug in the store");
+        });
+        let Err(RequestError::StorePoisoned { cause }) = panicked else {
+            panic!("expected StorePoisoned, got {panicked:?}");
+        };
+        assert!(cause.contains("get request of client"), "{cause}");
+        assert!(cause.contains("bug in the store"), "{cause}");
+        assert!(shared.shutdown.load(Ordering::SeqCst));
+        let later = refused_as_poisoned(handle(&shared, client, Request::Stats));
+        assert_eq!(later, cause, "later requests name the first panic");
+        match server.run() {
+            Err(CacheError::StorePoisoned { cause: why, .. }) => assert_eq!(why, cause),
+            other => panic!("expected the server to stop with StorePoisoned: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_store_lock_poisoned_elsewhere_is_refused_too() {
+        let server = bound("lock");
+        let shared = Arc::clone(&server.shared);
+        let client = shared.store().unwrap().connect("t".into(), 1).unwrap().0;
+        let poisoner = std::thread::spawn({
+            let shared = Arc::clone(&shared);
+            move || {
+                let _store = shared.store.lock();
+                panic!("poisoning the store lock");
+            }
+        });
+        assert!(poisoner.join().is_err());
+        let key = "k".to_string();
+        let cause = refused_as_poisoned(handle(&shared, client, Request::Get { key }));
+        assert!(cause.contains("holding the store"), "{cause}");
+        assert!(shared.shutdown.load(Ordering::SeqCst));
     }
 }

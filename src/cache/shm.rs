@@ -176,10 +176,16 @@ fn registry() -> &'static Registry {
     MAPPINGS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// The registry, locked; an error if a panic elsewhere in this process poisoned it.
+fn locked_registry(
+) -> Result<std::sync::MutexGuard<'static, HashMap<String, Weak<Mapping>>>, CacheError> {
+    registry().lock().map_err(|_| CacheError::Poisoned)
+}
+
 /// The id of the store this process maps for `address`, if it maps one.
-pub fn mapped_store(address: &str) -> Option<u64> {
-    let map = registry().lock().ok()?;
-    map.get(address)?.upgrade().map(|m| m.store_id)
+pub fn mapped_store(address: &str) -> Result<Option<u64>, CacheError> {
+    let map = locked_registry()?;
+    Ok(map.get(address).and_then(Weak::upgrade).map(|m| m.store_id))
 }
 
 /// This process's mapping for `address`: the existing one if it is of `store_id`,
@@ -189,7 +195,7 @@ pub fn adopt(
     store_id: u64,
     memory: Option<IpcSharedMemory>,
 ) -> Result<Arc<Mapping>, CacheError> {
-    let mut map = registry().lock().map_err(|_| CacheError::Poisoned)?;
+    let mut map = locked_registry()?;
     if let Some(existing) = map.get(address).and_then(Weak::upgrade) {
         if existing.store_id == store_id {
             return Ok(existing);

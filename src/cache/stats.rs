@@ -1,12 +1,14 @@
 //! Live statistics of the cache server: totals, per slot class and per client, in
 //! one serializable report that `vrtspike cache stats` prints as a table or JSON.
+//! Plain data: the protocol carries it, the store fills it in; it depends on
+//! neither.
 
 use std::collections::VecDeque;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::protocol::ClientId;
+use super::ids::ClientId;
 
 /// Counters kept per client and in total.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,6 +6,8 @@
 //! clients only set and clear their own pin bit and bump their own counters. A hit
 //! pins (read-modify-write) *then* loads the state, while eviction stores EVICTING
 //! *then* loads the pins, all `SeqCst`: one of the two always sees the other.
+//!
+//! The lowest layer of the cache: it knows nothing of the store that drives it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,6 +28,14 @@ pub const MAX_SLOTS: u64 = 1 << 21;
 pub const BYTES_PER_SLOT_ENTRY: u64 = 64 << 10;
 
 const PAGE: u64 = 4096;
+/// Slots are page multiples, so records start page-aligned.
+pub const SLOT_ALIGN: u64 = PAGE;
+
+/// `len` rounded up to the slot alignment: the size of the slot a record of `len`
+/// bytes needs.
+pub fn slot_size_for(len: u64) -> u64 {
+    len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+}
 const PIN_WORDS: usize = MAX_CONNECTIONS / 64;
 const KEY_WORDS: usize = MAX_KEY_BYTES / 8;
 
@@ -158,7 +168,7 @@ impl Layout {
     /// at most [`MAX_SLOTS`].
     pub fn for_store(cap: u64, slot_bytes: &[u64]) -> Layout {
         let slots = match slot_bytes.iter().filter(|&&b| b > 0).min() {
-            Some(&smallest) => (cap / super::store::slot_size_for(smallest)).max(1),
+            Some(&smallest) => (cap / slot_size_for(smallest)).max(1),
             None => (cap / BYTES_PER_SLOT_ENTRY).max(MIN_SLOTS),
         }
         .min(MAX_SLOTS) as usize;

@@ -1,0 +1,175 @@
+//! The store's counters: per client and in total, evictions and fill latency. Hits
+//! that clients pin in shared memory are counted there, in the table; they are
+//! added in here when a report is made and folded into the totals when their client
+//! disconnects.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::super::ids::ClientId;
+use super::super::stats::{Counters, LatencyMs, LatencyWindow};
+
+/// Something the store counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A request served over the control channel.
+    Request,
+    /// A request refused.
+    Error,
+    /// A get or peek answered from the cache by the server.
+    Hit,
+    /// A get that gave a fill ticket.
+    Miss,
+    /// A get that waits for another client's fill.
+    Wait,
+    /// A fill committed `bytes` bytes.
+    Fill {
+        /// The record's length.
+        bytes: u64,
+    },
+    /// A fill aborted or abandoned.
+    FillAbandoned,
+}
+
+impl Event {
+    fn add_to(self, c: &mut Counters) {
+        match self {
+            Event::Request => c.requests += 1,
+            Event::Error => c.errors += 1,
+            Event::Hit => c.hits += 1,
+            Event::Miss => c.misses += 1,
+            Event::Wait => c.waits += 1,
+            Event::Fill { bytes } => {
+                c.fills += 1;
+                c.bytes_filled += bytes;
+            }
+            Event::FillAbandoned => c.fills_abandoned += 1,
+        }
+    }
+}
+
+/// Counters of the store and of each connected client.
+#[derive(Debug)]
+pub struct StoreStats {
+    totals: Counters,
+    per_client: HashMap<ClientId, Counters>,
+    evictions: u64,
+    fill_latency: LatencyWindow,
+    started: Instant,
+}
+
+impl Default for StoreStats {
+    fn default() -> Self {
+        StoreStats::new()
+    }
+}
+
+impl StoreStats {
+    /// All zero, started now.
+    pub fn new() -> StoreStats {
+        StoreStats {
+            totals: Counters::default(),
+            per_client: HashMap::new(),
+            evictions: 0,
+            fill_latency: LatencyWindow::default(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Starts counting for a new client.
+    pub fn connected(&mut self, client: ClientId) {
+        self.per_client.insert(client, Counters::default());
+    }
+
+    /// Stops counting for a client, folding the hits it counted in shared memory
+    /// into the totals.
+    pub fn disconnected(&mut self, client: ClientId, shared_hits: u64) {
+        self.per_client.remove(&client);
+        self.totals.hits += shared_hits;
+    }
+
+    /// Counts `event` in the totals and, if it is connected, for `client`.
+    pub fn count(&mut self, client: ClientId, event: Event) {
+        event.add_to(&mut self.totals);
+        if let Some(c) = self.per_client.get_mut(&client) {
+            event.add_to(c);
+        }
+    }
+
+    /// Counts a committed fill of `bytes` that took `latency` from miss to commit.
+    pub fn fill_committed(&mut self, client: ClientId, bytes: u64, latency: Duration) {
+        self.count(client, Event::Fill { bytes });
+        self.fill_latency.push(latency.as_secs_f64() * 1e3);
+    }
+
+    /// Counts an eviction.
+    pub fn evicted(&mut self) {
+        self.evictions += 1;
+    }
+
+    /// The totals over all clients, past and present (without the shared-memory
+    /// hits of connected clients).
+    pub fn totals(&self) -> Counters {
+        self.totals
+    }
+
+    /// A connected client's counters (zero if unknown; without its shared-memory hits).
+    pub fn client(&self, client: ClientId) -> Counters {
+        self.per_client.get(&client).copied().unwrap_or_default()
+    }
+
+    /// Records evicted so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Fill latency over the recent fills.
+    pub fn fill_latency(&self) -> LatencyMs {
+        self.fill_latency.summary()
+    }
+
+    /// Seconds since the store started.
+    pub fn uptime_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_count_in_the_totals_and_for_connected_clients_only() {
+        let mut stats = StoreStats::new();
+        stats.connected(1);
+        stats.count(1, Event::Hit);
+        stats.count(1, Event::Miss);
+        stats.count(2, Event::Error); // not connected: totals only
+        stats.fill_committed(1, 100, Duration::from_millis(3));
+        let mine = stats.client(1);
+        assert_eq!((mine.hits, mine.misses, mine.errors), (1, 1, 0));
+        assert_eq!((mine.fills, mine.bytes_filled), (1, 100));
+        let totals = stats.totals();
+        assert_eq!((totals.hits, totals.errors, totals.fills), (1, 1, 1));
+        assert_eq!(stats.fill_latency().count, 1);
+        assert!((stats.fill_latency().max - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_disconnect_keeps_the_totals_and_adds_the_shared_hits() {
+        let mut stats = StoreStats::new();
+        stats.connected(1);
+        stats.count(1, Event::Wait);
+        stats.count(1, Event::FillAbandoned);
+        stats.disconnected(1, 5);
+        stats.count(1, Event::FillAbandoned);
+        assert_eq!(stats.client(1), Counters::default());
+        let totals = stats.totals();
+        assert_eq!(
+            (totals.hits, totals.waits, totals.fills_abandoned),
+            (5, 1, 2)
+        );
+        stats.evicted();
+        assert_eq!(stats.evictions(), 1);
+    }
+}
