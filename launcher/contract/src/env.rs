@@ -350,6 +350,8 @@ mod tests {
         assert_eq!(err, Err(DEVICE));
     }
 
+    type Vars = Vec<(&'static str, String)>;
+
     #[test]
     fn errors_name_the_variable() {
         let base = || {
@@ -360,17 +362,26 @@ mod tests {
                 (MASTER_PORT, "29500".to_string()),
             ]
         };
-        let fails = |change: &dyn Fn(&mut Vec<(&'static str, String)>)| {
+        let fails = |change: &dyn Fn(&mut Vars)| {
             let mut vars = base();
             change(&mut vars);
             RankEnv::from_vars(&lookup(vars)).map_err(|e| e.var).err()
         };
         assert_eq!(fails(&|_| {}), None);
-        assert_eq!(fails(&|v| v.retain(|(k, _)| *k != WORLD_SIZE)), Some(WORLD_SIZE));
+        assert_eq!(
+            fails(&|v| v.retain(|(k, _)| *k != WORLD_SIZE)),
+            Some(WORLD_SIZE)
+        );
         assert_eq!(fails(&|v| v[0].1 = "2".into()), Some(RANK));
         assert_eq!(fails(&|v| v[0].1 = "x".into()), Some(RANK));
-        assert_eq!(fails(&|v| v.retain(|(k, _)| *k != MASTER_ADDR)), Some(MASTER_ADDR));
-        assert_eq!(fails(&|v| v.retain(|(k, _)| *k != MASTER_PORT)), Some(MASTER_PORT));
+        assert_eq!(
+            fails(&|v| v.retain(|(k, _)| *k != MASTER_ADDR)),
+            Some(MASTER_ADDR)
+        );
+        assert_eq!(
+            fails(&|v| v.retain(|(k, _)| *k != MASTER_PORT)),
+            Some(MASTER_PORT)
+        );
         assert_eq!(fails(&|v| v[3].1 = "99999".into()), Some(MASTER_PORT));
         assert_eq!(
             fails(&|v| v.push((LOCAL_RANK, "4".into()))),

@@ -162,9 +162,7 @@ mod tests {
     fn child(pipe: &ReadyPipe, script: &str) -> std::process::Child {
         let fd = pipe.child_fd().unwrap_or_else(|| panic!("no child end"));
         let mut command = Command::new("sh");
-        command
-            .args(["-c", script])
-            .env(READY_FD, fd.to_string());
+        command.args(["-c", script]).env(READY_FD, fd.to_string());
         // SAFETY: the hook only calls fcntl (async-signal-safe) and allocates nothing.
         unsafe {
             command.pre_exec(move || inherit_in_child(fd));
@@ -181,7 +179,9 @@ mod tests {
         assert_eq!(first.ok(), Some(Readiness::Pending));
         let mut seen = Readiness::Pending;
         for _ in 0..100 {
-            seen = pipe.wait(Duration::from_millis(50)).unwrap_or_else(|e| panic!("{e}"));
+            seen = pipe
+                .wait(Duration::from_millis(50))
+                .unwrap_or_else(|e| panic!("{e}"));
             if seen != Readiness::Pending {
                 break;
             }

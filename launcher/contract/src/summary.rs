@@ -169,8 +169,7 @@ mod tests {
     #[test]
     fn optional_figures_may_be_left_out_but_not_the_status() {
         let short = r#"{"status": "completed", "steps": 3, "total_steps": 3, "world_size": 2}"#;
-        let summary: RunSummary =
-            serde_json::from_str(short).unwrap_or_else(|e| panic!("{e}"));
+        let summary: RunSummary = serde_json::from_str(short).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(summary.status, TrainStatus::Completed);
         assert_eq!((summary.val_psnr, summary.samples_seen), (None, 0));
         let no_status = r#"{"steps": 3, "total_steps": 3, "world_size": 2}"#;
