@@ -108,6 +108,7 @@ fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
     assert_eq!(ranks.status, TrainStatus::Preempted, "{ranks:?}");
     assert_eq!((ranks.world_size, ranks.total_steps), (2, TOTAL_STEPS));
     let stopped_at = ranks.steps;
+    println!("launch_train: preempted at step {stopped_at} of {TOTAL_STEPS}");
     assert!(
         (1..TOTAL_STEPS).contains(&stopped_at),
         "preempted mid-run: {ranks:?}"
