@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 use vrtspike::dist::{Backend, GroupOptions, ProcessGroup, ReduceOp};
+use vrtspike_contract::env::{self as rank_env, RankEnv, Rendezvous};
 
 const ITERS: usize = 20;
 const WARMUP: usize = 3;
@@ -30,7 +31,7 @@ fn main() -> Result<()> {
                 .with_context(|| format!("--sizes-mb: bad size {s:?}"))
         })
         .collect::<Result<_>>()?;
-    if std::env::var_os("RANK").is_some() {
+    if std::env::var_os(rank_env::RANK).is_some() {
         return rank_main(&sizes);
     }
     let ranks: usize = value("--ranks", "2").parse().context("--ranks")?;
@@ -40,12 +41,20 @@ fn main() -> Result<()> {
     let exe = std::env::current_exe()?;
     let children: Vec<_> = (0..ranks)
         .map(|rank| {
+            let env = RankEnv {
+                rank: rank as u32,
+                local_rank: rank as u32,
+                world_size: ranks as u32,
+                local_world_size: ranks as u32,
+                master: Some(Rendezvous {
+                    addr: "127.0.0.1".into(),
+                    port,
+                }),
+                ..RankEnv::single()
+            };
             Command::new(&exe)
                 .args(&args[1..])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", ranks.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .envs(env.to_vars())
                 .spawn()
                 .context("spawn rank")
         })
@@ -61,7 +70,8 @@ fn main() -> Result<()> {
 
 fn rank_main(sizes_mb: &[f64]) -> Result<()> {
     tch::set_num_threads(1);
-    let options = GroupOptions::from_env(Backend::Gloo, Duration::from_secs(60))?;
+    let env = RankEnv::from_process_env()?;
+    let options = GroupOptions::for_rank(&env, Backend::Gloo, Duration::from_secs(60))?;
     let mut group = ProcessGroup::new(&options)?;
     for &mb in sizes_mb {
         let elements = (mb * 1024.0 * 1024.0 / 4.0) as i64;

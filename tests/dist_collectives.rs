@@ -6,12 +6,13 @@ mod dist_support;
 
 use std::time::{Duration, Instant};
 
-use dist_support::{assert_all_ok, rank_env, run_ranks};
+use dist_support::{assert_all_ok, rank_env, run_ranks, torchrun_env};
 use tch::{Kind, Tensor};
 use vrtspike::dist::{Backend, GroupOptions, ProcessGroup, ReduceOp};
 
 fn join(timeout: Duration) -> ProcessGroup {
-    let options = GroupOptions::from_env(Backend::Gloo, timeout).expect("torchrun env");
+    let options =
+        GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, timeout).expect("torchrun env");
     ProcessGroup::new(&options).expect("join the group")
 }
 
@@ -108,7 +109,8 @@ fn a_rank_that_never_joins_fails_the_others_in_time_naming_it() {
         return;
     };
     assert_eq!(rank, 0);
-    let options = GroupOptions::from_env(Backend::Gloo, Duration::from_secs(2)).expect("env");
+    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(2))
+        .expect("env");
     let started = Instant::now();
     let err = ProcessGroup::new(&options).expect_err("rank 1 never joins");
     let waited = started.elapsed();
@@ -134,7 +136,8 @@ fn without_rank_0_the_store_is_unreachable_in_time() {
         return;
     };
     assert_eq!(rank, 1);
-    let options = GroupOptions::from_env(Backend::Gloo, Duration::from_secs(2)).expect("env");
+    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(2))
+        .expect("env");
     let started = Instant::now();
     let err = ProcessGroup::new(&options).expect_err("no rank 0");
     let text = err.to_string();

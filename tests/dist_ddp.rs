@@ -8,7 +8,7 @@ mod dist_support;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dist_support::{assert_all_ok, rank_env, run_ranks};
+use dist_support::{assert_all_ok, rank_env, run_ranks, torchrun_env};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use vrtspike::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup};
@@ -16,8 +16,8 @@ use vrtspike::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup};
 const OUT_VAR: &str = "VRTSPIKE_TEST_OUT";
 
 fn join() -> ProcessGroup {
-    let options =
-        GroupOptions::from_env(Backend::Gloo, Duration::from_secs(30)).expect("torchrun env");
+    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(30))
+        .expect("torchrun env");
     ProcessGroup::new(&options).expect("join the group")
 }
 

@@ -101,7 +101,7 @@ fn stop_and_resume_equals_uninterrupted() {
     assert!(summary["val_psnr"].as_f64().unwrap() > 5.0);
     assert!(summary["input_psnr"].as_f64().unwrap() > 5.0);
     let file_psnr = summary["val_psnr"].as_f64().unwrap();
-    let returned_psnr = second.summary["val_psnr"].as_f64().unwrap();
+    let returned_psnr = second.summary.val_psnr.unwrap();
     assert!((file_psnr - returned_psnr).abs() < 1e-9);
     let metrics = std::fs::read_to_string(run_b.join("metrics.jsonl")).unwrap();
     assert!(metrics.lines().any(|l| l.contains("\"kind\":\"val\"")));

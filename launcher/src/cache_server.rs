@@ -1,14 +1,16 @@
 //! The node's cache server as a child of the launcher: started first through the
-//! `vrtspike` binary (the launcher does not link libtorch), ready once
-//! `vrtspike cache stats` gets an answer, kept across restarts (its data stays
-//! warm), and asked for its statistics before it is stopped.
+//! `vrtspike` binary (the launcher does not link libtorch), ready once it says so
+//! through the contract's readiness pipe (`vrtspike_contract::ready`), kept across
+//! restarts (its data stays warm), and asked for its statistics before it is stopped.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+use vrtspike_contract::ready::{self, Readiness, ReadyPipe};
 
 use crate::signals;
 use crate::spawn::{self, Supervised};
@@ -29,8 +31,8 @@ pub struct CacheServerSpec<'a> {
     pub start_timeout: Duration,
 }
 
-/// Starts the server and waits until it answers; an error carries the server's
-/// own last log lines (e.g. a bad config key or a short /dev/shm).
+/// Starts the server and waits until it says it is ready; an error carries the
+/// server's own last log lines (e.g. a bad config key or a short /dev/shm).
 pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
     let mut command = Command::new(spec.vrtspike);
     command
@@ -41,13 +43,36 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
     if let Some(cap) = spec.cap {
         command.args(["--cap", cap]);
     }
-    let mut server = spawn::spawn("cache server".into(), &mut command, &spec.log)
+    let mut pipe = ReadyPipe::new().context("creating the cache server's readiness pipe")?;
+    if let Some(fd) = pipe.child_fd() {
+        command.env(ready::READY_FD, fd.to_string());
+        // SAFETY: the hook runs in the forked child before exec and only calls
+        // fcntl (async-signal-safe); it allocates nothing.
+        unsafe {
+            command.pre_exec(move || ready::inherit_in_child(fd));
+        }
+    }
+    let spawned = spawn::spawn("cache server".into(), &mut command, &spec.log);
+    pipe.close_child_end();
+    let mut server = spawned
         .with_context(|| format!("starting the cache server ({})", spec.vrtspike.display()))?;
     let started = Instant::now();
     loop {
         if signals::interrupts() > 0 {
             spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
             bail!("interrupted while the cache server was starting");
+        }
+        let readiness = pipe
+            .wait(Duration::from_millis(100))
+            .context("waiting for the cache server's readiness pipe")?;
+        if readiness == Readiness::Ready {
+            tracing::info!(
+                address = spec.address,
+                pid = server.pid(),
+                "cache server ready in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(server);
         }
         if let Some(status) = server.poll().context("waiting for the cache server")? {
             bail!(
@@ -57,40 +82,20 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
                 spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
             );
         }
-        // `cache stats` starts a process that loads libtorch, so ask only once the
-        // server has said it listens (or after a while, should that line change).
-        let said_ready = std::fs::read(&spec.log).is_ok_and(|log| {
-            log.get(usize::try_from(server.log_offset).unwrap_or(usize::MAX)..)
-                .is_some_and(|new| contains(new, READY_LINE.as_bytes()))
-        });
-        let may_ask = said_ready || started.elapsed() > Duration::from_secs(2);
-        if may_ask && stats(spec.vrtspike, spec.address).is_some() {
-            tracing::info!(
-                address = spec.address,
-                pid = server.pid(),
-                "cache server ready in {:.2} s",
-                started.elapsed().as_secs_f64()
-            );
-            return Ok(server);
-        }
         if started.elapsed() > spec.start_timeout {
             spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
             bail!(
-                "the cache server did not accept connections at {:?} within {:.0} s; see {}",
+                "the cache server did not say it was ready at {:?} within {:.0} s; see {}",
                 spec.address,
                 spec.start_timeout.as_secs_f64(),
                 spec.log.display()
             );
         }
-        std::thread::sleep(Duration::from_millis(100));
+        if readiness == Readiness::Closed {
+            // It closed the pipe unready, so it is exiting: look again shortly.
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
-}
-
-/// What `vrtspike cache serve` prints once it is bound.
-const READY_LINE: &str = "cache server listening at";
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// The server's statistics as JSON, or `None` if it does not answer.

@@ -1,19 +1,13 @@
-//! The environment every rank starts with: torchrun's variables (RANK, LOCAL_RANK,
-//! WORLD_SIZE, ...) plus vrtspike's own (cache address, run directory, device,
-//! restart count), built in one place so the contract is written down once.
+//! The environment every rank of an attempt starts with: the ranks of this node
+//! (--gpus/--ranks), and for each one the contract's [`RankEnv`] (whose variable
+//! names live in `vrtspike_contract::env`) plus the launcher's defaults for
+//! libtorch (OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF).
 
 use std::path::Path;
 
-use crate::cluster::Topology;
+use vrtspike_contract::env::{Device, RankEnv, Rendezvous};
 
-/// Environment variable naming the restart count (0 on the first attempt).
-pub const RESTART_COUNT_ENV: &str = "VRTSPIKE_RESTART_COUNT";
-/// Environment variable naming the run directory.
-pub const RUN_DIR_ENV: &str = "VRTSPIKE_RUN_DIR";
-/// Environment variable naming the device (`cpu` or `cuda:<LOCAL_RANK>`).
-pub const DEVICE_ENV: &str = "VRTSPIKE_DEVICE";
-/// Environment variable naming the node's cache server (as in `vrtspike::cache`).
-pub const CACHE_ADDR_ENV: &str = "VRTSPIKE_CACHE_ADDR";
+use crate::cluster::Topology;
 
 /// How ranks are laid out on every node (the same on each node).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +103,32 @@ impl AttemptEnv<'_> {
         self.topology.node_rank * self.ranks.per_node + local_rank
     }
 
+    /// The contract environment of local rank `local_rank`.
+    pub fn rank_env(&self, local_rank: u32) -> RankEnv {
+        let topo = self.topology;
+        RankEnv {
+            rank: self.global_rank(local_rank),
+            local_rank,
+            world_size: self.world_size(),
+            local_world_size: self.ranks.per_node,
+            node_rank: topo.node_rank,
+            nnodes: topo.nnodes,
+            master: Some(Rendezvous {
+                addr: topo.master_addr.clone(),
+                port: self.master_port,
+            }),
+            restart_count: self.restart_count,
+            max_restarts: self.max_restarts,
+            cache_addr: Some(self.cache_addr.to_string()),
+            run_dir: Some(self.run_dir.to_path_buf()),
+            device: if self.ranks.gpus {
+                Device::Cuda(local_rank)
+            } else {
+                Device::Cpu
+            },
+        }
+    }
+
     /// The variables for local rank `local_rank`; `inherited` looks up the
     /// launcher's own environment (a user's setting of an optional variable wins).
     pub fn vars(
@@ -116,34 +136,12 @@ impl AttemptEnv<'_> {
         local_rank: u32,
         inherited: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<(String, String)> {
-        let topo = self.topology;
-        let mut vars: Vec<(String, String)> = [
-            ("RANK", self.global_rank(local_rank).to_string()),
-            ("LOCAL_RANK", local_rank.to_string()),
-            ("WORLD_SIZE", self.world_size().to_string()),
-            ("LOCAL_WORLD_SIZE", self.ranks.per_node.to_string()),
-            ("GROUP_RANK", topo.node_rank.to_string()),
-            ("NODE_RANK", topo.node_rank.to_string()),
-            ("NNODES", topo.nnodes.to_string()),
-            ("MASTER_ADDR", topo.master_addr.clone()),
-            ("MASTER_PORT", self.master_port.to_string()),
-            ("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string()),
-            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
-            (RESTART_COUNT_ENV, self.restart_count.to_string()),
-            (CACHE_ADDR_ENV, self.cache_addr.to_string()),
-            (RUN_DIR_ENV, self.run_dir.display().to_string()),
-            (
-                DEVICE_ENV,
-                if self.ranks.gpus {
-                    format!("cuda:{local_rank}")
-                } else {
-                    "cpu".to_string()
-                },
-            ),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+        let mut vars: Vec<(String, String)> = self
+            .rank_env(local_rank)
+            .to_vars()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
         let defaults = [
             (
                 "PYTORCH_CUDA_ALLOC_CONF",
@@ -188,6 +186,8 @@ mod tests {
     use std::collections::HashMap;
     use std::path::PathBuf;
 
+    use vrtspike_contract::env as names;
+
     use super::*;
 
     #[test]
@@ -216,16 +216,19 @@ mod tests {
         let user = |name: &str| (name == "OMP_NUM_THREADS").then(|| "7".to_string());
         let vars: HashMap<String, String> = env.vars(2, &user).into_iter().collect();
         let get = |k: &str| vars.get(k).map(String::as_str);
-        assert_eq!(get("RANK"), Some("5"));
-        assert_eq!(get("LOCAL_RANK"), Some("2"));
-        assert_eq!(get("WORLD_SIZE"), Some("6"));
-        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("3"));
-        assert_eq!(get("MASTER_ADDR"), Some("n0"));
-        assert_eq!(get("MASTER_PORT"), Some("29500"));
-        assert_eq!(get(RESTART_COUNT_ENV), Some("2"));
-        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("2"));
-        assert_eq!(get(DEVICE_ENV), Some("cuda:2"));
-        assert_eq!(get(RUN_DIR_ENV), Some("/runs/x"));
+        assert_eq!(get(names::RANK), Some("5"));
+        assert_eq!(get(names::LOCAL_RANK), Some("2"));
+        assert_eq!(get(names::WORLD_SIZE), Some("6"));
+        assert_eq!(get(names::LOCAL_WORLD_SIZE), Some("3"));
+        assert_eq!(get(names::MASTER_ADDR), Some("n0"));
+        assert_eq!(get(names::MASTER_PORT), Some("29500"));
+        assert_eq!(get(names::RESTART_COUNT), Some("2"));
+        assert_eq!(get(names::DEVICE), Some("cuda:2"));
+        assert_eq!(get(names::RUN_DIR), Some("/runs/x"));
+        assert_eq!(get(names::CACHE_ADDR), Some("addr"));
+        // What the rank parses is what the launcher meant.
+        let parsed = RankEnv::from_vars(&|k: &str| vars.get(k).cloned());
+        assert_eq!(parsed, Ok(env.rank_env(2)));
         assert_eq!(
             get("PYTORCH_CUDA_ALLOC_CONF"),
             Some("expandable_segments:True")

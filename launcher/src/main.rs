@@ -28,6 +28,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use vrtspike_contract::rundir::Checkpoint;
 
 use args::Args;
 use env_contract::{AttemptEnv, NodeRanks};
@@ -66,7 +67,7 @@ fn main() -> ExitCode {
             "the run dir exists: the ranks resume from its last checkpoint ({})",
             run_dir
                 .latest_checkpoint()
-                .map_or_else(|| "none yet".to_string(), |m| m.name)
+                .map_or_else(|| "none yet".to_string(), |c| c.name())
         );
     }
     let mut job = Job::new(run_dir, &args);
@@ -151,7 +152,7 @@ impl Job {
             address: &cache_addr,
             config: &config,
             cap: args.cache_size.as_deref(),
-            log: self.run_dir.cache_log(topology.node_rank),
+            log: self.run_dir.layout.cache_log(topology.node_rank),
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
         };
         if topology.nnodes > 1 {
@@ -221,25 +222,20 @@ impl Job {
                         program: rank_program.clone(),
                         args: rank_args.clone(),
                         env: attempt_env.vars(local, &env),
-                        log: self.run_dir.rank_log(rank),
+                        log: self.run_dir.layout.rank_log(rank),
                     }
                 })
                 .collect();
             let resumed_from = self.run_dir.latest_checkpoint();
+            let resumed_name = resumed_from.as_ref().map(Checkpoint::name);
             for launch in &launches {
-                banner(
-                    &launch.log,
-                    restart_count,
-                    resumed_from.as_ref().map(|m| m.name.as_str()),
-                );
+                banner(&launch.log, restart_count, resumed_name.as_deref());
             }
             if restart_count > 0 {
                 tracing::info!(
                     "restart {restart_count} of {}, from checkpoint {}",
                     args.max_restarts,
-                    resumed_from
-                        .as_ref()
-                        .map_or("(none yet)", |m| m.name.as_str())
+                    resumed_name.as_deref().unwrap_or("(none yet)")
                 );
             }
             let attempt_started = Instant::now();
@@ -255,7 +251,7 @@ impl Job {
                 attempt: restart_count,
                 duration_s: attempt_started.elapsed().as_secs_f64(),
                 outcome: end.outcome,
-                resumed_from: resumed_from.as_ref().map(|m| m.name.clone()),
+                resumed_from: resumed_name.clone(),
                 restart_latency_s,
                 failure: end.failure.clone(),
                 killed_after_grace: end.killed_after_grace.clone(),
@@ -292,7 +288,9 @@ impl Job {
                 .rev()
                 .nth(1)
                 .and_then(|a| a.failure.as_ref());
-            let made_progress = self.run_dir.latest_checkpoint() != resumed_from;
+            // Progress: a checkpoint of a higher step than the attempt started from.
+            let made_progress = self.run_dir.latest_checkpoint().map(|c| c.step)
+                > resumed_from.as_ref().map(|c| c.step);
             match policy.decide(&FailedAttempt {
                 restarts_done: restart_count,
                 failure: &failure,
@@ -353,8 +351,8 @@ impl Job {
                 _ => peers.report_end(Some(error.as_deref().unwrap_or("failed"))),
             }
         }
-        let summary_path = self.run_dir.summary_path(self.node_rank);
-        let train_summary = self.run_dir.train_summary_path();
+        let summary_path = self.run_dir.layout.launcher_summary(self.node_rank);
+        let train_summary = self.run_dir.layout.train_summary();
         if let Err(e) = summary.write(&summary_path, &train_summary, self.launched) {
             tracing::error!("{e:#}");
         }
@@ -446,7 +444,7 @@ fn banner(log: &Path, restart_count: u32, resumed_from: Option<&str>) {
         let _ = writeln!(
             file,
             "=== vrtspike-launch: attempt {restart_count} at {} UTC, checkpoint: {} ===",
-            rundir::utc_stamp(SystemTime::now()),
+            vrtspike_contract::rundir::utc_stamp(SystemTime::now()),
             resumed_from.unwrap_or("none")
         );
     }

@@ -1,14 +1,14 @@
 //! The job's memory, measured the way the design asks (decision 1): every interval,
-//! Pss summed over the launcher's process tree from /proc/<pid>/smaps_rollup, so a
+//! Pss summed over the launcher's process tree (`vrtspike_contract::pss`), so a
 //! cache mapped by every rank counts once. A background thread keeps the peaks.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use serde::Serialize;
+use vrtspike_contract::pss::{sample_tree, TreeSample};
 
 /// Peaks over the samples taken so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -21,17 +21,6 @@ pub struct MemoryPeaks {
     pub peak_procs: usize,
     /// Samples taken.
     pub samples: u64,
-}
-
-/// One sample of a process tree.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct TreeSample {
-    /// Summed Pss, KiB.
-    pub pss_kb: u64,
-    /// Summed Rss, KiB.
-    pub rss_kb: u64,
-    /// Processes in the tree.
-    pub procs: usize,
 }
 
 /// Samples the tree under `root` every `interval` on a thread until dropped.
@@ -97,94 +86,34 @@ fn record(peaks: &Mutex<MemoryPeaks>, sample: TreeSample) {
     peaks.samples += 1;
 }
 
-/// Sums Pss and Rss over `root` and all its descendants now.
-pub fn sample_tree(root: u32) -> TreeSample {
-    let mut sample = TreeSample::default();
-    for pid in descendants(root) {
-        // A process may exit between listing and reading: skip it.
-        if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) {
-            sample.pss_kb += rollup_field_kb(&text, "Pss:").unwrap_or(0);
-            sample.rss_kb += rollup_field_kb(&text, "Rss:").unwrap_or(0);
-            sample.procs += 1;
-        }
-    }
-    sample
-}
-
-/// `root` and every process descended from it, from /proc/*/stat.
-pub fn descendants(root: u32) -> Vec<u32> {
-    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for entry in entries.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if let Some(ppid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| parent_of(&stat))
-            {
-                children.entry(ppid).or_default().push(pid);
-            }
-        }
-    }
-    let mut tree = vec![root];
-    let mut at = 0;
-    while at < tree.len() {
-        if let Some(kids) = children.get(&tree[at]) {
-            tree.extend(kids);
-        }
-        at += 1;
-    }
-    tree
-}
-
-/// The parent pid from a /proc/<pid>/stat line (the command name may hold spaces
-/// and parentheses, so parse after the last `)`).
-fn parent_of(stat: &str) -> Option<u32> {
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// A `Name:   123 kB` field of smaps_rollup, in KiB.
-fn rollup_field_kb(text: &str, field: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(field))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn parses_stat_and_rollup() {
-        assert_eq!(parent_of("42 (a (weird) name) S 7 42 42 0"), Some(7));
-        let rollup = "00400000-7fff [rollup]\nRss:   2048 kB\nPss:   1024 kB\n";
-        assert_eq!(rollup_field_kb(rollup, "Pss:"), Some(1024));
-        assert_eq!(rollup_field_kb(rollup, "Rss:"), Some(2048));
-        assert_eq!(rollup_field_kb(rollup, "Swap:"), None);
+    fn peaks_keep_the_largest_sample() {
+        let peaks = Mutex::new(MemoryPeaks::default());
+        let sample = |pss_kb, rss_kb, procs| TreeSample {
+            pss_kb,
+            rss_kb,
+            procs,
+        };
+        record(&peaks, sample(2048, 4096, 3));
+        record(&peaks, sample(1024, 8192, 2));
+        let got = *peaks.lock().unwrap_or_else(|p| p.into_inner());
+        assert_eq!(got.peak_pss_mb, 2.0);
+        assert_eq!(got.peak_rss_sum_mb, 8.0);
+        assert_eq!((got.peak_procs, got.samples), (3, 2));
     }
 
     #[test]
-    fn samples_this_process_and_its_child() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("2")
-            .spawn()
-            .unwrap_or_else(|e| panic!("{e}"));
-        let me = std::process::id();
-        assert!(descendants(me).contains(&child.id()));
-        let sample = sample_tree(me);
-        assert!(sample.procs >= 2, "{sample:?}");
-        assert!(
-            sample.pss_kb > 0 && sample.rss_kb >= sample.pss_kb,
-            "{sample:?}"
-        );
-        let _ = child.kill();
-        let _ = child.wait();
+    fn sampler_measures_this_process() {
+        let sampler = PssSampler::start(std::process::id(), Duration::from_millis(10));
+        let start = std::time::Instant::now();
+        while sampler.peaks().samples < 2 && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let peaks = sampler.peaks();
+        assert!(peaks.samples >= 2 && peaks.peak_pss_mb > 0.0, "{peaks:?}");
     }
 }

@@ -1,6 +1,7 @@
 //! `summary.json`, written by the launcher at every exit (success, failure,
 //! preemption, interrupt, bad arguments): how the job ended, its attempts and first
-//! failure, the job's peak memory, and rank 0's training figures merged in.
+//! failure, the job's peak memory, and rank 0's training figures (the contract's
+//! typed [`RunSummary`]) merged in.
 
 use std::path::Path;
 use std::time::SystemTime;
@@ -8,6 +9,8 @@ use std::time::SystemTime;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
+
+use vrtspike_contract::summary::RunSummary;
 
 use crate::pss::MemoryPeaks;
 
@@ -139,12 +142,13 @@ const TRAIN_KEYS: [&str; 6] = [
 impl Summary {
     /// The JSON object: the launcher's fields, rank 0's `train_summary` merged in
     /// (the launcher's own keys win), and every key of [`TRAIN_KEYS`] present.
-    pub fn to_json(&self, train_summary: Option<Value>) -> Value {
-        let mut object = match serde_json::to_value(self) {
+    pub fn to_json(&self, train_summary: Option<&RunSummary>) -> Value {
+        let object_of = |value: serde_json::Result<Value>| match value {
             Ok(Value::Object(map)) => map,
             _ => Map::new(),
         };
-        if let Some(Value::Object(train)) = train_summary {
+        let mut object = object_of(serde_json::to_value(self));
+        if let Some(train) = train_summary.map(|t| object_of(serde_json::to_value(t))) {
             for (key, value) in train {
                 object.entry(key).or_insert(value);
             }
@@ -161,24 +165,22 @@ impl Summary {
     }
 
     /// Writes the summary to `path` atomically (temporary file, then rename),
-    /// merging the JSON object at `train_summary` if it parses and was written at
+    /// merging rank 0's summary at `train_summary` if it reads and was written at
     /// or after `launched` (one left by an earlier run in the same directory is not
     /// this run's result).
     pub fn write(&self, path: &Path, train_summary: &Path, launched: SystemTime) -> Result<()> {
         let fresh = std::fs::metadata(train_summary)
             .and_then(|m| m.modified())
             .is_ok_and(|modified| modified >= launched);
-        let train = match std::fs::read(train_summary).ok().filter(|_| fresh) {
+        let train = match fresh.then(|| RunSummary::read(train_summary)) {
             None => None,
-            Some(bytes) => match serde_json::from_slice::<Value>(&bytes) {
-                Ok(value) => Some(value),
-                Err(e) => {
-                    tracing::warn!("ignoring {}: {e}", train_summary.display());
-                    None
-                }
-            },
+            Some(Ok(summary)) => Some(summary),
+            Some(Err(e)) => {
+                tracing::warn!("ignoring rank 0's figures: {e}");
+                None
+            }
         };
-        let text = serde_json::to_string_pretty(&self.to_json(train))?;
+        let text = serde_json::to_string_pretty(&self.to_json(train.as_ref()))?;
         let tmp = path.with_extension("json.tmp");
         std::fs::write(&tmp, text + "\n").with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
@@ -191,8 +193,15 @@ mod tests {
     use std::time::Duration;
 
     use serde_json::json;
+    use vrtspike_contract::summary::TrainStatus;
 
     use super::*;
+
+    fn train(steps: u64) -> RunSummary {
+        let text = json!({"status": "completed", "steps": steps, "total_steps": steps,
+            "world_size": 2, "val_psnr": 30.5, "restarts": 99, "peak_pss_mb": 1.0});
+        serde_json::from_value(text).unwrap_or_else(|e| panic!("{e}"))
+    }
 
     fn summary() -> Summary {
         Summary {
@@ -231,10 +240,10 @@ mod tests {
 
     #[test]
     fn required_keys_always_present_and_launcher_keys_win() {
-        let value = summary().to_json(Some(json!({
-            "val_psnr": 30.5, "steps": 40, "restarts": 99, "peak_pss_mb": 1.0
-        })));
+        let value = summary().to_json(Some(&train(40)));
+        assert_eq!(train(40).status, TrainStatus::Completed);
         assert_eq!(value["exit"], "completed");
+        assert_eq!(value["status"], "completed");
         assert_eq!(value["val_psnr"], 30.5);
         assert_eq!(value["steps"], 40);
         assert_eq!(value["restarts"], 1);
@@ -263,17 +272,17 @@ mod tests {
     #[test]
     fn train_summary_of_an_earlier_run_is_not_merged() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let train = tmp.path().join("train_summary.json");
-        std::fs::write(&train, r#"{"steps": 500}"#).unwrap_or_else(|e| panic!("{e}"));
+        let written = tmp.path().join("train_summary.json");
+        train(500).write(&written).unwrap_or_else(|e| panic!("{e}"));
         let path = tmp.path().join("summary.json");
         let before = SystemTime::now() - Duration::from_secs(60);
         summary()
-            .write(&path, &train, before)
+            .write(&path, &written, before)
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert_eq!(read(&path)["steps"], 500);
         let after = SystemTime::now() + Duration::from_secs(60);
         summary()
-            .write(&path, &train, after)
+            .write(&path, &written, after)
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert!(read(&path)["steps"].is_null());
     }

@@ -15,7 +15,7 @@ const LIMIT: Duration = Duration::from_secs(30);
 const CHECK_CACHE_AND_EXIT: &str = r#"
 "$VRTSPIKE" cache stats --address "$VRTSPIKE_CACHE_ADDR" > /dev/null || { echo "no cache server"; exit 9; }
 if [ "$RANK" = 0 ]; then
-  echo '{"steps": 3, "val_psnr": 31.5, "input_psnr": 28.25}' > "$VRTSPIKE_RUN_DIR/train_summary.json"
+  echo '{"status": "completed", "steps": 3, "total_steps": 3, "world_size": 2, "val_psnr": 31.5, "input_psnr": 28.25}' > "$VRTSPIKE_RUN_DIR/train_summary.json"
 fi
 echo "rank $RANK finished"
 "#;

@@ -114,7 +114,10 @@ fn rank_killed_once_is_restarted_from_the_checkpoint() {
     let job = Job::new(
         r#"
 if [ "$VRTSPIKE_RESTART_COUNT" = 0 ]; then
-  if [ "$RANK" = 0 ]; then touch "$VRTSPIKE_RUN_DIR/checkpoints/step_000100"; fi
+  if [ "$RANK" = 0 ]; then
+    mkdir -p "$VRTSPIKE_RUN_DIR/checkpoints/step_00000100"
+    echo '{}' > "$VRTSPIKE_RUN_DIR/checkpoints/step_00000100/state.json"
+  fi
   if [ "$RANK" = 1 ]; then sleep 0.3; kill -9 $$; fi
   while :; do sleep 0.05; done
 fi
@@ -145,7 +148,7 @@ echo "rank $RANK resumed"
     assert_eq!(summary["failure"]["rank"], 1);
     assert_eq!(summary["failure"]["signal"], "SIGKILL");
     let second = &summary["attempts"][1];
-    assert_eq!(second["resumed_from"], "step_000100");
+    assert_eq!(second["resumed_from"], "step_00000100");
     assert_eq!(second["outcome"], "completed");
     let latency = second["restart_latency_s"].as_f64().unwrap_or(f64::NAN);
     assert!(latency > 0.0 && latency < 5.0, "{summary}");

@@ -23,8 +23,9 @@ pub use stats::StatsReport;
 use crate::util::bytes::human;
 use crate::util::meminfo::MeminfoError;
 
-/// Environment variable that tells a rank where its node's cache server listens.
-pub const ADDRESS_ENV: &str = "VRTSPIKE_CACHE_ADDR";
+/// Environment variable that tells a rank where its node's cache server listens
+/// (named by the launcher contract).
+pub const ADDRESS_ENV: &str = vrtspike_contract::env::CACHE_ADDR;
 
 /// What can go wrong talking to, or starting, the cache.
 #[derive(Debug, thiserror::Error)]

@@ -139,6 +139,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
     let server = Server::bind(config)?;
     println!("cache server listening at {}", server.address());
+    // A launcher that started this server waits for this word (not the line above).
+    vrtspike_contract::ready::notify(&|name| std::env::var(name).ok())
+        .context("telling the launcher that the cache server is ready")?;
     server.run()?;
     Ok(())
 }

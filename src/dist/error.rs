@@ -5,13 +5,8 @@
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
     /// A required environment variable (torchrun contract) is missing or bad.
-    #[error("distributed setup: environment variable {var}: {message}")]
-    Env {
-        /// The variable, e.g. `WORLD_SIZE`.
-        var: &'static str,
-        /// What was wrong with it.
-        message: String,
-    },
+    #[error("distributed setup: {0}")]
+    Env(#[from] vrtspike_contract::EnvError),
     /// Options that cannot describe a process group.
     #[error("distributed setup: {0}")]
     Options(String),

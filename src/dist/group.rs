@@ -6,6 +6,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::time::Duration;
 
 use tch::Tensor;
+use vrtspike_contract::env::RankEnv;
 
 use super::error::DistError;
 use super::ffi;
@@ -82,39 +83,33 @@ pub struct GroupOptions {
     pub timeout: Duration,
     /// Key namespace in the store, so several groups (or restarts) can share it.
     pub prefix: String,
-    /// CUDA device of this rank (NCCL only; usually `LOCAL_RANK`).
+    /// CUDA device of this rank (NCCL only): the device of the rank's model.
     pub device_index: usize,
 }
 
 impl GroupOptions {
-    /// Reads the torchrun contract: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-    /// `MASTER_PORT`, and `LOCAL_RANK` (default 0) as the CUDA device.
-    pub fn from_env(backend: Backend, timeout: Duration) -> Result<Self, DistError> {
-        fn var(name: &'static str) -> Result<String, DistError> {
-            std::env::var(name).map_err(|_| DistError::Env {
-                var: name,
-                message: "not set (start ranks with vrtspike-launch or torchrun)".into(),
-            })
-        }
-        fn number<T: std::str::FromStr>(name: &'static str, text: &str) -> Result<T, DistError> {
-            text.trim().parse().map_err(|_| DistError::Env {
-                var: name,
-                message: format!("expected a non-negative integer, got {text:?}"),
-            })
-        }
-        let rank = number("RANK", &var("RANK")?)?;
-        let world_size = number("WORLD_SIZE", &var("WORLD_SIZE")?)?;
-        let master_port = number("MASTER_PORT", &var("MASTER_PORT")?)?;
-        let device_index = match std::env::var("LOCAL_RANK") {
-            Ok(text) => number("LOCAL_RANK", &text)?,
-            Err(_) => 0,
+    /// The options of the rank that `env` describes (parsed once by the rank, see
+    /// `vrtspike_contract::env`): its rank, world size and rendezvous, and for NCCL
+    /// the CUDA device already chosen for its model, so both use the same GPU.
+    /// Tests build [`GroupOptions`] field by field instead.
+    pub fn for_rank(env: &RankEnv, backend: Backend, timeout: Duration) -> Result<Self, DistError> {
+        let master = env.rendezvous()?;
+        let device_index = match (backend, env.device.cuda_index()) {
+            (_, Some(index)) => index as usize,
+            (Backend::Gloo, None) => 0,
+            (Backend::Nccl, None) => {
+                return Err(DistError::Options(format!(
+                    "rank {}: the nccl backend needs a CUDA device, but the rank's device is {}",
+                    env.rank, env.device
+                )))
+            }
         };
         Ok(GroupOptions {
             backend,
-            master_addr: var("MASTER_ADDR")?,
-            master_port,
-            rank,
-            world_size,
+            master_addr: master.addr.clone(),
+            master_port: master.port,
+            rank: env.rank as usize,
+            world_size: env.world_size as usize,
             timeout,
             prefix: "default".into(),
             device_index,
@@ -422,6 +417,37 @@ mod tests {
             text.contains("no NCCL backend") || text.contains("needs a CUDA device"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn options_follow_the_ranks_decided_device() {
+        use vrtspike_contract::env::{Device, Rendezvous};
+        let mut env = RankEnv {
+            rank: 1,
+            world_size: 2,
+            local_rank: 0,
+            local_world_size: 2,
+            device: Device::Cuda(1),
+            master: Some(Rendezvous {
+                addr: "10.0.0.1".into(),
+                port: 29400,
+            }),
+            ..RankEnv::single()
+        };
+        let timeout = Duration::from_secs(3);
+        let options = GroupOptions::for_rank(&env, Backend::Nccl, timeout).expect("options");
+        assert_eq!(options.device_index, 1, "the model's GPU, not LOCAL_RANK");
+        assert_eq!((options.rank, options.world_size), (1, 2));
+        assert_eq!(
+            (options.master_addr.as_str(), options.master_port),
+            ("10.0.0.1", 29400)
+        );
+        env.device = Device::Cpu;
+        let err = GroupOptions::for_rank(&env, Backend::Nccl, timeout).expect_err("cpu nccl");
+        assert!(err.to_string().contains("needs a CUDA device"), "{err}");
+        env.master = None;
+        let err = GroupOptions::for_rank(&env, Backend::Gloo, timeout).expect_err("no master");
+        assert!(err.to_string().contains("MASTER_ADDR"), "{err}");
     }
 
     fn free_port() -> u16 {

@@ -2,13 +2,16 @@
 //! weights (`model.safetensors`), the AdamW moments (`optimizer.safetensors`) and
 //! the rest (`state.json`: step, schedule, loss scaler, sampler cursor, seeds).
 //! Written to a hidden temporary directory, synced, then renamed, so a crash never
-//! leaves a half-written checkpoint under a real name.
+//! leaves a half-written checkpoint under a real name. Directory names and which
+//! checkpoint is the latest come from `vrtspike_contract::rundir`, which the
+//! launcher's restart decision uses too.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
+use vrtspike_contract::rundir::{self, CHECKPOINT_STATE_FILE as STATE_FILE};
 
 use crate::pipeline::sampler::SamplerState;
 
@@ -90,7 +93,6 @@ impl From<CosineSchedule> for ScheduleState {
 /// The model weights file of a checkpoint directory.
 pub const MODEL_FILE: &str = "model.safetensors";
 const OPTIM_FILE: &str = "optimizer.safetensors";
-const STATE_FILE: &str = "state.json";
 
 fn io_err(path: &Path) -> impl Fn(String) -> CheckpointError + '_ {
     move |message| CheckpointError::Io {
@@ -99,10 +101,7 @@ fn io_err(path: &Path) -> impl Fn(String) -> CheckpointError + '_ {
     }
 }
 
-/// The directory name of step `step`'s checkpoint.
-pub fn step_dir_name(step: u64) -> String {
-    format!("step_{step:08}")
-}
+pub use vrtspike_contract::rundir::step_dir_name;
 
 /// Writes a checkpoint of `step` into `dir` (the run's `checkpoints/`) atomically
 /// and returns its path; keeps the newest `keep` checkpoints (0: all).
@@ -157,28 +156,17 @@ pub fn save(
     Ok(target)
 }
 
-/// Checkpoints under `dir`, oldest first: (step, path).
+/// Complete checkpoints under `dir`, oldest first: (step, path).
 pub fn list(dir: &Path) -> Vec<(u64, PathBuf)> {
-    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+    rundir::list_checkpoints(dir)
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let step = name.strip_prefix("step_")?.parse().ok()?;
-            e.path()
-                .join(STATE_FILE)
-                .is_file()
-                .then(|| (step, e.path()))
-        })
-        .collect();
-    found.sort();
-    found
+        .map(|c| (c.step, c.path))
+        .collect()
 }
 
-/// The newest complete checkpoint under `dir`.
+/// The latest complete checkpoint under `dir` (the contract's highest step).
 pub fn latest(dir: &Path) -> Option<PathBuf> {
-    list(dir).pop().map(|(_, p)| p)
+    rundir::latest_checkpoint(dir).map(|c| c.path)
 }
 
 fn prune(dir: &Path, keep: usize) {

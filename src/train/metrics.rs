@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
 /// The metrics file name in the run directory.
-pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const METRICS_FILE: &str = vrtspike_contract::rundir::METRICS_FILE;
 
 /// Appends JSON lines (rank 0 only; other ranks hold a disabled sink) and drives the bar.
 pub struct MetricsSink {

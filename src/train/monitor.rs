@@ -1,4 +1,5 @@
-//! The memory monitor: this process's Pss and Rss (/proc/self/smaps_rollup), the
+//! The memory monitor: this process's Pss and Rss (smaps_rollup, read by
+//! `vrtspike_contract::pss` as the launcher reads it), the
 //! system's used/total memory (`sysinfo`), the CUDA caching allocator's
 //! allocated/reserved bytes (the dist shim) and the device's used memory and
 //! utilisation (NVML, skipped when there is no NVIDIA driver). Past 90% of host or
@@ -30,23 +31,6 @@ pub struct MemorySample {
 }
 
 const MB: f64 = 1024.0 * 1024.0;
-
-/// Pss and Rss in bytes from the text of `/proc/<pid>/smaps_rollup`.
-pub fn parse_smaps_rollup(text: &str) -> (u64, u64) {
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(name)?
-                    .split_whitespace()
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .unwrap_or(0)
-            * 1024
-    };
-    (field("Pss:"), field("Rss:"))
-}
 
 /// Samples the figures; keeps the NVML handle and the peak Pss.
 pub struct MemoryMonitor {
@@ -82,9 +66,8 @@ impl MemoryMonitor {
 
     /// Takes one sample (and warns once past 90% of host or device memory).
     pub fn sample(&mut self) -> MemorySample {
-        let (pss, rss) = std::fs::read_to_string("/proc/self/smaps_rollup")
-            .map(|t| parse_smaps_rollup(&t))
-            .unwrap_or((0, 0));
+        let rollup = vrtspike_contract::pss::read_rollup(None).unwrap_or_default();
+        let (pss, rss) = (rollup.pss_kb * 1024, rollup.rss_kb * 1024);
         self.system.refresh_memory();
         let total = self.system.total_memory();
         let used = total.saturating_sub(self.system.available_memory());
@@ -155,9 +138,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn smaps_rollup_and_warning() {
-        let text = "00400000-7fff [rollup]\nRss:                2048 kB\nPss:                1024 kB\nPss_Anon: 5 kB\n";
-        assert_eq!(parse_smaps_rollup(text), (1024 * 1024, 2048 * 1024));
+    fn sample_and_warning() {
         let mut monitor = MemoryMonitor::new(None);
         let s = monitor.sample();
         assert!(s.pss_mb > 0.0 && s.rss_mb >= s.pss_mb * 0.5, "{s:?}");

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 use tch::{nn, Device, Kind, Tensor};
+use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use crate::config::{Config, DistBackend};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
@@ -33,9 +34,9 @@ use super::validate::Validator;
 use super::TrainError;
 
 /// The summary file rank 0 writes in the run directory.
-pub const RESULT_FILE: &str = "result.json";
+pub const RESULT_FILE: &str = vrtspike_contract::rundir::RESULT_FILE;
 /// The same summary under the name `vrtspike-launch` merges into `summary.json`.
-pub const TRAIN_SUMMARY_FILE: &str = "train_summary.json";
+pub const TRAIN_SUMMARY_FILE: &str = vrtspike_contract::rundir::TRAIN_SUMMARY_FILE;
 
 /// Knobs of one invocation (not of the run config).
 #[derive(Debug, Clone, Default)]
@@ -56,8 +57,8 @@ pub struct TrainOutcome {
     pub preempted: bool,
     /// Mean loss over ranks of each step of this attempt: (step number, loss).
     pub losses: Vec<(u64, f64)>,
-    /// The summary rank 0 wrote (the same JSON on every rank).
-    pub summary: Value,
+    /// The summary rank 0 wrote (the same on every rank).
+    pub summary: RunSummary,
 }
 
 fn io_error(path: &Path, e: impl std::fmt::Display) -> TrainError {
@@ -65,14 +66,6 @@ fn io_error(path: &Path, e: impl std::fmt::Display) -> TrainError {
         path: path.to_path_buf(),
         message: e.to_string(),
     }
-}
-
-/// Writes `value` to `path` atomically.
-fn write_json(path: &Path, value: &Value) -> Result<(), TrainError> {
-    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
-    let text = serde_json::to_string_pretty(value).map_err(|e| io_error(path, e))?;
-    std::fs::write(&tmp, text + "\n").map_err(|e| io_error(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io_error(path, e))
 }
 
 /// The process group and DDP wrapper, or nothing for a single rank.
@@ -171,7 +164,8 @@ pub fn train(
             (DistBackend::Nccl, _) | (DistBackend::Auto, true) => Backend::Nccl,
             _ => Backend::Gloo,
         };
-        let mut group_options = GroupOptions::from_env(
+        let mut group_options = GroupOptions::for_rank(
+            &env.contract,
             backend,
             std::time::Duration::from_secs(config.dist.timeout_s),
         )?;
@@ -522,47 +516,47 @@ pub fn train(
     let peak = comm.all_reduce(&[pss], ReduceOp::Max)?;
     let reads = sums[0] + sums[1];
     let attempt_samples = state.samples_seen - start_samples;
-    let (val_psnr, val_ssim, input_psnr) = match last_val {
-        Some(v) => {
-            let (p, s, i) = v.means();
-            (json!(p), json!(s), json!(i))
-        }
-        None => (Value::Null, Value::Null, Value::Null),
-    };
+    let means = last_val.map(|v| v.means());
     let status = if state.step >= total {
-        "completed"
+        TrainStatus::Completed
     } else if preempted {
-        "preempted"
+        TrainStatus::Preempted
     } else {
-        "stopped"
+        TrainStatus::Stopped
     };
     let final_loss = losses.iter().rev().map(|l| l.1).find(|l| l.is_finite());
-    let summary = json!({
-        "status": status,
-        "steps": state.step,
-        "total_steps": total,
-        "val_psnr": val_psnr,
-        "val_ssim": val_ssim,
-        "input_psnr": input_psnr,
-        "val_step": last_val_step,
-        "val_frames": last_val.map(|v| v.frames),
-        "samples_per_s": if attempt_step_seconds > 0.0 { attempt_samples as f64 / attempt_step_seconds } else { 0.0 },
-        "samples_seen": state.samples_seen,
-        "cache_hit_rate": if reads > 0.0 { json!(sums[0] / reads) } else { Value::Null },
-        "data_time_ms": sums[2] / world as f64,
-        "peak_pss_mb": peak[0],
-        "skipped_steps": state.skipped_steps,
-        "final_loss": final_loss,
-        "restarts": env.restart_count,
-        "world_size": world,
-        "amp": amp.name(),
-        "parameters": parameter_count,
-        "wall_s": started.elapsed().as_secs_f64(),
-        "train_s": attempt_step_seconds,
-    });
+    let summary = RunSummary {
+        status,
+        steps: state.step,
+        total_steps: total,
+        world_size: world as u32,
+        val_psnr: means.map(|m| m.0),
+        val_ssim: means.map(|m| m.1),
+        input_psnr: means.map(|m| m.2),
+        val_step: last_val_step,
+        val_frames: last_val.map(|v| v.frames),
+        samples_per_s: Some(if attempt_step_seconds > 0.0 {
+            attempt_samples as f64 / attempt_step_seconds
+        } else {
+            0.0
+        }),
+        samples_seen: state.samples_seen,
+        cache_hit_rate: (reads > 0.0).then(|| sums[0] / reads),
+        data_time_ms: sums[2] / world as f64,
+        peak_pss_mb: peak[0],
+        skipped_steps: state.skipped_steps,
+        final_loss,
+        restarts: env.restart_count,
+        amp: amp.name().to_string(),
+        parameters: u64::try_from(parameter_count).unwrap_or(0),
+        wall_s: started.elapsed().as_secs_f64(),
+        train_s: attempt_step_seconds,
+    };
     if rank == 0 {
-        for name in [RESULT_FILE, TRAIN_SUMMARY_FILE] {
-            write_json(&env.run_dir.join(name), &summary)?;
+        for path in [env.layout().result(), env.layout().train_summary()] {
+            summary
+                .write(&path)
+                .map_err(|e| io_error(&e.path, e.message))?;
         }
     }
     Ok(TrainOutcome {

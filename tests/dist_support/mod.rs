@@ -18,6 +18,12 @@ pub fn rank_env() -> Option<(usize, usize, u16)> {
     Some((rank, world, port))
 }
 
+/// The rank environment this rank process was started with, parsed once by the
+/// launcher contract (what a real rank hands to `GroupOptions::for_rank`).
+pub fn torchrun_env() -> vrtspike_contract::RankEnv {
+    vrtspike_contract::RankEnv::from_process_env().expect("torchrun env")
+}
+
 /// A free TCP port on loopback (bound then released).
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");

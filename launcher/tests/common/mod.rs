@@ -160,6 +160,12 @@ pub fn run_with_limit(mut command: Command, limit: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
+    wait_with_limit(child, limit)
+}
+
+/// Waits for a started launcher (output piped), killing it if it outlives `limit`
+/// (then the test fails).
+pub fn wait_with_limit(child: std::process::Child, limit: Duration) -> Output {
     let pid = child.id();
     let watchdog = std::thread::spawn(move || {
         let start = Instant::now();

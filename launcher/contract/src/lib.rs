@@ -1,0 +1,16 @@
+//! The contract between `vrtspike-launch`, the node's cache server and the
+//! training ranks, written down once: [`env`] (the variables every rank starts
+//! with), [`rundir`] (where things live in a run directory, and which checkpoint is
+//! the latest), [`summary`] (the figures rank 0 leaves for the launcher), [`ready`]
+//! (how a child says it is ready) and [`pss`] (how memory is measured).
+//! It links no libtorch, so the launcher stays free of it.
+
+pub mod env;
+pub mod pss;
+pub mod ready;
+pub mod rundir;
+pub mod summary;
+
+pub use env::{Device, EnvError, RankEnv, Rendezvous};
+pub use rundir::{Checkpoint, RunLayout};
+pub use summary::{RunSummary, SummaryError, TrainStatus};

@@ -1,0 +1,155 @@
+//! End to end: the real `vrtspike-launch` with two real `vrtspike train` CPU ranks
+//! on a tiny config and synthetic data. A preemption request (SIGUSR2 to the
+//! launcher) makes the ranks checkpoint and exit 0; a second launch with the same
+//! run directory resumes from that checkpoint and completes. Both sides are read
+//! through the contract (`vrtspike_contract`): the layout, the latest checkpoint
+//! and rank 0's typed run summary.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{launcher, read_json, run_with_limit, signal, texts, vrtspike, wait_until};
+use nix::sys::signal::Signal;
+use vrtspike_contract::rundir::RunLayout;
+use vrtspike_contract::summary::{RunSummary, TrainStatus};
+
+const TOTAL_STEPS: u64 = 40;
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// A tiny dataset written by `vrtspike synth`.
+fn synth(dir: &Path) -> PathBuf {
+    let data = dir.join("data");
+    let output = Command::new(vrtspike())
+        .arg("synth")
+        .arg("--out")
+        .arg(&data)
+        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
+        .args(["--height", "64", "--width", "96", "--seed", "9"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
+    let (stdout, stderr) = texts(&output);
+    assert!(output.status.success(), "synth: {stdout}\n{stderr}");
+    data
+}
+
+/// The tiny U-Net config of `configs/tiny`, smaller still, on `data`.
+fn write_config(dir: &Path, data: &Path) -> PathBuf {
+    let path = dir.join("tiny.yaml");
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {TOTAL_STEPS}\n  LR: 1.0e-3\n  SEED: 3\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 1000\n\
+         DIST:\n  TIMEOUT_S: 60\n",
+        data.display()
+    );
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    path
+}
+
+fn launch(config: &Path, run: &Path) -> Command {
+    let mut command = Command::new(launcher());
+    command
+        .arg("--config")
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run)
+        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
+        .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
+        command.env_remove(name);
+    }
+    command
+}
+
+/// Whether rank 0 has logged a finished training step.
+fn trained_a_step(layout: &RunLayout) -> bool {
+    std::fs::read_to_string(layout.metrics())
+        .is_ok_and(|text| text.lines().any(|l| l.contains("\"kind\":\"train\"")))
+}
+
+#[test]
+fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let data = synth(tmp.path());
+    let config = write_config(tmp.path(), &data);
+    let run = tmp.path().join("run");
+    let layout = RunLayout::new(&run);
+
+    // Launch 1: SIGUSR2 to the launcher once a step is done.
+    let mut first = launch(&config, &run)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
+    let started = wait_until(LIMIT, || {
+        trained_a_step(&layout) || first.try_wait().ok().flatten().is_some()
+    });
+    assert!(started, "no training step within {LIMIT:?}");
+    signal(first.id(), Signal::SIGUSR2);
+    let output = common::wait_with_limit(first, LIMIT);
+    let (stdout, stderr) = texts(&output);
+    assert!(
+        output.status.success(),
+        "launch 1: stdout:\n{stdout}\nstderr:\n{stderr}\nrank 0:\n{}",
+        std::fs::read_to_string(layout.rank_log(0)).unwrap_or_default()
+    );
+    let launched = read_json(&layout.launcher_summary(0));
+    assert_eq!(launched["exit"], "preempted", "{launched}");
+    let ranks = RunSummary::read(&layout.train_summary()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ranks.status, TrainStatus::Preempted, "{ranks:?}");
+    assert_eq!((ranks.world_size, ranks.total_steps), (2, TOTAL_STEPS));
+    let stopped_at = ranks.steps;
+    println!("launch_train: preempted at step {stopped_at} of {TOTAL_STEPS}");
+    assert!(
+        (1..TOTAL_STEPS).contains(&stopped_at),
+        "preempted mid-run: {ranks:?}"
+    );
+    let checkpoint = layout
+        .latest_checkpoint()
+        .unwrap_or_else(|| panic!("no checkpoint after the preemption"));
+    assert_eq!(checkpoint.step, stopped_at);
+
+    // Launch 2: the same run directory resumes from that checkpoint and completes.
+    let output = run_with_limit(launch(&config, &run), LIMIT);
+    let (stdout, stderr) = texts(&output);
+    assert!(
+        output.status.success(),
+        "launch 2: stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let launched = read_json(&layout.launcher_summary(0));
+    assert_eq!(launched["exit"], "completed", "{launched}");
+    assert_eq!(launched["attempts"][0]["resumed_from"], checkpoint.name());
+    assert_eq!(
+        launched["status"], "completed",
+        "rank 0's summary merged in"
+    );
+    let ranks = RunSummary::read(&layout.train_summary()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ranks.status, TrainStatus::Completed, "{ranks:?}");
+    assert_eq!(ranks.steps, TOTAL_STEPS);
+    assert!(ranks.val_psnr.is_some_and(|p| p > 5.0), "{ranks:?}");
+    assert_eq!(ranks.samples_seen, TOTAL_STEPS * 2 * 2, "2 ranks x batch 2");
+    assert_eq!(
+        layout.latest_checkpoint().map(|c| c.step),
+        Some(TOTAL_STEPS)
+    );
+    // The second start began at the checkpoint's step, not from scratch.
+    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
+    let starts: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "start")
+        .collect();
+    assert_eq!(starts.len(), 2, "{metrics}");
+    assert_eq!(starts[1]["step"], stopped_at);
+    let resumed_from = starts[1]["resumed_from"].as_str().unwrap_or("");
+    assert!(resumed_from.ends_with(&checkpoint.name()), "{resumed_from}");
+}
