@@ -15,8 +15,8 @@ use crate::config::Augment;
 
 use super::error::{DataError, Result};
 use super::loader::{Loader, LoaderOptions};
-use super::sample::{ClipIndex, CropMode, SampleSpec};
-use super::sampler::DistributedSampler;
+use super::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
+use super::sampler::{DistributedSampler, Remainder, SamplerOptions};
 use super::{DatasetIndex, IndexOptions};
 
 /// What one loader process runs.
@@ -70,8 +70,17 @@ pub struct LoaderWorkerReport {
 /// Runs one loader process's epochs.
 pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
     let index = DatasetIndex::open(&o.root, &o.split, IndexOptions::default())?;
-    let clips = ClipIndex::new(&index, o.clip, 1, false);
-    let sampler = DistributedSampler::new(clips.clips.len(), o.ranks, o.rank, true, o.seed, true)?;
+    let clips = ClipIndex::new(&index, ClipWindows::sliding(o.clip));
+    let sampler = DistributedSampler::new(
+        clips.clips.len(),
+        SamplerOptions {
+            world: o.ranks,
+            rank: o.rank,
+            shuffle: true,
+            seed: o.seed,
+            remainder: Remainder::Drop,
+        },
+    )?;
     let options = LoaderOptions {
         workers: o.workers,
         prefetch_batches: o.prefetch * o.workers,

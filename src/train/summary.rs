@@ -1,0 +1,102 @@
+//! The summary of a run that rank 0 writes as `result.json` and
+//! `train_summary.json` (which `vrtspike-launch` merges into `summary.json`):
+//! figures gathered over ranks, then one JSON object.
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+use crate::dist::ReduceOp;
+
+use super::run::Run;
+use super::TrainError;
+
+/// The summary file rank 0 writes in the run directory.
+pub const RESULT_FILE: &str = "result.json";
+/// The same summary under the name `vrtspike-launch` merges into `summary.json`.
+pub const TRAIN_SUMMARY_FILE: &str = "train_summary.json";
+
+/// Loader and memory figures over all ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankTotals {
+    /// Cache hits of every rank.
+    pub cache_hits: f64,
+    /// Cache misses of every rank.
+    pub cache_misses: f64,
+    /// Mean over ranks of the mean wait per batch, in milliseconds.
+    pub data_time_ms: f64,
+    /// The highest PSS of any rank, in MB.
+    pub peak_pss_mb: f64,
+}
+
+/// Gathers [`RankTotals`]; every rank must call it.
+pub fn gather(run: &mut Run<'_>) -> Result<RankTotals, TrainError> {
+    let stats = run.data.loader.stats();
+    let monitor = &mut run.sinks.monitor;
+    let pss = monitor.sample().pss_mb.max(monitor.peak_pss_mb);
+    let local = [
+        stats.cache_hits as f64,
+        stats.cache_misses as f64,
+        stats.data_time_ms,
+    ];
+    let sums = run.comm.all_reduce(&local, ReduceOp::Sum)?;
+    let peak = run.comm.all_reduce(&[pss], ReduceOp::Max)?;
+    let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(f64::NAN);
+    Ok(RankTotals {
+        cache_hits: at(&sums, 0),
+        cache_misses: at(&sums, 1),
+        data_time_ms: at(&sums, 2) / run.env.world_size as f64,
+        peak_pss_mb: at(&peak, 0),
+    })
+}
+
+/// The summary of `run` (the same on every rank).
+pub fn summary(run: &Run<'_>, totals: &RankTotals) -> Value {
+    let (state, attempt) = (&run.state, &run.attempt);
+    let total = run.config.train.total_steps;
+    let status = if state.step >= total {
+        "completed"
+    } else if attempt.preempted {
+        "preempted"
+    } else {
+        "stopped"
+    };
+    let val = attempt.last_val.map(|v| v.sums.means());
+    let reads = totals.cache_hits + totals.cache_misses;
+    let attempt_samples = state.samples_seen - attempt.start_samples;
+    json!({
+        "status": status,
+        "steps": state.step,
+        "total_steps": total,
+        "val_psnr": val.map(|v| v.0),
+        "val_ssim": val.map(|v| v.1),
+        "input_psnr": val.map(|v| v.2),
+        "val_step": attempt.last_val.map(|v| v.step),
+        "val_frames": attempt.last_val.map(|v| v.sums.frames),
+        "samples_per_s": if attempt.step_seconds > 0.0 { attempt_samples as f64 / attempt.step_seconds } else { 0.0 },
+        "samples_seen": state.samples_seen,
+        "cache_hit_rate": if reads > 0.0 { json!(totals.cache_hits / reads) } else { Value::Null },
+        "data_time_ms": totals.data_time_ms,
+        "peak_pss_mb": totals.peak_pss_mb,
+        "skipped_steps": state.skipped_steps,
+        "final_loss": attempt.losses.iter().rev().map(|l| l.1).find(|l| l.is_finite()),
+        "restarts": run.env.restart_count,
+        "world_size": run.env.world_size,
+        "amp": run.model.amp.name(),
+        "parameters": run.model.parameter_count,
+        "wall_s": attempt.started.elapsed().as_secs_f64(),
+        "train_s": attempt.step_seconds,
+    })
+}
+
+/// Writes `summary` as both summary files of `run_dir`, each atomically.
+pub fn write(run_dir: &Path, summary: &Value) -> Result<(), TrainError> {
+    for name in [RESULT_FILE, TRAIN_SUMMARY_FILE] {
+        let path = run_dir.join(name);
+        let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
+        let text = serde_json::to_string_pretty(summary).map_err(|e| TrainError::io(&path, e))?;
+        std::fs::write(&tmp, text + "\n").map_err(|e| TrainError::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| TrainError::io(&path, e))?;
+    }
+    Ok(())
+}
