@@ -9,8 +9,8 @@ use vrtspike::cache::{spawn_server, ServerConfig};
 use vrtspike::config::Augment;
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
-use vrtspike::pipeline::sample::{ClipIndex, CropMode, SampleSpec};
-use vrtspike::pipeline::sampler::DistributedSampler;
+use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
+use vrtspike::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 use vrtspike::synth::{self, SynthOptions};
 
 fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
@@ -24,7 +24,7 @@ fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
     };
     synth::generate_folder(dir, &options, &|_| {}).unwrap();
     let index = DatasetIndex::open_folder(dir, "train", IndexOptions::default()).unwrap();
-    let clips = ClipIndex::new(&index, 4, 1, false);
+    let clips = ClipIndex::new(&index, ClipWindows::sliding(4));
     (Arc::new(index), Arc::new(clips))
 }
 
@@ -55,7 +55,14 @@ fn epoch(loader: &mut Loader, epoch: u64) -> Vec<Batch> {
 }
 
 fn sampler(clips: &ClipIndex) -> DistributedSampler {
-    DistributedSampler::new(clips.clips.len(), 1, 0, true, 11, false).unwrap()
+    let options = SamplerOptions {
+        world: 1,
+        rank: 0,
+        shuffle: true,
+        seed: 11,
+        remainder: Remainder::Pad,
+    };
+    DistributedSampler::new(clips.clips.len(), options).unwrap()
 }
 
 #[test]

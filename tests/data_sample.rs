@@ -8,7 +8,9 @@ use vrtspike::dataset::dat;
 use vrtspike::dataset::image;
 use vrtspike::dataset::voxel::bin_steps;
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
-use vrtspike::pipeline::sample::{build_sample, ClipIndex, ClipRef, CropMode, SampleSpec};
+use vrtspike::pipeline::sample::{
+    build_sample, ClipIndex, ClipRef, ClipWindows, CropMode, SampleSpec,
+};
 use vrtspike::pipeline::{DiskSource, PipelineError};
 use vrtspike::synth::{self, SynthOptions};
 use vrtspike::util::rng::SplitMix64;
@@ -38,12 +40,14 @@ fn spec(crop: CropMode, augment: bool) -> SampleSpec {
 fn clip_windows() {
     let dir = tempfile::tempdir().unwrap();
     let index = tiny(dir.path());
-    let train = ClipIndex::new(&index, 6, 1, false);
+    let train = ClipIndex::new(&index, ClipWindows::sliding(6));
     assert_eq!(train.clips.len(), 2 * 3);
-    let val = ClipIndex::new(&index, 6, 6, true);
+    let val = ClipIndex::new(&index, ClipWindows::covering(6));
     let starts: Vec<(usize, usize)> = val.clips.iter().map(|c| (c.seq, c.start)).collect();
     assert_eq!(starts, vec![(0, 0), (0, 2), (1, 0), (1, 2)]);
-    assert!(ClipIndex::new(&index, 9, 1, false).clips.is_empty());
+    assert!(ClipIndex::new(&index, ClipWindows::sliding(9))
+        .clips
+        .is_empty());
 }
 
 #[test]

@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::Augment;
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 use crate::pipeline::loader::{Loader, LoaderOptions};
-use crate::pipeline::sample::{ClipIndex, CropMode, SampleSpec};
-use crate::pipeline::sampler::DistributedSampler;
+use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
+use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 use crate::pipeline::PipelineError;
 use crate::testkit::process::{spawn_cache_server, ChildGuard};
 
@@ -90,8 +90,17 @@ pub struct LoaderWorkerReport {
 /// Runs one loader process's epochs.
 pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
     let index = DatasetIndex::open(&o.root, &o.split, IndexOptions::default())?;
-    let clips = ClipIndex::new(&index, o.clip, 1, false);
-    let sampler = DistributedSampler::new(clips.clips.len(), o.ranks, o.rank, true, o.seed, true)?;
+    let clips = ClipIndex::new(&index, ClipWindows::sliding(o.clip));
+    let sampler = DistributedSampler::new(
+        clips.clips.len(),
+        SamplerOptions {
+            world: o.ranks,
+            rank: o.rank,
+            shuffle: true,
+            seed: o.seed,
+            remainder: Remainder::Drop,
+        },
+    )?;
     let options = LoaderOptions {
         workers: o.workers,
         prefetch_batches: o.prefetch * o.workers,

@@ -35,6 +35,16 @@ pub fn workers_per_rank(total: Workers, local_world: usize) -> usize {
     (node / local_world.max(1)).max(1)
 }
 
+/// What a loader feeds: training (random crops, augmentation, full batches) or
+/// validation (centre or full-frame crops, batch 1, nothing dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// Training batches.
+    Train,
+    /// Validation clips.
+    Validate,
+}
+
 /// How a rank loads.
 #[derive(Debug, Clone)]
 pub struct LoaderOptions {
@@ -62,15 +72,16 @@ pub struct LoaderOptions {
 
 impl LoaderOptions {
     /// Options from the run config for `rank` of a node with `local_world` ranks:
-    /// training crops and augmentation, or validation crops (`train == false`).
+    /// training crops and augmentation, or validation crops, as `purpose` says.
     /// `cache_address` is used only when `DATA.USE_RAM_CACHE` is true.
     pub fn from_config(
         config: &crate::config::Config,
         rank: usize,
         local_world: usize,
-        train: bool,
+        purpose: Purpose,
         cache_address: Option<String>,
     ) -> LoaderOptions {
+        let train = purpose == Purpose::Train;
         let data = &config.data;
         let workers = workers_per_rank(config.dataloader.total_workers, local_world);
         let crop = if train {
@@ -550,7 +561,7 @@ mod tests {
             std::path::Path::new("t.yaml"),
         )
         .unwrap();
-        let train = LoaderOptions::from_config(&config, 1, 2, true, Some("addr".into()));
+        let train = LoaderOptions::from_config(&config, 1, 2, Purpose::Train, Some("addr".into()));
         assert_eq!(
             (train.workers, train.prefetch_batches, train.batch_size),
             (4, 12, 4)
@@ -560,7 +571,7 @@ mod tests {
             "USE_RAM_CACHE: false reads from disk"
         );
         assert_eq!(train.spec.crop, super::super::sample::CropMode::Random(256));
-        let val = LoaderOptions::from_config(&config, 1, 2, false, None);
+        let val = LoaderOptions::from_config(&config, 1, 2, Purpose::Validate, None);
         assert_eq!(val.spec.crop, super::super::sample::CropMode::Full);
         assert_eq!(val.spec.augment, crate::config::Augment::all(false));
     }

@@ -31,11 +31,48 @@ pub struct ClipIndex {
     pub clips: Vec<ClipRef>,
 }
 
+/// How a [`ClipIndex`] cuts sequences into clips.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClipWindows {
+    /// Frames per clip.
+    pub len: usize,
+    /// Frames between the starts of consecutive clips.
+    pub stride: usize,
+    /// Add a last window ending on the last frame when the stride skips it.
+    pub cover_tail: bool,
+}
+
+impl ClipWindows {
+    /// Every window of `len` frames, one frame apart (training).
+    pub fn sliding(len: usize) -> ClipWindows {
+        ClipWindows {
+            len,
+            stride: 1,
+            cover_tail: false,
+        }
+    }
+
+    /// Windows of `len` frames side by side, the last one ending on the last
+    /// frame, so every frame is covered (validation).
+    pub fn covering(len: usize) -> ClipWindows {
+        ClipWindows {
+            len,
+            stride: len,
+            cover_tail: true,
+        }
+    }
+}
+
 impl ClipIndex {
     /// Windows of `len` frames every `stride` frames; with `cover_tail`, a last
     /// window ending on the last frame is added when the stride skips it
     /// (validation covers every frame). Sequences shorter than `len` give no clip.
-    pub fn new(index: &DatasetIndex, len: usize, stride: usize, cover_tail: bool) -> ClipIndex {
+    pub fn new(index: &DatasetIndex, windows: ClipWindows) -> ClipIndex {
+        let ClipWindows {
+            len,
+            stride,
+            cover_tail,
+        } = windows;
         let stride = stride.max(1);
         let mut clips = Vec::new();
         for (seq, s) in index.sequences.iter().enumerate() {

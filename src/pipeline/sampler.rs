@@ -1,6 +1,7 @@
 //! A sampler with `torch.utils.data.DistributedSampler` semantics: every rank
 //! shuffles the same way from seed + epoch, pads by wrap-around (or drops the tail
-//! with `drop_last`) and takes every world-th index from its rank on. Its cursor
+//! with `drop_last`, or leaves the split uneven so every item is used exactly once)
+//! and takes every world-th index from its rank on. Its cursor
 //! (epoch, position) is saved in checkpoints so a resumed run continues mid-epoch.
 
 use serde::{Deserialize, Serialize};
@@ -26,6 +27,33 @@ pub struct SamplerState {
     pub seed: u64,
 }
 
+/// What happens to the items left over when the dataset does not split evenly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remainder {
+    /// Pad by wrap-around so every rank gets as many (torch's default).
+    Pad,
+    /// Drop the tail so every rank gets as many (torch's `drop_last`).
+    Drop,
+    /// Neither: the first `len % world` ranks get one more, every item is used
+    /// exactly once over the ranks (validation).
+    Uneven,
+}
+
+/// How a [`DistributedSampler`] splits and orders a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplerOptions {
+    /// Ranks sharing the dataset.
+    pub world: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Shuffle every epoch (from `seed` and the epoch), or keep the dataset order.
+    pub shuffle: bool,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// The items left over by an uneven split.
+    pub remainder: Remainder,
+}
+
 /// Hands each rank its share of a dataset, epoch after epoch.
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
@@ -34,22 +62,22 @@ pub struct DistributedSampler {
     rank: usize,
     shuffle: bool,
     seed: u64,
-    drop_last: bool,
+    remainder: Remainder,
     epoch: u64,
     position: usize,
     order: Vec<usize>,
 }
 
 impl DistributedSampler {
-    /// A sampler over `len` items for `rank` of `world`, at epoch 0.
-    pub fn new(
-        len: usize,
-        world: usize,
-        rank: usize,
-        shuffle: bool,
-        seed: u64,
-        drop_last: bool,
-    ) -> Result<Self> {
+    /// A sampler over `len` items as `options` say, at epoch 0.
+    pub fn new(len: usize, options: SamplerOptions) -> Result<Self> {
+        let SamplerOptions {
+            world,
+            rank,
+            shuffle,
+            seed,
+            remainder,
+        } = options;
         if world == 0 || rank >= world {
             return Err(PipelineError::Request(format!(
                 "sampler: rank {rank} of a world of {world}"
@@ -66,7 +94,7 @@ impl DistributedSampler {
             rank,
             shuffle,
             seed,
-            drop_last,
+            remainder,
             epoch: 0,
             position: 0,
             order: Vec::new(),
@@ -75,12 +103,14 @@ impl DistributedSampler {
         Ok(sampler)
     }
 
-    /// Samples per rank per epoch.
+    /// Samples of this rank per epoch.
     pub fn num_samples(&self) -> usize {
-        if self.drop_last && self.len % self.world != 0 {
-            self.len / self.world
-        } else {
-            self.len.div_ceil(self.world)
+        match self.remainder {
+            Remainder::Drop => self.len / self.world,
+            Remainder::Pad => self.len.div_ceil(self.world),
+            Remainder::Uneven => {
+                self.len / self.world + usize::from(self.rank < self.len % self.world)
+            }
         }
     }
 
@@ -94,7 +124,10 @@ impl DistributedSampler {
                 all.swap(i, j);
             }
         }
-        let total = self.num_samples() * self.world;
+        let total = match self.remainder {
+            Remainder::Uneven => all.len(),
+            Remainder::Pad | Remainder::Drop => self.num_samples() * self.world,
+        };
         if total > all.len() {
             // Pad by wrapping around the (shuffled) list, as many times as needed.
             let base = all.clone();
@@ -178,10 +211,20 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
-    fn all_ranks(len: usize, world: usize, drop_last: bool, epoch: u64) -> Vec<Vec<usize>> {
+    fn options(world: usize, rank: usize, seed: u64, remainder: Remainder) -> SamplerOptions {
+        SamplerOptions {
+            world,
+            rank,
+            shuffle: true,
+            seed,
+            remainder,
+        }
+    }
+
+    fn all_ranks(len: usize, world: usize, remainder: Remainder, epoch: u64) -> Vec<Vec<usize>> {
         (0..world)
             .map(|r| {
-                DistributedSampler::new(len, world, r, true, 7, drop_last)
+                DistributedSampler::new(len, options(world, r, 7, remainder))
                     .unwrap()
                     .epoch_indices(epoch)
             })
@@ -190,7 +233,7 @@ mod tests {
 
     #[test]
     fn ranks_partition_the_shuffle_with_padding() {
-        let ranks = all_ranks(10, 3, false, 0);
+        let ranks = all_ranks(10, 3, Remainder::Pad, 0);
         assert!(ranks.iter().all(|r| r.len() == 4));
         let seen: HashSet<usize> = ranks.iter().flatten().copied().collect();
         assert_eq!(seen.len(), 10, "every index is used");
@@ -206,47 +249,78 @@ mod tests {
         }
         assert_eq!(interleaved[10..], interleaved[..2]);
         // Padding wraps more than once when the world exceeds the dataset.
-        let tiny = all_ranks(2, 5, false, 0);
+        let tiny = all_ranks(2, 5, Remainder::Pad, 0);
         assert!(tiny.iter().all(|r| r.len() == 1));
     }
 
     #[test]
     fn drop_last_truncates_and_epochs_reshuffle() {
-        let ranks = all_ranks(10, 3, true, 0);
+        let ranks = all_ranks(10, 3, Remainder::Drop, 0);
         assert!(ranks.iter().all(|r| r.len() == 3));
         let seen: HashSet<usize> = ranks.iter().flatten().copied().collect();
         assert_eq!(seen.len(), 9, "no repeats");
         assert_eq!(
-            all_ranks(10, 3, true, 0),
+            all_ranks(10, 3, Remainder::Drop, 0),
             ranks,
             "same seed and epoch, same order on every call"
         );
-        assert_ne!(all_ranks(10, 3, true, 1), ranks, "another epoch reshuffles");
-        let plain = DistributedSampler::new(5, 1, 0, false, 0, false).unwrap();
+        assert_ne!(
+            all_ranks(10, 3, Remainder::Drop, 1),
+            ranks,
+            "another epoch reshuffles"
+        );
+        let in_order = SamplerOptions {
+            shuffle: false,
+            ..options(1, 0, 0, Remainder::Pad)
+        };
+        let plain = DistributedSampler::new(5, in_order).unwrap();
         assert_eq!(plain.epoch_indices(3), vec![0, 1, 2, 3, 4]);
     }
 
     #[test]
+    fn uneven_split_uses_every_item_exactly_once() {
+        let split = |len: usize, world: usize| -> Vec<Vec<usize>> {
+            (0..world)
+                .map(|rank| {
+                    let options = SamplerOptions {
+                        shuffle: false,
+                        ..options(world, rank, 0, Remainder::Uneven)
+                    };
+                    let sampler = DistributedSampler::new(len, options).unwrap();
+                    let indices = sampler.epoch_indices(0);
+                    assert_eq!(indices.len(), sampler.num_samples());
+                    indices
+                })
+                .collect()
+        };
+        // Clip i on rank i % world, in order, nothing padded or dropped.
+        assert_eq!(split(5, 2), vec![vec![0, 2, 4], vec![1, 3]]);
+        assert_eq!(split(3, 2), vec![vec![0, 2], vec![1]]);
+        // More ranks than items: the last ones get none.
+        assert_eq!(split(2, 3), vec![vec![0], vec![1], vec![]]);
+    }
+
+    #[test]
     fn restore_continues_mid_epoch() {
-        let mut a = DistributedSampler::new(50, 2, 1, true, 3, false).unwrap();
+        let mut a = DistributedSampler::new(50, options(2, 1, 3, Remainder::Pad)).unwrap();
         a.set_epoch(4);
         for _ in 0..7 {
             a.next_index();
         }
         let saved = serde_json::to_string(&a.state()).unwrap();
         let rest: Vec<_> = std::iter::from_fn(|| a.next_index()).collect();
-        let mut b = DistributedSampler::new(50, 2, 1, true, 3, false).unwrap();
+        let mut b = DistributedSampler::new(50, options(2, 1, 3, Remainder::Pad)).unwrap();
         b.restore(&serde_json::from_str(&saved).unwrap()).unwrap();
         assert_eq!(b.epoch(), 4);
         let resumed: Vec<_> = std::iter::from_fn(|| b.next_index()).collect();
         assert_eq!(resumed, rest);
         assert_eq!(resumed.len(), 25 - 7);
-        let mut other = DistributedSampler::new(51, 2, 1, true, 3, false).unwrap();
+        let mut other = DistributedSampler::new(51, options(2, 1, 3, Remainder::Pad)).unwrap();
         let err = other
             .restore(&serde_json::from_str(&saved).unwrap())
             .unwrap_err()
             .to_string();
         assert!(err.contains("dataset length 50"), "{err}");
-        assert!(DistributedSampler::new(5, 2, 2, true, 0, false).is_err());
+        assert!(DistributedSampler::new(5, options(2, 2, 0, Remainder::Pad)).is_err());
     }
 }

@@ -5,19 +5,24 @@
 
 pub mod amp;
 pub mod checkpoint;
+pub mod comm;
 pub mod env;
 pub mod loss;
 pub mod metrics;
 pub mod monitor;
 pub mod optim;
 pub mod preempt;
+pub mod report;
 pub mod resolve;
+pub mod run;
 pub mod schedule;
 pub mod step;
+pub mod summary;
+pub mod tasks;
 pub mod trainer;
 pub mod validate;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub use env::RankEnv;
 pub use trainer::{train, TrainOptions, TrainOutcome};
@@ -67,4 +72,14 @@ pub enum TrainError {
         /// What failed.
         message: String,
     },
+}
+
+impl TrainError {
+    /// A file of the run directory that could not be written or created.
+    pub fn io(path: &Path, error: impl std::fmt::Display) -> TrainError {
+        TrainError::Io {
+            path: path.to_path_buf(),
+            message: error.to_string(),
+        }
+    }
 }

@@ -4,10 +4,8 @@
 //! gradients and the reduced loss flag are the same everywhere), so an inf/NaN
 //! never reaches the weights or the optimizer moments.
 
-use tch::Tensor;
-
 use super::amp::GradScaler;
-use super::optim::{grad_norm, AdamW};
+use super::optim::{clip_grad_norm, grad_norm, AdamW};
 
 /// What happened to one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,39 +31,30 @@ pub fn apply_update(
     max_grad_norm: Option<f64>,
 ) -> StepResult {
     scaler.unscale(optimizer.params());
-    let norm = grad_norm(optimizer.params());
+    // Clipping leaves non-finite gradients alone; a skipped step clears them anyway.
+    let norm = match max_grad_norm {
+        Some(max) => clip_grad_norm(optimizer.params(), max),
+        None => grad_norm(optimizer.params()),
+    };
     if nonfinite_loss || !norm.is_finite() {
         optimizer.zero_grad();
         scaler.update(true);
         return StepResult::Skipped { nonfinite_loss };
-    }
-    if let Some(max) = max_grad_norm {
-        if norm > max {
-            let factor = max / (norm + 1e-6);
-            tch::no_grad(|| {
-                for p in optimizer.params() {
-                    let mut g = p.grad();
-                    if g.defined() {
-                        let _ = g.g_mul_scalar_(factor);
-                    }
-                }
-            });
-        }
     }
     optimizer.step(lr);
     scaler.update(false);
     StepResult::Applied { grad_norm: norm }
 }
 
-/// Copies of tensors' values (to compare before/after in tests and checks).
-pub fn snapshot(params: &[Tensor]) -> Vec<Tensor> {
-    params.iter().map(|p| p.detach().copy()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::{Device, Kind};
+    use tch::{Device, Kind, Tensor};
+
+    /// Copies of tensors' values (to compare before and after).
+    fn snapshot(params: &[Tensor]) -> Vec<Tensor> {
+        params.iter().map(|p| p.detach().copy()).collect()
+    }
 
     fn setup() -> (Tensor, AdamW) {
         let w = Tensor::from_slice(&[0.5f32, -0.25, 1.0]).set_requires_grad(true);

@@ -12,9 +12,9 @@ use crate::dataset::DatasetIndex;
 use crate::eval::quality::QualitySums;
 use crate::eval::tiles::tiled_forward;
 use crate::model::Restorer;
-use crate::pipeline::loader::{Loader, LoaderOptions};
-use crate::pipeline::sample::{ClipIndex, CropMode};
-use crate::pipeline::sampler::DistributedSampler;
+use crate::pipeline::loader::{Loader, LoaderOptions, Purpose};
+use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode};
+use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 
 use super::amp::AmpMode;
 use super::env::RankEnv;
@@ -35,44 +35,44 @@ pub struct Validator {
 
 impl Validator {
     /// Clips of `index` (windows of `DATA.CLIP_LEN`, every frame covered), every
-    /// world-th one from this rank on, read through the node cache when one runs.
+    /// world-th one from this rank on (each clip validated once over the ranks),
+    /// read through the node cache when one runs.
     pub fn new(
         config: &Config,
         index: Arc<DatasetIndex>,
         env: &RankEnv,
         amp: AmpMode,
     ) -> Result<Validator, TrainError> {
-        let (rank, world, device) = (env.rank, env.world_size, env.device);
-        let len = config.data.clip_len as usize;
-        let all = ClipIndex::new(&index, len, len, true);
-        let mine: Vec<_> = all
-            .clips
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i % world == rank)
-            .map(|(_, c)| *c)
-            .collect();
-        let clips = mine.len();
+        let (rank, device) = (env.rank, env.device);
+        let all = ClipIndex::new(&index, ClipWindows::covering(config.data.clip_len as usize));
+        let sampler = if all.clips.is_empty() {
+            None
+        } else {
+            let options = SamplerOptions {
+                world: env.world_size,
+                rank,
+                shuffle: false,
+                seed: 0,
+                remainder: Remainder::Uneven,
+            };
+            Some(DistributedSampler::new(all.clips.len(), options)?)
+        };
+        let clips = sampler.as_ref().map_or(0, |s| s.num_samples());
         let mut options = LoaderOptions::from_config(
             config,
             rank,
             env.local_world_size,
-            false,
+            Purpose::Validate,
             env.cache_addr.clone(),
         );
         options.client_name = format!("rank{rank}-val");
         options.workers = options.workers.min(2);
         options.prefetch_batches = options.workers * 2;
-        let loader = if mine.is_empty() {
-            None
-        } else {
-            let sampler = DistributedSampler::new(mine.len(), 1, 0, false, 0, false)?;
-            Some(Loader::new(
-                index,
-                Arc::new(ClipIndex { len, clips: mine }),
-                sampler,
-                options.clone(),
-            )?)
+        let loader = match sampler {
+            Some(sampler) if clips > 0 => {
+                Some(Loader::new(index, Arc::new(all), sampler, options.clone())?)
+            }
+            _ => None,
         };
         let tile = match (options.spec.crop, config.data.val_tile) {
             (CropMode::Full, Some(tile)) => {

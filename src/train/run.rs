@@ -1,0 +1,595 @@
+//! One rank's training run as typed parts, built from the config and the rank
+//! environment by [`RunBuilder`] (data, communication, model and optimizer, state,
+//! sinks; resumed from the newest checkpoint when there is one), and its optimizer
+//! step [`Run::step`]: gradient accumulation, AMP, DDP averaging, NaN/inf skipping.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::json;
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::config::Config;
+use crate::dataset::{DataError, DatasetIndex, IndexOptions};
+use crate::dist::ReduceOp;
+use crate::eval::quality::QualitySums;
+use crate::model::Restorer;
+use crate::pipeline::loader::{Batch, Loader, LoaderOptions, Purpose};
+use crate::pipeline::sample::{ClipIndex, ClipWindows};
+use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions, SamplerState};
+
+use super::amp::{AmpMode, GradScaler};
+use super::checkpoint::{self, TrainState};
+use super::comm::{self, Communication};
+use super::env::RankEnv;
+use super::loss::charbonnier;
+use super::metrics::MetricsSink;
+use super::monitor::MemoryMonitor;
+use super::optim::AdamW;
+use super::preempt;
+use super::report::{LogWindow, StepReport};
+use super::schedule::CosineSchedule;
+use super::step::{apply_update, StepResult};
+use super::validate::Validator;
+use super::{TrainError, TrainOptions};
+
+/// The data of a run.
+pub struct RunData {
+    /// This rank's training batches.
+    pub loader: Loader,
+    /// This rank's validation clips (none without a `test` split).
+    pub validator: Option<Validator>,
+    /// Training clips of the whole job.
+    pub train_clips: usize,
+}
+
+/// The model and what updates it.
+pub struct ModelParts {
+    /// The model's variables.
+    pub vs: nn::VarStore,
+    /// The model.
+    pub model: Box<dyn Restorer>,
+    /// AdamW over the trainable parameters, sorted by name.
+    pub optimizer: AdamW,
+    /// The learning rate schedule.
+    pub schedule: CosineSchedule,
+    /// The precision of forward passes.
+    pub amp: AmpMode,
+    /// Trainable parameters.
+    pub parameter_count: i64,
+}
+
+/// Where figures go.
+pub struct Sinks {
+    /// `metrics.jsonl` and the progress bar (rank 0; disabled elsewhere).
+    pub metrics: MetricsSink,
+    /// Memory samples.
+    pub monitor: MemoryMonitor,
+}
+
+/// The last validation over all ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct Validation {
+    /// The step it ran after.
+    pub step: u64,
+    /// Its sums over ranks.
+    pub sums: QualitySums,
+}
+
+/// Figures of this attempt (what outlives it is in [`TrainState`]).
+pub struct Attempt {
+    /// When the attempt started.
+    pub started: Instant,
+    /// `samples_seen` at the start.
+    pub start_samples: u64,
+    /// The checkpoint it resumed from.
+    pub resumed_from: Option<PathBuf>,
+    /// Seconds in steps not yet added to the state's `train_seconds`.
+    pub unsaved_seconds: f64,
+    /// Seconds in steps.
+    pub step_seconds: f64,
+    /// Mean loss over ranks of each step: (step number, loss).
+    pub losses: Vec<(u64, f64)>,
+    /// Figures since the last `train` log line.
+    pub window: LogWindow,
+    /// The last validation.
+    pub last_val: Option<Validation>,
+    /// The last step asked to stop with a checkpoint.
+    pub preempted: bool,
+}
+
+/// One rank's run.
+pub struct Run<'a> {
+    /// The run config.
+    pub config: &'a Config,
+    /// This rank.
+    pub env: &'a RankEnv,
+    /// The step this attempt stops at (`TRAIN.TOTAL_STEPS` or `stop_after_steps`).
+    pub stop_at: u64,
+    /// Training and validation data.
+    pub data: RunData,
+    /// The other ranks.
+    pub comm: Box<dyn Communication>,
+    /// Model, optimizer, schedule.
+    pub model: ModelParts,
+    /// What a checkpoint saves.
+    pub state: TrainState,
+    /// Figures of this attempt.
+    pub attempt: Attempt,
+    /// Metrics and memory.
+    pub sinks: Sinks,
+}
+
+/// The dataset splits of a run.
+struct Splits {
+    train: Arc<DatasetIndex>,
+    clips: Arc<ClipIndex>,
+    val: Option<Arc<DatasetIndex>>,
+}
+
+/// Builds a [`Run`]; every rank of the job must build one.
+pub struct RunBuilder<'a> {
+    config: &'a Config,
+    env: &'a RankEnv,
+    options: &'a TrainOptions,
+}
+
+impl<'a> RunBuilder<'a> {
+    /// A builder for `config` on this rank.
+    pub fn new(config: &'a Config, env: &'a RankEnv, options: &'a TrainOptions) -> Self {
+        RunBuilder {
+            config,
+            env,
+            options,
+        }
+    }
+
+    /// Opens the data, builds the model, resumes, connects to the other ranks and
+    /// writes the `start` event.
+    pub fn build(self) -> Result<Run<'a>, TrainError> {
+        let (config, env) = (self.config, self.env);
+        let started = Instant::now();
+        let dir = env.checkpoint_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+        let splits = open_splits(config)?;
+        let mut model = build_model(config, env.device)?;
+        let sampler = DistributedSampler::new(
+            splits.clips.clips.len(),
+            SamplerOptions {
+                world: env.world_size,
+                rank: env.rank,
+                shuffle: true,
+                seed: config.train.seed,
+                remainder: Remainder::Pad,
+            },
+        )?;
+        let resumed_from = checkpoint::latest(&dir);
+        let state = match &resumed_from {
+            Some(path) => resume(path, &mut model, env.rank)?,
+            None => fresh_state(config, &model, &sampler, env.world_size),
+        };
+        let mut comm = comm::connect(config, env, model.optimizer.params())?;
+        check_same_start(comm.as_mut(), &state, env)?;
+        let cursor = resumed_from.is_some().then_some(state.sampler);
+        let data = open_data(config, env, splits, sampler, cursor, model.amp)?;
+        let total = config.train.total_steps;
+        let metrics = MetricsSink::new(&env.run_dir, env.rank == 0, state.step, total)
+            .map_err(|e| TrainError::io(&env.run_dir, e))?;
+        let monitor = MemoryMonitor::new(match env.device {
+            Device::Cuda(n) => Some(n),
+            _ => None,
+        });
+        let attempt = Attempt {
+            started,
+            start_samples: state.samples_seen,
+            resumed_from,
+            unsaved_seconds: 0.0,
+            step_seconds: 0.0,
+            losses: Vec::new(),
+            window: LogWindow::default(),
+            last_val: None,
+            preempted: false,
+        };
+        let mut run = Run {
+            config,
+            env,
+            stop_at: self
+                .options
+                .stop_after_steps
+                .map_or(total, |s| s.min(total)),
+            data,
+            comm,
+            model,
+            state,
+            attempt,
+            sinks: Sinks { metrics, monitor },
+        };
+        run.announce();
+        Ok(run)
+    }
+}
+
+/// The training split with its clips, and the validation split when there is one.
+fn open_splits(config: &Config) -> Result<Splits, TrainError> {
+    let root = config.data.root.clone().ok_or_else(|| TrainError::Config {
+        key: "DATA.ROOT".into(),
+        message: "not set: the dataset root (e.g. written by `vrtspike synth --out DIR`)".into(),
+    })?;
+    if !root.is_dir() {
+        return Err(TrainError::Config {
+            key: "DATA.ROOT".into(),
+            message: format!(
+                "the dataset root {} does not exist or is not a directory",
+                root.display()
+            ),
+        });
+    }
+    let index_options = IndexOptions::from_config(&config.data);
+    let train = Arc::new(DatasetIndex::open(&root, "train", index_options)?);
+    let windows = ClipWindows::sliding(config.data.clip_len as usize);
+    let clips = Arc::new(ClipIndex::new(&train, windows));
+    let val = match DatasetIndex::open(&root, "test", index_options) {
+        Ok(index) => Some(Arc::new(index)),
+        Err(DataError::Missing { path, .. }) => {
+            tracing::warn!(path = %path.display(), "no validation split: validation skipped");
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(Splits { train, clips, val })
+}
+
+/// The model from `MODEL` (seeded by `TRAIN.SEED`), AdamW over its trainable
+/// parameters sorted by name, the schedule and the precision.
+fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
+    let tc = &config.train;
+    tch::manual_seed(tc.seed as i64);
+    let vs = nn::VarStore::new(device);
+    let model = crate::model::build(&vs.root(), &config.model)?;
+    let mut named: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    let parameter_count = params.iter().map(|p| p.numel() as i64).sum();
+    Ok(ModelParts {
+        vs,
+        model,
+        optimizer: AdamW::new(params, tc.betas, tc.eps, tc.weight_decay),
+        schedule: CosineSchedule::from_config(tc),
+        amp: AmpMode::from_config(tc, device),
+        parameter_count,
+    })
+}
+
+/// The state of a run that starts at step 0.
+fn fresh_state(
+    config: &Config,
+    model: &ModelParts,
+    sampler: &DistributedSampler,
+    world: usize,
+) -> TrainState {
+    TrainState {
+        step: 0,
+        optimizer_steps: 0,
+        skipped_steps: 0,
+        samples_seen: 0,
+        sampler: sampler.state(),
+        scaler: GradScaler::new(model.amp == AmpMode::Fp16),
+        schedule: model.schedule.into(),
+        seed: config.train.seed,
+        world_size: world,
+        train_seconds: 0.0,
+    }
+}
+
+/// Loads the checkpoint at `path` into the model and optimizer.
+fn resume(path: &Path, model: &mut ModelParts, rank: usize) -> Result<TrainState, TrainError> {
+    let state = checkpoint::load(path, &model.vs, &mut model.optimizer)?;
+    if rank == 0 {
+        tracing::info!(checkpoint = %path.display(), step = state.step, "resuming");
+    }
+    Ok(state)
+}
+
+/// Every rank must resume from the same step (a run directory not shared by all
+/// nodes would silently mix fresh and resumed optimizer state).
+fn check_same_start(
+    comm: &mut dyn Communication,
+    state: &TrainState,
+    env: &RankEnv,
+) -> Result<(), TrainError> {
+    let highest = comm.all_reduce(&[state.step as f64], ReduceOp::Max)?[0];
+    let lowest = comm.all_reduce(&[state.step as f64], ReduceOp::Min)?[0];
+    if highest == lowest {
+        return Ok(());
+    }
+    Err(TrainError::Config {
+        key: "run directory".into(),
+        message: format!(
+            "ranks resume from different steps ({lowest} to {highest}; this rank {} from {}): \
+             every node must see the same {}",
+            env.rank,
+            state.step,
+            env.checkpoint_dir().display()
+        ),
+    })
+}
+
+/// This rank's training loader (at `cursor` when resuming) and validator.
+fn open_data(
+    config: &Config,
+    env: &RankEnv,
+    splits: Splits,
+    sampler: DistributedSampler,
+    cursor: Option<SamplerState>,
+    amp: AmpMode,
+) -> Result<RunData, TrainError> {
+    let rank = env.rank;
+    let options = LoaderOptions::from_config(
+        config,
+        rank,
+        env.local_world_size,
+        Purpose::Train,
+        env.cache_addr.clone(),
+    );
+    if config.data.use_ram_cache && env.cache_addr.is_none() && rank == 0 {
+        tracing::warn!("no cache server (VRTSPIKE_CACHE_ADDR unset): reading from disk");
+    }
+    let train_clips = splits.clips.clips.len();
+    let mut loader = Loader::new(splits.train, splits.clips, sampler, options)?;
+    if let Some(mut cursor) = cursor {
+        cursor.rank = rank;
+        loader.restore(&cursor)?;
+    }
+    let validator = match splits.val {
+        Some(index) => Some(Validator::new(config, index, env, amp)?),
+        None => None,
+    };
+    Ok(RunData {
+        loader,
+        validator,
+        train_clips,
+    })
+}
+
+/// The next training batch, starting the next epoch when one ends.
+fn next_batch(loader: &mut Loader) -> Result<Batch, TrainError> {
+    for _ in 0..2 {
+        match loader.next_batch() {
+            Some(batch) => return Ok(batch?),
+            None => {
+                let epoch = loader.state().epoch + 1;
+                tracing::debug!(epoch, "new epoch");
+                loader.set_epoch(epoch);
+            }
+        }
+    }
+    Err(DataError::Request(
+        "the training loader yields no batch (fewer clips than the batch size?)".into(),
+    )
+    .into())
+}
+
+/// Seed of libtorch's generator for step `step` (so a resumed run draws the same numbers).
+fn step_seed(seed: u64, step: u64) -> i64 {
+    (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xBF58_476D_1CE4_E5B9)) as i64
+        & i64::MAX
+}
+
+/// This rank's part of a step, before the reduction over ranks.
+#[derive(Debug, Default)]
+struct LocalStep {
+    /// Sum of the finite micro-batch losses (each divided by the accumulation).
+    loss: f64,
+    /// Some micro-batch loss was inf/NaN.
+    nonfinite: bool,
+    /// The samples of those micro-batches (`sequence/frame+frame`).
+    bad_samples: Vec<String>,
+    /// Samples of the step.
+    samples: usize,
+    /// Loss of the blurred input (divided by the accumulation).
+    input_loss: f64,
+}
+
+/// A step's figures summed over ranks.
+struct GlobalStep {
+    loss_sum: f64,
+    bad_ranks: f64,
+    preempt_ranks: f64,
+    samples: u64,
+    input_loss_sum: f64,
+}
+
+impl Run<'_> {
+    /// Installs the preemption handler, logs the start and writes the `start` event.
+    fn announce(&mut self) {
+        if let Err(e) = preempt::install() {
+            tracing::warn!(error = %e, "cannot install the SIGUSR2 handler: preemption requests will kill this rank");
+        }
+        if self.env.rank != 0 {
+            return;
+        }
+        let (env, state, model) = (self.env, &self.state, &self.model);
+        tracing::info!(
+            world = env.world_size,
+            params = model.parameter_count,
+            clips = self.data.train_clips,
+            val_clips = self.data.validator.as_ref().map_or(0, |v| v.clips()),
+            start_step = state.step,
+            total_steps = self.config.train.total_steps,
+            amp = model.amp.name(),
+            device = ?env.device,
+            "training"
+        );
+        let resumed_from = self.attempt.resumed_from.as_ref();
+        self.sinks.metrics.write(
+            "event",
+            json!({"event": "start", "step": state.step, "world_size": env.world_size, "restart_count": env.restart_count,
+                   "resumed_from": resumed_from.map(|p| p.display().to_string()), "parameters": model.parameter_count}),
+        );
+    }
+
+    /// One optimizer step over all ranks; every rank must call it.
+    pub fn step(&mut self) -> Result<StepReport, TrainError> {
+        let started = Instant::now();
+        let step = self.state.step;
+        let lr = self.model.schedule.lr_at(step);
+        tch::manual_seed(step_seed(self.config.train.seed, step));
+        self.model.optimizer.zero_grad();
+        let local = self.accumulate()?;
+        self.comm.sync_gradients()?;
+        let global = self.reduce(&local)?;
+        if local.nonfinite {
+            tracing::warn!(step = step + 1, rank = self.env.rank, samples = ?local.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
+        }
+        let result = apply_update(
+            &mut self.model.optimizer,
+            &mut self.state.scaler,
+            global.bad_ranks > 0.0,
+            lr,
+            self.config.train.grad_clip(),
+        );
+        let report = self.record(lr, &global, result, &local.bad_samples);
+        let seconds = started.elapsed().as_secs_f64();
+        self.attempt.unsaved_seconds += seconds;
+        self.attempt.step_seconds += seconds;
+        self.attempt.window.add(&report);
+        self.attempt.preempted = report.preempted;
+        Ok(report)
+    }
+
+    /// Forward and backward passes of `TRAIN.GRADIENT_ACCUMULATION_STEPS` micro-batches.
+    fn accumulate(&mut self) -> Result<LocalStep, TrainError> {
+        let tc = &self.config.train;
+        let accum = tc.gradient_accumulation_steps as usize;
+        let (model, amp) = (&self.model.model, self.model.amp);
+        let mut local = LocalStep::default();
+        for _ in 0..accum {
+            let batch = next_batch(&mut self.data.loader)?;
+            let (blur, sharp, voxels) = batch.to_tensors(self.env.device)?;
+            let voxels = model.uses_voxels().then_some(&voxels);
+            let output = amp.run(|| model.forward(&blur, voxels, true))?;
+            let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps)
+                / accum as f64;
+            let value = loss.double_value(&[]);
+            local.input_loss +=
+                tch::no_grad(|| charbonnier(&blur, &sharp, tc.charbonnier_eps).double_value(&[]))
+                    / accum as f64;
+            local.samples += batch.samples.len();
+            if value.is_finite() {
+                local.loss += value;
+                self.state.scaler.scale_loss(&loss).backward();
+            } else {
+                local.nonfinite = true;
+                local.bad_samples.extend(
+                    batch
+                        .samples
+                        .iter()
+                        .map(|s| format!("{}/{}", s.sequence, s.frames.join("+"))),
+                );
+            }
+        }
+        Ok(local)
+    }
+
+    /// Sums the step's loss, flags and samples over ranks.
+    fn reduce(&mut self, local: &LocalStep) -> Result<GlobalStep, TrainError> {
+        let flags = [
+            if local.nonfinite { 0.0 } else { local.loss },
+            f64::from(u8::from(local.nonfinite)),
+            f64::from(u8::from(preempt::requested())),
+            local.samples as f64,
+            local.input_loss,
+        ];
+        let sums = self.comm.all_reduce(&flags, ReduceOp::Sum)?;
+        let sum = |i: usize| sums.get(i).copied().unwrap_or(f64::NAN);
+        Ok(GlobalStep {
+            loss_sum: sum(0),
+            bad_ranks: sum(1),
+            preempt_ranks: sum(2),
+            samples: sum(3) as u64,
+            input_loss_sum: sum(4),
+        })
+    }
+
+    /// Advances the state past the step and reports it (a skipped step is logged
+    /// and written as an event by rank 0).
+    fn record(
+        &mut self,
+        lr: f64,
+        global: &GlobalStep,
+        result: StepResult,
+        bad_samples: &[String],
+    ) -> StepReport {
+        let world = self.env.world_size as f64;
+        let state = &mut self.state;
+        state.step += 1;
+        state.samples_seen += global.samples;
+        state.optimizer_steps = self.model.optimizer.steps();
+        let good_ranks = world - global.bad_ranks;
+        let mean_loss = if good_ranks > 0.0 {
+            global.loss_sum / good_ranks
+        } else {
+            f64::NAN
+        };
+        self.attempt.losses.push((state.step, mean_loss));
+        let grad_norm = match result {
+            StepResult::Applied { grad_norm } => grad_norm,
+            StepResult::Skipped { nonfinite_loss } => {
+                state.skipped_steps += 1;
+                if self.env.rank == 0 {
+                    tracing::warn!(
+                        step = state.step,
+                        nonfinite_loss,
+                        "step skipped: inf/NaN loss or gradients"
+                    );
+                    self.sinks.metrics.write("event", json!({"event": "skipped_step", "step": state.step, "nonfinite_loss": nonfinite_loss,
+                        "samples": bad_samples, "loss_scale": state.scaler.scale}));
+                }
+                f64::NAN
+            }
+        };
+        let finished = state.step == self.config.train.total_steps;
+        StepReport {
+            step: state.step,
+            lr,
+            mean_loss,
+            grad_norm,
+            samples: global.samples,
+            input_loss: global.input_loss_sum / world,
+            finished,
+            preempted: !finished && (global.preempt_ranks > 0.0 || state.step == self.stop_at),
+        }
+    }
+
+    /// Logs and writes the `preempted` event (rank 0) before the run stops early.
+    pub fn note_preempted(&mut self) {
+        if self.env.rank == 0 {
+            tracing::info!(
+                step = self.state.step,
+                "stopping after a checkpoint (preemption request or --stop-after-steps)"
+            );
+            self.sinks.metrics.write(
+                "event",
+                json!({"event": "preempted", "step": self.state.step}),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_by_step_and_seed_and_stay_non_negative() {
+        assert_eq!(step_seed(7, 3), step_seed(7, 3));
+        assert_ne!(step_seed(7, 3), step_seed(7, 4));
+        assert_ne!(step_seed(7, 3), step_seed(8, 3));
+        assert!((0..1000).all(|s| step_seed(u64::MAX, s) >= 0));
+    }
+}
