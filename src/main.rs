@@ -26,6 +26,11 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Versions and devices this binary sees (libtorch, CUDA).
     Info,
+    /// Config tools: the resolved config with the origin of every key.
+    #[command(subcommand)]
+    Config(cli::config::ConfigCommand),
+    /// Memory plan of a config: cache, loader, model states, host total, warnings.
+    Plan(cli::plan::PlanArgs),
     /// Model tools: parameter summary, running the model on a tensor file.
     #[command(subcommand)]
     Model(vrtspike::model::cli::ModelCommand),
@@ -49,6 +54,8 @@ fn main() -> Result<()> {
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info => cli::info(),
+        Command::Config(cmd) => cli::config::run(cmd),
+        Command::Plan(args) => cli::plan::run(args),
         Command::Model(cmd) => vrtspike::model::cli::run(cmd),
         Command::Profile(args) => vrtspike::model::cli::profile(args),
         Command::Infer(args) => vrtspike::model::cli::infer(args),

@@ -2,7 +2,9 @@
 
 pub mod bench;
 pub mod cache;
+pub mod config;
 pub mod demo;
+pub mod plan;
 
 use anyhow::Result;
 
