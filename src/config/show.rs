@@ -92,7 +92,13 @@ impl Resolved {
         let keys = self.keys();
         let rows: Vec<(String, String)> = keys
             .iter()
-            .map(|k| (format!("{}: {}", k.key, k.value), describe(&k.origin)))
+            .map(|k| {
+                let mut origin = describe(&k.origin);
+                if k.value.is_null() && k.key.starts_with("MODEL.SPIKE_TSA.") {
+                    origin.push_str("; null follows MODEL.FUSE");
+                }
+                (format!("{}: {}", k.key, k.value), origin)
+            })
             .collect();
         let width = rows.iter().map(|(left, _)| left.len()).max().unwrap_or(0);
         let mut out = format!("# resolved config of {}\n", self.file.display());
