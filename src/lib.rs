@@ -18,6 +18,7 @@ pub mod dist;
 pub mod eval;
 pub mod model;
 pub mod pipeline;
+pub mod plan;
 pub mod synth;
 pub mod testkit;
 pub mod train;

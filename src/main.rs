@@ -27,6 +27,11 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Versions and devices this binary sees (libtorch, CUDA).
     Info,
+    /// Config tools: the resolved config with the origin of every key.
+    #[command(subcommand)]
+    Config(cli::config::ConfigCommand),
+    /// Memory plan of a config: cache, loader, model states, host total, warnings.
+    Plan(cli::plan::PlanArgs),
     /// Model tools: parameter summary, running the model on a tensor file.
     #[command(subcommand)]
     Model(cli::model::ModelCommand),
@@ -50,6 +55,8 @@ fn main() -> Result<()> {
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info => cli::info::run(),
+        Command::Config(cmd) => cli::config::run(cmd),
+        Command::Plan(args) => cli::plan::run(args),
         Command::Model(cmd) => cli::model::run(cmd),
         Command::Profile(args) => cli::profile::run(args),
         Command::Infer(args) => cli::infer::run(args),

@@ -4,11 +4,13 @@
 
 pub mod bench;
 pub mod cache;
+pub mod config;
 pub mod demo;
 pub mod infer;
 pub mod info;
 pub mod inspect;
 pub mod model;
+pub mod plan;
 pub mod profile;
 pub mod synth;
 pub mod train;

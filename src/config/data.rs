@@ -1,17 +1,17 @@
 //! `DATA`: where the dataset is, how samples are cut from it, and the node cache.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::invalid;
 
 /// The `DATA` section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Dataset root (folder layout or HDF5 sessions).
     #[serde(rename = "ROOT")]
     pub root: Option<std::path::PathBuf>,
-    /// Square training crop, in RGB pixels.
+    /// Square training crop, in RGB pixels (`TRAIN_CROP_SIZE` is the same key).
     #[serde(rename = "CROP_SIZE")]
     pub crop_size: u32,
     /// Validation centre crop; `null` validates on the full frame.
@@ -48,10 +48,14 @@ pub struct DataConfig {
     /// HDF5 chunk cache per open file, in MiB.
     #[serde(rename = "CHUNK_CACHE_MB")]
     pub chunk_cache_mb: u32,
+    /// `true`: read precomputed `spike_vox/*.npy` voxel grids instead of `spike/*.dat`;
+    /// `false`: the `.dat` spike streams; `null`: whichever the sequence has.
+    #[serde(rename = "USE_PRECOMPUTED_VOXELS")]
+    pub use_precomputed_voxels: Option<bool>,
 }
 
 /// Which folder holds the blurred frames (GoPro ships both).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 pub enum BlurDir {
     /// `blur/`: blur averaged in linear space (the default).
     #[default]
@@ -97,6 +101,17 @@ impl Augment {
             vflip: on,
             rot90: on,
         }
+    }
+}
+
+impl Serialize for Augment {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut s = ser.serialize_struct("Augment", 3)?;
+        s.serialize_field("HFLIP", &self.hflip)?;
+        s.serialize_field("VFLIP", &self.vflip)?;
+        s.serialize_field("ROT90", &self.rot90)?;
+        s.end()
     }
 }
 
@@ -148,6 +163,7 @@ impl Default for DataConfig {
             skip_bad_frames: false,
             augment: Augment::default(),
             chunk_cache_mb: 64,
+            use_precomputed_voxels: None,
         }
     }
 }

@@ -1,11 +1,11 @@
 //! `DIST`: process-group settings shared by every rank.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::invalid;
 
 /// Collective backend choice (`DIST.BACKEND`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 pub enum DistBackend {
     /// NCCL on CUDA ranks, Gloo on CPU ranks.
     #[default]
@@ -20,7 +20,7 @@ pub enum DistBackend {
 }
 
 /// The `DIST` section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
     /// Seconds a collective may wait before the job fails naming the rank.

@@ -1,17 +1,36 @@
-//! `DATALOADER`: loader threads per node and the prefetch depth.
+//! `DATALOADER`: loader threads per node, prefetch depths and the batch options the
+//! user's PyTorch configs carry (`PIN_MEMORY`, `PERSISTENT_WORKERS`, `DROP_LAST`).
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::invalid;
 
 /// `TOTAL_WORKERS`: a count for the whole node, or `auto` (80% of the cores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Workers {
-    /// 80% of the node's cores, split over its ranks.
+    /// 80% of the node's cores and at least 4 per GPU, split over its ranks.
     #[default]
     Auto,
     /// This many loader threads on the node, split over its ranks.
     Count(u32),
+}
+
+/// Loader threads of a node for `TOTAL_WORKERS: auto`, as the user's trainer chose
+/// them: 80% of `cores`, but at least 4 per GPU (`gpus`), and at least 1.
+pub fn auto_workers(cores: usize, gpus: usize) -> u32 {
+    let share = cores * 4 / 5;
+    let floor = 4 * gpus;
+    u32::try_from(share.max(floor).max(1)).unwrap_or(u32::MAX)
+}
+
+impl Workers {
+    /// Loader threads of the node with `cores` cores and `gpus` GPUs.
+    pub fn resolve(self, cores: usize, gpus: usize) -> u32 {
+        match self {
+            Workers::Count(n) => n,
+            Workers::Auto => auto_workers(cores, gpus),
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Workers {
@@ -32,16 +51,38 @@ impl<'de> Deserialize<'de> for Workers {
     }
 }
 
-/// The `DATALOADER` section.
-#[derive(Debug, Clone, Deserialize)]
+impl Serialize for Workers {
+    fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Workers::Auto => ser.serialize_str("auto"),
+            Workers::Count(n) => ser.serialize_u32(*n),
+        }
+    }
+}
+
+/// The `DATALOADER` section. `TRAIN.NUM_WORKERS` and `TRAIN.PREFETCH_FACTOR` are read
+/// as `TOTAL_WORKERS` and `TRAIN_PREFETCH_FACTOR`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataLoaderConfig {
     /// Loader threads on the node (all ranks together).
     #[serde(rename = "TOTAL_WORKERS")]
     pub total_workers: Workers,
-    /// Batches queued ahead per worker.
+    /// Training batches queued ahead per worker.
     #[serde(rename = "TRAIN_PREFETCH_FACTOR")]
     pub train_prefetch_factor: u32,
+    /// Validation batches queued ahead per worker.
+    #[serde(rename = "VAL_PREFETCH_FACTOR")]
+    pub val_prefetch_factor: u32,
+    /// Copy batches to the GPU from page-locked host memory.
+    #[serde(rename = "PIN_MEMORY")]
+    pub pin_memory: bool,
+    /// Keep loader workers between epochs (they are threads that always persist here).
+    #[serde(rename = "PERSISTENT_WORKERS")]
+    pub persistent_workers: bool,
+    /// Drop the last incomplete training batch of an epoch.
+    #[serde(rename = "DROP_LAST")]
+    pub drop_last: bool,
 }
 
 impl Default for DataLoaderConfig {
@@ -49,18 +90,23 @@ impl Default for DataLoaderConfig {
         DataLoaderConfig {
             total_workers: Workers::Auto,
             train_prefetch_factor: 2,
+            val_prefetch_factor: 2,
+            pin_memory: false,
+            persistent_workers: true,
+            drop_last: true,
         }
     }
 }
 
 impl DataLoaderConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        if self.train_prefetch_factor == 0 {
-            return Err(invalid(
-                "DATALOADER",
-                "TRAIN_PREFETCH_FACTOR",
-                "expected at least 1",
-            ));
+        for (key, value) in [
+            ("TRAIN_PREFETCH_FACTOR", self.train_prefetch_factor),
+            ("VAL_PREFETCH_FACTOR", self.val_prefetch_factor),
+        ] {
+            if value == 0 {
+                return Err(invalid("DATALOADER", key, "expected at least 1"));
+            }
         }
         if self.total_workers == Workers::Count(0) {
             return Err(invalid(
@@ -70,5 +116,41 @@ impl DataLoaderConfig {
             ));
         }
         Ok(())
+    }
+
+    /// One-line notices for keys accepted without an equivalent here.
+    pub(super) fn notices(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.pin_memory {
+            out.push(
+                "DATALOADER.PIN_MEMORY: true is accepted; batches are copied to the GPU from \
+                 ordinary host memory (no page-locked staging yet)"
+                    .to_string(),
+            );
+        }
+        if !self.persistent_workers {
+            out.push(
+                "DATALOADER.PERSISTENT_WORKERS: false is accepted; loader workers are threads \
+                 that live for the whole run"
+                    .to_string(),
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_is_80_percent_of_cores_with_4_per_gpu() {
+        assert_eq!(auto_workers(40, 4), 32);
+        assert_eq!(auto_workers(10, 4), 16);
+        assert_eq!(auto_workers(2, 0), 1);
+        assert_eq!(auto_workers(5, 0), 4);
+        assert_eq!(Workers::Auto.resolve(40, 8), 32);
+        assert_eq!(Workers::Auto.resolve(40, 9), 36);
+        assert_eq!(Workers::Count(6).resolve(40, 9), 6);
     }
 }

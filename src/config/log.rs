@@ -1,11 +1,11 @@
 //! `LOG`: how often to log, validate, sample memory and checkpoint.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::invalid;
 
 /// The `LOG` section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// Validation cadence in optimizer steps (and once at the end).

@@ -2,12 +2,12 @@
 //! with an optional spike branch; `unet_spike` is a compact U-Net for CPU runs and tests.
 //! Key names follow the original trainer (`VRT_DEPTHS`, `WINDOW_SIZE`, `FUSE.*`, ...).
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::invalid;
 
 /// The `MODEL` section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// Architecture name (`unet_spike`, `vrt_spike`).
@@ -19,8 +19,9 @@ pub struct ModelConfig {
     /// Blocks per stage: 7 U-stages, then one entry per stage-8 RTMSA group.
     #[serde(rename = "VRT_DEPTHS")]
     pub vrt_depths: Vec<i64>,
-    /// Attention window (frames, height, width).
-    #[serde(rename = "WINDOW_SIZE")]
+    /// Attention window (frames, height, width). One integer sets the spatial window
+    /// (height = width) and keeps the default temporal size.
+    #[serde(rename = "WINDOW_SIZE", deserialize_with = "window_size")]
     pub window_size: [i64; 3],
     /// Channels per stage (same length as `VRT_DEPTHS`).
     #[serde(rename = "EMBED_DIMS")]
@@ -61,10 +62,16 @@ pub struct ModelConfig {
     /// The compact `unet_spike` architecture.
     #[serde(rename = "UNET")]
     pub unet: UnetConfig,
+    /// Recompute window attention in the backward pass (activation checkpointing).
+    #[serde(rename = "USE_CHECKPOINT_ATTN")]
+    pub use_checkpoint_attn: bool,
+    /// Recompute the MLPs in the backward pass (activation checkpointing).
+    #[serde(rename = "USE_CHECKPOINT_FFN")]
+    pub use_checkpoint_ffn: bool,
 }
 
 /// `MODEL.SPIKE`: the spike branch's encoder.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SpikeConfig {
     /// `false` gives plain VRT with exactly the reference's parameters.
@@ -79,7 +86,7 @@ pub struct SpikeConfig {
 }
 
 /// `MODEL.SPIKE_TSA`: per-pixel temporal self-attention over spike features.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SpikeTsaConfig {
     /// Apply temporal self-attention to the spike features.
@@ -91,10 +98,76 @@ pub struct SpikeTsaConfig {
     /// Transformer layers per scale.
     #[serde(rename = "LAYERS")]
     pub layers: i64,
+    /// As `FUSE.ADAPTIVE_CHUNK`, for the temporal attention; `null` follows `FUSE`.
+    #[serde(rename = "ADAPTIVE_CHUNK")]
+    pub adaptive_chunk: Option<bool>,
+    /// As `FUSE.MAX_BATCH_TOKENS`; `null` follows `FUSE`.
+    #[serde(rename = "MAX_BATCH_TOKENS")]
+    pub max_batch_tokens: Option<i64>,
+    /// As `FUSE.CHUNK_SIZE`; `null` follows `FUSE`.
+    #[serde(rename = "CHUNK_SIZE")]
+    pub chunk_size: Option<i64>,
+    /// As `FUSE.CHUNK_SHAPE`; `null` follows `FUSE`.
+    #[serde(rename = "CHUNK_SHAPE")]
+    pub chunk_shape: Option<ChunkShape>,
+}
+
+/// How a per-pixel attention (FUSE or SPIKE_TSA) is cut into spatial chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunking {
+    /// Pick the chunk from `max_batch_tokens` (`false`: use `chunk_size`).
+    pub adaptive_chunk: bool,
+    /// Upper bound of batch x pixels attended at once.
+    pub max_batch_tokens: i64,
+    /// Side of a square chunk, or rows of a row chunk.
+    pub chunk_size: i64,
+    /// Square tiles or bands of full rows.
+    pub chunk_shape: ChunkShape,
+}
+
+impl FuseConfig {
+    /// The chunking of the fusion attention.
+    pub fn chunking(&self) -> Chunking {
+        Chunking {
+            adaptive_chunk: self.adaptive_chunk,
+            max_batch_tokens: self.max_batch_tokens,
+            chunk_size: self.chunk_size,
+            chunk_shape: self.chunk_shape,
+        }
+    }
+}
+
+impl SpikeTsaConfig {
+    /// The chunking of the temporal attention: its own keys, `FUSE`'s where unset.
+    pub fn chunking(&self, fuse: &FuseConfig) -> Chunking {
+        Chunking {
+            adaptive_chunk: self.adaptive_chunk.unwrap_or(fuse.adaptive_chunk),
+            max_batch_tokens: self.max_batch_tokens.unwrap_or(fuse.max_batch_tokens),
+            chunk_size: self.chunk_size.unwrap_or(fuse.chunk_size),
+            chunk_shape: self.chunk_shape.unwrap_or(fuse.chunk_shape),
+        }
+    }
+}
+
+/// `WINDOW_SIZE`: `[T, H, W]`, or one integer for H = W with the default T.
+fn window_size<'de, D: Deserializer<'de>>(de: D) -> Result<[i64; 3], D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Spatial(i64),
+        Full([i64; 3]),
+    }
+    match Raw::deserialize(de) {
+        Ok(Raw::Spatial(s)) => Ok([ModelConfig::default().window_size[0], s, s]),
+        Ok(Raw::Full(w)) => Ok(w),
+        Err(_) => Err(serde::de::Error::custom(
+            "expected one integer (spatial window) or [frames, height, width]",
+        )),
+    }
 }
 
 /// Shape of the spatial chunks of the per-pixel attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ChunkShape {
     /// `CHUNK_SIZE` x `CHUNK_SIZE` tiles.
@@ -104,7 +177,7 @@ pub enum ChunkShape {
 }
 
 /// `MODEL.FUSE`: RGB-spike cross-attention.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FuseConfig {
     /// Attention heads (must divide each fused stage's width).
@@ -125,7 +198,7 @@ pub struct FuseConfig {
 }
 
 /// `MODEL.UNET`: the compact spike-fused U-Net.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct UnetConfig {
     /// Channels at full resolution (doubled at each level).
@@ -156,6 +229,8 @@ impl Default for ModelConfig {
             spike_tsa: SpikeTsaConfig::default(),
             fuse: FuseConfig::default(),
             unet: UnetConfig::default(),
+            use_checkpoint_attn: false,
+            use_checkpoint_ffn: false,
         }
     }
 }
@@ -176,6 +251,10 @@ impl Default for SpikeTsaConfig {
             enabled: true,
             heads: 4,
             layers: 1,
+            adaptive_chunk: None,
+            max_batch_tokens: None,
+            chunk_size: None,
+            chunk_shape: None,
         }
     }
 }
@@ -205,6 +284,28 @@ impl Default for UnetConfig {
 pub const ARCHS: [&str; 2] = ["vrt_spike", "unet_spike"];
 
 impl ModelConfig {
+    /// One-line notices for keys accepted without an equivalent here.
+    pub(super) fn notices(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (key, on) in [
+            ("USE_CHECKPOINT_ATTN", self.use_checkpoint_attn),
+            ("USE_CHECKPOINT_FFN", self.use_checkpoint_ffn),
+        ] {
+            if on {
+                out.push(format!(
+                    "MODEL.{key}: true is accepted; activation checkpointing is not \
+                     implemented yet, activations are kept (more GPU memory)"
+                ));
+            }
+        }
+        out
+    }
+
+    /// The chunking of the temporal spike attention (its keys, else `FUSE`'s).
+    pub fn tsa_chunking(&self) -> Chunking {
+        self.spike_tsa.chunking(&self.fuse)
+    }
+
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
         if !ARCHS.contains(&self.arch.as_str()) {
@@ -227,6 +328,12 @@ impl ModelConfig {
         }
         if self.fuse.chunk_size < 1 {
             return bad("FUSE.CHUNK_SIZE", "expected at least 1".into());
+        }
+        if self.spike_tsa.max_batch_tokens.is_some_and(|t| t < 1) {
+            return bad("SPIKE_TSA.MAX_BATCH_TOKENS", "expected at least 1".into());
+        }
+        if self.spike_tsa.chunk_size.is_some_and(|c| c < 1) {
+            return bad("SPIKE_TSA.CHUNK_SIZE", "expected at least 1".into());
         }
         if self.arch == "unet_spike" {
             if self.unet.channels < 1 {

@@ -1,12 +1,13 @@
 //! `TRAIN`: optimisation settings (batch, accumulation, learning-rate schedule,
-//! AdamW, clipping, precision, seed and the cross-rank parameter check).
+//! AdamW, clipping, precision, seed, the cross-rank parameter check, and the VRT recipe's
+//! frozen-then-slow parameter groups `FIX_ITER` / `FIX_LR_MUL` / `FIX_KEYS`).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::invalid;
 
 /// Floating-point type of mixed precision (`TRAIN.AMP_DTYPE`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 pub enum AmpDtype {
     /// bfloat16 autocast (no loss scaling needed).
     #[default]
@@ -17,8 +18,19 @@ pub enum AmpDtype {
     Fp16,
 }
 
-/// The `TRAIN` section.
-#[derive(Debug, Clone, Deserialize)]
+/// apex-style mixed-precision level (`TRAIN.AMP_OPT_LEVEL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum AmpOptLevel {
+    /// Autocast: weights in fp32, eligible ops in `AMP_DTYPE`.
+    #[default]
+    O1,
+    /// Half weights with fp32 master copies; runs as `O1` here (with a notice).
+    O2,
+}
+
+/// The `TRAIN` section. `TRAIN.NUM_WORKERS` / `TRAIN.PREFETCH_FACTOR` are older
+/// spellings of `DATALOADER` keys (see [`super::Config`]).
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Samples per rank per micro-batch.
@@ -66,6 +78,21 @@ pub struct TrainConfig {
     /// Compare a parameter hash across ranks every this many steps (0: never).
     #[serde(rename = "PARAM_CHECK_EVERY")]
     pub param_check_every: u64,
+    /// Mixed-precision level: `O1` (autocast) or `O2` (runs as `O1`, with a notice).
+    #[serde(rename = "AMP_OPT_LEVEL")]
+    pub amp_opt_level: AmpOptLevel,
+    /// `torch.compile` the model; libtorch has none, so accepted with a notice.
+    #[serde(rename = "COMPILE_MODEL")]
+    pub compile_model: bool,
+    /// Optimizer steps during which parameters named by `FIX_KEYS` stay frozen.
+    #[serde(rename = "FIX_ITER")]
+    pub fix_iter: u64,
+    /// After `FIX_ITER`, the `FIX_KEYS` parameters train at `LR` x this.
+    #[serde(rename = "FIX_LR_MUL")]
+    pub fix_lr_mul: f64,
+    /// Substrings of parameter names in the fixed group (VRT: `spynet`, `deform`).
+    #[serde(rename = "FIX_KEYS")]
+    pub fix_keys: Vec<String>,
 }
 
 impl Default for TrainConfig {
@@ -86,6 +113,11 @@ impl Default for TrainConfig {
             max_grad_norm: None,
             charbonnier_eps: 1e-3,
             param_check_every: 1000,
+            amp_opt_level: AmpOptLevel::O1,
+            compile_model: false,
+            fix_iter: 0,
+            fix_lr_mul: 1.0,
+            fix_keys: Vec::new(),
         }
     }
 }
@@ -155,7 +187,62 @@ impl TrainConfig {
                 format!("expected a positive epsilon, got {}", self.charbonnier_eps),
             );
         }
+        self.validate_fix()
+    }
+
+    fn validate_fix(&self) -> Result<(), (String, String)> {
+        let bad = |key: &str, message: String| Err(invalid("TRAIN", key, message));
+        if !(self.fix_lr_mul.is_finite() && self.fix_lr_mul > 0.0) {
+            return bad(
+                "FIX_LR_MUL",
+                format!("expected a positive multiplier, got {}", self.fix_lr_mul),
+            );
+        }
+        if let Some(key) = self.fix_keys.iter().find(|k| k.is_empty()) {
+            return bad(
+                "FIX_KEYS",
+                format!("expected non-empty name parts, got {key:?}"),
+            );
+        }
+        let fixes_something = self.fix_iter > 0 || self.fix_lr_mul != 1.0;
+        if fixes_something && self.fix_keys.is_empty() {
+            return bad(
+                "FIX_KEYS",
+                "FIX_ITER / FIX_LR_MUL are set but FIX_KEYS names no parameters \
+                 (the VRT recipe: [spynet, deform])"
+                    .into(),
+            );
+        }
+        if self.fix_iter >= self.total_steps && self.fix_iter > 0 {
+            return bad(
+                "FIX_ITER",
+                format!(
+                    "expected fewer than TOTAL_STEPS ({}), got {}",
+                    self.total_steps, self.fix_iter
+                ),
+            );
+        }
         Ok(())
+    }
+
+    /// One-line notices for keys accepted without an equivalent here.
+    pub(super) fn notices(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.amp_enabled && self.amp_opt_level == AmpOptLevel::O2 {
+            out.push(
+                "TRAIN.AMP_OPT_LEVEL: O2 (half weights, fp32 master copies) is not implemented; \
+                 training runs as O1 (fp32 weights, autocast)"
+                    .to_string(),
+            );
+        }
+        if self.compile_model {
+            out.push(
+                "TRAIN.COMPILE_MODEL: true is accepted; libtorch has no torch.compile, the model \
+                 runs eagerly"
+                    .to_string(),
+            );
+        }
+        out
     }
 
     /// The clipping threshold, `None` when clipping is off.

@@ -1,14 +1,16 @@
 //! The spike branch of VRT-Spike: a Conv3d residual pyramid over the voxel clip
 //! giving features at the scales of stages 1-4, per-pixel temporal self-attention
-//! (`SPIKE_TSA`), and RGB-spike cross-attention (`FUSE`) after stages 1-4, computed in
-//! spatial chunks so that batch x pixels per chunk stays under `MAX_BATCH_TOKENS`.
+//! (`SPIKE_TSA`), and RGB-spike cross-attention (`FUSE`) after stages 1-4. Both are
+//! per-pixel attentions computed by one chunked routine ([`per_pixel`]) in spatial
+//! chunks so that batch x pixels per chunk stays under `MAX_BATCH_TOKENS`; each has its
+//! own chunk keys (`SPIKE_TSA.*` follow `FUSE.*` where unset).
 
 use tch::{nn, Tensor};
 
 use super::attention::sdpa;
 use super::layers::{leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
 use super::ModelError;
-use crate::config::{ChunkShape, FuseConfig, ModelConfig};
+use crate::config::{ChunkShape, Chunking, FuseConfig, ModelConfig};
 
 /// How per-pixel attention is cut into spatial chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,7 +24,7 @@ pub struct ChunkPlan {
 impl ChunkPlan {
     /// The chunk for a batch of `batch` over an (h, w) map: from the token budget when
     /// `ADAPTIVE_CHUNK`, else `CHUNK_SIZE`; square tiles or bands of full rows.
-    pub fn choose(cfg: &FuseConfig, batch: i64, h: i64, w: i64) -> ChunkPlan {
+    pub fn choose(cfg: &Chunking, batch: i64, h: i64, w: i64) -> ChunkPlan {
         let budget = (cfg.max_batch_tokens / batch.max(1)).max(1); // pixels per chunk
         match (cfg.chunk_shape, cfg.adaptive_chunk) {
             (ChunkShape::Square, true) => {
@@ -175,7 +177,8 @@ pub struct SpikeBranch {
     levels: Vec<Level>,
     tsa: Vec<Vec<TsaLayer>>,
     fuse: Vec<Fuse>,
-    chunks: FuseConfig,
+    fuse_chunks: Chunking,
+    tsa_chunks: Chunking,
 }
 
 impl SpikeBranch {
@@ -240,7 +243,8 @@ impl SpikeBranch {
             levels,
             tsa,
             fuse,
-            chunks: cfg.fuse.clone(),
+            fuse_chunks: cfg.fuse.chunking(),
+            tsa_chunks: cfg.tsa_chunking(),
         })
     }
 
@@ -300,7 +304,7 @@ impl SpikeBranch {
                     .view([n, s[1], d, th, tw])
             };
             if !self.tsa[l].is_empty() {
-                let plan = ChunkPlan::choose(&self.chunks, n, th, tw);
+                let plan = ChunkPlan::choose(&self.tsa_chunks, n, th, tw);
                 let layers = &self.tsa[l];
                 f = per_pixel(&[&f], plan, |seqs| {
                     let mut y = seqs[0].shallow_clone();
@@ -326,15 +330,32 @@ impl SpikeBranch {
             )));
         }
         let s = x.size();
-        let plan = ChunkPlan::choose(&self.chunks, s[0], s[3], s[4]);
+        let plan = ChunkPlan::choose(&self.fuse_chunks, s[0], s[3], s[4]);
         let fuse = &self.fuse[i];
         let update = per_pixel(&[x, spike], plan, |seqs| fuse.forward(&seqs[0], &seqs[1]));
         Ok(x + update)
     }
 
-    /// Sets how fusion and temporal attention are chunked (memory only; same result).
+    /// Sets how fusion and temporal attention are chunked, both alike (memory only;
+    /// same result).
     pub fn set_chunks(&mut self, chunks: FuseConfig) {
-        self.chunks = chunks;
+        self.fuse_chunks = chunks.chunking();
+        self.tsa_chunks = chunks.chunking();
+    }
+
+    /// Sets how the temporal attention alone is chunked (memory only; same result).
+    pub fn set_tsa_chunks(&mut self, chunks: Chunking) {
+        self.tsa_chunks = chunks;
+    }
+
+    /// The chunking of the fusion attention.
+    pub fn fuse_chunking(&self) -> Chunking {
+        self.fuse_chunks
+    }
+
+    /// The chunking of the temporal attention.
+    pub fn tsa_chunking(&self) -> Chunking {
+        self.tsa_chunks
     }
 }
 
@@ -348,7 +369,8 @@ mod tests {
         let mut cfg = FuseConfig {
             max_batch_tokens: 1000,
             ..FuseConfig::default()
-        };
+        }
+        .chunking();
         let p = ChunkPlan::choose(&cfg, 2, 64, 64);
         assert_eq!(p, ChunkPlan { rows: 22, cols: 22 });
         assert!(2 * p.rows * p.cols <= 1000);
@@ -398,5 +420,43 @@ mod tests {
             .select(2, 1)
             .select(2, 2)
             .allclose(&expected, 1e-6, 1e-6, false));
+    }
+
+    #[test]
+    fn tsa_chunks_follow_its_own_keys_else_fuse() {
+        let text = "MODEL:\n  ARCH: vrt_spike\n  VRT_DEPTHS: [1, 1, 1, 1, 1, 1, 1, 1]\n  \
+                    EMBED_DIMS: [8, 8, 8, 8, 8, 8, 8, 8]\n  NUM_HEADS: [2, 2, 2, 2, 2, 2, 2, 2]\n  \
+                    DEFORMABLE_GROUPS: 2\n  SPIKE: {VOXEL_BINS: 2}\n  \
+                    SPIKE_TSA: {HEADS: 2, ADAPTIVE_CHUNK: false, CHUNK_SIZE: 80}\n  \
+                    FUSE: {HEADS: 2, MAX_BATCH_TOKENS: 4096, CHUNK_SHAPE: row}\n";
+        let cfg = crate::config::Config::parse(text, std::path::Path::new("c.yaml"))
+            .unwrap()
+            .model;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let branch = SpikeBranch::new(&vs.root(), &cfg).unwrap();
+        let tsa = branch.tsa_chunking();
+        assert!(!tsa.adaptive_chunk);
+        assert_eq!(tsa.chunk_size, 80);
+        // Unset TSA keys follow FUSE.
+        assert_eq!(tsa.max_batch_tokens, 4096);
+        assert_eq!(tsa.chunk_shape, ChunkShape::Row);
+        let fuse = branch.fuse_chunking();
+        assert!(fuse.adaptive_chunk);
+        assert_eq!(fuse.chunk_size, 64);
+        // The TSA plan uses its fixed 80-row bands, FUSE its token budget.
+        assert_eq!(
+            ChunkPlan::choose(&tsa, 2, 128, 128),
+            ChunkPlan {
+                rows: 80,
+                cols: 128
+            }
+        );
+        assert_eq!(
+            ChunkPlan::choose(&fuse, 2, 128, 128),
+            ChunkPlan {
+                rows: 16,
+                cols: 128
+            }
+        );
     }
 }

@@ -1,0 +1,88 @@
+//! `vrtspike plan`: the memory plan of a config on this machine (or the one described
+//! by `--ram`, `--cores`, `--gpus`, `--gpu-mem`), as text or JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, Context, Result};
+use clap::Args;
+use vrtspike::config::Config;
+use vrtspike::plan::{dataset_facts, model_params, parse_size, plan, Machine};
+
+/// Arguments of `plan`.
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The config file.
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a key, `KEY.PATH=VALUE` (YAML value); repeatable, applied in order.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// GPUs (ranks) of the node; default: the CUDA devices this binary sees.
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Host RAM, e.g. 256G; default: this machine's.
+    #[arg(long)]
+    ram: Option<String>,
+    /// Memory of one GPU, e.g. 48G; default: unknown.
+    #[arg(long = "gpu-mem")]
+    gpu_mem: Option<String>,
+    /// CPU cores; default: this machine's.
+    #[arg(long)]
+    cores: Option<usize>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn size(flag: &str, text: &str) -> Result<u64> {
+    parse_size(text).map_err(|e| anyhow!("--{flag}: {e}"))
+}
+
+fn machine(args: &PlanArgs) -> Result<Machine> {
+    let ram_bytes = match &args.ram {
+        Some(text) => size("ram", text)?,
+        None => {
+            let mut sys = sysinfo::System::new();
+            sys.refresh_memory();
+            sys.total_memory()
+        }
+    };
+    let gpu_mem_bytes = args
+        .gpu_mem
+        .as_deref()
+        .map(|t| size("gpu-mem", t))
+        .transpose()?;
+    Ok(Machine {
+        ram_bytes,
+        cores: args
+            .cores
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        gpus: args
+            .gpus
+            .unwrap_or_else(|| usize::try_from(tch::Cuda::device_count()).unwrap_or(0)),
+        gpu_mem_bytes,
+    })
+}
+
+/// Runs `plan`.
+pub fn run(args: PlanArgs) -> Result<()> {
+    let config = Config::resolve(&args.config, &args.set)
+        .with_context(|| format!("resolving {}", args.config.display()))?
+        .config;
+    for notice in config.notices() {
+        tracing::info!("config notice: {notice}");
+    }
+    let machine = machine(&args)?;
+    let params = model_params(&config.model).context("building the model to count parameters")?;
+    let dataset = dataset_facts(&config).context("indexing DATA.ROOT (training split)")?;
+    let plan = plan(&config, machine, params, dataset.as_ref());
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&plan).context("writing the plan as JSON")?
+        );
+    } else {
+        print!("{}", plan.render_text());
+    }
+    Ok(())
+}

@@ -1,0 +1,420 @@
+//! The memory plan of a run (`vrtspike plan`): from the config, the machine and the
+//! built model, the node cache cap (against the dataset's compact size when
+//! `DATA.ROOT` is set), each rank's loader in-flight bytes (workers x prefetch x batch x
+//! sample bytes of the real sample shape), the model's parameter, gradient and AdamW
+//! bytes, the host total and its share of RAM, and the warnings of the user's guides.
+
+use serde::Serialize;
+
+use crate::config::{Config, ModelConfig};
+use crate::dataset::{DataError, DatasetIndex, IndexOptions};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The machine a plan is for.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Machine {
+    /// Host RAM in bytes.
+    pub ram_bytes: u64,
+    /// CPU cores of the node.
+    pub cores: usize,
+    /// GPUs of the node (one rank each); 0 plans one CPU rank.
+    pub gpus: usize,
+    /// Memory of one GPU in bytes, when known.
+    pub gpu_mem_bytes: Option<u64>,
+}
+
+/// What the plan needs from the dataset (`DATA.ROOT`, training split).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DatasetFacts {
+    /// Bytes of all training records as the cache stores them.
+    pub compact_bytes: u64,
+    /// Training frames.
+    pub frames: usize,
+    /// RGB frame rows and columns.
+    pub height: u32,
+    /// RGB frame columns.
+    pub width: u32,
+    /// Spike grid rows.
+    pub spike_height: u32,
+    /// Spike grid columns.
+    pub spike_width: u32,
+}
+
+/// The figures of a plan, in bytes unless named otherwise.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// The machine planned for.
+    pub machine: Machine,
+    /// Ranks on the node (GPUs, or one CPU rank).
+    pub ranks: usize,
+    /// Node cache cap (`DATA.CACHE_SIZE_GB`; 0 without `USE_RAM_CACHE`).
+    pub cache_cap: u64,
+    /// Compact size of the training split, when `DATA.ROOT` is set.
+    pub dataset_bytes: Option<u64>,
+    /// Loader threads of the node (`TOTAL_WORKERS`, `auto` resolved).
+    pub node_workers: u32,
+    /// Loader threads of one rank.
+    pub rank_workers: u32,
+    /// One training sample: L x (blur + sharp 3 x crop^2 + K x spike crop) f32.
+    pub sample_bytes: u64,
+    /// Whether the spike grid was assumed at half the RGB resolution (no `DATA.ROOT`).
+    pub spike_grid_assumed: bool,
+    /// Samples in flight or ready per rank: workers x prefetch x batch.
+    pub rank_samples_in_flight: u64,
+    /// Loader bytes of one rank: samples in flight x sample bytes.
+    pub rank_loader: u64,
+    /// Model parameters.
+    pub params: u64,
+    /// fp32 parameters.
+    pub param_bytes: u64,
+    /// fp32 gradients.
+    pub grad_bytes: u64,
+    /// AdamW first and second moments (fp32).
+    pub optimizer_bytes: u64,
+    /// Parameters, gradients and optimizer state of one rank.
+    pub rank_model: u64,
+    /// Host bytes: cache + ranks x loader (+ model states for a CPU rank).
+    pub host_total: u64,
+    /// Host total over RAM.
+    pub host_share: f64,
+    /// The guides' warnings, each with what to try.
+    pub warnings: Vec<String>,
+}
+
+/// Parameters of the model `cfg` describes (built on the CPU).
+pub fn model_params(cfg: &ModelConfig) -> Result<u64, crate::model::ModelError> {
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    crate::model::build(&vs.root(), cfg)?;
+    Ok(vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as u64)
+        .sum())
+}
+
+/// The training split of `DATA.ROOT` as the plan needs it; `None` without a root.
+pub fn dataset_facts(config: &Config) -> Result<Option<DatasetFacts>, DataError> {
+    let Some(root) = &config.data.root else {
+        return Ok(None);
+    };
+    let index = DatasetIndex::open(root, "train", IndexOptions::from_config(&config.data))?;
+    let mut compact_bytes = 0u64;
+    for (s, seq) in index.sequences.iter().enumerate() {
+        for f in 0..seq.frames.len() {
+            compact_bytes += index.record_layout(s, f).byte_len() as u64;
+        }
+    }
+    let first = index.sequences.first();
+    Ok(Some(DatasetFacts {
+        compact_bytes,
+        frames: index.frame_count(),
+        height: first.map_or(0, |s| s.height),
+        width: first.map_or(0, |s| s.width),
+        spike_height: first.map_or(0, |s| s.spike_height),
+        spike_width: first.map_or(0, |s| s.spike_width),
+    }))
+}
+
+/// Bytes of one training sample of `config` (`DATA.CROP_SIZE`, `CLIP_LEN`,
+/// `SPIKE_BINS`), with the spike grid of `dataset` or, without one, half the RGB
+/// resolution. Returns the bytes and whether the grid was assumed.
+pub fn sample_bytes(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, bool) {
+    let crop = u64::from(config.data.crop_size);
+    let (spike_rows, spike_cols, assumed) = match dataset {
+        Some(d) if d.height > 0 && d.width > 0 => (
+            crop * u64::from(d.spike_height) / u64::from(d.height),
+            crop * u64::from(d.spike_width) / u64::from(d.width),
+            false,
+        ),
+        _ => (crop / 2, crop / 2, true),
+    };
+    let per_frame =
+        2 * 3 * crop * crop + u64::from(config.data.spike_bins) * spike_rows * spike_cols;
+    (4 * u64::from(config.data.clip_len) * per_frame, assumed)
+}
+
+/// The plan of `config` on `machine` for a model of `params` parameters.
+pub fn plan(
+    config: &Config,
+    machine: Machine,
+    params: u64,
+    dataset: Option<&DatasetFacts>,
+) -> Plan {
+    let ranks = machine.gpus.max(1);
+    let node_workers = config
+        .dataloader
+        .total_workers
+        .resolve(machine.cores, machine.gpus);
+    let rank_workers = (node_workers / ranks as u32).max(1);
+    let (sample, assumed) = sample_bytes(config, dataset);
+    let in_flight = u64::from(rank_workers)
+        * u64::from(config.dataloader.train_prefetch_factor)
+        * u64::from(config.train.batch_size);
+    let rank_loader = in_flight * sample;
+    let param_bytes = 4 * params;
+    let rank_model = 4 * param_bytes; // parameters, gradients, two AdamW moments
+    let cache_cap = if config.data.use_ram_cache {
+        config.data.cache_bytes()
+    } else {
+        0
+    };
+    let host_model = if machine.gpus == 0 { rank_model } else { 0 };
+    let host_total = cache_cap + ranks as u64 * rank_loader + host_model;
+    let mut plan = Plan {
+        machine,
+        ranks,
+        cache_cap,
+        dataset_bytes: dataset.map(|d| d.compact_bytes),
+        node_workers,
+        rank_workers,
+        sample_bytes: sample,
+        spike_grid_assumed: assumed,
+        rank_samples_in_flight: in_flight,
+        rank_loader,
+        params,
+        param_bytes,
+        grad_bytes: param_bytes,
+        optimizer_bytes: 2 * param_bytes,
+        rank_model,
+        host_total,
+        host_share: host_total as f64 / machine.ram_bytes.max(1) as f64,
+        warnings: Vec::new(),
+    };
+    plan.warnings = warnings(&plan);
+    plan
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / GIB
+}
+
+/// The warnings of the user's guides, each saying what to try.
+fn warnings(p: &Plan) -> Vec<String> {
+    let m = &p.machine;
+    let mut out = Vec::new();
+    if p.cache_cap > m.ram_bytes / 2 {
+        out.push(format!(
+            "DATA.CACHE_SIZE_GB: the cache cap {:.1} GiB is above half of the {:.1} GiB RAM; \
+             try configs/deblur/vrt_spike_lowmem.yaml (20 GB cache)",
+            gib(p.cache_cap),
+            gib(m.ram_bytes)
+        ));
+    }
+    if let Some(data) = p.dataset_bytes {
+        if p.cache_cap > data {
+            out.push(format!(
+                "DATA.CACHE_SIZE_GB: the cache cap {:.1} GiB is larger than the whole training \
+                 split ({:.1} GiB); {:.0} GB is enough",
+                gib(p.cache_cap),
+                gib(data),
+                gib(data).ceil()
+            ));
+        }
+    }
+    if p.node_workers as usize > m.cores {
+        out.push(format!(
+            "DATALOADER.TOTAL_WORKERS: {} loader threads on {} cores; try \
+             configs/deblur/vrt_spike_lowmem.yaml (8 workers) or TOTAL_WORKERS: auto",
+            p.node_workers, m.cores
+        ));
+    }
+    if p.host_share > 0.9 {
+        out.push(format!(
+            "host total {:.1} GiB is {:.0}% of the {:.1} GiB RAM (above 90%); try \
+             configs/deblur/vrt_spike_lowmem.yaml (20 GB cache, 8 workers, prefetch 2)",
+            gib(p.host_total),
+            100.0 * p.host_share,
+            gib(m.ram_bytes)
+        ));
+    }
+    if let Some(gpu) = m.gpu_mem_bytes {
+        if m.gpus > 0 && p.rank_model > gpu {
+            out.push(format!(
+                "the model's parameters, gradients and AdamW state ({:.1} GiB) exceed the \
+                 {:.1} GiB of one GPU; try configs/deblur/vrt_spike_fast.yaml",
+                gib(p.rank_model),
+                gib(gpu)
+            ));
+        }
+    }
+    out
+}
+
+impl Plan {
+    /// The plan as aligned text lines.
+    pub fn render_text(&self) -> String {
+        let m = &self.machine;
+        let mut lines = vec![format!(
+            "machine: {:.1} GiB RAM, {} cores, {} GPU(s){}",
+            gib(m.ram_bytes),
+            m.cores,
+            m.gpus,
+            m.gpu_mem_bytes
+                .map(|b| format!(" of {:.1} GiB", gib(b)))
+                .unwrap_or_default()
+        )];
+        let dataset = self
+            .dataset_bytes
+            .map(|b| format!(" (training split {:.2} GiB)", gib(b)))
+            .unwrap_or_else(|| " (set DATA.ROOT to compare with the dataset)".into());
+        lines.push(format!(
+            "cache cap: {:.2} GiB{dataset}",
+            gib(self.cache_cap)
+        ));
+        lines.push(format!(
+            "loader per rank: {} workers x {} samples ahead = {} samples x {:.2} MiB = {:.2} GiB{}",
+            self.rank_workers,
+            self.rank_samples_in_flight / u64::from(self.rank_workers.max(1)),
+            self.rank_samples_in_flight,
+            self.sample_bytes as f64 / (1u64 << 20) as f64,
+            gib(self.rank_loader),
+            if self.spike_grid_assumed {
+                " (spike grid assumed at half resolution)"
+            } else {
+                ""
+            }
+        ));
+        lines.push(format!(
+            "model per rank: {} parameters: {:.2} GiB parameters + {:.2} GiB gradients + \
+             {:.2} GiB AdamW = {:.2} GiB (activations not included)",
+            self.params,
+            gib(self.param_bytes),
+            gib(self.grad_bytes),
+            gib(self.optimizer_bytes),
+            gib(self.rank_model)
+        ));
+        lines.push(format!(
+            "host total: {:.2} GiB for {} rank(s) = {:.1}% of RAM",
+            gib(self.host_total),
+            self.ranks,
+            100.0 * self.host_share
+        ));
+        for w in &self.warnings {
+            lines.push(format!("warning: {w}"));
+        }
+        lines.join("\n") + "\n"
+    }
+}
+
+/// Parses a size such as `256G`, `48GiB`, `512M` or `1024` (bytes); units are binary.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?}: expected a size such as 256G"))?;
+    let shift = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (K, M, G, T)")),
+    };
+    Ok((value * (1u64 << shift) as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn small() -> Config {
+        Config::parse(
+            "DATA:\n  CROP_SIZE: 64\n  CLIP_LEN: 4\n  SPIKE_BINS: 8\n  CACHE_SIZE_GB: 2\n\
+             DATALOADER:\n  TOTAL_WORKERS: 6\n  TRAIN_PREFETCH_FACTOR: 3\n\
+             TRAIN:\n  BATCH_SIZE: 2\n",
+            Path::new("small.yaml"),
+        )
+        .unwrap()
+    }
+
+    const GB: u64 = 1 << 30;
+
+    #[test]
+    fn figures_match_a_hand_computation() {
+        let machine = Machine {
+            ram_bytes: 16 * GB,
+            cores: 8,
+            gpus: 2,
+            gpu_mem_bytes: Some(24 * GB),
+        };
+        let dataset = DatasetFacts {
+            compact_bytes: 3 * GB,
+            frames: 100,
+            height: 256,
+            width: 512,
+            spike_height: 64,
+            spike_width: 128,
+        };
+        let p = plan(&small(), machine, 1_000_000, Some(&dataset));
+        // Spike crop: 64 x 64/256 = 16 rows, 64 x 128/512 = 16 columns.
+        // Sample: 4 bytes x 4 frames x (2 x 3 x 64 x 64 + 8 x 16 x 16) = 16 x 26_624.
+        assert_eq!(p.sample_bytes, 425_984);
+        assert!(!p.spike_grid_assumed);
+        // 6 workers over 2 ranks = 3; 3 workers x 3 prefetch x 2 samples = 18 samples.
+        assert_eq!((p.node_workers, p.rank_workers), (6, 3));
+        assert_eq!(p.rank_samples_in_flight, 18);
+        assert_eq!(p.rank_loader, 18 * 425_984);
+        assert_eq!(p.param_bytes, 4_000_000);
+        assert_eq!(p.optimizer_bytes, 8_000_000);
+        assert_eq!(p.rank_model, 16_000_000);
+        // Host: 2 GiB cache + 2 ranks x 7_667_712 (model states live on the GPUs).
+        assert_eq!(p.host_total, 2 * GB + 2 * 7_667_712);
+        assert!((p.host_share - p.host_total as f64 / (16 * GB) as f64).abs() < 1e-12);
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let text = p.render_text();
+        assert!(text.contains("host total"), "{text}");
+    }
+
+    #[test]
+    fn guide_warnings_fire_and_name_a_preset() {
+        let machine = Machine {
+            ram_bytes: 3 * GB,
+            cores: 4,
+            gpus: 0,
+            gpu_mem_bytes: None,
+        };
+        let dataset = DatasetFacts {
+            compact_bytes: GB,
+            frames: 10,
+            height: 64,
+            width: 64,
+            spike_height: 64,
+            spike_width: 64,
+        };
+        let p = plan(&small(), machine, 200_000_000, Some(&dataset));
+        // No GPU: one CPU rank with the model states on the host.
+        assert_eq!(p.ranks, 1);
+        assert_eq!(p.rank_workers, 6);
+        assert_eq!(p.host_total, 2 * GB + p.rank_loader + 3_200_000_000);
+        let all = p.warnings.join("\n");
+        assert!(all.contains("above half of the"), "{all}");
+        assert!(
+            all.contains("larger than the whole training split"),
+            "{all}"
+        );
+        assert!(all.contains("6 loader threads on 4 cores"), "{all}");
+        assert!(all.contains("above 90%"), "{all}");
+        assert!(all.contains("vrt_spike_lowmem.yaml"), "{all}");
+        assert_eq!(p.warnings.len(), 4, "{all}");
+        // Without a dataset the spike grid is taken at half resolution.
+        let p = plan(&small(), machine, 1, None);
+        assert!(p.spike_grid_assumed);
+        assert_eq!(p.sample_bytes, 4 * 4 * (2 * 3 * 64 * 64 + 8 * 32 * 32));
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("256G"), Ok(256 * GB));
+        assert_eq!(parse_size("48GiB"), Ok(48 * GB));
+        assert_eq!(parse_size("512m"), Ok(512 << 20));
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3X").is_err());
+    }
+}
