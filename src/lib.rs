@@ -10,5 +10,6 @@ pub mod config;
 pub mod data;
 pub mod dist;
 pub mod model;
+pub mod monitor;
 pub mod train;
 pub mod util;

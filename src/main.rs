@@ -39,6 +39,10 @@ enum Command {
     Synth(vrtspike::data::cli::SynthArgs),
     /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
     Inspect(vrtspike::data::cli::InspectArgs),
+    /// One figure of a run: loss, PSNR, throughput, data wait, memory, restarts.
+    Plot(cli::plot::PlotArgs),
+    /// Where a run's time and memory go, and what to change.
+    Analyze(cli::analyze::AnalyzeArgs),
 }
 
 fn main() -> Result<()> {
@@ -55,5 +59,7 @@ fn main() -> Result<()> {
         Command::Train(args) => vrtspike::train::cli::run(args),
         Command::Synth(args) => vrtspike::data::cli::run_synth(args),
         Command::Inspect(args) => vrtspike::data::cli::run_inspect(args),
+        Command::Plot(args) => cli::plot::run(args),
+        Command::Analyze(args) => cli::analyze::run(args),
     }
 }

@@ -1,8 +1,10 @@
 //! The `vrtspike` subcommands: argument types and the glue from them to the library.
 
+pub mod analyze;
 pub mod bench;
 pub mod cache;
 pub mod demo;
+pub mod plot;
 
 use anyhow::Result;
 
