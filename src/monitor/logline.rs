@@ -122,7 +122,7 @@ mod tests {
     #[test]
     fn eta_and_grouping() {
         assert_eq!(format_eta(59.6), "0:01:00");
-        assert_eq!(format_eta(3 * 86_400.0 + 61.0), "3 days, 0:01:01");
+        assert_eq!(format_eta(3.0 * 86_400.0 + 61.0), "3 days, 0:01:01");
         assert_eq!(format_eta(f64::NAN), "?");
         assert_eq!(eta_seconds(90, 100, 0.5), Some(5.0));
         assert_eq!(eta_seconds(100, 100, 0.5), Some(0.0));

@@ -17,7 +17,7 @@ pub const TB_DIR: &str = "tb";
 /// Keys that are not figures.
 const NOT_SCALARS: [&str; 5] = ["kind", "time", "step", "event", "device"];
 
-/// The scalar tags of one metrics record of `kind`, in field order.
+/// The scalar tags of one metrics record of `kind`, in key order.
 pub fn scalar_tags(kind: &str, fields: &Map<String, Value>) -> Vec<(String, f32)> {
     if kind == "event" {
         return event_tags(fields);
@@ -173,7 +173,7 @@ mod tests {
         let names: Vec<&str> = v.iter().map(|(t, _)| t.as_str()).collect();
         assert_eq!(
             names,
-            ["val/psnr", "val/ssim", "val/input_psnr", "val/time_s"]
+            ["val/input_psnr", "val/psnr", "val/time_s", "val/ssim"]
         );
     }
 
@@ -187,11 +187,11 @@ mod tests {
         assert_eq!(
             m,
             vec![
-                ("memory/process_pss_mb".into(), 512.0),
-                ("memory/system_used_gb".into(), 2.0),
                 ("memory/gpu1_allocated_gb".into(), 1.0),
                 ("memory/gpu1_reserved_gb".into(), 3.0),
                 ("memory/gpu1_util_pct".into(), 87.0),
+                ("memory/process_pss_mb".into(), 512.0),
+                ("memory/system_used_gb".into(), 2.0),
             ]
         );
     }
