@@ -206,18 +206,15 @@ fn panels(run: &RunData) -> Vec<Panel> {
     ]
 }
 
-/// `lo..hi` of the curves' values with 8% padding (a flat line gets a unit band).
+/// `lo..hi` of the curves' values with 8% padding below and 30% above (room for
+/// the legend); a flat line gets a band of 10% of its value.
 fn y_range(curves: &[Curve]) -> Option<(f64, f64)> {
     let values = curves.iter().flat_map(|c| c.points.iter().map(|p| p.1));
     let (lo, hi) = values.fold(None, |acc: Option<(f64, f64)>, v| {
         Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
     })?;
-    let pad = if hi > lo {
-        0.08 * (hi - lo)
-    } else {
-        lo.abs().max(1.0) * 0.1
-    };
-    Some((lo - pad, hi + pad))
+    let span = if hi > lo { hi - lo } else { lo.abs().max(1.0) };
+    Some((lo - 0.08 * span, hi + 0.3 * span))
 }
 
 type Drawn = Result<(), String>;
@@ -254,6 +251,7 @@ fn draw_panel<DB: DrawingBackend>(
     chart
         .configure_mesh()
         .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc(panel.y_label)
         .label_style((FONT, 16))
         .axis_desc_style((FONT, 18))
@@ -375,7 +373,9 @@ mod tests {
     #[test]
     fn y_range_pads_and_handles_flat_lines() {
         let flat = [curve("a", vec![(0.0, 5.0), (1.0, 5.0)], BLACK, 1)];
-        assert_eq!(y_range(&flat), Some((4.5, 5.5)));
+        assert_eq!(y_range(&flat), Some((5.0 - 0.4, 5.0 + 1.5)));
+        let span = [curve("c", vec![(0.0, 0.0), (1.0, 10.0)], BLACK, 1)];
+        assert_eq!(y_range(&span), Some((-0.8, 13.0)));
         assert_eq!(y_range(&[curve("b", vec![], BLACK, 1)]), None);
     }
 

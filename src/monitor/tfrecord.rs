@@ -39,7 +39,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// The TFRecord mask of a CRC (so a CRC of data holding CRCs stays well spread).
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     let crc = crc32c(data);
-    ((crc >> 15) | (crc << 17)).wrapping_add(0xA282_EAD8)
+    crc.rotate_right(15).wrapping_add(0xA282_EAD8)
 }
 
 /// Appends one TFRecord holding `payload` to `out`.
@@ -174,7 +174,7 @@ mod tests {
         );
         assert_eq!(&out[12..15], b"abc");
         let crc = crc32c(b"abc");
-        let masked = ((crc >> 15) | (crc << 17)).wrapping_add(0xA282_EAD8);
+        let masked = crc.rotate_right(15).wrapping_add(0xA282_EAD8);
         assert_eq!(&out[15..], &masked.to_le_bytes());
     }
 
