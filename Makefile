@@ -11,7 +11,7 @@ VENV := $(ROOT)/.venv
 STAMPS := $(ROOT)/.stamps
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
-APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++
+APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++ fonts-dejavu-core
 
 # tch 0.24 binds libtorch 2.11.0 from the venv's torch wheel (torch-sys runs the
 # venv's `python` when VIRTUAL_ENV is set); build.rs sets the run-time rpath.
@@ -41,8 +41,8 @@ $(STAMPS)/venv: requirements.txt
 	@mkdir -p $(STAMPS)
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	@if ! $(VENV)/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
-	    || ! $(VENV)/bin/python -c "import numpy, PIL" 2>/dev/null; then \
-	  echo "installing torch==$(TORCH_VERSION) and the baseline's packages into $(VENV)"; \
+	    || ! $(VENV)/bin/python -c "import numpy, PIL, tensorboard" 2>/dev/null; then \
+	  echo "installing torch==$(TORCH_VERSION), tensorboard and the baseline's packages into $(VENV)"; \
 	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
 	fi
 	@touch $@

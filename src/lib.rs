@@ -17,6 +17,7 @@ pub mod dataset;
 pub mod dist;
 pub mod eval;
 pub mod model;
+pub mod monitor;
 pub mod pipeline;
 pub mod plan;
 pub mod synth;

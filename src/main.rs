@@ -45,6 +45,10 @@ enum Command {
     Synth(cli::synth::SynthArgs),
     /// Write one frame's model inputs (blur, sharp, voxel) as safetensors.
     Inspect(cli::inspect::InspectArgs),
+    /// One figure of a run: loss, PSNR, throughput, data wait, memory, restarts.
+    Plot(cli::plot::PlotArgs),
+    /// Where a run's time and memory go, and what to change.
+    Analyze(cli::analyze::AnalyzeArgs),
 }
 
 fn main() -> Result<()> {
@@ -63,5 +67,7 @@ fn main() -> Result<()> {
         Command::Train(args) => cli::train::run(args),
         Command::Synth(args) => cli::synth::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
+        Command::Plot(args) => cli::plot::run(args),
+        Command::Analyze(args) => cli::analyze::run(args),
     }
 }

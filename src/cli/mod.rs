@@ -2,6 +2,7 @@
 //! the library, and printing. Library logic lives in the library; this folder only
 //! parses, calls and prints.
 
+pub mod analyze;
 pub mod bench;
 pub mod cache;
 pub mod config;
@@ -11,6 +12,7 @@ pub mod info;
 pub mod inspect;
 pub mod model;
 pub mod plan;
+pub mod plot;
 pub mod profile;
 pub mod synth;
 pub mod train;

@@ -1,4 +1,4 @@
-//! `LOG`: how often to log, validate, sample memory and checkpoint.
+//! `LOG`: how often to log, validate, sample memory and checkpoint; TensorBoard on/off.
 
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +23,9 @@ pub struct LogConfig {
     /// Checkpoints kept in `checkpoints/` (older ones are removed); 0 keeps all.
     #[serde(rename = "KEEP_CHECKPOINTS")]
     pub keep_checkpoints: u32,
+    /// TensorBoard event files in `<run dir>/tb/` (rank 0).
+    #[serde(rename = "TENSORBOARD")]
+    pub tensorboard: bool,
 }
 
 impl Default for LogConfig {
@@ -33,6 +36,7 @@ impl Default for LogConfig {
             mem_every_steps: 100,
             log_every_steps: 10,
             keep_checkpoints: 3,
+            tensorboard: true,
         }
     }
 }

@@ -1,12 +1,16 @@
 //! Training figures as JSON lines in the run directory (`metrics.jsonl`, one object
 //! a line with a `kind`: `train`, `val`, `memory`, `event`), and on rank 0 a
-//! progress bar (`indicatif`) showing the same figures.
+//! progress bar (`indicatif`) showing the same figures. Rank 0 also feeds every
+//! record to TensorBoard (`<run dir>/tb/`, see [`crate::monitor::tb_sink`]) unless
+//! [`MetricsSink::with_tensorboard`] turns it off (`LOG.TENSORBOARD: false`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
+
+use crate::monitor::TensorBoardSink;
 
 /// The metrics file name in the run directory.
 pub const METRICS_FILE: &str = vrtspike_contract::rundir::METRICS_FILE;
@@ -15,6 +19,7 @@ pub const METRICS_FILE: &str = vrtspike_contract::rundir::METRICS_FILE;
 pub struct MetricsSink {
     file: Option<(PathBuf, std::fs::File)>,
     bar: Option<ProgressBar>,
+    tb: Option<TensorBoardSink>,
 }
 
 impl MetricsSink {
@@ -30,6 +35,7 @@ impl MetricsSink {
             return Ok(MetricsSink {
                 file: None,
                 bar: None,
+                tb: None,
             });
         }
         let path = run_dir.join(METRICS_FILE);
@@ -47,7 +53,21 @@ impl MetricsSink {
         Ok(MetricsSink {
             file: Some((path, file)),
             bar: Some(bar),
+            tb: Some(TensorBoardSink::new(run_dir)),
         })
+    }
+
+    /// Keeps (`LOG.TENSORBOARD: true`) or drops the TensorBoard events.
+    pub fn with_tensorboard(mut self, enabled: bool) -> MetricsSink {
+        if !enabled {
+            self.tb = None;
+        }
+        self
+    }
+
+    /// The TensorBoard sink (for validation images), if on.
+    pub fn tensorboard(&mut self) -> Option<&mut TensorBoardSink> {
+        self.tb.as_mut()
     }
 
     /// Writes one line `{"kind": kind, ...fields}` with the wall-clock time.
@@ -69,6 +89,9 @@ impl MetricsSink {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
         object.insert("time".into(), json!(now));
+        if let Some(tb) = &mut self.tb {
+            tb.record(kind, &object);
+        }
         let line = Value::Object(object).to_string();
         if let Err(e) = writeln!(file, "{line}") {
             tracing::warn!(path = %path.display(), error = %e, "cannot append metrics");
@@ -119,6 +142,7 @@ mod tests {
         assert_eq!(lines[0]["kind"], "train");
         assert_eq!(lines[0]["loss"], 0.5);
         assert_eq!(lines[1]["val_psnr"], 30.0);
+        assert_eq!(std::fs::read_dir(dir.path().join("tb")).unwrap().count(), 1);
         let mut off = MetricsSink::new(dir.path(), false, 0, 10).unwrap();
         off.write("train", json!({"step": 2}));
         assert_eq!(
@@ -128,5 +152,12 @@ mod tests {
                 .count(),
             2
         );
+        let other = tempfile::tempdir().unwrap();
+        let mut no_tb = MetricsSink::new(other.path(), true, 0, 10)
+            .unwrap()
+            .with_tensorboard(false);
+        no_tb.write("train", json!({"step": 1, "loss": 0.5}));
+        assert!(no_tb.tensorboard().is_none());
+        assert!(!other.path().join("tb").exists());
     }
 }
