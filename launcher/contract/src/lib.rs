@@ -2,10 +2,12 @@
 //! training ranks, written down once: [`env`] (the variables every rank starts
 //! with), [`rundir`] (where things live in a run directory, and which checkpoint is
 //! the latest), [`summary`] (the figures rank 0 leaves for the launcher), [`ready`]
-//! (how a child says it is ready) and [`pss`] (how memory is measured).
+//! (how a child says it is ready), [`pss`] (how memory is measured) and
+//! [`heartbeat`] (each rank's step and phase, for finding a hung rank).
 //! It links no libtorch, so the launcher stays free of it.
 
 pub mod env;
+pub mod heartbeat;
 pub mod pss;
 pub mod ready;
 pub mod rundir;

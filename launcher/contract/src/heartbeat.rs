@@ -1,0 +1,399 @@
+//! The ranks' heartbeat: each rank keeps one fixed-size record,
+//! `<run dir>/heartbeat/rank<R>`, saying which step it is at, in which phase
+//! (data, forward, backward, all-reduce, ...), since when (unix time) and in which
+//! attempt. The rank rewrites it in place (one `pwrite` of [`RECORD_LEN`] bytes,
+//! only when the step or phase changes); the launcher reads it to find a rank that
+//! stopped making progress. A checksum in the record lets the reader tell a torn
+//! read from a record. The launcher's stack dumps of a hung job live beside it
+//! (`stacks/attempt<K>/rank<R>.txt`).
+
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The directory of the heartbeat records, under the run directory.
+pub const HEARTBEAT_DIR: &str = "heartbeat";
+/// The directory of the stacks the launcher saves when it finds a hung rank.
+pub const STACKS_DIR: &str = "stacks";
+/// Bytes of one record (text padded with spaces, ending in a newline).
+pub const RECORD_LEN: usize = 160;
+/// The first word of every record (the format's version).
+const MAGIC: &str = "vrtspike-heartbeat-v1";
+
+/// Where a rank is in its loop. The order of the variants is the order of
+/// progress within one step count: validation and checkpoint run after step `S`
+/// finished (with `S` steps done), then step `S`'s successor starts with data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    /// Starting: data, model, resume, rendezvous.
+    Start,
+    /// Validation after a step.
+    Validation,
+    /// Writing a checkpoint (and the barrier after it).
+    Checkpoint,
+    /// Waiting for the next batch.
+    Data,
+    /// Forward pass.
+    Forward,
+    /// Backward pass.
+    Backward,
+    /// Averaging gradients and step figures over ranks.
+    AllReduce,
+    /// The optimizer update.
+    Optimizer,
+}
+
+impl Phase {
+    /// Every phase, in progress order.
+    pub const ALL: [Phase; 8] = [
+        Phase::Start,
+        Phase::Validation,
+        Phase::Checkpoint,
+        Phase::Data,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::AllReduce,
+        Phase::Optimizer,
+    ];
+
+    /// Its name in records and messages (`allreduce`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Start => "start",
+            Phase::Validation => "validation",
+            Phase::Checkpoint => "checkpoint",
+            Phase::Data => "data",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::AllReduce => "allreduce",
+            Phase::Optimizer => "optimizer",
+        }
+    }
+
+    /// The phase of a name.
+    pub fn parse(name: &str) -> Option<Phase> {
+        Phase::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How far a rank got: steps done and the phase it is in. Ordered by progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Progress {
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Where in the loop.
+    pub phase: Phase,
+}
+
+/// One heartbeat record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Beat {
+    /// Step and phase.
+    pub progress: Progress,
+    /// When the rank entered the phase, in milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+    /// The attempt (restart count) of the rank that wrote it.
+    pub attempt: u32,
+    /// The writer's pid.
+    pub pid: u32,
+}
+
+/// A heartbeat that cannot be written or read (the file named).
+#[derive(Debug, thiserror::Error)]
+pub enum HeartbeatError {
+    /// The file could not be created, written or read.
+    #[error("heartbeat {path}: {source}")]
+    Io {
+        /// The record's file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The file holds no valid record (torn read or another format).
+    #[error("heartbeat {path}: not a valid record ({reason})")]
+    Invalid {
+        /// The record's file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The record of rank `rank` under `run_dir`.
+pub fn path(run_dir: &Path, rank: u32) -> PathBuf {
+    run_dir.join(HEARTBEAT_DIR).join(format!("rank{rank}"))
+}
+
+/// Where the launcher saves rank `rank`'s stacks when attempt `attempt` hangs.
+pub fn stacks_path(run_dir: &Path, attempt: u32, rank: u32) -> PathBuf {
+    run_dir
+        .join(STACKS_DIR)
+        .join(format!("attempt{attempt}"))
+        .join(format!("rank{rank}.txt"))
+}
+
+/// Milliseconds since the Unix epoch now.
+pub fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Beat {
+    /// The record's bytes: one line of text padded to [`RECORD_LEN`].
+    pub fn encode(&self) -> [u8; RECORD_LEN] {
+        let body = format!(
+            "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={}",
+            self.progress.step,
+            self.progress.phase,
+            self.unix_ms,
+            self.attempt,
+            self.pid
+        );
+        let line = format!("{body} sum={:08x}", checksum(body.as_bytes()));
+        let mut record = [b' '; RECORD_LEN];
+        // The longest line (every number at its maximum) is 140 bytes.
+        let len = line.len().min(RECORD_LEN - 1);
+        record[..len].copy_from_slice(&line.as_bytes()[..len]);
+        record[RECORD_LEN - 1] = b'\n';
+        record
+    }
+
+    /// Parses a record; the error says what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Beat, String> {
+        let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8".to_string())?;
+        let line = text.trim_end();
+        let (body, sum) = line.rsplit_once(" sum=").ok_or("no checksum")?;
+        let sum = u32::from_str_radix(sum, 16).map_err(|_| format!("bad checksum {sum:?}"))?;
+        if sum != checksum(body.as_bytes()) {
+            return Err("checksum mismatch (torn or stale record)".into());
+        }
+        let mut words = body.split(' ');
+        if words.next() != Some(MAGIC) {
+            return Err(format!("does not start with {MAGIC}"));
+        }
+        let mut field = |key: &str| -> Result<&str, String> {
+            let word = words.next().ok_or_else(|| format!("no {key}"))?;
+            word.strip_prefix(key)
+                .and_then(|w| w.strip_prefix('='))
+                .ok_or_else(|| format!("expected {key}=, got {word:?}"))
+        };
+        let number = |key: &str, text: &str| -> Result<u64, String> {
+            text.parse().map_err(|_| format!("{key}: not a number: {text:?}"))
+        };
+        let step = number("step", field("step")?)?;
+        let phase_name = field("phase")?;
+        let phase = Phase::parse(phase_name).ok_or_else(|| format!("unknown phase {phase_name:?}"))?;
+        let unix_ms = number("unix_ms", field("unix_ms")?)?;
+        let attempt = number("attempt", field("attempt")?)?;
+        let pid = number("pid", field("pid")?)?;
+        Ok(Beat {
+            progress: Progress { step, phase },
+            unix_ms,
+            attempt: u32::try_from(attempt).map_err(|_| "attempt out of range".to_string())?,
+            pid: u32::try_from(pid).map_err(|_| "pid out of range".to_string())?,
+        })
+    }
+}
+
+/// FNV-1a (32 bits) of `bytes`.
+fn checksum(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5_u32, |hash, &b| {
+        (hash ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// A rank's side: keeps its record open and rewrites it when the progress changes.
+#[derive(Debug)]
+pub struct HeartbeatWriter {
+    file: File,
+    path: PathBuf,
+    attempt: u32,
+    pid: u32,
+    last: Option<Progress>,
+}
+
+impl HeartbeatWriter {
+    /// Creates (or takes over) rank `rank`'s record under `run_dir` for `attempt`.
+    pub fn create(run_dir: &Path, rank: u32, attempt: u32) -> Result<Self, HeartbeatError> {
+        let path = path(run_dir, rank);
+        let io = |source| HeartbeatError::Io {
+            path: path.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        Ok(HeartbeatWriter {
+            file,
+            path,
+            attempt,
+            pid: std::process::id(),
+            last: None,
+        })
+    }
+
+    /// Records `progress` when it differs from the last one written; returns
+    /// whether it wrote.
+    pub fn beat(&mut self, progress: Progress) -> Result<bool, HeartbeatError> {
+        if self.last == Some(progress) {
+            return Ok(false);
+        }
+        let record = Beat {
+            progress,
+            unix_ms: unix_ms_now(),
+            attempt: self.attempt,
+            pid: self.pid,
+        }
+        .encode();
+        self.file
+            .write_all_at(&record, 0)
+            .map_err(|source| HeartbeatError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        self.last = Some(progress);
+        Ok(true)
+    }
+
+    /// Its file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The launcher's side: rank `rank`'s record under `run_dir`, `None` when the rank
+/// has written none. A torn read (the rank rewriting it at that moment) is retried.
+pub fn read(run_dir: &Path, rank: u32) -> Result<Option<Beat>, HeartbeatError> {
+    let path = path(run_dir, rank);
+    let mut last_reason = String::new();
+    for _ in 0..3 {
+        let mut bytes = Vec::with_capacity(RECORD_LEN);
+        match File::open(&path) {
+            Ok(file) => file
+                .take(RECORD_LEN as u64)
+                .read_to_end(&mut bytes)
+                .map_err(|source| HeartbeatError::Io {
+                    path: path.clone(),
+                    source,
+                })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(HeartbeatError::Io { path, source }),
+        };
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        match Beat::decode(&bytes) {
+            Ok(beat) => return Ok(Some(beat)),
+            Err(reason) => last_reason = reason,
+        }
+    }
+    Err(HeartbeatError::Invalid {
+        path,
+        reason: last_reason,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn beat(step: u64, phase: Phase) -> Beat {
+        Beat {
+            progress: Progress { step, phase },
+            unix_ms: 1_700_000_000_123,
+            attempt: 2,
+            pid: 4242,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_at_a_fixed_size() {
+        for phase in Phase::ALL {
+            assert_eq!(Phase::parse(phase.name()), Some(phase));
+            let b = beat(17, phase);
+            let record = b.encode();
+            assert_eq!(record.len(), RECORD_LEN);
+            assert_eq!(Beat::decode(&record), Ok(b));
+        }
+        let widest = Beat {
+            progress: Progress {
+                step: u64::MAX,
+                phase: Phase::Validation,
+            },
+            unix_ms: u64::MAX,
+            attempt: u32::MAX,
+            pid: u32::MAX,
+        };
+        assert_eq!(Beat::decode(&widest.encode()), Ok(widest), "nothing cut off");
+    }
+
+    #[test]
+    fn torn_or_foreign_records_are_refused() {
+        let mut record = beat(5, Phase::Forward).encode();
+        // A torn write: the start of a newer record over the older one.
+        let newer = beat(6, Phase::Data).encode();
+        record[..40].copy_from_slice(&newer[..40]);
+        assert!(Beat::decode(&record).is_err_and(|e| e.contains("checksum")));
+        assert!(Beat::decode(b"hello").is_err());
+        assert!(Beat::decode(&[0xff; RECORD_LEN]).is_err());
+    }
+
+    #[test]
+    fn progress_orders_phases_within_a_step_count() {
+        let p = |step, phase| Progress { step, phase };
+        assert!(p(3, Phase::Forward) < p(3, Phase::AllReduce));
+        assert!(p(3, Phase::Optimizer) < p(4, Phase::Validation));
+        assert!(p(4, Phase::Checkpoint) < p(4, Phase::Data));
+        assert!(p(0, Phase::Start) < p(0, Phase::Data));
+    }
+
+    #[test]
+    fn the_writer_rewrites_only_on_change_and_the_reader_sees_the_last() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(read(tmp.path(), 1), Ok(None)), "no record yet");
+        let mut writer =
+            HeartbeatWriter::create(tmp.path(), 1, 3).unwrap_or_else(|e| panic!("{e}"));
+        let at = |step, phase| Progress { step, phase };
+        assert!(matches!(writer.beat(at(0, Phase::Start)), Ok(true)));
+        assert!(matches!(writer.beat(at(0, Phase::Start)), Ok(false)));
+        assert!(matches!(writer.beat(at(12, Phase::AllReduce)), Ok(true)));
+        let got = read(tmp.path(), 1)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("no record"));
+        assert_eq!(got.progress, at(12, Phase::AllReduce));
+        assert_eq!((got.attempt, got.pid), (3, std::process::id()));
+        assert_eq!(
+            std::fs::metadata(writer.path()).map(|m| m.len()).ok(),
+            Some(RECORD_LEN as u64)
+        );
+        std::fs::write(path(tmp.path(), 2), b"garbage").unwrap_or_else(|e| panic!("{e}"));
+        let err = read(tmp.path(), 2).map(|_| ()).map_err(|e| e.to_string());
+        assert!(err.is_err_and(|e| e.contains("rank2") && e.contains("not a valid record")));
+    }
+
+    #[test]
+    fn paths_live_under_the_run_dir() {
+        let run = Path::new("/r");
+        assert_eq!(path(run, 3), PathBuf::from("/r/heartbeat/rank3"));
+        assert_eq!(
+            stacks_path(run, 1, 3),
+            PathBuf::from("/r/stacks/attempt1/rank3.txt")
+        );
+    }
+}
