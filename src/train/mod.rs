@@ -7,6 +7,7 @@ pub mod amp;
 pub mod checkpoint;
 pub mod comm;
 pub mod env;
+pub mod heartbeat;
 pub mod loss;
 pub mod metrics;
 pub mod monitor;

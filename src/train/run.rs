@@ -23,6 +23,7 @@ use super::amp::{AmpMode, GradScaler};
 use super::checkpoint::{self, TrainState};
 use super::comm::{self, Communication};
 use super::env::RankEnv;
+use super::heartbeat::{self, Phase};
 use super::loss::charbonnier;
 use super::metrics::MetricsSink;
 use super::monitor::MemoryMonitor;
@@ -149,6 +150,7 @@ impl<'a> RunBuilder<'a> {
     /// writes the `start` event.
     pub fn build(self) -> Result<Run<'a>, TrainError> {
         let (config, env) = (self.config, self.env);
+        heartbeat::start(env);
         let started = Instant::now();
         let dir = env.checkpoint_dir();
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
@@ -441,11 +443,13 @@ impl Run<'_> {
         tch::manual_seed(step_seed(self.config.train.seed, step));
         self.model.optimizer.zero_grad();
         let local = self.accumulate()?;
+        heartbeat::beat(step, Phase::AllReduce);
         self.comm.sync_gradients()?;
         let global = self.reduce(&local)?;
         if local.nonfinite {
             tracing::warn!(step = step + 1, rank = self.env.rank, samples = ?local.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
         }
+        heartbeat::beat(step, Phase::Optimizer);
         let result = apply_update(
             &mut self.model.optimizer,
             &mut self.state.scaler,
@@ -469,9 +473,11 @@ impl Run<'_> {
         let (model, amp) = (&self.model.model, self.model.amp);
         let mut local = LocalStep::default();
         for _ in 0..accum {
+            heartbeat::beat(self.state.step, Phase::Data);
             let batch = next_batch(&mut self.data.loader)?;
             let (blur, sharp, voxels) = batch.to_tensors(self.env.device)?;
             let voxels = model.uses_voxels().then_some(&voxels);
+            heartbeat::beat(self.state.step, Phase::Forward);
             let output = amp.run(|| model.forward(&blur, voxels, true))?;
             let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps)
                 / accum as f64;
@@ -482,6 +488,7 @@ impl Run<'_> {
             local.samples += batch.samples.len();
             if value.is_finite() {
                 local.loss += value;
+                heartbeat::beat(self.state.step, Phase::Backward);
                 self.state.scaler.scale_loss(&loss).backward();
             } else {
                 local.nonfinite = true;

@@ -11,6 +11,7 @@ use crate::dist::ReduceOp;
 use crate::eval::quality::QualitySums;
 
 use super::checkpoint;
+use super::heartbeat::{self, Phase};
 use super::report::StepReport;
 use super::run::{Run, Validation};
 use super::TrainError;
@@ -161,6 +162,7 @@ impl PeriodicTask for Validate {
         let Some(validator) = &mut run.data.validator else {
             return Ok(());
         };
+        heartbeat::beat(report.step, Phase::Validation);
         let started = Instant::now();
         let mine = Vec::<f64>::try_from(&validator.run(run.model.model.as_ref())?.to_tensor())?;
         let all = run.comm.all_reduce(&mine, ReduceOp::Sum)?;
@@ -199,6 +201,7 @@ impl PeriodicTask for Checkpoint {
     }
 
     fn run(&mut self, run: &mut Run<'_>, report: &StepReport) -> Result<(), TrainError> {
+        heartbeat::beat(report.step, Phase::Checkpoint);
         let state = &mut run.state;
         state.sampler = run.data.loader.state();
         state.sampler.rank = 0;
