@@ -153,11 +153,7 @@ impl Beat {
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let body = format!(
             "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={}",
-            self.progress.step,
-            self.progress.phase,
-            self.unix_ms,
-            self.attempt,
-            self.pid
+            self.progress.step, self.progress.phase, self.unix_ms, self.attempt, self.pid
         );
         let line = format!("{body} sum={:08x}", checksum(body.as_bytes()));
         let mut record = [b' '; RECORD_LEN];
@@ -188,11 +184,13 @@ impl Beat {
                 .ok_or_else(|| format!("expected {key}=, got {word:?}"))
         };
         let number = |key: &str, text: &str| -> Result<u64, String> {
-            text.parse().map_err(|_| format!("{key}: not a number: {text:?}"))
+            text.parse()
+                .map_err(|_| format!("{key}: not a number: {text:?}"))
         };
         let step = number("step", field("step")?)?;
         let phase_name = field("phase")?;
-        let phase = Phase::parse(phase_name).ok_or_else(|| format!("unknown phase {phase_name:?}"))?;
+        let phase =
+            Phase::parse(phase_name).ok_or_else(|| format!("unknown phase {phase_name:?}"))?;
         let unix_ms = number("unix_ms", field("unix_ms")?)?;
         let attempt = number("attempt", field("attempt")?)?;
         let pid = number("pid", field("pid")?)?;
@@ -340,7 +338,11 @@ mod tests {
             attempt: u32::MAX,
             pid: u32::MAX,
         };
-        assert_eq!(Beat::decode(&widest.encode()), Ok(widest), "nothing cut off");
+        assert_eq!(
+            Beat::decode(&widest.encode()),
+            Ok(widest),
+            "nothing cut off"
+        );
     }
 
     #[test]
