@@ -52,6 +52,14 @@ pub struct Args {
     #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
     pub preempt_timeout_s: f64,
 
+    /// Seconds a rank may stay at one step and phase (per its heartbeat) while
+    /// another rank got further (or, alone, at all) before it counts as hung: it
+    /// is named, every rank's stacks are saved in the run dir, and the gang
+    /// restarts from the last checkpoint. Keep it below DIST.TIMEOUT_S so the
+    /// hung rank is named before the waiting ones time out; 0 disables.
+    #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
+    pub hang_timeout_s: f64,
+
     /// Number of nodes (each runs its own launcher); needs --master-addr and
     /// --master-port when above 1. Read from SLURM when it runs the job.
     #[arg(long)]
@@ -178,6 +186,7 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(args.max_restarts, 3);
         assert_eq!(args.grace_s, 10.0);
+        assert_eq!(args.hang_timeout_s, 300.0);
         assert_eq!(args.preempt_signal, Signal::SIGUSR2);
         assert_eq!(args.train_args, ["--steps", "5"]);
         assert!(Args::try_parse_from(["x", "--config", "c", "--grace-s", "-1"]).is_err());

@@ -1,7 +1,8 @@
 //! One attempt of the job: start this node's ranks, then watch them as a gang. The
 //! first rank that exits non-zero or dies (or the cache server dying) stops all the
 //! others (SIGTERM, grace, SIGKILL); a preemption request is passed to the ranks as
-//! SIGUSR2 and they get time to checkpoint and exit 0.
+//! SIGUSR2 and they get time to checkpoint and exit 0. A rank found hung
+//! ([`crate::hang`]) fails the attempt like a crashed one.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -13,6 +14,7 @@ use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
 
 use crate::echo::LogEcho;
+use crate::hang::{HangCheck, HangWatch};
 use crate::signals;
 use crate::spawn::{self, Supervised};
 use crate::summary::{ExitKind, Failure};
@@ -71,6 +73,7 @@ pub fn run_attempt(
     cache_server: &mut Supervised,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
+    hang: Option<HangCheck>,
 ) -> Result<AttemptEnd> {
     let mut ranks: Vec<(u32, Supervised)> = Vec::with_capacity(launches.len());
     let mut echo = None;
@@ -108,7 +111,11 @@ pub fn run_attempt(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let end = supervise(&mut ranks, cache_server, timing, peer_stop);
+    let hang = hang.map(|check| {
+        let ids: Vec<u32> = ranks.iter().map(|(rank, _)| *rank).collect();
+        HangWatch::new(check, &ids, Instant::now())
+    });
+    let end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
     drop(echo);
     Ok(end)
 }
@@ -118,9 +125,17 @@ fn supervise(
     cache_server: &mut Supervised,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
+    mut hang: Option<HangWatch>,
 ) -> AttemptEnd {
     let mut preempting = false;
-    let mut end = watch(ranks, cache_server, timing, peer_stop, &mut preempting);
+    let mut end = watch(
+        ranks,
+        cache_server,
+        timing,
+        peer_stop,
+        &mut preempting,
+        hang.as_mut(),
+    );
     end.preempting = preempting;
     end
 }
@@ -132,6 +147,7 @@ fn watch(
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
+    mut hang: Option<&mut HangWatch>,
 ) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
     let mut preempt_deadline: Option<Instant> = None;
@@ -174,6 +190,13 @@ fn watch(
         if let Some(failure) = peer_stop() {
             tracing::error!("{}: stopping the ranks of this node", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+        }
+        if let Some(watch) = hang.as_deref_mut().filter(|_| preempt_deadline.is_none()) {
+            if let Some(found) = watch.poll(Instant::now()) {
+                let failure = watch.fail(&found, ranks, timing.node_rank);
+                tracing::error!("{}: stopping the ranks", failure.cause);
+                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+            }
         }
         if ranks.iter_mut().all(|(_, c)| !c.running()) {
             let outcome = if preempt_deadline.is_some() {

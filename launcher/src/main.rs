@@ -11,6 +11,7 @@ mod cluster;
 mod echo;
 mod env_contract;
 mod gang;
+mod hang;
 mod hostlist;
 mod peers;
 mod pss;
@@ -18,6 +19,7 @@ mod restart;
 mod rundir;
 mod signals;
 mod spawn;
+mod stacks;
 mod summary;
 
 use std::ffi::OsString;
@@ -246,7 +248,12 @@ impl Job {
                     .and_then(|p| p.stop_reason(restart_count))
                     .map(|event| peer_failure(&event))
             };
-            let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop)?;
+            let hang = hang::HangCheck::new(
+                args.hang_timeout_s,
+                self.run_dir.path.clone(),
+                restart_count,
+            );
+            let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop, hang)?;
             self.attempts.push(AttemptRecord {
                 attempt: restart_count,
                 duration_s: attempt_started.elapsed().as_secs_f64(),
