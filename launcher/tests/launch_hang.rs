@@ -1,0 +1,159 @@
+//! End to end: the real `vrtspike-launch` with two real `vrtspike train` CPU ranks
+//! where rank 1 sleeps inside its forward pass of step 5 in the first attempt (the
+//! rank's test-only hook `VRTSPIKE_TEST_HANG_AT_STEP`, see `src/train/heartbeat.rs`).
+//! The launcher must name rank 1 and its phase from the heartbeats, save both
+//! ranks' stacks, stop the gang and restart it from the last checkpoint; the
+//! second attempt completes. With no restart left, the job fails with the hang as
+//! its cause.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{read_json, run_with_limit, texts, vrtspike};
+use vrtspike_contract::heartbeat;
+use vrtspike_contract::rundir::RunLayout;
+use vrtspike_contract::summary::{RunSummary, TrainStatus};
+
+const TOTAL_STEPS: u64 = 12;
+const LIMIT: Duration = Duration::from_secs(120);
+const HANG_CAUSE: &str = "hang: rank 1 in phase forward at step 5";
+
+/// A tiny dataset written by `vrtspike synth`.
+fn synth(dir: &Path) -> PathBuf {
+    let data = dir.join("data");
+    let output = Command::new(vrtspike())
+        .arg("synth")
+        .arg("--out")
+        .arg(&data)
+        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
+        .args(["--height", "64", "--width", "96", "--seed", "9"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
+    let (stdout, stderr) = texts(&output);
+    assert!(output.status.success(), "synth: {stdout}\n{stderr}");
+    data
+}
+
+/// A tiny U-Net run on `data` with a checkpoint every 2 steps and a collective
+/// timeout far above the hang timeout (so the hang is found, not timed out).
+fn write_config(dir: &Path, data: &Path) -> PathBuf {
+    let path = dir.join("tiny.yaml");
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {TOTAL_STEPS}\n  LR: 1.0e-3\n  SEED: 3\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 2\n  MEM_EVERY_STEPS: 1000\n\
+         DIST:\n  TIMEOUT_S: 120\n",
+        data.display()
+    );
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    path
+}
+
+/// Runs the launcher with rank 1 hanging in its first attempt.
+fn launch_with_hang(config: &Path, run: &Path, max_restarts: &str) -> Output {
+    let mut command = Command::new(common::launcher());
+    command
+        .arg("--config")
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run)
+        .args([
+            "--gpus",
+            "0",
+            "--ranks",
+            "2",
+            "--max-restarts",
+            max_restarts,
+        ])
+        .args([
+            "--hang-timeout-s",
+            "3",
+            "--grace-s",
+            "2",
+            "--restart-delay-s",
+            "0",
+        ])
+        .args(["--cache-size", "64M"])
+        .env("VRTSPIKE_TEST_HANG_AT_STEP", "5")
+        .env("VRTSPIKE_TEST_HANG_RANK", "1")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
+        command.env_remove(name);
+    }
+    run_with_limit(command, LIMIT)
+}
+
+/// Both ranks' stack files of attempt 0 exist and list threads.
+fn assert_stacks_saved(run: &Path) {
+    for rank in 0..2 {
+        let path = heartbeat::stacks_path(run, 0, rank);
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(text.contains(&format!("rank {rank}, pid")), "{text}");
+        assert!(text.contains("thread ") && text.contains("wchan"), "{text}");
+    }
+}
+
+#[test]
+fn a_hung_rank_is_named_its_stacks_saved_and_the_gang_restarts_to_the_end() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = write_config(tmp.path(), &synth(tmp.path()));
+    let run = tmp.path().join("run");
+    let layout = RunLayout::new(&run);
+    let output = launch_with_hang(&config, &run, "1");
+    let (stdout, stderr) = texts(&output);
+    let context = format!(
+        "stdout:\n{stdout}\nstderr:\n{stderr}\nrank 1:\n{}",
+        std::fs::read_to_string(layout.rank_log(1)).unwrap_or_default()
+    );
+    assert!(output.status.success(), "{context}");
+    assert!(
+        stderr.contains("rank 1 has not moved for")
+            && stderr.contains("in phase forward at step 5")
+            && stderr.contains("rank 0 in phase allreduce at step 5"),
+        "the hung rank, its phase and the other's step are named: {context}"
+    );
+    assert_stacks_saved(&run);
+
+    let summary = read_json(&layout.launcher_summary(0));
+    assert_eq!(summary["exit"], "completed", "{summary}");
+    assert_eq!(summary["restarts"], 1, "{summary}");
+    let first = &summary["attempts"][0];
+    assert_eq!(first["failure"]["cause"], HANG_CAUSE, "{summary}");
+    assert_eq!(first["failure"]["rank"], 1, "{summary}");
+    assert_eq!(
+        summary["attempts"][1]["resumed_from"], "step_00000004",
+        "restarted from the checkpoint before the hang: {summary}"
+    );
+    let ranks = RunSummary::read(&layout.train_summary()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ranks.status, TrainStatus::Completed, "{ranks:?}");
+    assert_eq!(ranks.steps, TOTAL_STEPS);
+}
+
+#[test]
+fn a_hang_with_no_restart_left_fails_the_job_with_the_hang_as_cause() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = write_config(tmp.path(), &synth(tmp.path()));
+    let run = tmp.path().join("run");
+    let output = launch_with_hang(&config, &run, "0");
+    let (stdout, stderr) = texts(&output);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let summary = read_json(&RunLayout::new(&run).launcher_summary(0));
+    assert_eq!(summary["exit"], "failed", "{summary}");
+    assert_eq!(summary["failure"]["cause"], HANG_CAUSE, "{summary}");
+    let error = summary["error"].as_str().unwrap_or("");
+    assert!(error.starts_with(HANG_CAUSE), "{summary}");
+    assert_stacks_saved(&run);
+}
