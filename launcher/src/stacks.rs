@@ -203,5 +203,13 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("wchan"), "{text}");
+        match find_tool() {
+            None => assert!(text.contains("no user-space stacks"), "{text}"),
+            // Both tools number the frames of each thread from #0.
+            Some(tool) => assert!(
+                text.contains(&format!("user-space stacks ({tool:?})")) && text.contains("#0 "),
+                "{text}"
+            ),
+        }
     }
 }
