@@ -2,11 +2,12 @@
 //! heartbeat (the contract's `heartbeat` record: step and phase) about once a
 //! second and notes when each rank last moved. A rank that has not moved for the
 //! timeout while another rank got further (in data-parallel training the others
-//! wait for it in the all-reduce of the same step), or a lone rank that has not
-//! moved for the timeout, is hung: the launcher names it, its phase and the
-//! others' steps, saves every rank's stacks ([`crate::stacks`]) and fails the
-//! attempt, which stops the gang and restarts it from the last checkpoint.
-//! Ranks that write no heartbeat at all are not judged.
+//! wait for it in the all-reduce of the same step), or the only rank of the job
+//! when it has not moved for the timeout, is hung: the launcher of its node names
+//! it, its phase and the others' steps, saves its node's stacks
+//! ([`crate::stacks`]) and fails the attempt, which stops the gang and restarts it
+//! from the last checkpoint. Other nodes' ranks count when their records are
+//! visible (a shared run dir); ranks that write no heartbeat at all are not judged.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -28,15 +29,23 @@ pub struct HangCheck {
     pub run_dir: PathBuf,
     /// The attempt (restart count): records of other attempts are ignored.
     pub attempt: u32,
+    /// Ranks in the job (all nodes).
+    pub world_size: u32,
 }
 
 impl HangCheck {
     /// The check of `--hang-timeout-s` (none when it is 0).
-    pub fn new(timeout_s: f64, run_dir: PathBuf, attempt: u32) -> Option<HangCheck> {
+    pub fn new(
+        timeout_s: f64,
+        run_dir: PathBuf,
+        attempt: u32,
+        world_size: u32,
+    ) -> Option<HangCheck> {
         (timeout_s > 0.0).then(|| HangCheck {
             timeout: Duration::from_secs_f64(timeout_s),
             run_dir,
             attempt,
+            world_size,
         })
     }
 }
@@ -57,14 +66,15 @@ pub struct RankView {
 pub struct Hang {
     /// The hung rank.
     pub rank: RankView,
-    /// The other ranks of this node.
+    /// The other ranks (of this node, and of others whose records are visible).
     pub others: Vec<RankView>,
 }
 
-/// The hung rank among `views`, if one is (see the module doc): of the ranks
-/// still for `timeout`, the one furthest behind (then the longest still, then the
-/// lowest rank), when it is alone or another rank got further.
-pub fn find_hang(views: &[RankView], timeout: Duration) -> Option<Hang> {
+/// The hung rank among `views` of a job of `world_size` ranks, if one is (see the
+/// module doc): of the ranks still for `timeout`, the one furthest behind (then
+/// the longest still, then the lowest rank), when it is the job's only rank or
+/// another rank got further.
+pub fn find_hang(views: &[RankView], timeout: Duration, world_size: u32) -> Option<Hang> {
     if views.iter().all(|v| v.progress.is_none()) {
         return None;
     }
@@ -77,7 +87,7 @@ pub fn find_hang(views: &[RankView], timeout: Duration) -> Option<Hang> {
         ))
     });
     let hung = candidates.into_iter().find(|candidate| {
-        views.len() == 1 || views.iter().any(|v| v.progress > candidate.progress)
+        world_size == 1 || views.iter().any(|v| v.progress > candidate.progress)
     })?;
     Some(Hang {
         rank: *hung,
@@ -136,6 +146,8 @@ impl Hang {
 #[derive(Debug, Clone, Copy)]
 struct Track {
     rank: u32,
+    /// Started by this launcher (another node's rank counts only once seen).
+    local: bool,
     progress: Option<Progress>,
     since: Instant,
 }
@@ -152,14 +164,17 @@ pub struct HangWatch {
 }
 
 impl HangWatch {
-    /// Watches `ranks` from `now`, the start of the attempt.
-    pub fn new(check: HangCheck, ranks: &[u32], now: Instant) -> HangWatch {
+    /// Watches the job's ranks from `now`, the start of the attempt; `local` are
+    /// this node's.
+    pub fn new(check: HangCheck, local: &[u32], now: Instant) -> HangWatch {
         let interval = (check.timeout / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let beyond = local.iter().copied().filter(|r| *r >= check.world_size);
         HangWatch {
-            tracks: ranks
-                .iter()
-                .map(|&rank| Track {
+            tracks: (0..check.world_size)
+                .chain(beyond)
+                .map(|rank| Track {
                     rank,
+                    local: local.contains(&rank),
                     progress: None,
                     since: now,
                 })
@@ -181,10 +196,11 @@ impl HangWatch {
         }
     }
 
-    /// The ranks as of `now`.
+    /// The ranks as of `now` (this node's, and others' once seen).
     pub fn views(&self, now: Instant) -> Vec<RankView> {
         self.tracks
             .iter()
+            .filter(|t| t.local || t.progress.is_some())
             .map(|t| RankView {
                 rank: t.rank,
                 progress: t.progress,
@@ -215,7 +231,17 @@ impl HangWatch {
             };
             self.observe(rank, progress, now);
         }
-        find_hang(&self.views(now), self.check.timeout)
+        let hang = find_hang(&self.views(now), self.check.timeout, self.check.world_size)?;
+        let local = self
+            .tracks
+            .iter()
+            .any(|t| t.local && t.rank == hang.rank.rank);
+        if !local {
+            // Its own node's launcher names it and stops the job.
+            tracing::debug!("another node's {}", hang.cause());
+            return None;
+        }
+        Some(hang)
     }
 
     /// Reports `hang`, saves every rank's stacks, and returns the failure.
@@ -273,7 +299,7 @@ mod tests {
             view(0, at(3, Phase::AllReduce), 11),
             view(1, at(3, Phase::Forward), 12),
         ];
-        let hang = find_hang(&views, T).unwrap_or_else(|| panic!("no hang found"));
+        let hang = find_hang(&views, T, 2).unwrap_or_else(|| panic!("no hang found"));
         assert_eq!(hang.rank.rank, 1);
         assert_eq!(hang.cause(), "hang: rank 1 in phase forward at step 3");
         assert_eq!(hang.others, [views[0]]);
@@ -290,13 +316,13 @@ mod tests {
             view(0, at(3, Phase::AllReduce), 9),
             view(1, at(3, Phase::Forward), 9),
         ];
-        assert_eq!(find_hang(&views, T), None);
+        assert_eq!(find_hang(&views, T, 2), None);
         // The rank ahead being still does not make it the hung one.
         let views = [
             view(0, at(3, Phase::AllReduce), 30),
             view(1, at(3, Phase::Forward), 2),
         ];
-        assert_eq!(find_hang(&views, T), None);
+        assert_eq!(find_hang(&views, T, 2), None);
     }
 
     #[test]
@@ -306,13 +332,18 @@ mod tests {
             view(0, at(50, Phase::Validation), 40),
             view(1, at(50, Phase::Validation), 40),
         ];
-        assert_eq!(find_hang(&views, T), None);
+        assert_eq!(find_hang(&views, T, 2), None);
     }
 
     #[test]
-    fn a_lone_rank_is_hung_when_still_for_the_timeout() {
-        assert_eq!(find_hang(&[view(0, at(8, Phase::Data), 9)], T), None);
-        let hang = find_hang(&[view(0, at(8, Phase::Data), 10)], T);
+    fn the_only_rank_of_a_job_is_hung_when_still_for_the_timeout() {
+        assert_eq!(find_hang(&[view(0, at(8, Phase::Data), 9)], T, 1), None);
+        // The only rank of its node in a bigger job may be waiting for another node.
+        assert_eq!(
+            find_hang(&[view(3, at(8, Phase::AllReduce), 60)], T, 4),
+            None
+        );
+        let hang = find_hang(&[view(0, at(8, Phase::Data), 10)], T, 1);
         assert_eq!(
             hang.map(|h| h.cause()).as_deref(),
             Some("hang: rank 0 in phase data at step 8")
@@ -322,9 +353,12 @@ mod tests {
     #[test]
     fn a_rank_without_heartbeat_is_judged_only_beside_ranks_with_one() {
         // No heartbeats at all: a program that writes none (not judged).
-        assert_eq!(find_hang(&[view(0, None, 99), view(1, None, 99)], T), None);
+        assert_eq!(
+            find_hang(&[view(0, None, 99), view(1, None, 99)], T, 2),
+            None
+        );
         let views = [view(0, at(0, Phase::Start), 20), view(1, None, 20)];
-        let hang = find_hang(&views, T).unwrap_or_else(|| panic!("no hang found"));
+        let hang = find_hang(&views, T, 2).unwrap_or_else(|| panic!("no hang found"));
         assert_eq!(hang.rank.rank, 1);
         assert!(
             hang.cause().contains("no heartbeat yet"),
@@ -341,14 +375,14 @@ mod tests {
             view(2, at(7, Phase::Data), 15),
             view(3, at(7, Phase::AllReduce), 20),
         ];
-        let hang = find_hang(&views, T).map(|h| h.rank.rank);
+        let hang = find_hang(&views, T, 4).map(|h| h.rank.rank);
         assert_eq!(hang, Some(2));
     }
 
     #[test]
     fn the_watch_times_stillness_from_the_last_change() {
         let start = Instant::now();
-        let check = HangCheck::new(10.0, PathBuf::from("/nonexistent"), 0)
+        let check = HangCheck::new(10.0, PathBuf::from("/nonexistent"), 0, 2)
             .unwrap_or_else(|| panic!("disabled"));
         let mut watch = HangWatch::new(check, &[0, 1], start);
         let s = |secs| start + Duration::from_secs(secs);
@@ -358,12 +392,70 @@ mod tests {
         watch.observe(1, at(1, Phase::Forward), s(2));
         watch.observe(1, at(1, Phase::Forward), s(5)); // unchanged: still since 2
         watch.observe(1, None, s(6)); // an unreadable record changes nothing
-        assert_eq!(find_hang(&watch.views(s(11)), T), None);
-        let hang = find_hang(&watch.views(s(12)), T).map(|h| h.rank);
+        assert_eq!(find_hang(&watch.views(s(11)), T, 2), None);
+        let hang = find_hang(&watch.views(s(12)), T, 2).map(|h| h.rank);
         assert_eq!(hang, Some(view(1, at(1, Phase::Forward), 10)));
         assert!(
-            HangCheck::new(0.0, PathBuf::new(), 0).is_none(),
+            HangCheck::new(0.0, PathBuf::new(), 0, 2).is_none(),
             "0 disables"
         );
+    }
+
+    #[test]
+    fn other_nodes_ranks_count_once_seen_and_are_named_by_their_own_node() {
+        let start = Instant::now();
+        let check = HangCheck::new(10.0, PathBuf::from("/nonexistent"), 0, 4)
+            .unwrap_or_else(|| panic!("disabled"));
+        // This node runs ranks 2 and 3.
+        let mut watch = HangWatch::new(check, &[2, 3], start);
+        let s = |secs| start + Duration::from_secs(secs);
+        let ranks = |w: &HangWatch| w.views(s(1)).iter().map(|v| v.rank).collect::<Vec<_>>();
+        assert_eq!(
+            ranks(&watch),
+            [2, 3],
+            "unseen ranks of other nodes are left out"
+        );
+        watch.observe(0, at(4, Phase::Forward), s(1));
+        assert_eq!(ranks(&watch), [0, 2, 3]);
+        watch.observe(2, at(4, Phase::AllReduce), s(1));
+        watch.observe(3, at(4, Phase::AllReduce), s(1));
+        // Rank 0 (node 0) is behind: hung, but its own node's launcher names it.
+        let hang = find_hang(&watch.views(s(12)), T, 4).map(|h| h.rank.rank);
+        assert_eq!(hang, Some(0));
+    }
+
+    #[test]
+    fn polling_reads_the_records_and_names_only_this_nodes_ranks() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let write = |rank: u32, progress: Option<Progress>| {
+            let mut writer = heartbeat::HeartbeatWriter::create(tmp.path(), rank, 0)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let progress = progress.unwrap_or_else(|| panic!("no progress"));
+            writer.beat(progress).unwrap_or_else(|e| panic!("{e}"));
+        };
+        write(0, at(4, Phase::Forward));
+        for rank in 1..4 {
+            write(rank, at(4, Phase::AllReduce));
+        }
+        let start = Instant::now();
+        let s = |secs| start + Duration::from_secs(secs);
+        let watch_of = |local: &[u32]| {
+            let check = HangCheck::new(10.0, tmp.path().to_path_buf(), 0, 4);
+            HangWatch::new(check.unwrap_or_else(|| panic!("disabled")), local, start)
+        };
+        let mut node0 = watch_of(&[0, 1]);
+        let mut node1 = watch_of(&[2, 3]);
+        for watch in [&mut node0, &mut node1] {
+            assert_eq!(watch.poll(s(0)), None);
+            assert_eq!(
+                watch.views(s(0)).len(),
+                4,
+                "a shared run dir shows every rank"
+            );
+        }
+        assert_eq!(node1.poll(s(12)), None, "rank 0 is node 0's to name");
+        let hang = node0.poll(s(12)).unwrap_or_else(|| panic!("no hang found"));
+        assert_eq!(hang.cause(), "hang: rank 0 in phase forward at step 4");
+        assert_eq!(hang.others.len(), 3);
     }
 }

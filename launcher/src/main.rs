@@ -252,6 +252,7 @@ impl Job {
                 args.hang_timeout_s,
                 self.run_dir.path.clone(),
                 restart_count,
+                self.world_size,
             );
             let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop, hang)?;
             self.attempts.push(AttemptRecord {
