@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, ModelConfig, Workers};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -54,6 +54,8 @@ pub struct Plan {
     pub dataset_bytes: Option<u64>,
     /// Loader threads of the node (`TOTAL_WORKERS`, `auto` resolved).
     pub node_workers: u32,
+    /// `TOTAL_WORKERS: auto` before the memory cap, when the cap lowered it.
+    pub workers_capped_from: Option<u32>,
     /// Loader threads of one rank.
     pub rank_workers: u32,
     /// One training sample: L x (blur + sharp 3 x crop^2 + K x spike crop) f32.
@@ -80,6 +82,59 @@ pub struct Plan {
     pub host_share: f64,
     /// The guides' warnings, each with what to try.
     pub warnings: Vec<String>,
+    /// Terms that cannot fit at all (the launcher refuses such a plan), each naming
+    /// the term and the key to change.
+    pub misfits: Vec<String>,
+}
+
+/// Share of RAM the host total may use before the plan warns (and before
+/// `TOTAL_WORKERS: auto` is lowered to fit).
+pub const HOST_SHARE_LIMIT: f64 = 0.9;
+
+/// The loader threads of a node: `TOTAL_WORKERS` resolved for `machine`, and for
+/// `auto` lowered (to at least one per rank) when the loader's in-flight bytes
+/// would push the host total above [`HOST_SHARE_LIMIT`] of RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeWorkers {
+    /// Loader threads of the node.
+    pub workers: u32,
+    /// What `auto` gave before the memory cap, when the cap lowered it.
+    pub capped_from: Option<u32>,
+}
+
+/// See [`NodeWorkers`]; `sample` is the bytes of one training sample.
+pub fn node_workers(config: &Config, machine: Machine, sample: u64) -> NodeWorkers {
+    let dl = &config.dataloader;
+    let wanted = dl.total_workers.resolve(machine.cores, machine.gpus);
+    if dl.total_workers != Workers::Auto {
+        return NodeWorkers {
+            workers: wanted,
+            capped_from: None,
+        };
+    }
+    let ranks = machine.gpus.max(1) as u64;
+    let cache = if config.data.use_ram_cache {
+        config.data.cache_bytes()
+    } else {
+        0
+    };
+    let budget = (HOST_SHARE_LIMIT * machine.ram_bytes as f64) as u64;
+    let per_worker =
+        (u64::from(dl.train_prefetch_factor) * u64::from(config.train.batch_size) * sample).max(1);
+    let fit = budget.saturating_sub(cache) / per_worker;
+    let floor = ranks;
+    let cap = u32::try_from(fit.max(floor)).unwrap_or(u32::MAX);
+    if wanted > cap {
+        NodeWorkers {
+            workers: cap,
+            capped_from: Some(wanted),
+        }
+    } else {
+        NodeWorkers {
+            workers: wanted,
+            capped_from: None,
+        }
+    }
 }
 
 /// Parameters of the model `cfg` describes (built on the CPU).
@@ -142,12 +197,10 @@ pub fn plan(
     dataset: Option<&DatasetFacts>,
 ) -> Plan {
     let ranks = machine.gpus.max(1);
-    let node_workers = config
-        .dataloader
-        .total_workers
-        .resolve(machine.cores, machine.gpus);
-    let rank_workers = (node_workers / ranks as u32).max(1);
     let (sample, assumed) = sample_bytes(config, dataset);
+    let workers = node_workers(config, machine, sample);
+    let node_workers = workers.workers;
+    let rank_workers = (node_workers / ranks as u32).max(1);
     let in_flight = u64::from(rank_workers)
         * u64::from(config.dataloader.train_prefetch_factor)
         * u64::from(config.train.batch_size);
@@ -167,6 +220,7 @@ pub fn plan(
         cache_cap,
         dataset_bytes: dataset.map(|d| d.compact_bytes),
         node_workers,
+        workers_capped_from: workers.capped_from,
         rank_workers,
         sample_bytes: sample,
         spike_grid_assumed: assumed,
@@ -180,8 +234,10 @@ pub fn plan(
         host_total,
         host_share: host_total as f64 / machine.ram_bytes.max(1) as f64,
         warnings: Vec::new(),
+        misfits: Vec::new(),
     };
     plan.warnings = warnings(&plan);
+    plan.misfits = misfits(&plan);
     plan
 }
 
@@ -228,11 +284,59 @@ fn warnings(p: &Plan) -> Vec<String> {
             gib(m.ram_bytes)
         ));
     }
+    if let Some(from) = p.workers_capped_from {
+        out.push(format!(
+            "DATALOADER.TOTAL_WORKERS: auto would start {from} loader threads; lowered to {} \
+             so the loader's in-flight bytes keep the host total under {:.0}% of RAM",
+            p.node_workers,
+            100.0 * HOST_SHARE_LIMIT
+        ));
+    }
+    out
+}
+
+/// The terms that cannot fit at all: the host total above the RAM (naming its
+/// largest part), the model states above one GPU's memory.
+fn misfits(p: &Plan) -> Vec<String> {
+    let m = &p.machine;
+    let mut out = Vec::new();
+    if p.host_total > m.ram_bytes {
+        let loader = p.ranks as u64 * p.rank_loader;
+        let host_model = p.host_total - p.cache_cap - loader;
+        let terms = [
+            (
+                p.cache_cap,
+                format!("cache {:.1} GiB (DATA.CACHE_SIZE_GB)", gib(p.cache_cap)),
+            ),
+            (
+                loader,
+                format!(
+                    "loaders {} rank(s) x {:.1} GiB (DATALOADER.TOTAL_WORKERS, \
+                     TRAIN_PREFETCH_FACTOR, TRAIN.BATCH_SIZE)",
+                    p.ranks,
+                    gib(p.rank_loader)
+                ),
+            ),
+            (
+                host_model,
+                format!("model states {:.1} GiB (MODEL)", gib(host_model)),
+            ),
+        ];
+        let mut named: Vec<&(u64, String)> = terms.iter().filter(|(b, _)| *b > 0).collect();
+        named.sort_by(|a, b| b.0.cmp(&a.0));
+        let parts: Vec<&str> = named.iter().map(|(_, s)| s.as_str()).collect();
+        out.push(format!(
+            "host total {:.1} GiB > RAM {:.1} GiB: {}",
+            gib(p.host_total),
+            gib(m.ram_bytes),
+            parts.join(" + ")
+        ));
+    }
     if let Some(gpu) = m.gpu_mem_bytes {
         if m.gpus > 0 && p.rank_model > gpu {
             out.push(format!(
-                "the model's parameters, gradients and AdamW state ({:.1} GiB) exceed the \
-                 {:.1} GiB of one GPU; try configs/deblur/vrt_spike_fast.yaml",
+                "model states {:.1} GiB > GPU memory {:.1} GiB: the model's parameters, \
+                 gradients and AdamW state (MODEL; try configs/deblur/vrt_spike_fast.yaml)",
                 gib(p.rank_model),
                 gib(gpu)
             ));
@@ -292,6 +396,9 @@ impl Plan {
         ));
         for w in &self.warnings {
             lines.push(format!("warning: {w}"));
+        }
+        for w in &self.misfits {
+            lines.push(format!("cannot fit: {w}"));
         }
         lines.join("\n") + "\n"
     }
