@@ -516,6 +516,28 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_that_cannot_fit_names_the_term() {
+        let machine = Machine {
+            ram_bytes: 16 * GB,
+            cores: 8,
+            gpus: 1,
+            gpu_mem_bytes: Some(GB),
+        };
+        let fits = plan(&small(), machine, 1_000, None);
+        assert!(fits.misfits.is_empty(), "{:?}", fits.misfits);
+        let huge = small()
+            .with_overrides(&["DATA.CACHE_SIZE_GB=100000".into()])
+            .unwrap();
+        let p = plan(&huge, machine, 100_000_000, None);
+        assert_eq!(p.misfits.len(), 2, "{:?}", p.misfits);
+        assert!(p.misfits[0].starts_with("host total"), "{:?}", p.misfits);
+        assert!(p.misfits[0].contains("> RAM 16.0 GiB: cache 100000.0 GiB (DATA.CACHE_SIZE_GB)"), "{:?}", p.misfits);
+        // 100M parameters: 1.5 GiB of states on a 1 GiB GPU.
+        assert!(p.misfits[1].contains("> GPU memory 1.0 GiB"), "{:?}", p.misfits);
+        assert!(p.render_text().contains("cannot fit: host total"));
+    }
+
+    #[test]
     fn sizes_parse_with_binary_units() {
         assert_eq!(parse_size("256G"), Ok(256 * GB));
         assert_eq!(parse_size("48GiB"), Ok(48 * GB));
