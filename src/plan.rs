@@ -531,9 +531,17 @@ mod tests {
         let p = plan(&huge, machine, 100_000_000, None);
         assert_eq!(p.misfits.len(), 2, "{:?}", p.misfits);
         assert!(p.misfits[0].starts_with("host total"), "{:?}", p.misfits);
-        assert!(p.misfits[0].contains("> RAM 16.0 GiB: cache 100000.0 GiB (DATA.CACHE_SIZE_GB)"), "{:?}", p.misfits);
+        assert!(
+            p.misfits[0].contains("> RAM 16.0 GiB: cache 100000.0 GiB (DATA.CACHE_SIZE_GB)"),
+            "{:?}",
+            p.misfits
+        );
         // 100M parameters: 1.5 GiB of states on a 1 GiB GPU.
-        assert!(p.misfits[1].contains("> GPU memory 1.0 GiB"), "{:?}", p.misfits);
+        assert!(
+            p.misfits[1].contains("> GPU memory 1.0 GiB"),
+            "{:?}",
+            p.misfits
+        );
         assert!(p.render_text().contains("cannot fit: host total"));
     }
 

@@ -29,6 +29,10 @@ pub struct PlanArgs {
     /// CPU cores; default: this machine's.
     #[arg(long)]
     cores: Option<usize>,
+    /// Node cache cap (e.g. 20G), instead of DATA.CACHE_SIZE_GB (as the launcher's
+    /// --cache-size).
+    #[arg(long = "cache-size")]
+    cache_size: Option<String>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -66,9 +70,12 @@ fn machine(args: &PlanArgs) -> Result<Machine> {
 
 /// Runs `plan`.
 pub fn run(args: PlanArgs) -> Result<()> {
-    let config = Config::resolve(&args.config, &args.set)
+    let mut config = Config::resolve(&args.config, &args.set)
         .with_context(|| format!("resolving {}", args.config.display()))?
         .config;
+    if let Some(text) = &args.cache_size {
+        config.data.cache_size_gb = size("cache-size", text)? as f64 / (1u64 << 30) as f64;
+    }
     for notice in config.notices() {
         tracing::info!("config notice: {notice}");
     }

@@ -400,11 +400,14 @@ impl DatasetIndex {
                     if !sets[i].contains(stem) {
                         return Err(DataError::Missing {
                             path: path.clone(),
-                            why: format!("partner {kind} file of frame {stem}{}", if i == 2 && voxels {
-                                " (precomputed voxels)"
-                            } else {
-                                ""
-                            }),
+                            why: format!(
+                                "partner {kind} file of frame {stem}{}",
+                                if i == 2 && voxels {
+                                    " (precomputed voxels)"
+                                } else {
+                                    ""
+                                }
+                            ),
                         });
                     }
                 }

@@ -125,7 +125,11 @@ mod tests {
         }
         let index = DatasetIndex::open(root, "train", options(SpikeSource::Voxels)).unwrap();
         let (_, _, spike) = index.frame_paths(0, 1);
-        assert!(spike.ends_with("spike_vox/000002.npy"), "{}", spike.display());
+        assert!(
+            spike.ends_with("spike_vox/000002.npy"),
+            "{}",
+            spike.display()
+        );
         assert_eq!(index.frame_count(), 3);
         // One grid missing: an error naming that file.
         let seq = &index.sequences[0].dir;
