@@ -4,6 +4,8 @@
 //! sample bytes of the real sample shape), the model's parameter, gradient and AdamW
 //! bytes, the host total and its share of RAM, and the warnings of the user's guides.
 
+pub mod measure;
+
 use serde::Serialize;
 
 use crate::config::{Config, ModelConfig, Workers};
@@ -85,6 +87,8 @@ pub struct Plan {
     /// Terms that cannot fit at all (the launcher refuses such a plan), each naming
     /// the term and the key to change.
     pub misfits: Vec<String>,
+    /// One training step measured on a device (`--measure`).
+    pub measured: Option<measure::Measured>,
 }
 
 /// Share of RAM the host total may use before the plan warns (and before
@@ -171,19 +175,26 @@ pub fn dataset_facts(config: &Config) -> Result<Option<DatasetFacts>, DataError>
     }))
 }
 
-/// Bytes of one training sample of `config` (`DATA.CROP_SIZE`, `CLIP_LEN`,
-/// `SPIKE_BINS`), with the spike grid of `dataset` or, without one, half the RGB
-/// resolution. Returns the bytes and whether the grid was assumed.
-pub fn sample_bytes(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, bool) {
+/// Rows and columns of the spike crop under a `DATA.CROP_SIZE` crop, on the spike
+/// grid of `dataset` or, without one, at half the RGB resolution (then `true`).
+pub fn spike_crop(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, u64, bool) {
     let crop = u64::from(config.data.crop_size);
-    let (spike_rows, spike_cols, assumed) = match dataset {
+    match dataset {
         Some(d) if d.height > 0 && d.width > 0 => (
             crop * u64::from(d.spike_height) / u64::from(d.height),
             crop * u64::from(d.spike_width) / u64::from(d.width),
             false,
         ),
         _ => (crop / 2, crop / 2, true),
-    };
+    }
+}
+
+/// Bytes of one training sample of `config` (`DATA.CROP_SIZE`, `CLIP_LEN`,
+/// `SPIKE_BINS`), with the spike grid of `dataset` or, without one, half the RGB
+/// resolution. Returns the bytes and whether the grid was assumed.
+pub fn sample_bytes(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, bool) {
+    let crop = u64::from(config.data.crop_size);
+    let (spike_rows, spike_cols, assumed) = spike_crop(config, dataset);
     let per_frame =
         2 * 3 * crop * crop + u64::from(config.data.spike_bins) * spike_rows * spike_cols;
     (4 * u64::from(config.data.clip_len) * per_frame, assumed)
@@ -235,6 +246,7 @@ pub fn plan(
         host_share: host_total as f64 / machine.ram_bytes.max(1) as f64,
         warnings: Vec::new(),
         misfits: Vec::new(),
+        measured: None,
     };
     plan.warnings = warnings(&plan);
     plan.misfits = misfits(&plan);
@@ -394,6 +406,21 @@ impl Plan {
             self.ranks,
             100.0 * self.host_share
         ));
+        if let Some(m) = &self.measured {
+            lines.push(format!(
+                "measured one step on {} (batch {:?}, voxels {:?}, {:.2} s): peak allocated \
+                 {:.2} GiB{} [{}]",
+                m.device,
+                m.batch_shape,
+                m.voxel_shape,
+                m.step_seconds,
+                gib(m.peak_allocated),
+                m.peak_reserved
+                    .map(|r| format!(", peak reserved {:.2} GiB", gib(r)))
+                    .unwrap_or_default(),
+                m.source
+            ));
+        }
         for w in &self.warnings {
             lines.push(format!("warning: {w}"));
         }

@@ -100,7 +100,10 @@ fn overrides_run_and_the_resolved_config_is_kept() {
     assert_eq!(resolved.train.total_steps, 2);
     assert!(!resolved.data.use_ram_cache && !resolved.dataloader.drop_last);
     let result = std::fs::read_to_string(RunLayout::new(&run).result()).unwrap();
-    assert!(result.contains("\"steps\": 2") || result.contains("\"steps\":2"), "{result}");
+    assert!(
+        result.contains("\"steps\": 2") || result.contains("\"steps\":2"),
+        "{result}"
+    );
 
     // A bad override names the key and the argument; nothing runs.
     let other = tmp.path().join("run2");

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use vrtspike::config::Config;
+use vrtspike::plan::measure::measure_step;
 use vrtspike::plan::{dataset_facts, model_params, parse_size, plan, Machine};
 
 /// Arguments of `plan`.
@@ -36,6 +37,13 @@ pub struct PlanArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Also run one training step of the model on --device with a batch of the real
+    /// sample shape and report its peak memory.
+    #[arg(long)]
+    measure: bool,
+    /// Device of --measure: cpu, cuda or cuda:N (default: cuda if available, else cpu).
+    #[arg(long, requires = "measure")]
+    device: Option<String>,
 }
 
 fn size(flag: &str, text: &str) -> Result<u64> {
@@ -82,7 +90,16 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let machine = machine(&args)?;
     let params = model_params(&config.model).context("building the model to count parameters")?;
     let dataset = dataset_facts(&config).context("indexing DATA.ROOT (training split)")?;
-    let plan = plan(&config, machine, params, dataset.as_ref());
+    let mut plan = plan(&config, machine, params, dataset.as_ref());
+    if args.measure {
+        let device = match &args.device {
+            Some(name) => super::parse_device(name)?,
+            None => tch::Device::cuda_if_available(),
+        };
+        let measured = measure_step(&config, device, dataset.as_ref())
+            .with_context(|| format!("measuring one training step on {device:?}"))?;
+        plan.measured = Some(measured);
+    }
     if args.json {
         println!(
             "{}",
