@@ -335,7 +335,7 @@ fn misfits(p: &Plan) -> Vec<String> {
             ),
         ];
         let mut named: Vec<&(u64, String)> = terms.iter().filter(|(b, _)| *b > 0).collect();
-        named.sort_by(|a, b| b.0.cmp(&a.0));
+        named.sort_by_key(|t| std::cmp::Reverse(t.0));
         let parts: Vec<&str> = named.iter().map(|(_, s)| s.as_str()).collect();
         out.push(format!(
             "host total {:.1} GiB > RAM {:.1} GiB: {}",
