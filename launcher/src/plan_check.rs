@@ -49,6 +49,8 @@ fn command(request: &PlanRequest) -> Command {
     }
     command
         .env("RUST_LOG", "warn")
+        // The planner's error, not a backtrace of where it was returned.
+        .env("RUST_LIB_BACKTRACE", "0")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -81,7 +83,8 @@ pub fn check(request: &PlanRequest) -> Result<Verdict> {
         .with_context(|| format!("running {} plan", request.vrtspike.display()))?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
+        let message = stderr.split("Stack backtrace:").next().unwrap_or("");
+        let tail: Vec<&str> = message.trim_end().lines().rev().take(12).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         bail!(
             "the config {} cannot be planned (vrtspike plan {}):\n{}",
