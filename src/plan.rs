@@ -24,6 +24,19 @@ pub struct Machine {
     pub gpus: usize,
     /// Memory of one GPU in bytes, when known.
     pub gpu_mem_bytes: Option<u64>,
+    /// Ranks on the CPU when `gpus` is 0 (at least 1).
+    pub cpu_ranks: usize,
+}
+
+impl Machine {
+    /// Ranks on the node: one per GPU, else the CPU ranks.
+    pub fn ranks(&self) -> usize {
+        if self.gpus > 0 {
+            self.gpus
+        } else {
+            self.cpu_ranks.max(1)
+        }
+    }
 }
 
 /// What the plan needs from the dataset (`DATA.ROOT`, training split).
@@ -48,7 +61,7 @@ pub struct DatasetFacts {
 pub struct Plan {
     /// The machine planned for.
     pub machine: Machine,
-    /// Ranks on the node (GPUs, or one CPU rank).
+    /// Ranks on the node (GPUs, or the CPU ranks).
     pub ranks: usize,
     /// Node cache cap (`DATA.CACHE_SIZE_GB`; 0 without `USE_RAM_CACHE`).
     pub cache_cap: u64,
@@ -78,7 +91,7 @@ pub struct Plan {
     pub optimizer_bytes: u64,
     /// Parameters, gradients and optimizer state of one rank.
     pub rank_model: u64,
-    /// Host bytes: cache + ranks x loader (+ model states for a CPU rank).
+    /// Host bytes: cache + ranks x loader (+ ranks x model states for CPU ranks).
     pub host_total: u64,
     /// Host total over RAM.
     pub host_share: f64,
@@ -116,7 +129,7 @@ pub fn node_workers(config: &Config, machine: Machine, sample: u64) -> NodeWorke
             capped_from: None,
         };
     }
-    let ranks = machine.gpus.max(1) as u64;
+    let ranks = machine.ranks() as u64;
     let cache = if config.data.use_ram_cache {
         config.data.cache_bytes()
     } else {
@@ -207,7 +220,7 @@ pub fn plan(
     params: u64,
     dataset: Option<&DatasetFacts>,
 ) -> Plan {
-    let ranks = machine.gpus.max(1);
+    let ranks = machine.ranks();
     let (sample, assumed) = sample_bytes(config, dataset);
     let workers = node_workers(config, machine, sample);
     let node_workers = workers.workers;
@@ -223,7 +236,11 @@ pub fn plan(
     } else {
         0
     };
-    let host_model = if machine.gpus == 0 { rank_model } else { 0 };
+    let host_model = if machine.gpus == 0 {
+        ranks as u64 * rank_model
+    } else {
+        0
+    };
     let host_total = cache_cap + ranks as u64 * rank_loader + host_model;
     let mut plan = Plan {
         machine,
@@ -476,6 +493,7 @@ mod tests {
             cores: 8,
             gpus: 2,
             gpu_mem_bytes: Some(24 * GB),
+            cpu_ranks: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: 3 * GB,
@@ -512,6 +530,7 @@ mod tests {
             cores: 4,
             gpus: 0,
             gpu_mem_bytes: None,
+            cpu_ranks: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: GB,
@@ -549,6 +568,7 @@ mod tests {
             cores: 8,
             gpus: 1,
             gpu_mem_bytes: Some(GB),
+            cpu_ranks: 1,
         };
         let fits = plan(&small(), machine, 1_000, None);
         assert!(fits.misfits.is_empty(), "{:?}", fits.misfits);
@@ -570,6 +590,21 @@ mod tests {
             p.misfits
         );
         assert!(p.render_text().contains("cannot fit: host total"));
+    }
+
+    #[test]
+    fn cpu_ranks_each_hold_a_loader_and_the_model_states() {
+        let machine = Machine {
+            ram_bytes: 64 * GB,
+            cores: 8,
+            gpus: 0,
+            gpu_mem_bytes: None,
+            cpu_ranks: 2,
+        };
+        let p = plan(&small(), machine, 1_000_000, None);
+        // 6 workers over 2 ranks; each rank holds its loader and 16 MB of states.
+        assert_eq!((p.ranks, p.rank_workers), (2, 3));
+        assert_eq!(p.host_total, 2 * GB + 2 * p.rank_loader + 2 * 16_000_000);
     }
 
     #[test]

@@ -150,6 +150,7 @@ impl Job {
                 config: &config,
                 overrides: &args.set,
                 gpus: if ranks.gpus { ranks.per_node } else { 0 },
+                ranks: ranks.per_node,
                 cache_size: args.cache_size.as_deref(),
             })?;
         }

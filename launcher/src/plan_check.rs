@@ -21,6 +21,8 @@ pub struct PlanRequest<'a> {
     pub overrides: &'a [String],
     /// GPUs of the node in use (0 for CPU ranks).
     pub gpus: u32,
+    /// Ranks on the node (one per GPU, or the CPU ranks).
+    pub ranks: u32,
     /// The launcher's `--cache-size`, when it overrides the config's cap.
     pub cache_size: Option<&'a str>,
 }
@@ -39,6 +41,7 @@ fn command(request: &PlanRequest) -> Command {
     let mut command = Command::new(request.vrtspike);
     command
         .args(["plan", "--json", "--gpus", &request.gpus.to_string()])
+        .args(["--ranks", &request.ranks.to_string()])
         .arg("--config")
         .arg(request.config);
     for spec in request.overrides {
@@ -130,6 +133,7 @@ mod tests {
             config: Path::new("c.yaml"),
             overrides: &overrides,
             gpus: 2,
+            ranks: 2,
             cache_size: Some("16M"),
         };
         let args: Vec<String> = command(&request)
@@ -142,6 +146,8 @@ mod tests {
                 "plan",
                 "--json",
                 "--gpus",
+                "2",
+                "--ranks",
                 "2",
                 "--config",
                 "c.yaml",

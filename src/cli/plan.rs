@@ -21,6 +21,9 @@ pub struct PlanArgs {
     /// GPUs (ranks) of the node; default: the CUDA devices this binary sees.
     #[arg(long)]
     gpus: Option<usize>,
+    /// CPU ranks of the node when --gpus is 0 (as the launcher's --ranks).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
     /// Host RAM, e.g. 256G; default: this machine's.
     #[arg(long)]
     ram: Option<String>,
@@ -73,6 +76,7 @@ fn machine(args: &PlanArgs) -> Result<Machine> {
             .gpus
             .unwrap_or_else(|| usize::try_from(tch::Cuda::device_count()).unwrap_or(0)),
         gpu_mem_bytes,
+        cpu_ranks: args.ranks,
     })
 }
 

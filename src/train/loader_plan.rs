@@ -59,6 +59,7 @@ impl LoaderPlan {
             cores: node.cores,
             gpus: node.gpus,
             gpu_mem_bytes: None,
+            cpu_ranks: node.local_ranks,
         };
         let facts = index.and_then(grid_facts);
         let (sample, _) = plan::sample_bytes(config, facts.as_ref());
