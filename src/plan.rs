@@ -340,7 +340,7 @@ fn misfits(p: &Plan) -> Vec<String> {
             (
                 loader,
                 format!(
-                    "loaders {} rank(s) x {:.1} GiB (DATALOADER.TOTAL_WORKERS, \
+                    "loaders {} rank(s) x {:.2} GiB (DATALOADER.TOTAL_WORKERS, \
                      TRAIN_PREFETCH_FACTOR, TRAIN.BATCH_SIZE)",
                     p.ranks,
                     gib(p.rank_loader)
