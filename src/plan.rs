@@ -4,9 +4,11 @@
 //! sample bytes of the real sample shape), the model's parameter, gradient and AdamW
 //! bytes, the host total and its share of RAM, and the warnings of the user's guides.
 
+pub mod measure;
+
 use serde::Serialize;
 
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, ModelConfig, Workers};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -22,6 +24,19 @@ pub struct Machine {
     pub gpus: usize,
     /// Memory of one GPU in bytes, when known.
     pub gpu_mem_bytes: Option<u64>,
+    /// Ranks on the CPU when `gpus` is 0 (at least 1).
+    pub cpu_ranks: usize,
+}
+
+impl Machine {
+    /// Ranks on the node: one per GPU, else the CPU ranks.
+    pub fn ranks(&self) -> usize {
+        if self.gpus > 0 {
+            self.gpus
+        } else {
+            self.cpu_ranks.max(1)
+        }
+    }
 }
 
 /// What the plan needs from the dataset (`DATA.ROOT`, training split).
@@ -46,7 +61,7 @@ pub struct DatasetFacts {
 pub struct Plan {
     /// The machine planned for.
     pub machine: Machine,
-    /// Ranks on the node (GPUs, or one CPU rank).
+    /// Ranks on the node (GPUs, or the CPU ranks).
     pub ranks: usize,
     /// Node cache cap (`DATA.CACHE_SIZE_GB`; 0 without `USE_RAM_CACHE`).
     pub cache_cap: u64,
@@ -54,6 +69,8 @@ pub struct Plan {
     pub dataset_bytes: Option<u64>,
     /// Loader threads of the node (`TOTAL_WORKERS`, `auto` resolved).
     pub node_workers: u32,
+    /// `TOTAL_WORKERS: auto` before the memory cap, when the cap lowered it.
+    pub workers_capped_from: Option<u32>,
     /// Loader threads of one rank.
     pub rank_workers: u32,
     /// One training sample: L x (blur + sharp 3 x crop^2 + K x spike crop) f32.
@@ -74,12 +91,67 @@ pub struct Plan {
     pub optimizer_bytes: u64,
     /// Parameters, gradients and optimizer state of one rank.
     pub rank_model: u64,
-    /// Host bytes: cache + ranks x loader (+ model states for a CPU rank).
+    /// Host bytes: cache + ranks x loader (+ ranks x model states for CPU ranks).
     pub host_total: u64,
     /// Host total over RAM.
     pub host_share: f64,
     /// The guides' warnings, each with what to try.
     pub warnings: Vec<String>,
+    /// Terms that cannot fit at all (the launcher refuses such a plan), each naming
+    /// the term and the key to change.
+    pub misfits: Vec<String>,
+    /// One training step measured on a device (`--measure`).
+    pub measured: Option<measure::Measured>,
+}
+
+/// Share of RAM the host total may use before the plan warns (and before
+/// `TOTAL_WORKERS: auto` is lowered to fit).
+pub const HOST_SHARE_LIMIT: f64 = 0.9;
+
+/// The loader threads of a node: `TOTAL_WORKERS` resolved for `machine`, and for
+/// `auto` lowered (to at least one per rank) when the loader's in-flight bytes
+/// would push the host total above [`HOST_SHARE_LIMIT`] of RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeWorkers {
+    /// Loader threads of the node.
+    pub workers: u32,
+    /// What `auto` gave before the memory cap, when the cap lowered it.
+    pub capped_from: Option<u32>,
+}
+
+/// See [`NodeWorkers`]; `sample` is the bytes of one training sample.
+pub fn node_workers(config: &Config, machine: Machine, sample: u64) -> NodeWorkers {
+    let dl = &config.dataloader;
+    let wanted = dl.total_workers.resolve(machine.cores, machine.gpus);
+    if dl.total_workers != Workers::Auto {
+        return NodeWorkers {
+            workers: wanted,
+            capped_from: None,
+        };
+    }
+    let ranks = machine.ranks() as u64;
+    let cache = if config.data.use_ram_cache {
+        config.data.cache_bytes()
+    } else {
+        0
+    };
+    let budget = (HOST_SHARE_LIMIT * machine.ram_bytes as f64) as u64;
+    let per_worker =
+        (u64::from(dl.train_prefetch_factor) * u64::from(config.train.batch_size) * sample).max(1);
+    let fit = budget.saturating_sub(cache) / per_worker;
+    let floor = ranks;
+    let cap = u32::try_from(fit.max(floor)).unwrap_or(u32::MAX);
+    if wanted > cap {
+        NodeWorkers {
+            workers: cap,
+            capped_from: Some(wanted),
+        }
+    } else {
+        NodeWorkers {
+            workers: wanted,
+            capped_from: None,
+        }
+    }
 }
 
 /// Parameters of the model `cfg` describes (built on the CPU).
@@ -116,19 +188,26 @@ pub fn dataset_facts(config: &Config) -> Result<Option<DatasetFacts>, DataError>
     }))
 }
 
-/// Bytes of one training sample of `config` (`DATA.CROP_SIZE`, `CLIP_LEN`,
-/// `SPIKE_BINS`), with the spike grid of `dataset` or, without one, half the RGB
-/// resolution. Returns the bytes and whether the grid was assumed.
-pub fn sample_bytes(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, bool) {
+/// Rows and columns of the spike crop under a `DATA.CROP_SIZE` crop, on the spike
+/// grid of `dataset` or, without one, at half the RGB resolution (then `true`).
+pub fn spike_crop(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, u64, bool) {
     let crop = u64::from(config.data.crop_size);
-    let (spike_rows, spike_cols, assumed) = match dataset {
+    match dataset {
         Some(d) if d.height > 0 && d.width > 0 => (
             crop * u64::from(d.spike_height) / u64::from(d.height),
             crop * u64::from(d.spike_width) / u64::from(d.width),
             false,
         ),
         _ => (crop / 2, crop / 2, true),
-    };
+    }
+}
+
+/// Bytes of one training sample of `config` (`DATA.CROP_SIZE`, `CLIP_LEN`,
+/// `SPIKE_BINS`), with the spike grid of `dataset` or, without one, half the RGB
+/// resolution. Returns the bytes and whether the grid was assumed.
+pub fn sample_bytes(config: &Config, dataset: Option<&DatasetFacts>) -> (u64, bool) {
+    let crop = u64::from(config.data.crop_size);
+    let (spike_rows, spike_cols, assumed) = spike_crop(config, dataset);
     let per_frame =
         2 * 3 * crop * crop + u64::from(config.data.spike_bins) * spike_rows * spike_cols;
     (4 * u64::from(config.data.clip_len) * per_frame, assumed)
@@ -141,13 +220,11 @@ pub fn plan(
     params: u64,
     dataset: Option<&DatasetFacts>,
 ) -> Plan {
-    let ranks = machine.gpus.max(1);
-    let node_workers = config
-        .dataloader
-        .total_workers
-        .resolve(machine.cores, machine.gpus);
-    let rank_workers = (node_workers / ranks as u32).max(1);
+    let ranks = machine.ranks();
     let (sample, assumed) = sample_bytes(config, dataset);
+    let workers = node_workers(config, machine, sample);
+    let node_workers = workers.workers;
+    let rank_workers = (node_workers / ranks as u32).max(1);
     let in_flight = u64::from(rank_workers)
         * u64::from(config.dataloader.train_prefetch_factor)
         * u64::from(config.train.batch_size);
@@ -159,7 +236,11 @@ pub fn plan(
     } else {
         0
     };
-    let host_model = if machine.gpus == 0 { rank_model } else { 0 };
+    let host_model = if machine.gpus == 0 {
+        ranks as u64 * rank_model
+    } else {
+        0
+    };
     let host_total = cache_cap + ranks as u64 * rank_loader + host_model;
     let mut plan = Plan {
         machine,
@@ -167,6 +248,7 @@ pub fn plan(
         cache_cap,
         dataset_bytes: dataset.map(|d| d.compact_bytes),
         node_workers,
+        workers_capped_from: workers.capped_from,
         rank_workers,
         sample_bytes: sample,
         spike_grid_assumed: assumed,
@@ -180,8 +262,11 @@ pub fn plan(
         host_total,
         host_share: host_total as f64 / machine.ram_bytes.max(1) as f64,
         warnings: Vec::new(),
+        misfits: Vec::new(),
+        measured: None,
     };
     plan.warnings = warnings(&plan);
+    plan.misfits = misfits(&plan);
     plan
 }
 
@@ -228,11 +313,59 @@ fn warnings(p: &Plan) -> Vec<String> {
             gib(m.ram_bytes)
         ));
     }
+    if let Some(from) = p.workers_capped_from {
+        out.push(format!(
+            "DATALOADER.TOTAL_WORKERS: auto would start {from} loader threads; lowered to {} \
+             so the loader's in-flight bytes keep the host total under {:.0}% of RAM",
+            p.node_workers,
+            100.0 * HOST_SHARE_LIMIT
+        ));
+    }
+    out
+}
+
+/// The terms that cannot fit at all: the host total above the RAM (naming its
+/// largest part), the model states above one GPU's memory.
+fn misfits(p: &Plan) -> Vec<String> {
+    let m = &p.machine;
+    let mut out = Vec::new();
+    if p.host_total > m.ram_bytes {
+        let loader = p.ranks as u64 * p.rank_loader;
+        let host_model = p.host_total - p.cache_cap - loader;
+        let terms = [
+            (
+                p.cache_cap,
+                format!("cache {:.1} GiB (DATA.CACHE_SIZE_GB)", gib(p.cache_cap)),
+            ),
+            (
+                loader,
+                format!(
+                    "loaders {} rank(s) x {:.2} GiB (DATALOADER.TOTAL_WORKERS, \
+                     TRAIN_PREFETCH_FACTOR, TRAIN.BATCH_SIZE)",
+                    p.ranks,
+                    gib(p.rank_loader)
+                ),
+            ),
+            (
+                host_model,
+                format!("model states {:.1} GiB (MODEL)", gib(host_model)),
+            ),
+        ];
+        let mut named: Vec<&(u64, String)> = terms.iter().filter(|(b, _)| *b > 0).collect();
+        named.sort_by_key(|t| std::cmp::Reverse(t.0));
+        let parts: Vec<&str> = named.iter().map(|(_, s)| s.as_str()).collect();
+        out.push(format!(
+            "host total {:.1} GiB > RAM {:.1} GiB: {}",
+            gib(p.host_total),
+            gib(m.ram_bytes),
+            parts.join(" + ")
+        ));
+    }
     if let Some(gpu) = m.gpu_mem_bytes {
         if m.gpus > 0 && p.rank_model > gpu {
             out.push(format!(
-                "the model's parameters, gradients and AdamW state ({:.1} GiB) exceed the \
-                 {:.1} GiB of one GPU; try configs/deblur/vrt_spike_fast.yaml",
+                "model states {:.1} GiB > GPU memory {:.1} GiB: the model's parameters, \
+                 gradients and AdamW state (MODEL; try configs/deblur/vrt_spike_fast.yaml)",
                 gib(p.rank_model),
                 gib(gpu)
             ));
@@ -290,8 +423,26 @@ impl Plan {
             self.ranks,
             100.0 * self.host_share
         ));
+        if let Some(m) = &self.measured {
+            lines.push(format!(
+                "measured one step on {} (batch {:?}, voxels {:?}, {:.2} s): peak allocated \
+                 {:.2} GiB{} [{}]",
+                m.device,
+                m.batch_shape,
+                m.voxel_shape,
+                m.step_seconds,
+                gib(m.peak_allocated),
+                m.peak_reserved
+                    .map(|r| format!(", peak reserved {:.2} GiB", gib(r)))
+                    .unwrap_or_default(),
+                m.source
+            ));
+        }
         for w in &self.warnings {
             lines.push(format!("warning: {w}"));
+        }
+        for w in &self.misfits {
+            lines.push(format!("cannot fit: {w}"));
         }
         lines.join("\n") + "\n"
     }
@@ -342,6 +493,7 @@ mod tests {
             cores: 8,
             gpus: 2,
             gpu_mem_bytes: Some(24 * GB),
+            cpu_ranks: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: 3 * GB,
@@ -378,6 +530,7 @@ mod tests {
             cores: 4,
             gpus: 0,
             gpu_mem_bytes: None,
+            cpu_ranks: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: GB,
@@ -406,6 +559,52 @@ mod tests {
         let p = plan(&small(), machine, 1, None);
         assert!(p.spike_grid_assumed);
         assert_eq!(p.sample_bytes, 4 * 4 * (2 * 3 * 64 * 64 + 8 * 32 * 32));
+    }
+
+    #[test]
+    fn a_plan_that_cannot_fit_names_the_term() {
+        let machine = Machine {
+            ram_bytes: 16 * GB,
+            cores: 8,
+            gpus: 1,
+            gpu_mem_bytes: Some(GB),
+            cpu_ranks: 1,
+        };
+        let fits = plan(&small(), machine, 1_000, None);
+        assert!(fits.misfits.is_empty(), "{:?}", fits.misfits);
+        let huge = small()
+            .with_overrides(&["DATA.CACHE_SIZE_GB=100000".into()])
+            .unwrap();
+        let p = plan(&huge, machine, 100_000_000, None);
+        assert_eq!(p.misfits.len(), 2, "{:?}", p.misfits);
+        assert!(p.misfits[0].starts_with("host total"), "{:?}", p.misfits);
+        assert!(
+            p.misfits[0].contains("> RAM 16.0 GiB: cache 100000.0 GiB (DATA.CACHE_SIZE_GB)"),
+            "{:?}",
+            p.misfits
+        );
+        // 100M parameters: 1.5 GiB of states on a 1 GiB GPU.
+        assert!(
+            p.misfits[1].contains("> GPU memory 1.0 GiB"),
+            "{:?}",
+            p.misfits
+        );
+        assert!(p.render_text().contains("cannot fit: host total"));
+    }
+
+    #[test]
+    fn cpu_ranks_each_hold_a_loader_and_the_model_states() {
+        let machine = Machine {
+            ram_bytes: 64 * GB,
+            cores: 8,
+            gpus: 0,
+            gpu_mem_bytes: None,
+            cpu_ranks: 2,
+        };
+        let p = plan(&small(), machine, 1_000_000, None);
+        // 6 workers over 2 ranks; each rank holds its loader and 16 MB of states.
+        assert_eq!((p.ranks, p.rank_workers), (2, 3));
+        assert_eq!(p.host_total, 2 * GB + 2 * p.rank_loader + 2 * 16_000_000);
     }
 
     #[test]

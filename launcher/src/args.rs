@@ -92,6 +92,16 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = SlurmMode::Auto)]
     pub slurm: SlurmMode,
 
+    /// Override a config key, `KEY.PATH=VALUE` (YAML value); repeatable, applied in
+    /// order. Passed unchanged to every rank, the cache server and the plan check.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+
+    /// Start without the memory plan check (`vrtspike plan`), which otherwise
+    /// refuses a plan with a term that cannot fit.
+    #[arg(long)]
+    pub no_plan_check: bool,
+
     /// Cache server byte cap (e.g. 20G), instead of the config's DATA.CACHE_SIZE_GB.
     #[arg(long)]
     pub cache_size: Option<String>,
@@ -189,6 +199,19 @@ mod tests {
         assert_eq!(args.hang_timeout_s, 300.0);
         assert_eq!(args.preempt_signal, Signal::SIGUSR2);
         assert_eq!(args.train_args, ["--steps", "5"]);
+        assert!(args.set.is_empty() && !args.no_plan_check);
+        let args = Args::try_parse_from([
+            "x",
+            "--config",
+            "c",
+            "--set",
+            "TRAIN.LR=0.1",
+            "--set=DATA.CROP_SIZE=64",
+            "--no-plan-check",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(args.set, ["TRAIN.LR=0.1", "DATA.CROP_SIZE=64"]);
+        assert!(args.no_plan_check);
         assert!(Args::try_parse_from(["x", "--config", "c", "--grace-s", "-1"]).is_err());
     }
 }

@@ -25,6 +25,8 @@ pub struct CacheServerSpec<'a> {
     pub config: &'a Path,
     /// Byte cap as text (`20G`), overriding the config.
     pub cap: Option<&'a str>,
+    /// The job's `--set KEY.PATH=VALUE` overrides of the config.
+    pub overrides: &'a [String],
     /// Its log.
     pub log: PathBuf,
     /// How long it may take to accept connections.
@@ -40,6 +42,9 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
         .arg(spec.address)
         .arg("--config")
         .arg(spec.config);
+    for override_spec in spec.overrides {
+        command.arg(format!("--set={override_spec}"));
+    }
     if let Some(cap) = spec.cap {
         command.args(["--cap", cap]);
     }

@@ -14,6 +14,7 @@ mod gang;
 mod hang;
 mod hostlist;
 mod peers;
+mod plan_check;
 mod pss;
 mod restart;
 mod rundir;
@@ -143,9 +144,26 @@ impl Job {
             }
         );
         let vrtspike = vrtspike_exe()?;
+        if args.no_plan_check {
+            tracing::info!("memory plan check skipped (--no-plan-check)");
+        } else {
+            plan_check::check(&plan_check::PlanRequest {
+                vrtspike: &vrtspike,
+                config: &config,
+                overrides: &args.set,
+                gpus: if ranks.gpus { ranks.per_node } else { 0 },
+                ranks: ranks.per_node,
+                cache_size: args.cache_size.as_deref(),
+            })?;
+        }
         let rank_program = args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone());
         let mut rank_args: Vec<OsString> =
             vec!["train".into(), "--config".into(), config.clone().into()];
+        rank_args.extend(
+            args.set
+                .iter()
+                .map(|spec| OsString::from(format!("--set={spec}"))),
+        );
         rank_args.extend(args.train_args.iter().map(OsString::from));
 
         let cache_addr = cache_server::address(topology.node_rank);
@@ -154,6 +172,7 @@ impl Job {
             address: &cache_addr,
             config: &config,
             cap: args.cache_size.as_deref(),
+            overrides: &args.set,
             log: self.run_dir.layout.cache_log(topology.node_rank),
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
         };

@@ -63,6 +63,9 @@ pub struct ServeArgs {
     /// A run config whose DATA.CACHE_SIZE_GB sets the cap.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Override a key of --config, `KEY.PATH=VALUE` (as `vrtspike train --set`).
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "config")]
+    set: Vec<String>,
     /// Slot sizes (bytes, or with K/M/G); default: one class per record size.
     #[arg(long, value_parser = parse_size, value_delimiter = ',')]
     slot_bytes: Vec<u64>,
@@ -131,7 +134,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let cap = match (args.cap, &args.config) {
         (Some(cap), _) => cap,
-        (None, Some(path)) => Config::load(path)?.data.cache_bytes(),
+        (None, Some(path)) => Config::resolve(path, &args.set)?.config.data.cache_bytes(),
         (None, None) => bail!("give the cache size with --cap SIZE or --config FILE"),
     };
     let mut config = ServerConfig::new(args.address.resolve(), cap);

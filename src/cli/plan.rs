@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use vrtspike::config::Config;
+use vrtspike::plan::measure::measure_step;
 use vrtspike::plan::{dataset_facts, model_params, parse_size, plan, Machine};
 
 /// Arguments of `plan`.
@@ -20,6 +21,9 @@ pub struct PlanArgs {
     /// GPUs (ranks) of the node; default: the CUDA devices this binary sees.
     #[arg(long)]
     gpus: Option<usize>,
+    /// CPU ranks of the node when --gpus is 0 (as the launcher's --ranks).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
     /// Host RAM, e.g. 256G; default: this machine's.
     #[arg(long)]
     ram: Option<String>,
@@ -29,9 +33,20 @@ pub struct PlanArgs {
     /// CPU cores; default: this machine's.
     #[arg(long)]
     cores: Option<usize>,
+    /// Node cache cap (e.g. 20G), instead of DATA.CACHE_SIZE_GB (as the launcher's
+    /// --cache-size).
+    #[arg(long = "cache-size")]
+    cache_size: Option<String>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Also run one training step of the model on --device with a batch of the real
+    /// sample shape and report its peak memory.
+    #[arg(long)]
+    measure: bool,
+    /// Device of --measure: cpu, cuda or cuda:N (default: cuda if available, else cpu).
+    #[arg(long, requires = "measure")]
+    device: Option<String>,
 }
 
 fn size(flag: &str, text: &str) -> Result<u64> {
@@ -61,21 +76,34 @@ fn machine(args: &PlanArgs) -> Result<Machine> {
             .gpus
             .unwrap_or_else(|| usize::try_from(tch::Cuda::device_count()).unwrap_or(0)),
         gpu_mem_bytes,
+        cpu_ranks: args.ranks,
     })
 }
 
 /// Runs `plan`.
 pub fn run(args: PlanArgs) -> Result<()> {
-    let config = Config::resolve(&args.config, &args.set)
+    let mut config = Config::resolve(&args.config, &args.set)
         .with_context(|| format!("resolving {}", args.config.display()))?
         .config;
+    if let Some(text) = &args.cache_size {
+        config.data.cache_size_gb = size("cache-size", text)? as f64 / (1u64 << 30) as f64;
+    }
     for notice in config.notices() {
         tracing::info!("config notice: {notice}");
     }
     let machine = machine(&args)?;
     let params = model_params(&config.model).context("building the model to count parameters")?;
     let dataset = dataset_facts(&config).context("indexing DATA.ROOT (training split)")?;
-    let plan = plan(&config, machine, params, dataset.as_ref());
+    let mut plan = plan(&config, machine, params, dataset.as_ref());
+    if args.measure {
+        let device = match &args.device {
+            Some(name) => super::parse_device(name)?,
+            None => tch::Device::cuda_if_available(),
+        };
+        let measured = measure_step(&config, device, dataset.as_ref())
+            .with_context(|| format!("measuring one training step on {device:?}"))?;
+        plan.measured = Some(measured);
+    }
     if args.json {
         println!(
             "{}",

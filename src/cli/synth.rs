@@ -40,6 +40,10 @@ pub struct SynthArgs {
     /// of the folder layout.
     #[arg(long)]
     pub h5: bool,
+    /// Also write precomputed voxel grids of this many bins beside the spikes
+    /// (`spike_vox/*.npy`, read with `DATA.USE_PRECOMPUTED_VOXELS: true`).
+    #[arg(long, value_name = "BINS", conflicts_with = "h5")]
+    pub voxels: Option<u32>,
 }
 
 /// Runs `vrtspike synth`.
@@ -73,6 +77,11 @@ pub fn run(args: SynthArgs) -> Result<()> {
     }
     .with_context(|| format!("writing a synthetic dataset to {}", args.out.display()))?;
     bar.finish_and_clear();
+    if let Some(bins) = args.voxels {
+        let written = synth::write_precomputed_voxels(&args.out, bins)
+            .with_context(|| format!("writing spike_vox/ grids under {}", args.out.display()))?;
+        println!("wrote {written} precomputed voxel grids of {bins} bins (spike_vox/*.npy)");
+    }
     println!(
         "wrote {} train + {} test {} of {} frames at {height}x{width} (spikes {}x{}) to {}",
         args.seqs,

@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use vrtspike::config::Config;
+use vrtspike::train::run_config::record_config;
 use vrtspike::train::{train, RankEnv, TrainOptions};
 
 /// `vrtspike train`: trains the model of a config on its dataset.
@@ -15,6 +16,10 @@ pub struct TrainArgs {
     /// Run config (YAML).
     #[arg(long)]
     pub config: PathBuf,
+    /// Override a key, `KEY.PATH=VALUE` (YAML value), typed and checked like the
+    /// file; repeatable, applied in order after the file and its `BASE` chain.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// Run directory (default: VRTSPIKE_RUN_DIR, else `runs/<date>-<time>`); a run
     /// directory with checkpoints resumes from the newest.
     #[arg(long)]
@@ -30,11 +35,14 @@ pub struct TrainArgs {
 
 /// Runs `vrtspike train`.
 pub fn run(args: TrainArgs) -> Result<()> {
-    let config = Config::load(&args.config)?;
+    let config = Config::resolve(&args.config, &args.set)
+        .with_context(|| format!("resolving {}", args.config.display()))?
+        .config;
     let env = RankEnv::from_env(args.run_dir.as_deref(), args.device.as_deref())?;
     if env.rank == 0 {
         println!("run directory: {}", env.run_dir.display());
     }
+    record_config(&config, &env).context("recording the resolved config")?;
     let options = TrainOptions {
         stop_after_steps: args.stop_after_steps,
     };

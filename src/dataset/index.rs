@@ -80,6 +80,40 @@ pub struct IndexOptions {
     pub skip_bad: bool,
     /// HDF5 chunk cache per open session file, MiB (`DATA.CHUNK_CACHE_MB`).
     pub chunk_cache_mb: u32,
+    /// Which spike files the folder layout is read from (`DATA.USE_PRECOMPUTED_VOXELS`).
+    pub spike_source: SpikeSource,
+}
+
+/// Which spike files a folder-layout sequence is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpikeSource {
+    /// `spike/*.dat` when the sequence has a `spike/` folder, else `spike_vox/*.npy`.
+    #[default]
+    Auto,
+    /// Always the raw `spike/*.dat` streams.
+    Raw,
+    /// Always the precomputed `spike_vox/*.npy` voxel grids.
+    Voxels,
+}
+
+impl SpikeSource {
+    /// From `DATA.USE_PRECOMPUTED_VOXELS` (`true`, `false`, or unset).
+    pub fn from_flag(use_precomputed_voxels: Option<bool>) -> SpikeSource {
+        match use_precomputed_voxels {
+            None => SpikeSource::Auto,
+            Some(false) => SpikeSource::Raw,
+            Some(true) => SpikeSource::Voxels,
+        }
+    }
+
+    /// Whether a sequence folder `dir` is read from its voxel grids.
+    fn voxels_in(self, dir: &Path) -> bool {
+        match self {
+            SpikeSource::Auto => !dir.join("spike").is_dir() && dir.join("spike_vox").is_dir(),
+            SpikeSource::Raw => false,
+            SpikeSource::Voxels => true,
+        }
+    }
 }
 
 impl Default for IndexOptions {
@@ -88,6 +122,7 @@ impl Default for IndexOptions {
             blur_dir: BlurDir::default(),
             skip_bad: false,
             chunk_cache_mb: 64,
+            spike_source: SpikeSource::Auto,
         }
     }
 }
@@ -99,6 +134,7 @@ impl IndexOptions {
             blur_dir: data.blur_dir,
             skip_bad: data.skip_bad_frames,
             chunk_cache_mb: data.chunk_cache_mb,
+            spike_source: SpikeSource::from_flag(data.use_precomputed_voxels),
         }
     }
 }
@@ -134,12 +170,13 @@ fn read_dir_sorted(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
-/// Stems of the files with extension `ext` in `dir`.
-fn stems(dir: &Path, ext: &str) -> Result<BTreeSet<String>> {
+/// Stems of the files with extension `ext` in `dir`; a missing `dir` is an error
+/// saying `why` it is needed.
+fn stems(dir: &Path, ext: &str, why: &str) -> Result<BTreeSet<String>> {
     if !dir.is_dir() {
         return Err(DataError::Missing {
             path: dir.to_path_buf(),
-            why: "every sequence needs blur, sharp and spike folders".into(),
+            why: why.into(),
         });
     }
     Ok(read_dir_sorted(dir)?
@@ -318,8 +355,9 @@ impl DatasetIndex {
     fn index_sequence(&mut self, name: &str, dir: &Path) -> Result<Option<SequenceIndex>> {
         let blur_dir = dir.join(self.options.blur_dir.folder());
         let sharp_dir = dir.join("sharp");
-        // Raw spikes when there are any; legacy voxel grids otherwise.
-        let voxels = !dir.join("spike").is_dir() && dir.join("spike_vox").is_dir();
+        // DATA.USE_PRECOMPUTED_VOXELS, or unset: raw spikes when there are any,
+        // legacy voxel grids otherwise.
+        let voxels = self.options.spike_source.voxels_in(dir);
         let (spike_dir, spike_ext) = if voxels {
             (dir.join("spike_vox"), ".npy")
         } else {
@@ -331,8 +369,13 @@ impl DatasetIndex {
             (&spike_dir, spike_ext),
         ];
         let mut sets = Vec::with_capacity(3);
+        let why = if voxels && self.options.spike_source == SpikeSource::Voxels {
+            "DATA.USE_PRECOMPUTED_VOXELS: true reads every sequence's spike_vox/*.npy"
+        } else {
+            "every sequence needs blur, sharp and spike folders"
+        };
         for (folder, ext) in folders {
-            match stems(folder, ext) {
+            match stems(folder, ext, why) {
                 Ok(s) => sets.push(s),
                 Err(err) => {
                     self.skip_or_fail(err)?;
@@ -357,7 +400,14 @@ impl DatasetIndex {
                     if !sets[i].contains(stem) {
                         return Err(DataError::Missing {
                             path: path.clone(),
-                            why: format!("partner {kind} file of frame {stem}"),
+                            why: format!(
+                                "partner {kind} file of frame {stem}{}",
+                                if i == 2 && voxels {
+                                    " (precomputed voxels)"
+                                } else {
+                                    ""
+                                }
+                            ),
                         });
                     }
                 }

@@ -15,7 +15,7 @@ pub mod record;
 pub mod voxel;
 
 pub use error::DataError;
-pub use index::{DatasetIndex, IndexOptions};
+pub use index::{DatasetIndex, IndexOptions, SpikeSource};
 pub use meta::DatasetMeta;
 pub use record::{RecordLayout, RecordView, Rect, SpikePayload};
 

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::cache::CacheClient;
-use crate::config::Workers;
 use crate::dataset::index::DatasetIndex;
 use crate::util::rng::SplitMix64;
 
@@ -22,17 +21,37 @@ use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
 
-/// Loader threads of one rank: `TOTAL_WORKERS` (or 80% of the cores for `auto`)
-/// split evenly over the node's `local_world` ranks, at least one.
-pub fn workers_per_rank(total: Workers, local_world: usize) -> usize {
-    let node = match total {
-        Workers::Count(n) => n as usize,
-        Workers::Auto => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            cores * 4 / 5
+/// Validation loaders use at most this many of the rank's workers (full frames,
+/// batch 1: more would only hold more frames in memory).
+pub const MAX_VAL_WORKERS: usize = 2;
+
+/// The loader settings of one rank, resolved once by the train layer (see
+/// `train::loader_plan`): `TOTAL_WORKERS` split over the node's ranks (capped by the
+/// memory plan for `auto`), the prefetch factors and `DROP_LAST`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoaderBudget {
+    /// Worker threads of this rank (at least 1).
+    pub workers: usize,
+    /// Training batches queued ahead per worker (`TRAIN_PREFETCH_FACTOR`).
+    pub train_prefetch_factor: usize,
+    /// Validation batches queued ahead per worker (`VAL_PREFETCH_FACTOR`).
+    pub val_prefetch_factor: usize,
+    /// Drop the last incomplete training batch (`DROP_LAST`).
+    pub drop_last: bool,
+}
+
+impl LoaderBudget {
+    /// The budget of a rank that gets `workers` threads, with the prefetch factors
+    /// and `DROP_LAST` of `config`.
+    pub fn new(config: &crate::config::Config, workers: usize) -> LoaderBudget {
+        let dl = &config.dataloader;
+        LoaderBudget {
+            workers: workers.max(1),
+            train_prefetch_factor: dl.train_prefetch_factor.max(1) as usize,
+            val_prefetch_factor: dl.val_prefetch_factor.max(1) as usize,
+            drop_last: dl.drop_last,
         }
-    };
-    (node / local_world.max(1)).max(1)
+    }
 }
 
 /// What a loader feeds: training (random crops, augmentation, full batches) or
@@ -71,19 +90,27 @@ pub struct LoaderOptions {
 }
 
 impl LoaderOptions {
-    /// Options from the run config for `rank` of a node with `local_world` ranks:
-    /// training crops and augmentation, or validation crops, as `purpose` says.
-    /// `cache_address` is used only when `DATA.USE_RAM_CACHE` is true.
+    /// Options from the run config for `rank` with its resolved `budget`: training
+    /// crops, augmentation, `TRAIN_PREFETCH_FACTOR` and `DROP_LAST`, or validation
+    /// crops, batch 1, at most [`MAX_VAL_WORKERS`] workers and `VAL_PREFETCH_FACTOR`,
+    /// as `purpose` says. `cache_address` is used only when `DATA.USE_RAM_CACHE` is true.
     pub fn from_config(
         config: &crate::config::Config,
         rank: usize,
-        local_world: usize,
+        budget: &LoaderBudget,
         purpose: Purpose,
         cache_address: Option<String>,
     ) -> LoaderOptions {
         let train = purpose == Purpose::Train;
         let data = &config.data;
-        let workers = workers_per_rank(config.dataloader.total_workers, local_world);
+        let (workers, prefetch) = if train {
+            (budget.workers, budget.train_prefetch_factor)
+        } else {
+            (
+                budget.workers.min(MAX_VAL_WORKERS),
+                budget.val_prefetch_factor,
+            )
+        };
         let crop = if train {
             super::sample::CropMode::Random(data.crop_size)
         } else {
@@ -94,13 +121,13 @@ impl LoaderOptions {
         };
         LoaderOptions {
             workers,
-            prefetch_batches: workers * config.dataloader.train_prefetch_factor as usize,
+            prefetch_batches: workers * prefetch,
             batch_size: if train {
                 config.train.batch_size as usize
             } else {
                 1
             },
-            drop_last_batch: train,
+            drop_last_batch: train && budget.drop_last,
             spec: SampleSpec {
                 crop,
                 augment: if train {
@@ -551,28 +578,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn worker_split_and_config() {
-        assert_eq!(workers_per_rank(Workers::Count(12), 3), 4);
-        assert_eq!(workers_per_rank(Workers::Count(2), 3), 1);
-        let cores = std::thread::available_parallelism().unwrap().get();
-        assert_eq!(workers_per_rank(Workers::Auto, 1), (cores * 4 / 5).max(1));
+    fn options_follow_the_budget_and_config() {
         let config = crate::config::Config::parse(
             "DATA:\n  USE_RAM_CACHE: false\n  VAL_CROP_SIZE: null\nDATALOADER:\n  TOTAL_WORKERS: 8\n  TRAIN_PREFETCH_FACTOR: 3\nTRAIN:\n  BATCH_SIZE: 4\n",
             std::path::Path::new("t.yaml"),
         )
         .unwrap();
-        let train = LoaderOptions::from_config(&config, 1, 2, Purpose::Train, Some("addr".into()));
+        let budget = LoaderBudget::new(&config, 4);
+        assert_eq!(
+            (budget.train_prefetch_factor, budget.val_prefetch_factor),
+            (3, 2)
+        );
+        assert!(budget.drop_last);
+        let train =
+            LoaderOptions::from_config(&config, 1, &budget, Purpose::Train, Some("addr".into()));
         assert_eq!(
             (train.workers, train.prefetch_batches, train.batch_size),
             (4, 12, 4)
         );
+        assert!(train.drop_last_batch);
         assert_eq!(
             train.cache_address, None,
             "USE_RAM_CACHE: false reads from disk"
         );
         assert_eq!(train.spec.crop, super::super::sample::CropMode::Random(256));
-        let val = LoaderOptions::from_config(&config, 1, 2, Purpose::Validate, None);
+        let val = LoaderOptions::from_config(&config, 1, &budget, Purpose::Validate, None);
         assert_eq!(val.spec.crop, super::super::sample::CropMode::Full);
+        assert_eq!(
+            (val.workers, val.prefetch_batches, val.batch_size),
+            (2, 4, 1)
+        );
+        assert!(!val.drop_last_batch);
+        let keep = config
+            .with_overrides(&["DATALOADER.DROP_LAST=false".into()])
+            .unwrap();
+        let budget = LoaderBudget::new(&keep, 4);
+        let train = LoaderOptions::from_config(&keep, 1, &budget, Purpose::Train, None);
+        assert!(!train.drop_last_batch);
         assert_eq!(val.spec.augment, crate::config::Augment::all(false));
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod folder;
 pub mod h5;
+pub mod voxels;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,6 +21,7 @@ use crate::dataset::meta::DatasetMeta;
 use crate::util::rng::SplitMix64;
 
 pub use folder::write_sequence_folder;
+pub use voxels::write_precomputed_voxels;
 
 /// Spike steps per sharp sub-frame.
 pub const STEPS_PER_SUBFRAME: u32 = 8;

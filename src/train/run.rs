@@ -17,13 +17,14 @@ use crate::eval::quality::QualitySums;
 use crate::model::Restorer;
 use crate::pipeline::loader::{Batch, Loader, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
-use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions, SamplerState};
+use crate::pipeline::sampler::{DistributedSampler, SamplerOptions, SamplerState};
 
 use super::amp::{AmpMode, GradScaler};
 use super::checkpoint::{self, TrainState};
 use super::comm::{self, Communication};
 use super::env::RankEnv;
 use super::heartbeat::{self, Phase};
+use super::loader_plan::{LoaderPlan, NodeFacts};
 use super::loss::charbonnier;
 use super::metrics::MetricsSink;
 use super::monitor::MemoryMonitor;
@@ -155,6 +156,7 @@ impl<'a> RunBuilder<'a> {
         let dir = env.checkpoint_dir();
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         let splits = open_splits(config)?;
+        let loader_plan = plan_loaders(config, env, &splits.train);
         let mut model = build_model(config, env.device)?;
         let sampler = DistributedSampler::new(
             splits.clips.clips.len(),
@@ -163,7 +165,7 @@ impl<'a> RunBuilder<'a> {
                 rank: env.rank,
                 shuffle: true,
                 seed: config.train.seed,
-                remainder: Remainder::Pad,
+                remainder: loader_plan.remainder,
             },
         )?;
         let resumed_from = checkpoint::latest(&dir);
@@ -174,7 +176,15 @@ impl<'a> RunBuilder<'a> {
         let mut comm = comm::connect(config, env, model.optimizer.params())?;
         check_same_start(comm.as_mut(), &state, env)?;
         let cursor = resumed_from.is_some().then_some(state.sampler);
-        let data = open_data(config, env, splits, sampler, cursor, model.amp)?;
+        let data = open_data(
+            config,
+            env,
+            &loader_plan,
+            splits,
+            sampler,
+            cursor,
+            model.amp,
+        )?;
         let total = config.train.total_steps;
         let metrics = MetricsSink::new(&env.run_dir, env.rank == 0, state.step, total)
             .map_err(|e| TrainError::io(&env.run_dir, e))?;
@@ -321,10 +331,21 @@ fn check_same_start(
     })
 }
 
+/// The loader settings of this rank, resolved once (and logged by rank 0).
+fn plan_loaders(config: &Config, env: &RankEnv, train: &DatasetIndex) -> LoaderPlan {
+    let node = NodeFacts::this_machine(env.local_world_size, env.device.is_cuda());
+    let plan = LoaderPlan::resolve(config, node, Some(train));
+    if env.rank == 0 {
+        plan.log();
+    }
+    plan
+}
+
 /// This rank's training loader (at `cursor` when resuming) and validator.
 fn open_data(
     config: &Config,
     env: &RankEnv,
+    loader_plan: &LoaderPlan,
     splits: Splits,
     sampler: DistributedSampler,
     cursor: Option<SamplerState>,
@@ -334,7 +355,7 @@ fn open_data(
     let options = LoaderOptions::from_config(
         config,
         rank,
-        env.local_world_size,
+        &loader_plan.budget,
         Purpose::Train,
         env.cache_addr.clone(),
     );
@@ -348,7 +369,13 @@ fn open_data(
         loader.restore(&cursor)?;
     }
     let validator = match splits.val {
-        Some(index) => Some(Validator::new(config, index, env, amp)?),
+        Some(index) => Some(Validator::new(
+            config,
+            index,
+            env,
+            &loader_plan.budget,
+            amp,
+        )?),
         None => None,
     };
     Ok(RunData {

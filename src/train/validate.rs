@@ -12,7 +12,7 @@ use crate::dataset::DatasetIndex;
 use crate::eval::quality::QualitySums;
 use crate::eval::tiles::tiled_forward;
 use crate::model::Restorer;
-use crate::pipeline::loader::{Loader, LoaderOptions, Purpose};
+use crate::pipeline::loader::{Loader, LoaderBudget, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode};
 use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 
@@ -36,11 +36,13 @@ pub struct Validator {
 impl Validator {
     /// Clips of `index` (windows of `DATA.CLIP_LEN`, every frame covered), every
     /// world-th one from this rank on (each clip validated once over the ranks),
-    /// read through the node cache when one runs.
+    /// read through the node cache when one runs, with the rank's loader `budget`
+    /// (at most two workers, `VAL_PREFETCH_FACTOR` batches ahead each).
     pub fn new(
         config: &Config,
         index: Arc<DatasetIndex>,
         env: &RankEnv,
+        budget: &LoaderBudget,
         amp: AmpMode,
     ) -> Result<Validator, TrainError> {
         let (rank, device) = (env.rank, env.device);
@@ -61,13 +63,11 @@ impl Validator {
         let mut options = LoaderOptions::from_config(
             config,
             rank,
-            env.local_world_size,
+            budget,
             Purpose::Validate,
             env.cache_addr.clone(),
         );
         options.client_name = format!("rank{rank}-val");
-        options.workers = options.workers.min(2);
-        options.prefetch_batches = options.workers * 2;
         let loader = match sampler {
             Some(sampler) if clips > 0 => {
                 Some(Loader::new(index, Arc::new(all), sampler, options.clone())?)

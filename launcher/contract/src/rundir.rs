@@ -1,6 +1,6 @@
 //! The run directory: its default name (`runs/slurm-<job>` under SLURM, else
 //! `runs/<date>-<time>`), its layout (`logs/rank<R>.log`, `logs/cache.node<N>.log`,
-//! `checkpoints/step_<N>/`, `metrics.jsonl`, the summary files), and which
+//! `checkpoints/step_<N>/`, `metrics.jsonl`, `config.resolved.yaml`, the summary files), and which
 //! checkpoint is the latest: the highest step whose directory is complete. The
 //! launcher's restart decision and the trainer's resume both ask [`latest_checkpoint`].
 
@@ -17,6 +17,8 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 pub const RESULT_FILE: &str = "result.json";
 /// The same summary under the name the launcher merges into `summary.json`.
 pub const TRAIN_SUMMARY_FILE: &str = "train_summary.json";
+/// Rank 0's copy of the resolved config that ran (`BASE` chain and `--set` applied).
+pub const CONFIG_RESOLVED_FILE: &str = "config.resolved.yaml";
 /// The file written last into a checkpoint directory: without it, it is incomplete.
 pub const CHECKPOINT_STATE_FILE: &str = "state.json";
 
@@ -65,6 +67,11 @@ impl RunLayout {
     /// `metrics.jsonl`.
     pub fn metrics(&self) -> PathBuf {
         self.root.join(METRICS_FILE)
+    }
+
+    /// Rank 0's `config.resolved.yaml`.
+    pub fn resolved_config(&self) -> PathBuf {
+        self.root.join(CONFIG_RESOLVED_FILE)
     }
 
     /// Rank 0's `result.json`.
@@ -223,6 +230,10 @@ mod tests {
             PathBuf::from("/r/checkpoints/step_00000040")
         );
         assert_eq!(run.metrics(), PathBuf::from("/r/metrics.jsonl"));
+        assert_eq!(
+            run.resolved_config(),
+            PathBuf::from("/r/config.resolved.yaml")
+        );
         assert_eq!(run.launcher_summary(0), PathBuf::from("/r/summary.json"));
         assert_eq!(
             run.launcher_summary(2),
