@@ -1,6 +1,7 @@
 //! Checkpoints: one directory per step under `<run>/checkpoints/` holding the model
 //! weights (`model.safetensors`), the AdamW moments (`optimizer.safetensors`) and
-//! the rest (`state.json`: step, schedule, loss scaler, sampler cursor, seeds).
+//! the rest (`state.json`: step, schedule, loss scaler, sampler cursor, seeds, the
+//! fixed parameter group).
 //! Written to a hidden temporary directory, synced, then renamed, so a crash never
 //! leaves a half-written checkpoint under a real name. Directory names and which
 //! checkpoint is the latest come from `vrtspike_contract::rundir`, which the
@@ -16,7 +17,7 @@ use vrtspike_contract::rundir::{self, CHECKPOINT_STATE_FILE as STATE_FILE};
 use crate::pipeline::sampler::SamplerState;
 
 use super::amp::GradScaler;
-use super::optim::AdamW;
+use super::optim::{AdamW, FixedGroupState};
 use super::schedule::CosineSchedule;
 
 /// Why a checkpoint could not be written or read.
@@ -64,6 +65,11 @@ pub struct TrainState {
     pub world_size: usize,
     /// Training seconds before this checkpoint (all attempts).
     pub train_seconds: f64,
+    /// The optimizer's fixed parameter group (`TRAIN.FIX_KEYS`): its parameter
+    /// names, checked on resume, and its AdamW step count. Absent in checkpoints
+    /// written before parameter groups existed (read as no fixed group).
+    #[serde(default)]
+    pub fixed_group: FixedGroupState,
 }
 
 /// The schedule's parameters as saved.
@@ -198,7 +204,7 @@ pub fn load(
     let moments = Tensor::read_safetensors(path.join(OPTIM_FILE))
         .map_err(|e| io_err(&path.join(OPTIM_FILE))(e.to_string()))?;
     optimizer
-        .load_state(&moments, state.optimizer_steps)
+        .load_state(&moments, state.optimizer_steps, &state.fixed_group)
         .map_err(|e| CheckpointError::Mismatch {
             path: path.to_path_buf(),
             message: e.to_string(),

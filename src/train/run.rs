@@ -28,11 +28,11 @@ use super::loader_plan::{LoaderPlan, NodeFacts};
 use super::loss::charbonnier;
 use super::metrics::MetricsSink;
 use super::monitor::MemoryMonitor;
-use super::optim::AdamW;
+use super::optim::{AdamW, FixPolicy, ParamGroup, ParamGroups};
 use super::preempt;
 use super::report::{LogWindow, StepReport};
 use super::schedule::CosineSchedule;
-use super::step::{apply_update, StepResult};
+use super::step::{apply_update, StepResult, UpdateOptions};
 use super::validate::Validator;
 use super::{TrainError, TrainOptions};
 
@@ -253,7 +253,8 @@ fn open_splits(config: &Config) -> Result<Splits, TrainError> {
 }
 
 /// The model from `MODEL` (seeded by `TRAIN.SEED`), AdamW over its trainable
-/// parameters sorted by name, the schedule and the precision.
+/// parameters sorted by name (in the groups of `TRAIN.FIX_KEYS`), the schedule and
+/// the precision.
 fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
     let tc = &config.train;
     tch::manual_seed(tc.seed as i64);
@@ -265,16 +266,50 @@ fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError
         .filter(|(_, t)| t.requires_grad())
         .collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+    let groups = param_groups(tc, &names)?;
     let parameter_count = params.iter().map(|p| p.numel() as i64).sum();
+    let optimizer = AdamW::new(params, tc.betas, tc.eps, tc.weight_decay)
+        .with_groups(groups)
+        .map_err(|e| TrainError::Config {
+            key: "TRAIN.FIX_KEYS".into(),
+            message: e.to_string(),
+        })?;
     Ok(ModelParts {
         vs,
         model,
-        optimizer: AdamW::new(params, tc.betas, tc.eps, tc.weight_decay),
+        optimizer,
         schedule: CosineSchedule::from_config(tc),
         amp: AmpMode::from_config(tc, device),
         parameter_count,
     })
+}
+
+/// The optimizer groups of the parameters `names` (sorted): `TRAIN.FIX_KEYS` that
+/// select nothing while `FIX_ITER` / `FIX_LR_MUL` are set is a config error.
+fn param_groups(
+    tc: &crate::config::TrainConfig,
+    names: &[String],
+) -> Result<ParamGroups, TrainError> {
+    let policy = FixPolicy::from_config(tc);
+    let groups = ParamGroups::by_name(names, &tc.fix_keys, policy);
+    let matters = policy.fix_iter > 0 || policy.lr_mul != 1.0;
+    if matters && groups.fixed_names().is_empty() {
+        let examples: Vec<&str> = names.iter().take(6).map(String::as_str).collect();
+        return Err(TrainError::Config {
+            key: "TRAIN.FIX_KEYS".into(),
+            message: format!(
+                "{:?} matches no parameter name (FIX_ITER {}, FIX_LR_MUL {}); the model's {} \
+                 parameters are named like: {}",
+                tc.fix_keys,
+                tc.fix_iter,
+                tc.fix_lr_mul,
+                names.len(),
+                examples.join(", ")
+            ),
+        });
+    }
+    Ok(groups)
 }
 
 /// The state of a run that starts at step 0.
@@ -295,6 +330,7 @@ fn fresh_state(
         seed: config.train.seed,
         world_size: world,
         train_seconds: 0.0,
+        fixed_group: model.optimizer.fixed_state(),
     }
 }
 
@@ -442,6 +478,10 @@ impl Run<'_> {
         if self.env.rank != 0 {
             return;
         }
+        for notice in self.config.notices() {
+            tracing::warn!("config notice: {notice}");
+        }
+        self.announce_groups();
         let (env, state, model) = (self.env, &self.state, &self.model);
         tracing::info!(
             world = env.world_size,
@@ -462,11 +502,53 @@ impl Run<'_> {
         );
     }
 
+    /// Logs the sizes of the optimizer's parameter groups (with `TRAIN.FIX_KEYS`).
+    fn announce_groups(&self) {
+        if self.config.train.fix_keys.is_empty() {
+            return;
+        }
+        let optimizer = &self.model.optimizer;
+        let (main, fixed) = (
+            optimizer.group_size(ParamGroup::Main),
+            optimizer.group_size(ParamGroup::Fixed),
+        );
+        let policy = optimizer.groups().policy();
+        tracing::info!(
+            main_tensors = main.tensors,
+            main_params = main.elements,
+            fixed_tensors = fixed.tensors,
+            fixed_params = fixed.elements,
+            fix_keys = ?self.config.train.fix_keys,
+            frozen_steps = policy.fix_iter,
+            fixed_lr_mul = policy.lr_mul,
+            "parameter groups"
+        );
+    }
+
+    /// Logs (rank 0) the step at which the fixed parameter group starts training.
+    fn note_unfreeze(&self, step: u64) {
+        let optimizer = &self.model.optimizer;
+        let policy = optimizer.groups().policy();
+        let unfreezes = policy.fix_iter > 0 && step == policy.fix_iter;
+        if self.env.rank != 0 || !unfreezes || optimizer.groups().fixed_names().is_empty() {
+            return;
+        }
+        let fixed = optimizer.group_size(ParamGroup::Fixed);
+        tracing::info!(
+            step = step + 1,
+            fixed_tensors = fixed.tensors,
+            fixed_params = fixed.elements,
+            lr_mul = policy.lr_mul,
+            "the fixed parameter group (TRAIN.FIX_KEYS) unfreezes"
+        );
+    }
+
     /// One optimizer step over all ranks; every rank must call it.
     pub fn step(&mut self) -> Result<StepReport, TrainError> {
         let started = Instant::now();
         let step = self.state.step;
         let lr = self.model.schedule.lr_at(step);
+        self.note_unfreeze(step);
         tch::manual_seed(step_seed(self.config.train.seed, step));
         self.model.optimizer.zero_grad();
         let local = self.accumulate()?;
@@ -481,8 +563,11 @@ impl Run<'_> {
             &mut self.model.optimizer,
             &mut self.state.scaler,
             global.bad_ranks > 0.0,
-            lr,
-            self.config.train.grad_clip(),
+            UpdateOptions {
+                step,
+                lr,
+                max_grad_norm: self.config.train.grad_clip(),
+            },
         );
         let report = self.record(lr, &global, result, &local.bad_samples);
         let seconds = started.elapsed().as_secs_f64();
@@ -564,6 +649,7 @@ impl Run<'_> {
         state.step += 1;
         state.samples_seen += global.samples;
         state.optimizer_steps = self.model.optimizer.steps();
+        state.fixed_group.steps = self.model.optimizer.fixed_state().steps;
         let good_ranks = world - global.bad_ranks;
         let mean_loss = if good_ranks > 0.0 {
             global.loss_sum / good_ranks

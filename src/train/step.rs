@@ -1,6 +1,7 @@
 //! The update at the end of an optimizer step, after gradients were averaged over
-//! ranks: unscale (fp16), check that the loss and every gradient are finite, clip,
-//! apply AdamW. A non-finite step is skipped on every rank alike (the averaged
+//! ranks: unscale (fp16), check that the loss and every trainable gradient are
+//! finite, clip, apply AdamW. A frozen parameter group (`TRAIN.FIX_ITER`) counts in
+//! neither the gradient norm nor clipping, as if it had no gradient. A non-finite step is skipped on every rank alike (the averaged
 //! gradients and the reduced loss flag are the same everywhere), so an inf/NaN
 //! never reaches the weights or the optimizer moments.
 
@@ -22,26 +23,37 @@ pub enum StepResult {
     },
 }
 
+/// The update of training step `step` (0-based) at learning rate `lr`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UpdateOptions {
+    /// The training step (decides whether the fixed group is frozen).
+    pub step: u64,
+    /// The schedule's learning rate.
+    pub lr: f64,
+    /// Clip the global gradient norm to this.
+    pub max_grad_norm: Option<f64>,
+}
+
 /// Finishes a step: `nonfinite_loss` says whether any rank's loss was inf/NaN.
 pub fn apply_update(
     optimizer: &mut AdamW,
     scaler: &mut GradScaler,
     nonfinite_loss: bool,
-    lr: f64,
-    max_grad_norm: Option<f64>,
+    options: UpdateOptions,
 ) -> StepResult {
     scaler.unscale(optimizer.params());
+    let trainable = optimizer.trainable(options.step);
     // Clipping leaves non-finite gradients alone; a skipped step clears them anyway.
-    let norm = match max_grad_norm {
-        Some(max) => clip_grad_norm(optimizer.params(), max),
-        None => grad_norm(optimizer.params()),
+    let norm = match options.max_grad_norm {
+        Some(max) => clip_grad_norm(&trainable, max),
+        None => grad_norm(&trainable),
     };
     if nonfinite_loss || !norm.is_finite() {
         optimizer.zero_grad();
         scaler.update(true);
         return StepResult::Skipped { nonfinite_loss };
     }
-    optimizer.step(lr);
+    optimizer.step(options.lr, options.step);
     scaler.update(false);
     StepResult::Applied { grad_norm: norm }
 }
@@ -54,6 +66,14 @@ mod tests {
     /// Copies of tensors' values (to compare before and after).
     fn snapshot(params: &[Tensor]) -> Vec<Tensor> {
         params.iter().map(|p| p.detach().copy()).collect()
+    }
+
+    fn options(max_grad_norm: Option<f64>) -> UpdateOptions {
+        UpdateOptions {
+            step: 0,
+            lr: 0.1,
+            max_grad_norm,
+        }
     }
 
     fn setup() -> (Tensor, AdamW) {
@@ -76,7 +96,7 @@ mod tests {
         loss.backward();
         let mut scaler = GradScaler::new(true);
         let scale = scaler.scale;
-        let result = apply_update(&mut opt, &mut scaler, true, 0.1, Some(1.0));
+        let result = apply_update(&mut opt, &mut scaler, true, options(Some(1.0)));
         assert_eq!(
             result,
             StepResult::Skipped {
@@ -96,7 +116,7 @@ mod tests {
         // A NaN gradient with a finite loss flag is caught too.
         let mut g = w.grad();
         let _ = g.fill_(f64::INFINITY);
-        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, 0.1, None);
+        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, options(None));
         assert_eq!(
             result,
             StepResult::Skipped {
@@ -107,7 +127,7 @@ mod tests {
         // The next good step applies.
         opt.zero_grad();
         (&w * 2.0).sum(Kind::Float).backward();
-        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, 0.1, None);
+        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, options(None));
         assert!(
             matches!(result, StepResult::Applied { grad_norm } if (grad_norm - 12f64.sqrt()).abs() < 1e-5)
         );
