@@ -1,7 +1,8 @@
 //! `vrtspike plot`: one figure of a run (PNG or SVG, by the file's extension) with
 //! `plotters`: training loss raw and smoothed (with the blurry input's loss for
-//! reference), validation PSNR beside the input's PSNR, samples/s, data wait, host
-//! memory and GPU memory over steps, every panel marking the restarts.
+//! reference), validation PSNR beside the input's PSNR, samples/s, time per step
+//! (whole, data wait, communication), host memory and GPU memory over steps, every
+//! panel marking the restarts.
 //!
 //! Text is drawn with `ab_glyph` from the DejaVu Sans file of Debian's
 //! `fonts-dejavu-core` (read at run time, nothing embedded); `VRTSPIKE_FONT` names
@@ -152,14 +153,28 @@ fn panels(run: &RunData) -> Vec<Panel> {
             )],
         },
         Panel {
-            title: "data wait",
-            y_label: "ms per batch",
-            curves: vec![curve(
-                "data_time",
-                series(&run.train, "data_time_ms"),
-                RGBColor(160, 40, 160),
-                2,
-            )],
+            title: "time per step",
+            y_label: "ms",
+            curves: vec![
+                curve(
+                    "step",
+                    series(&run.train, "step_time_ms"),
+                    RGBColor(20, 70, 170),
+                    2,
+                ),
+                curve(
+                    "data wait",
+                    series(&run.train, "data_time_ms"),
+                    RGBColor(160, 40, 160),
+                    2,
+                ),
+                curve(
+                    "communication",
+                    series(&run.train, "comm_time_ms"),
+                    RGBColor(200, 100, 0),
+                    2,
+                ),
+            ],
         },
         Panel {
             title: "host memory",
