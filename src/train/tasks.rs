@@ -119,7 +119,10 @@ impl PeriodicTask for LogTrain {
             report.lr,
             run.data.loader.state().epoch,
         );
-        let (samples_per_s, avg_loss) = (window.samples_per_s(), window.mean_loss());
+        // Samples over the time in steps: validation and checkpoints in the window
+        // do not pull the training throughput down.
+        let samples_per_s = window.samples as f64 / (step_ms * steps as f64 / 1000.0).max(1e-9);
+        let avg_loss = window.mean_loss();
         let grad_norm = report.grad_norm;
         let evictions = self.cache.evictions(run.env.cache_addr.as_deref());
         run.sinks.metrics.write("train", json!({
