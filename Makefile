@@ -1,5 +1,5 @@
 # vrtspike: every target does its own set-up on a fresh machine, idempotently.
-#   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent)
+#   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent), then its plot
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
 #   make test   formatting, lints, then every unit and multi-process test
 #   make bench  benchmarks: the cache as JSON, then the loader against the peer as a table
@@ -62,7 +62,9 @@ DEMO_CONFIG := configs/demo/unet_spike_demo.yaml
 
 demo: build
 	@cd $(ROOT) && [ -f $(DEMO_DATA)/dataset.yaml ] || $(BIN) synth --out $(DEMO_DATA) --seqs 12 --test-seqs 4 --frames 12
-	cd $(ROOT) && $(LAUNCH) --gpus 0 --ranks 2 --config $(DEMO_CONFIG)
+	cd $(ROOT) && run=runs/demo-$$(date -u +%Y%m%d-%H%M%S) \
+	  && $(LAUNCH) --gpus 0 --ranks 2 --config $(DEMO_CONFIG) --run-dir $$run \
+	  && $(BIN) plot $$run
 
 cache-demo: build
 	$(BIN) demo

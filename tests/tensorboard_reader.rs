@@ -1,14 +1,19 @@
 //! The TensorBoard event files `vrtspike` writes, read back by the `tensorboard`
 //! Python package (the venv's `.venv/bin/python`): every record's CRCs and protobuf
 //! parse, and the accumulator sees the tags, steps, values and image sizes written.
-//! Skipped with a message when the venv or its `tensorboard` is missing.
+//! Skipped with a message when the venv or its `tensorboard` is missing. A tiny
+//! training run leaves events with every figure of its metrics and validation
+//! images; `LOG.TENSORBOARD: false` leaves none.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{json, Value};
+use vrtspike::config::Config;
 use vrtspike::monitor::tensorboard::RgbImage;
+use vrtspike::synth::{self, SynthOptions};
 use vrtspike::train::metrics::MetricsSink;
+use vrtspike::train::{train, RankEnv, TrainOptions};
 
 const READER: &str = r#"
 import json, sys
@@ -158,4 +163,102 @@ fn python_rejects_a_corrupted_file() {
         "a flipped byte must fail the CRC check"
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("crc32"));
+}
+
+/// A synthetic set of 2 training and 1 test sequence of 6 frames (64x96).
+fn dataset(dir: &Path) {
+    let options = SynthOptions {
+        train_seqs: 2,
+        test_seqs: 1,
+        frames: 6,
+        height: 64,
+        width: 96,
+        seed: 3,
+    };
+    synth::generate_folder(dir, &options, &|_| {}).unwrap();
+}
+
+/// 4 steps of a tiny U-Net, logged every step, validated (32x32 centre crops) every 2.
+fn tiny_run(data: &Path, run_dir: &Path, tensorboard: bool) {
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: 32\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  USE_RAM_CACHE: false\n\
+         DATALOADER:\n  TOTAL_WORKERS: 1\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: 4\n  WARMUP_STEPS: 1\n  SEED: 1\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  MEM_EVERY_STEPS: 2\n  VAL_EVERY_STEPS: 2\n  CKPT_EVERY_STEPS: 100\n  TENSORBOARD: {tensorboard}\n",
+        data.display()
+    );
+    let config = Config::parse(&text, Path::new("tb.yaml")).unwrap();
+    let env = RankEnv::from_vars(&|_| None, Some(run_dir), Some("cpu")).unwrap();
+    let outcome = train(&config, &env, &TrainOptions::default()).unwrap();
+    assert!(outcome.completed);
+}
+
+fn event_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect()
+}
+
+#[test]
+fn a_training_run_leaves_every_figure_and_images() {
+    let Some(python) = python() else { return };
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    dataset(&tmp.path().join("data"));
+    let run_dir = tmp.path().join("run");
+    tiny_run(&tmp.path().join("data"), &run_dir, true);
+    let files = event_files(&run_dir.join("tb"));
+    assert_eq!(files.len(), 1, "{files:?}");
+    let got = read(&python, &files[0]);
+    let scalars = &got["scalars"];
+    let steps = |tag: &str| -> Vec<i64> {
+        let points = scalars[tag].as_array();
+        let points = points.unwrap_or_else(|| panic!("no {tag} in {scalars}"));
+        points.iter().map(|p| p[0].as_i64().unwrap()).collect()
+    };
+    for tag in [
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "train/data_time_ms",
+        "train/step_time_ms",
+        "train/comm_time_ms",
+        "train/cache_hit_rate",
+        "train/skipped_steps",
+        "train/grad_norm",
+    ] {
+        assert_eq!(steps(tag), [1, 2, 3, 4], "{tag}");
+    }
+    for tag in ["val/psnr", "val/ssim", "val/input_psnr"] {
+        assert_eq!(steps(tag), [2, 4], "{tag}");
+    }
+    for tag in ["memory/process_pss_mb", "memory/system_used_gb"] {
+        assert_eq!(steps(tag), [2, 4], "{tag}");
+    }
+    let psnr = scalars["val/psnr"][1][1].as_f64().unwrap();
+    assert!(psnr > 5.0 && psnr < 60.0, "{psnr}");
+    let step_ms = scalars["train/step_time_ms"][0][1].as_f64().unwrap();
+    assert!(step_ms > 0.0, "{step_ms}");
+    let images = got["images"].as_object().unwrap();
+    assert_eq!(images.len(), 3, "first frame of 3 clips: {images:?}");
+    let clip0 = &images["val/images/clip0"];
+    assert_eq!(clip0.as_array().unwrap().len(), 2, "one a validation");
+    // blur | output | sharp, 32x32 each with 4-pixel gaps.
+    assert_eq!(
+        (&clip0[0][1], &clip0[0][2]),
+        (&json!(3 * 32 + 8), &json!(32))
+    );
+}
+
+#[test]
+fn tensorboard_off_leaves_no_events() {
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    dataset(&tmp.path().join("data"));
+    let run_dir = tmp.path().join("run");
+    tiny_run(&tmp.path().join("data"), &run_dir, false);
+    assert!(run_dir.join("metrics.jsonl").is_file());
+    assert!(!run_dir.join("tb").exists());
 }

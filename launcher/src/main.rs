@@ -403,7 +403,9 @@ impl Job {
             (Some(error), _) => tracing::error!("{error}"),
             (None, _) => tracing::info!("job {}", exit.name()),
         }
-        say(&format!("summary: {}", summary_path.display()));
+        for line in where_to_look(&self.run_dir.path, &summary_path) {
+            say(&line);
+        }
         exit.exit_code()
     }
 }
@@ -444,6 +446,28 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stdout().lock(), "{line}");
 }
 
+/// Where to look at the run once it ends: rank 0's TensorBoard events, the plot
+/// (or how to draw it) and the summary.
+fn where_to_look(run_dir: &Path, summary: &Path) -> Vec<String> {
+    let mut lines = Vec::new();
+    let tb = run_dir.join("tb");
+    if tb.is_dir() {
+        lines.push(format!(
+            "tensorboard: {} (tensorboard --logdir {})",
+            tb.display(),
+            tb.display()
+        ));
+    }
+    let plot = run_dir.join("plot.png");
+    if plot.is_file() {
+        lines.push(format!("plot: {}", plot.display()));
+    } else {
+        lines.push(format!("plot: vrtspike plot {}", run_dir.display()));
+    }
+    lines.push(format!("summary: {}", summary.display()));
+    lines
+}
+
 /// The `vrtspike` binary beside this one.
 fn vrtspike_exe() -> Result<PathBuf> {
     let me = std::env::current_exe().context("locating vrtspike-launch")?;
@@ -482,5 +506,25 @@ fn interruptible_sleep(duration: Duration) {
     let until = Instant::now() + duration;
     while Instant::now() < until && signals::requested_ending().is_none() {
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_end_report_names_what_exists() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let summary = dir.path().join("summary.json");
+        let lines = where_to_look(dir.path(), &summary);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("plot: vrtspike plot "), "{lines:?}");
+        std::fs::create_dir(dir.path().join("tb")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(dir.path().join("plot.png"), b"png").unwrap_or_else(|e| panic!("{e}"));
+        let lines = where_to_look(dir.path(), &summary);
+        assert!(lines[0].starts_with("tensorboard: "), "{lines:?}");
+        assert!(lines[1].ends_with("plot.png"), "{lines:?}");
+        assert!(lines[2].ends_with("summary.json"), "{lines:?}");
     }
 }

@@ -19,7 +19,7 @@ pub struct Thresholds {
     pub forward_ms: f64,
     /// A cache hit rate below this points at the cache.
     pub hit_rate: f64,
-    /// A data wait above this (ms per batch) points at the loader.
+    /// A data wait above this (ms per step) points at the loader.
     pub data_time_ms: f64,
     /// Validation above this share of the wall time is worth thinning.
     pub val_share: f64,
@@ -87,7 +87,7 @@ pub struct Finding {
 pub struct TimeSplit {
     /// Wall time per step outside validation, ms.
     pub step_ms: Option<f64>,
-    /// Waiting for data per step, ms (the loader's mean wait per batch).
+    /// Waiting for data per step, ms (the window's wait for batches).
     pub data_ms: Option<f64>,
     /// Gradient synchronisation per step, ms (when the metrics record it).
     pub comm_ms: Option<f64>,
@@ -441,7 +441,7 @@ fn findings(d: &Diagnosis, limits: &Thresholds) -> Vec<Finding> {
         out.push(Finding {
             area: Area::Loader,
             symptom: "waiting for data".into(),
-            measured: format!("{data:.1} ms per batch{}", share.unwrap_or_default()),
+            measured: format!("{data:.1} ms per step{}", share.unwrap_or_default()),
             limit: format!("> {:.0} ms", limits.data_time_ms),
             change: loader_change.into(),
         });
@@ -736,7 +736,7 @@ mod tests {
         assert!(d.findings[0].measured.contains("31%"));
         assert!(d.findings[1]
             .measured
-            .contains("40.0 ms per batch (8% of the step)"));
+            .contains("40.0 ms per step (8% of the step)"));
         assert!(d.findings[1].change.contains("TOTAL_WORKERS"));
     }
 

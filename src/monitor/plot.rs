@@ -1,7 +1,8 @@
 //! `vrtspike plot`: one figure of a run (PNG or SVG, by the file's extension) with
 //! `plotters`: training loss raw and smoothed (with the blurry input's loss for
-//! reference), validation PSNR beside the input's PSNR, samples/s, data wait, host
-//! memory and GPU memory over steps, every panel marking the restarts.
+//! reference), validation PSNR beside the input's PSNR, samples/s, time per step
+//! (whole, data wait, communication), host memory and GPU memory over steps, every
+//! panel marking the restarts.
 //!
 //! Text is drawn with `ab_glyph` from the DejaVu Sans file of Debian's
 //! `fonts-dejavu-core` (read at run time, nothing embedded); `VRTSPIKE_FONT` names
@@ -152,14 +153,28 @@ fn panels(run: &RunData) -> Vec<Panel> {
             )],
         },
         Panel {
-            title: "data wait",
-            y_label: "ms per batch",
-            curves: vec![curve(
-                "data_time",
-                series(&run.train, "data_time_ms"),
-                RGBColor(160, 40, 160),
-                2,
-            )],
+            title: "time per step",
+            y_label: "ms",
+            curves: vec![
+                curve(
+                    "step",
+                    series(&run.train, "step_time_ms"),
+                    RGBColor(20, 70, 170),
+                    2,
+                ),
+                curve(
+                    "data wait",
+                    series(&run.train, "data_time_ms"),
+                    RGBColor(160, 40, 160),
+                    2,
+                ),
+                curve(
+                    "communication",
+                    series(&run.train, "comm_time_ms"),
+                    RGBColor(200, 100, 0),
+                    2,
+                ),
+            ],
         },
         Panel {
             title: "host memory",
@@ -217,6 +232,15 @@ fn y_range(curves: &[Curve]) -> Option<(f64, f64)> {
     Some((lo - 0.08 * span, hi + 0.3 * span))
 }
 
+/// Decimals of the y labels for a range of `span`: none for hundreds of ms, three
+/// for a loss around 0.03.
+fn y_digits(span: f64) -> usize {
+    if !(span.is_finite() && span > 0.0) {
+        return 2;
+    }
+    (1.0 - span.log10().floor()).clamp(0.0, 5.0) as usize
+}
+
 type Drawn = Result<(), String>;
 
 fn err(e: impl std::fmt::Display) -> String {
@@ -252,6 +276,7 @@ fn draw_panel<DB: DrawingBackend>(
         .configure_mesh()
         .x_desc("step")
         .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.digits$}", digits = y_digits(y1 - y0)))
         .y_desc(panel.y_label)
         .label_style((FONT, 16))
         .axis_desc_style((FONT, 18))
@@ -372,6 +397,7 @@ mod tests {
 
     #[test]
     fn y_range_pads_and_handles_flat_lines() {
+        assert_eq!((y_digits(560.0), y_digits(2.3), y_digits(0.045)), (0, 1, 3));
         let flat = [curve("a", vec![(0.0, 5.0), (1.0, 5.0)], BLACK, 1)];
         assert_eq!(y_range(&flat), Some((5.0 - 0.4, 5.0 + 1.5)));
         let span = [curve("c", vec![(0.0, 0.0), (1.0, 10.0)], BLACK, 1)];

@@ -18,6 +18,11 @@ pub trait Communication {
     fn barrier(&mut self) -> Result<(), TrainError>;
     /// Averages the accumulated gradients over ranks.
     fn sync_gradients(&mut self) -> Result<(), TrainError>;
+    /// Seconds spent in [`Self::sync_gradients`] so far (the gradient all-reduce,
+    /// waiting for the slowest rank included); 0 for a single rank.
+    fn sync_seconds(&self) -> f64 {
+        0.0
+    }
     /// Fails, naming the ranks, when they hold different parameters at `step`;
     /// returns whether there was anything to compare.
     fn check_parameters(&mut self, step: u64) -> Result<bool, TrainError>;
@@ -50,6 +55,7 @@ impl Communication for SingleRank {
 pub struct DdpComm {
     group: ProcessGroup,
     ddp: Ddp,
+    sync_seconds: f64,
 }
 
 impl DdpComm {
@@ -57,7 +63,11 @@ impl DdpComm {
     pub fn new(mut group: ProcessGroup, params: &[Tensor]) -> Result<DdpComm, TrainError> {
         let handles = params.iter().map(|p| p.shallow_clone()).collect();
         let ddp = Ddp::new(&mut group, handles, DdpOptions::default())?;
-        Ok(DdpComm { group, ddp })
+        Ok(DdpComm {
+            group,
+            ddp,
+            sync_seconds: 0.0,
+        })
     }
 }
 
@@ -73,7 +83,14 @@ impl Communication for DdpComm {
     }
 
     fn sync_gradients(&mut self) -> Result<(), TrainError> {
-        Ok(self.ddp.sync_gradients(&mut self.group)?)
+        let started = std::time::Instant::now();
+        let result = self.ddp.sync_gradients(&mut self.group);
+        self.sync_seconds += started.elapsed().as_secs_f64();
+        Ok(result?)
+    }
+
+    fn sync_seconds(&self) -> f64 {
+        self.sync_seconds
     }
 
     fn check_parameters(&mut self, step: u64) -> Result<bool, TrainError> {
@@ -126,6 +143,7 @@ mod tests {
         assert_eq!(comm.all_reduce(&[3.0], ReduceOp::Max).unwrap(), vec![3.0]);
         comm.barrier().unwrap();
         comm.sync_gradients().unwrap();
+        assert_eq!(comm.sync_seconds(), 0.0);
         assert!(!comm.check_parameters(4).unwrap(), "nothing to compare");
     }
 }

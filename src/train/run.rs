@@ -187,7 +187,8 @@ impl<'a> RunBuilder<'a> {
         )?;
         let total = config.train.total_steps;
         let metrics = MetricsSink::new(&env.run_dir, env.rank == 0, state.step, total)
-            .map_err(|e| TrainError::io(&env.run_dir, e))?;
+            .map_err(|e| TrainError::io(&env.run_dir, e))?
+            .with_tensorboard(config.log.tensorboard);
         let monitor = MemoryMonitor::new(match env.device {
             Device::Cuda(n) => Some(n),
             _ => None,

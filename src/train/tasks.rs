@@ -5,15 +5,19 @@
 use std::time::Instant;
 
 use serde_json::{json, Value};
-use tch::Tensor;
+use tch::{Device, Tensor};
 
+use crate::cache::{CacheClient, CacheError};
 use crate::dist::ReduceOp;
 use crate::eval::quality::QualitySums;
+use crate::monitor::logline::{eta_seconds, format_eta, format_log_line, LogLine};
+use crate::monitor::tensorboard::RgbImage;
 
 use super::checkpoint;
 use super::heartbeat::{self, Phase};
 use super::report::StepReport;
 use super::run::{Run, Validation};
+use super::validate::Preview;
 use super::TrainError;
 
 /// Work a run does after some steps.
@@ -35,6 +39,8 @@ pub fn standard(run: &Run<'_>) -> Vec<Box<dyn PeriodicTask>> {
         Box::new(LogTrain {
             every: log.log_every_steps,
             stop_at: run.stop_at,
+            last: Marks::now(run),
+            cache: CacheProbe::default(),
         }),
         Box::new(SampleMemory {
             every: log.mem_every_steps,
@@ -57,11 +63,38 @@ pub fn standard(run: &Run<'_>) -> Vec<Box<dyn PeriodicTask>> {
     tasks
 }
 
-/// The `train` line of `metrics.jsonl` and the progress bar (`LOG.LOG_EVERY_STEPS`
-/// and the last step of the attempt), averaged since the previous line.
+/// The `train` line of `metrics.jsonl`, rank 0's log line and the progress bar
+/// (`LOG.LOG_EVERY_STEPS` and the last step of the attempt), averaged since the
+/// previous line.
 pub struct LogTrain {
     every: u64,
     stop_at: u64,
+    /// Cumulative figures at the previous line.
+    last: Marks,
+    cache: CacheProbe,
+}
+
+/// Cumulative timers read at each `train` line (their differences give the window's).
+#[derive(Debug, Default, Clone, Copy)]
+struct Marks {
+    step_seconds: f64,
+    sync_seconds: f64,
+    data_seconds: f64,
+}
+
+impl Marks {
+    fn now(run: &Run<'_>) -> Marks {
+        Marks {
+            step_seconds: run.attempt.step_seconds,
+            sync_seconds: run.comm.sync_seconds(),
+            data_seconds: run.data.loader.stats().data_time_s,
+        }
+    }
+}
+
+/// Milliseconds per step of `seconds` over `steps`.
+fn per_step_ms(seconds: f64, steps: u64) -> f64 {
+    1000.0 * seconds.max(0.0) / steps.max(1) as f64
 }
 
 impl PeriodicTask for LogTrain {
@@ -71,29 +104,90 @@ impl PeriodicTask for LogTrain {
 
     fn run(&mut self, run: &mut Run<'_>, report: &StepReport) -> Result<(), TrainError> {
         let window = std::mem::take(&mut run.attempt.window);
+        let (marks, last) = (Marks::now(run), self.last);
+        self.last = marks;
         if run.env.rank != 0 {
             return Ok(());
         }
-        let (stats, lr) = (run.data.loader.stats(), report.lr);
-        let (samples_per_s, avg_loss) = (window.samples_per_s(), window.mean_loss());
+        let steps = window.steps;
+        let step_ms = per_step_ms(marks.step_seconds - last.step_seconds, steps);
+        let data_ms = per_step_ms(marks.data_seconds - last.data_seconds, steps);
+        let comm_ms = per_step_ms(marks.sync_seconds - last.sync_seconds, steps);
+        let wall_per_step = window.started.elapsed().as_secs_f64() / steps.max(1) as f64;
+        let eta_s = eta_seconds(report.step, run.config.train.total_steps, wall_per_step);
+        let (stats, lr, epoch) = (
+            run.data.loader.stats(),
+            report.lr,
+            run.data.loader.state().epoch,
+        );
+        // Samples over the time in steps: validation and checkpoints in the window
+        // do not pull the training throughput down.
+        let samples_per_s = window.samples as f64 / (step_ms * steps as f64 / 1000.0).max(1e-9);
+        let avg_loss = window.mean_loss();
         let grad_norm = report.grad_norm;
+        let evictions = self.cache.evictions(run.env.cache_addr.as_deref());
         run.sinks.metrics.write("train", json!({
-            "step": report.step, "epoch": run.data.loader.state().epoch, "loss": avg_loss, "lr": lr,
+            "step": report.step, "epoch": epoch, "loss": avg_loss, "lr": lr,
             "input_loss": window.mean_input_loss(),
             "grad_norm": if grad_norm.is_finite() { json!(grad_norm) } else { Value::Null },
-            "samples_per_s": samples_per_s, "data_time_ms": stats.data_time_ms,
-            "cache_hit_rate": stats.hit_rate, "loss_scale": run.state.scaler.scale,
-            "skipped_steps": run.state.skipped_steps,
+            "samples_per_s": samples_per_s, "data_time_ms": data_ms, "step_time_ms": step_ms,
+            "comm_time_ms": comm_ms, "cache_hit_rate": stats.hit_rate, "cache_evictions": evictions,
+            "loss_scale": run.state.scaler.scale, "skipped_steps": run.state.skipped_steps,
         }));
+        let losses = [("l_pix", avg_loss), ("l_input", window.mean_input_loss())];
+        run.sinks.metrics.println(&format_log_line(&LogLine {
+            epoch,
+            iter: report.step,
+            lr,
+            eta_s,
+            iter_time_s: step_ms / 1000.0,
+            data_time_s: data_ms / 1000.0,
+            losses: &losses,
+        }));
+        let eta = eta_s.map_or_else(|| "?".to_string(), format_eta);
         run.sinks.metrics.progress(
             report.step,
             format!(
-                "loss {avg_loss:.4} lr {lr:.2e} {samples_per_s:.1} samples/s data {:.0} ms hit {:.0}%",
-                stats.data_time_ms,
+                "eta {eta} | {samples_per_s:.1} samples/s | loss {avg_loss:.4} | data {data_ms:.0} ms | hit {:.0}%",
                 100.0 * stats.hit_rate
             ),
         );
         Ok(())
+    }
+}
+
+/// Rank 0's connection to the node's cache server for its eviction count; without
+/// a server, or after a failed request (warned once), there is none.
+#[derive(Default)]
+struct CacheProbe {
+    client: Option<CacheClient>,
+    failed: bool,
+}
+
+impl CacheProbe {
+    /// Records the server has evicted so far.
+    fn evictions(&mut self, address: Option<&str>) -> Option<u64> {
+        let address = address?;
+        if self.failed {
+            return None;
+        }
+        if self.client.is_none() {
+            match CacheClient::connect(address, "rank0-metrics") {
+                Ok(client) => self.client = Some(client),
+                Err(e) => return self.give_up(&e),
+            }
+        }
+        match self.client.as_ref()?.stats() {
+            Ok(report) => Some(report.evictions),
+            Err(e) => self.give_up(&e),
+        }
+    }
+
+    fn give_up(&mut self, error: &CacheError) -> Option<u64> {
+        tracing::warn!(error = %error, "cache statistics unavailable: evictions not logged");
+        self.failed = true;
+        self.client = None;
+        None
     }
 }
 
@@ -114,6 +208,9 @@ impl PeriodicTask for SampleMemory {
             let mut fields = serde_json::to_value(&sample).unwrap_or(Value::Null);
             if let Value::Object(map) = &mut fields {
                 map.insert("step".into(), json!(report.step));
+                if let Device::Cuda(n) = run.env.device {
+                    map.insert("device".into(), json!(n));
+                }
             }
             run.sinks.metrics.write("memory", fields);
         }
@@ -164,7 +261,13 @@ impl PeriodicTask for Validate {
         };
         heartbeat::beat(report.step, Phase::Validation);
         let started = Instant::now();
-        let mine = Vec::<f64>::try_from(&validator.run(run.model.model.as_ref())?.to_tensor())?;
+        let keep = if run.env.rank == 0 && run.sinks.metrics.tensorboard().is_some() {
+            PREVIEW_CLIPS
+        } else {
+            0
+        };
+        let (sums, previews) = validator.run(run.model.model.as_ref(), keep)?;
+        let mine = Vec::<f64>::try_from(&sums.to_tensor())?;
         let all = run.comm.all_reduce(&mine, ReduceOp::Sum)?;
         let all = QualitySums::from_tensor(&Tensor::from_slice(&all));
         let (psnr, ssim, input) = all.means();
@@ -174,6 +277,7 @@ impl PeriodicTask for Validate {
                 json!({"step": report.step, "val_psnr": psnr, "val_ssim": ssim, "input_psnr": input,
                 "frames": all.frames, "val_s": started.elapsed().as_secs_f64()}),
             );
+            write_previews(run, report.step, &previews);
             run.sinks.metrics.println(&format!(
                 "step {}: val PSNR {psnr:.2} dB (input {input:.2} dB, {:+.2} dB), SSIM {ssim:.4}, {} frames",
                 report.step,
@@ -187,6 +291,45 @@ impl PeriodicTask for Validate {
         });
         Ok(())
     }
+}
+
+/// Validation clips of rank 0 shown in TensorBoard (first frame, blur | output | sharp).
+const PREVIEW_CLIPS: usize = 3;
+
+/// Writes each preview as `val/images/clip<N>` (blur | output | sharp).
+fn write_previews(run: &mut Run<'_>, step: u64, previews: &[Preview]) {
+    let Some(tb) = run.sinks.metrics.tensorboard() else {
+        return;
+    };
+    for (n, preview) in previews.iter().enumerate() {
+        let panels: Option<Vec<RgbImage>> = [&preview.blur, &preview.output, &preview.sharp]
+            .into_iter()
+            .map(rgb_image)
+            .collect();
+        let image = panels.and_then(|p| RgbImage::side_by_side(&[&p[0], &p[1], &p[2]], 4));
+        match image {
+            Some(image) => tb.image(step as i64, &format!("val/images/clip{n}"), &image),
+            None => tracing::debug!(
+                clip = n,
+                "validation preview of an unexpected shape skipped"
+            ),
+        }
+    }
+}
+
+/// An image of a CHW float tensor in [0, 1] (1 or 3 channels); `None` otherwise.
+fn rgb_image(t: &Tensor) -> Option<RgbImage> {
+    let size = t.size();
+    let [c, h, w] = size[..] else {
+        return None;
+    };
+    let data = Vec::<f32>::try_from(&t.to_kind(tch::Kind::Float).contiguous().view(-1)).ok()?;
+    RgbImage::from_chw(
+        &data,
+        c as usize,
+        u32::try_from(h).ok()?,
+        u32::try_from(w).ok()?,
+    )
 }
 
 /// A checkpoint written by rank 0 (`LOG.CKPT_EVERY_STEPS`, the last step, and
@@ -246,6 +389,8 @@ mod tests {
         let log = LogTrain {
             every: 10,
             stop_at: 15,
+            last: Marks::default(),
+            cache: CacheProbe::default(),
         };
         assert!(log.due(&report(10, false, false)));
         assert!(!log.due(&report(11, false, false)));

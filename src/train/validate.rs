@@ -94,11 +94,17 @@ impl Validator {
         self.clips
     }
 
-    /// Runs the model on this rank's clips and returns its sums (not yet over ranks).
-    pub fn run(&mut self, model: &dyn Restorer) -> Result<QualitySums, TrainError> {
+    /// Runs the model on this rank's clips and returns its sums (not yet over ranks)
+    /// and a [`Preview`] of each of the first `previews` clips.
+    pub fn run(
+        &mut self,
+        model: &dyn Restorer,
+        previews: usize,
+    ) -> Result<(QualitySums, Vec<Preview>), TrainError> {
         let mut sums = QualitySums::default();
+        let mut kept = Vec::with_capacity(previews);
         let Some(loader) = &mut self.loader else {
-            return Ok(sums);
+            return Ok((sums, kept));
         };
         if self.device.is_cuda() {
             crate::dist::empty_cuda_cache()?;
@@ -121,7 +127,53 @@ impl Validator {
                 })
             })?;
             sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0));
+            if kept.len() < previews {
+                kept.push(Preview::first_frame(&blur, &output, &sharp));
+            }
         }
-        Ok(sums)
+        Ok((sums, kept))
+    }
+}
+
+/// Most rows of a preview (taller frames are shrunk by an integer factor).
+const PREVIEW_MAX_HEIGHT: i64 = 256;
+
+/// The first frame of a validation clip to look at: float CHW in [0, 1] on the CPU.
+pub struct Preview {
+    /// The blurred input.
+    pub blur: Tensor,
+    /// The model's output.
+    pub output: Tensor,
+    /// The sharp target.
+    pub sharp: Tensor,
+}
+
+impl Preview {
+    /// Frame 0 of clip 0 of batches shaped `[clip, frame, channel, height, width]`.
+    fn first_frame(blur: &Tensor, output: &Tensor, sharp: &Tensor) -> Preview {
+        let frame = |t: &Tensor| {
+            let chw = t.get(0).get(0).to_kind(Kind::Float);
+            let factor = (chw.size()[1] + PREVIEW_MAX_HEIGHT - 1) / PREVIEW_MAX_HEIGHT;
+            let small = if factor > 1 {
+                chw.unsqueeze(0)
+                    .avg_pool2d(
+                        [factor, factor],
+                        [factor, factor],
+                        [0, 0],
+                        false,
+                        true,
+                        None,
+                    )
+                    .squeeze_dim(0)
+            } else {
+                chw
+            };
+            small.to_device(Device::Cpu)
+        };
+        Preview {
+            blur: frame(blur),
+            output: frame(output),
+            sharp: frame(sharp),
+        }
     }
 }
