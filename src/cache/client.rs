@@ -16,9 +16,10 @@ use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use ipc_channel::{IpcError, TryRecvError};
 use tracing::warn;
 
+use super::fdpass;
 use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestError, TicketId};
 use super::server::{read_frame, socket_addr};
-use super::shm::{self, Mapping};
+use super::shm::{self, Mapping, StoreFd};
 use super::stats::StatsReport;
 use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
 use super::{CacheError, FillError};
@@ -94,17 +95,32 @@ impl CacheClient {
         let welcome = replies
             .try_recv_timeout(HANDSHAKE_TIMEOUT)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let (client, store_id, store_len, arena_bytes, pin_bit, store) = match welcome {
+        let (client, store_id, store_len, arena_bytes, pin_bit, fd_follows) = match welcome {
             Reply::Welcome {
                 client,
                 store_id,
                 store_len,
                 arena_bytes,
                 pin_bit,
-                store,
-            } => (client, store_id, store_len, arena_bytes, pin_bit, store),
+                store_fd_follows,
+            } => (
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store_fd_follows,
+            ),
             Reply::Error(error) => return Err(handshake_err(error.to_string())),
             other => return Err(handshake_err(format!("expected welcome, got {other:?}"))),
+        };
+        let store = match fd_follows {
+            true => Some(StoreFd {
+                fd: fdpass::recv_fd(&stream)
+                    .map_err(|e| handshake_err(format!("receiving the store: {e}")))?,
+                len: store_len,
+            }),
+            false => None,
         };
         let mapping = shm::adopt(address, store_id, store)?;
         if mapping.len() as u64 != store_len || arena_bytes > store_len {

@@ -7,6 +7,7 @@
 //! [`client`] the two ends of the control channel whose messages are in [`protocol`].
 
 pub mod client;
+pub mod fdpass;
 pub mod ids;
 pub mod protocol;
 pub mod server;
@@ -111,7 +112,7 @@ pub enum CacheError {
         key: String,
     },
     /// The machine cannot hold the store.
-    #[error("cache store needs {} ({requested} bytes) of shared memory but only {} ({available} bytes) is free ({limit}); lower DATA.CACHE_SIZE_GB / --cap", human(*requested), human(*available))]
+    #[error("cache store needs {} ({requested} bytes) of shared memory but only {} ({available} bytes) can be had ({limit}); lower DATA.CACHE_SIZE_GB / --cap", human(*requested), human(*available))]
     ShmTooSmall {
         /// Bytes asked for.
         requested: u64,
@@ -119,6 +120,14 @@ pub enum CacheError {
         available: u64,
         /// Which limit binds.
         limit: String,
+    },
+    /// A system call on the store's shared memory failed.
+    #[error("cache store shared memory: {op} failed: {source}")]
+    Shm {
+        /// The call.
+        op: &'static str,
+        /// The error.
+        source: std::io::Error,
     },
     /// The cap cannot hold even one slot.
     #[error("cache cap of {cap} bytes holds no slot of {slot_bytes} bytes; raise DATA.CACHE_SIZE_GB / --cap")]

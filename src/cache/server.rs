@@ -25,20 +25,30 @@ use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use ipc_channel::IpcError;
 use tracing::{debug, error, info, warn};
 
+use super::fdpass;
 use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::shm::Segment;
+use super::store::reserve::Reservations;
 use super::store::{GetOutcome, Store};
 use super::table::{slot_size_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
+use crate::util::meminfo;
+
+/// Memory kept free on the node when a slot's memory is reserved: 512 MiB.
+pub const DEFAULT_RESERVE_HEADROOM: u64 = 512 << 20;
 
 /// How a server is set up.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Abstract socket name clients connect to (see [`default_address`]).
     pub address: String,
-    /// Byte cap: the size of the store, reserved at start.
+    /// Byte cap: the size of the store. Its memory is reserved as slots are carved,
+    /// never more than this.
     pub cap_bytes: u64,
+    /// Bytes of memory a new slot must leave free on the node (MemAvailable, or the
+    /// cgroup's room); a slot that would eat into them is refused.
+    pub reserve_headroom: u64,
     /// Slot sizes; empty: one class per record size, made on its first fill.
     pub slot_bytes: Vec<u64>,
     /// How long a get waits for another client's fill of the same key.
@@ -53,6 +63,7 @@ impl ServerConfig {
         ServerConfig {
             address: address.into(),
             cap_bytes,
+            reserve_headroom: DEFAULT_RESERVE_HEADROOM,
             slot_bytes: Vec::new(),
             fill_wait_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
@@ -93,6 +104,31 @@ pub(crate) fn socket_addr(address: &str) -> Result<SocketAddr, CacheError> {
     SocketAddr::from_abstract_name(address.as_bytes()).map_err(|_| CacheError::BadAddress {
         address: address.to_string(),
     })
+}
+
+/// Refuses a store larger than the node's whole memory (it could never be filled:
+/// a typo); warns when it is larger than what is free now (it fills up to that,
+/// then evicts). Nothing is reserved here: slots take memory as they are carved.
+fn check_cap_fits(store_bytes: u64) -> Result<(), CacheError> {
+    let total = meminfo::meminfo_bytes("MemTotal")?;
+    if store_bytes > total {
+        return Err(CacheError::ShmTooSmall {
+            requested: store_bytes,
+            available: total,
+            limit: "MemTotal in /proc/meminfo: the node's whole memory".into(),
+        });
+    }
+    let free = meminfo::shared_memory_available()?;
+    if store_bytes > free.bytes {
+        warn!(
+            cap = %human(store_bytes),
+            free = %human(free.bytes),
+            limit = %free.limit,
+            "the cache cap is larger than the memory free now; the store will fill up to what \
+             can be reserved, then evict"
+        );
+    }
+    Ok(())
 }
 
 /// State every connection thread shares.
@@ -171,11 +207,16 @@ impl Server {
             }
         })?;
         let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
+        check_cap_fits(layout.total_bytes())?;
         let segment = Arc::new(Segment::create(layout.total_bytes())?);
+        let headroom = config.reserve_headroom;
         let table = segment.create_table(layout)?;
+        let reserver = Box::new(segment.reserver(headroom));
+        let reservations = Reservations::new(reserver, layout.meta_bytes());
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let store = Store::new(store_id, config.cap_bytes, &config.slot_bytes, table);
+        let cap = config.cap_bytes;
+        let store = Store::new(store_id, cap, &config.slot_bytes, table, reservations);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),
@@ -347,20 +388,26 @@ fn handshake(
             return Err(message);
         }
     };
-    let store = (mapped_store != Some(shared.store_id)).then(|| shared.segment.share());
+    let store_fd_follows = mapped_store != Some(shared.store_id);
     let welcome = Reply::Welcome {
         client,
         store_id: shared.store_id,
         store_len: shared.segment.len(),
         arena_bytes: shared.config.cap_bytes,
         pin_bit: pin_bit as u32,
-        store,
+        store_fd_follows,
     };
-    if let Err(e) = reply.send(welcome) {
+    let sent = reply.send(welcome).map_err(|e| format!("welcome: {e:?}"));
+    let sent = sent.and_then(|()| match store_fd_follows {
+        true => fdpass::send_fd(&stream, shared.segment.fd())
+            .map_err(|e| format!("sending the store's memfd: {e}")),
+        false => Ok(()),
+    });
+    if let Err(message) = sent {
         if let Ok(mut store) = shared.store() {
             store.disconnect(client);
         }
-        return Err(format!("welcome: {e:?}"));
+        return Err(message);
     }
     debug!(client, %name, pid, "client connected");
     Ok((requests, reply, client))
