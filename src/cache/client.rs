@@ -10,14 +10,16 @@ use std::io::Write;
 use std::ops::Deref;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use ipc_channel::{IpcError, TryRecvError};
 use tracing::warn;
 
+use super::admission::peer_of;
 use super::fdpass;
 use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestError, TicketId};
+use super::rendezvous::{self, Greeting};
 use super::server::{read_frame, socket_addr};
 use super::shm::{self, Mapping, StoreFd};
 use super::stats::StatsReport;
@@ -61,22 +63,80 @@ pub enum Lookup<'c> {
 
 impl CacheClient {
     /// Connects to the server at `address`; `name` labels this client in stats.
+    /// A server busy with other handshakes is asked again for up to 10 s.
     pub fn connect(address: &str, name: &str) -> Result<CacheClient, CacheError> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            if let Some((stream, oneshot)) = Self::rendezvous(address)? {
+                return Self::handshake(address, name, stream, oneshot);
+            }
+            if started.elapsed() >= HANDSHAKE_TIMEOUT {
+                return Err(CacheError::Busy {
+                    address: address.to_string(),
+                    waited_s: started.elapsed().as_secs(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Connects and says hello: the socket and the one-shot channel's name, or
+    /// `None` when the server is busy.
+    fn rendezvous(address: &str) -> Result<Option<(UnixStream, String)>, CacheError> {
         let connect_err = |source| CacheError::Connect {
             address: address.to_string(),
             source,
-        };
-        let handshake_err = |message: String| CacheError::Handshake {
-            address: address.to_string(),
-            message,
         };
         let mut stream = UnixStream::connect_addr(&socket_addr(address)?).map_err(connect_err)?;
         stream
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .map_err(connect_err)?;
+        let server = peer_of(&stream).map_err(connect_err)?;
+        let uid = nix::unistd::geteuid().as_raw();
+        let not_allowed = || CacheError::NotAllowed {
+            address: address.to_string(),
+            server_uid: server.uid,
+            uid,
+        };
+        // A server of another user that closes on us has refused us.
+        let refused = |message: String| match server.uid == uid {
+            true => CacheError::Handshake {
+                address: address.to_string(),
+                message,
+            },
+            false => not_allowed(),
+        };
+        // A server that refused us may have closed before the hello arrives.
+        let said_hello = stream.write_all(&[rendezvous::HELLO]);
+        let frame = read_frame(&mut stream);
+        let greeting = match (frame, said_hello) {
+            (Ok(frame), _) => Greeting::decode(&frame),
+            (Err(e), Ok(())) | (Err(_), Err(e)) => {
+                return Err(refused(format!("the server closed the connection: {e}")))
+            }
+        };
+        match greeting {
+            Some(Greeting::Channel(oneshot)) => Ok(Some((stream, oneshot))),
+            Some(Greeting::Busy) => Ok(None),
+            Some(Greeting::Refused) => Err(not_allowed()),
+            None => Err(refused("the server's greeting made no sense".into())),
+        }
+    }
+
+    /// The rest of the handshake, over the one-shot channel named `oneshot`.
+    fn handshake(
+        address: &str,
+        name: &str,
+        mut stream: UnixStream,
+        oneshot: String,
+    ) -> Result<CacheClient, CacheError> {
+        let handshake_err = |message: String| CacheError::Handshake {
+            address: address.to_string(),
+            message,
+        };
         let mapped_store = shm::mapped_store(address)?;
-        let oneshot = read_frame(&mut stream).map_err(|e| handshake_err(e.to_string()))?;
-        let oneshot = String::from_utf8(oneshot).map_err(|e| handshake_err(e.to_string()))?;
         let requests = IpcSender::<Request>::connect(oneshot)
             .map_err(|e| handshake_err(format!("connecting the request channel: {e}")))?;
         let (reply_tx, replies) =

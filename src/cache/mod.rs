@@ -6,10 +6,13 @@
 //! index in shared memory (hits pin there, without a message), [`server`] and
 //! [`client`] the two ends of the control channel whose messages are in [`protocol`].
 
+pub mod admission;
 pub mod client;
 pub mod fdpass;
+pub mod handshake_dir;
 pub mod ids;
 pub mod protocol;
+pub mod rendezvous;
 pub mod server;
 pub mod shm;
 pub mod stats;
@@ -38,6 +41,32 @@ pub enum CacheError {
         address: String,
         /// The socket error.
         source: std::io::Error,
+    },
+    /// The server belongs to another user, who has not allowed this one in.
+    #[error("refused: the cache server at {address:?} belongs to uid {server_uid} and this process runs as uid {uid}; run as that user, or start the server with --allow-uid {uid}")]
+    NotAllowed {
+        /// The address.
+        address: String,
+        /// The server's user.
+        server_uid: u32,
+        /// This process's user.
+        uid: u32,
+    },
+    /// The server had too many handshakes in flight for as long as we retried.
+    #[error("the cache server at {address:?} stayed busy with other handshakes for {waited_s} s")]
+    Busy {
+        /// The address.
+        address: String,
+        /// Seconds spent retrying.
+        waited_s: u64,
+    },
+    /// The directory of the handshake sockets is unusable.
+    #[error("cache handshake directory {path:?}: {message}")]
+    HandshakeDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        message: String,
     },
     /// The connection was made but the handshake failed.
     #[error("handshake with the cache server at {address:?} failed: {message}")]

@@ -16,6 +16,7 @@ use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
@@ -25,8 +26,11 @@ use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use ipc_channel::IpcError;
 use tracing::{debug, error, info, warn};
 
+use super::admission::{peer_of, Admission, Gate, HandshakeLimits, HandshakeSlot};
 use super::fdpass;
+use super::handshake_dir;
 use super::protocol::{ClientId, Reply, Request, RequestError};
+use super::rendezvous::{self, Greeting};
 use super::shm::Segment;
 use super::store::reserve::Reservations;
 use super::store::{GetOutcome, Store};
@@ -55,6 +59,11 @@ pub struct ServerConfig {
     pub fill_wait_timeout: Duration,
     /// How long a connecting client has to finish the handshake.
     pub handshake_timeout: Duration,
+    /// Users whose processes may connect (checked with `SO_PEERCRED` at accept);
+    /// by default the server's own user only.
+    pub allowed_uids: Vec<u32>,
+    /// Handshakes in flight, in all and per client process.
+    pub handshake_limits: HandshakeLimits,
 }
 
 impl ServerConfig {
@@ -67,6 +76,8 @@ impl ServerConfig {
             slot_bytes: Vec::new(),
             fill_wait_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
+            allowed_uids: vec![nix::unistd::geteuid().as_raw()],
+            handshake_limits: HandshakeLimits::default(),
         }
     }
 
@@ -144,6 +155,10 @@ struct Shared {
     shutdown: AtomicBool,
     /// Why the store is unusable: the first panic in a request, set once.
     poisoned_by: OnceLock<String>,
+    /// Who may handshake, and how many at once.
+    gate: Gate,
+    /// Where this process's one-shot handshake sockets are made.
+    handshake_dir: PathBuf,
 }
 
 impl Shared {
@@ -206,6 +221,8 @@ impl Server {
                 }
             }
         })?;
+        let handshake_dir = handshake_dir::prepare()?;
+        let gate = Gate::new(config.allowed_uids.clone(), config.handshake_limits);
         let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
         check_cap_fits(layout.total_bytes())?;
         let segment = Arc::new(Segment::create(layout.total_bytes())?);
@@ -236,6 +253,8 @@ impl Server {
                 config,
                 shutdown: AtomicBool::new(false),
                 poisoned_by: OnceLock::new(),
+                gate,
+                handshake_dir,
             }),
         })
     }
@@ -243,6 +262,45 @@ impl Server {
     /// The address clients connect to.
     pub fn address(&self) -> &str {
         &self.shared.address
+    }
+
+    /// Checks a new connection's peer and either starts its handshake on a thread
+    /// of its own or answers it at once (refused, busy) and closes it.
+    fn admit(&self, stream: UnixStream) {
+        let peer = match peer_of(&stream) {
+            Ok(peer) => peer,
+            Err(e) => return warn!("cannot read a connecting peer's credentials: {e}"),
+        };
+        let slot = match self.shared.gate.admit(peer) {
+            Admission::Admit(slot) => slot,
+            Admission::Refused(peer) => {
+                warn!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    "refused a connection from uid {} (pid {}): not an allowed user \
+                     (start the server with --allow-uid {} to let it in)",
+                    peer.uid,
+                    peer.pid,
+                    peer.uid
+                );
+                return answer_and_close(stream, &Greeting::Refused);
+            }
+            Admission::Busy(peer) => {
+                debug!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    "too many handshakes in flight"
+                );
+                return answer_and_close(stream, &Greeting::Busy);
+            }
+        };
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("cache-conn".into())
+            .spawn(move || serve_connection(&shared, stream, slot));
+        if let Err(e) = spawned {
+            warn!("cannot start a connection thread: {e}");
+        }
     }
 
     /// Accepts connections until a shutdown request, or until a panic in a request
@@ -253,15 +311,7 @@ impl Server {
                 break;
             }
             match stream {
-                Ok(stream) => {
-                    let shared = Arc::clone(&self.shared);
-                    let spawned = std::thread::Builder::new()
-                        .name("cache-conn".into())
-                        .spawn(move || serve_connection(&shared, stream));
-                    if let Err(e) = spawned {
-                        warn!("cannot start a connection thread: {e}");
-                    }
-                }
+                Ok(stream) => self.admit(stream),
                 Err(e) => warn!("accept failed: {e}"),
             }
         }
@@ -321,6 +371,14 @@ fn request_shutdown(shared: &Shared) {
     }
 }
 
+/// Writes one greeting without waiting (the socket's buffer takes it, or the peer
+/// is not reading and loses it), then closes.
+fn answer_and_close(mut stream: UnixStream, greeting: &Greeting) {
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = write_frame(&mut stream, &greeting.encode());
+    }
+}
+
 /// Length-prefixed frame on the rendezvous socket.
 pub(crate) fn write_frame(stream: &mut UnixStream, bytes: &[u8]) -> std::io::Result<()> {
     let len = u32::try_from(bytes.len())
@@ -344,8 +402,9 @@ pub(crate) fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Handshake: a fresh one-shot ipc server per connection, its name sent over the
-/// rendezvous socket; the client connects, sends Hello, then acknowledges here.
+/// Handshake: after the client's hello byte, a fresh one-shot ipc server, its name
+/// sent over the rendezvous socket; the client connects, sends Hello, then
+/// acknowledges here, and the one-shot socket's directory is removed at once.
 fn handshake(
     shared: &Shared,
     mut stream: UnixStream,
@@ -357,16 +416,31 @@ fn handshake(
     ),
     String,
 > {
-    let (oneshot, name) =
-        IpcOneShotServer::<Request>::new().map_err(|e| format!("one-shot server: {e}"))?;
-    write_frame(&mut stream, name.as_bytes()).map_err(|e| format!("sending channel name: {e}"))?;
     stream
         .set_read_timeout(Some(shared.config.handshake_timeout))
         .map_err(|e| e.to_string())?;
+    let mut hello = [0u8; 1];
+    stream
+        .read_exact(&mut hello)
+        .map_err(|e| format!("client said no hello: {e}"))?;
+    if hello[0] != rendezvous::HELLO {
+        return Err(format!("client said {:#x}, not hello", hello[0]));
+    }
+    let (oneshot, name) =
+        IpcOneShotServer::<Request>::new().map_err(|e| format!("one-shot server: {e}"))?;
+    let dir = &shared.handshake_dir;
+    // The one-shot socket goes as soon as the client is connected, or failed to.
+    let mut handshake_files = handshake_dir::OneshotFiles::new(&name, dir);
+    if shared.gate.admits_others(nix::unistd::geteuid().as_raw()) {
+        handshake_dir::open_oneshot_to_others(&name, dir).map_err(|e| e.to_string())?;
+    }
+    let greeting = Greeting::Channel(name.clone()).encode();
+    write_frame(&mut stream, &greeting).map_err(|e| format!("sending channel name: {e}"))?;
     let mut ack = [0u8; 1];
     stream
         .read_exact(&mut ack)
         .map_err(|e| format!("client did not finish the handshake: {e}"))?;
+    handshake_files.remove();
     let (requests, hello) = oneshot.accept().map_err(|e| format!("accept: {e:?}"))?;
     let Request::Hello {
         name,
@@ -413,11 +487,13 @@ fn handshake(
     Ok((requests, reply, client))
 }
 
-fn serve_connection(shared: &Shared, stream: UnixStream) {
+fn serve_connection(shared: &Shared, stream: UnixStream, slot: HandshakeSlot) {
     if shared.shutdown.load(Ordering::SeqCst) {
         return;
     }
-    let (requests, reply, client) = match handshake(shared, stream) {
+    let handshake = handshake(shared, stream);
+    drop(slot);
+    let (requests, reply, client) = match handshake {
         Ok(parts) => parts,
         Err(message) => {
             if !shared.shutdown.load(Ordering::SeqCst) {

@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// record is read from disk instead.
     #[arg(long, value_parser = parse_size)]
     reserve_headroom: Option<u64>,
+    /// Also let processes of this user id connect (repeatable). By default only
+    /// the server's own user gets in; others are refused at accept.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
     /// Exit when the parent process dies (set by the launcher).
     #[arg(long)]
     exit_with_parent: bool,
@@ -145,12 +149,15 @@ fn serve(args: ServeArgs) -> Result<()> {
     if let Some(headroom) = args.reserve_headroom {
         config.reserve_headroom = headroom;
     }
+    config.allowed_uids.extend(&args.allow_uids);
     let server = Server::bind(config)?;
     println!("cache server listening at {}", server.address());
     // A launcher that started this server waits for this word (not the line above).
     vrtspike_contract::ready::notify(&|name| std::env::var(name).ok())
         .context("telling the launcher that the cache server is ready")?;
-    server.run()?;
+    let result = server.run();
+    cache::handshake_dir::remove_own();
+    result?;
     Ok(())
 }
 
