@@ -155,40 +155,17 @@ impl CacheClient {
         let welcome = replies
             .try_recv_timeout(HANDSHAKE_TIMEOUT)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let (client, store_id, store_len, arena_bytes, pin_bit, fd_follows) = match welcome {
-            Reply::Welcome {
-                client,
-                store_id,
-                store_len,
-                arena_bytes,
-                pin_bit,
-                store_fd_follows,
-            } => (
-                client,
-                store_id,
-                store_len,
-                arena_bytes,
-                pin_bit,
-                store_fd_follows,
-            ),
-            Reply::Error(error) => return Err(handshake_err(error.to_string())),
-            other => return Err(handshake_err(format!("expected welcome, got {other:?}"))),
-        };
-        let store = match fd_follows {
-            true => Some(StoreFd {
-                fd: fdpass::recv_fd(&stream)
-                    .map_err(|e| handshake_err(format!("receiving the store: {e}")))?,
-                len: store_len,
-            }),
-            false => None,
-        };
-        let mapping = shm::adopt(address, store_id, store)?;
-        if mapping.len() as u64 != store_len || arena_bytes > store_len {
-            return Err(handshake_err(format!(
-                "store of {store_len} bytes (arena {arena_bytes}) mapped as {} bytes",
-                mapping.len()
-            )));
-        }
+        let welcome = Welcome::from_reply(welcome).map_err(handshake_err)?;
+        let Welcome {
+            client,
+            arena_bytes,
+            pin_bit,
+            ..
+        } = welcome;
+        let mapping = welcome.map(address, &stream).map_err(|e| match e {
+            MapError::Handshake(message) => handshake_err(message),
+            MapError::Cache(e) => e,
+        })?;
         let pin_bit = pin_bit as usize;
         if pin_bit >= MAX_CONNECTIONS {
             return Err(handshake_err(format!("pin bit {pin_bit} out of range")));
@@ -489,6 +466,76 @@ impl CacheClient {
             Ok(()) => self.pending_acks.set(self.pending_acks.get() + 1),
             Err(e) => warn!("cache abort of ticket {ticket} not sent: {e}"),
         }
+    }
+}
+
+/// The server's welcome, taken apart.
+#[derive(Debug, Clone, Copy)]
+struct Welcome {
+    client: ClientId,
+    store_id: u64,
+    store_len: u64,
+    arena_bytes: u64,
+    pin_bit: u32,
+    store_fd_follows: bool,
+}
+
+/// A failure to map the store: of the handshake, or of the cache itself.
+enum MapError {
+    Handshake(String),
+    Cache(CacheError),
+}
+
+impl From<CacheError> for MapError {
+    fn from(e: CacheError) -> MapError {
+        MapError::Cache(e)
+    }
+}
+
+impl Welcome {
+    fn from_reply(reply: Reply) -> Result<Welcome, String> {
+        match reply {
+            Reply::Welcome {
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store_fd_follows,
+            } => Ok(Welcome {
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store_fd_follows,
+            }),
+            Reply::Error(error) => Err(error.to_string()),
+            other => Err(format!("expected welcome, got {other:?}")),
+        }
+    }
+
+    /// This process's mapping of the store: the one it has, or a new one of the
+    /// memfd that follows on `stream`; checked against the announced sizes.
+    fn map(&self, address: &str, stream: &UnixStream) -> Result<Arc<Mapping>, MapError> {
+        let store = match self.store_fd_follows {
+            true => Some(StoreFd {
+                fd: fdpass::recv_fd(stream)
+                    .map_err(|e| MapError::Handshake(format!("receiving the store: {e}")))?,
+                len: self.store_len,
+            }),
+            false => None,
+        };
+        let mapping = shm::adopt(address, self.store_id, store)?;
+        if mapping.len() as u64 != self.store_len || self.arena_bytes > self.store_len {
+            return Err(MapError::Handshake(format!(
+                "store of {} bytes (arena {}) mapped as {} bytes",
+                self.store_len,
+                self.arena_bytes,
+                mapping.len()
+            )));
+        }
+        Ok(mapping)
     }
 }
 

@@ -402,20 +402,13 @@ pub(crate) fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Handshake: after the client's hello byte, a fresh one-shot ipc server, its name
-/// sent over the rendezvous socket; the client connects, sends Hello, then
-/// acknowledges here, and the one-shot socket's directory is removed at once.
-fn handshake(
+/// The rendezvous part of a handshake: the client's hello byte, a one-shot channel
+/// named to it, its acknowledgement (the one-shot socket's files are removed
+/// then), and the first message on the channel.
+fn open_channel(
     shared: &Shared,
-    mut stream: UnixStream,
-) -> Result<
-    (
-        ipc_channel::ipc::IpcReceiver<Request>,
-        IpcSender<Reply>,
-        ClientId,
-    ),
-    String,
-> {
+    stream: &mut UnixStream,
+) -> Result<(ipc_channel::ipc::IpcReceiver<Request>, Request), String> {
     stream
         .set_read_timeout(Some(shared.config.handshake_timeout))
         .map_err(|e| e.to_string())?;
@@ -435,13 +428,30 @@ fn handshake(
         handshake_dir::open_oneshot_to_others(&name, dir).map_err(|e| e.to_string())?;
     }
     let greeting = Greeting::Channel(name.clone()).encode();
-    write_frame(&mut stream, &greeting).map_err(|e| format!("sending channel name: {e}"))?;
+    write_frame(stream, &greeting).map_err(|e| format!("sending channel name: {e}"))?;
     let mut ack = [0u8; 1];
     stream
         .read_exact(&mut ack)
         .map_err(|e| format!("client did not finish the handshake: {e}"))?;
     handshake_files.remove();
-    let (requests, hello) = oneshot.accept().map_err(|e| format!("accept: {e:?}"))?;
+    oneshot.accept().map_err(|e| format!("accept: {e:?}"))
+}
+
+/// Handshake: after the client's hello byte, a fresh one-shot ipc server, its name
+/// sent over the rendezvous socket; the client connects, sends Hello, then
+/// acknowledges here, and the one-shot socket's directory is removed at once.
+fn handshake(
+    shared: &Shared,
+    mut stream: UnixStream,
+) -> Result<
+    (
+        ipc_channel::ipc::IpcReceiver<Request>,
+        IpcSender<Reply>,
+        ClientId,
+    ),
+    String,
+> {
+    let (requests, hello) = open_channel(shared, &mut stream)?;
     let Request::Hello {
         name,
         pid,
