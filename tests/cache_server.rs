@@ -266,10 +266,10 @@ fn serve_error(args: &[&str]) -> String {
 
 #[test]
 fn start_up_errors_name_the_sizes() {
-    // A cap larger than the machine's free memory.
+    // A cap larger than the machine's whole memory.
     let err = serve_error(&["--cap", "1024T"]);
     assert!(err.contains("needs 1024.00 TiB"), "{err}");
-    assert!(err.contains("is free"), "{err}");
+    assert!(err.contains("MemTotal"), "{err}");
     // A cap that holds no slot.
     let err = serve_error(&["--cap", "1M", "--slot-bytes", "8M"]);
     assert!(err.contains("holds no slot of 8388608 bytes"), "{err}");
@@ -358,4 +358,60 @@ fn hits_come_from_shared_memory_without_a_message_and_are_counted() {
     );
     observer.invalidate("k").unwrap();
     assert!(observer.peek("k").unwrap().is_none());
+}
+
+#[test]
+fn memory_is_reserved_as_slots_are_carved_not_at_start() {
+    // An 8 GiB cap: the store takes only the memory of what is filled.
+    let server = ServerProc::start("reserve", &["--cap", "8G", "--slot-bytes", "64K"]);
+    let client = server.client("test");
+    let start = client.stats().unwrap();
+    assert!(
+        start.reserved_bytes == start.metadata_bytes && start.reserved_bytes < 64 << 20,
+        "reserved {} bytes at start (metadata {})",
+        start.reserved_bytes,
+        start.metadata_bytes
+    );
+    for i in 0..4 {
+        fill_pattern(&client, &format!("k/{i}"), REC);
+    }
+    let after = client.stats().unwrap();
+    assert_eq!(after.reserved_bytes, start.reserved_bytes + 4 * REC as u64);
+    assert_eq!(after.reserve_refusals, 0);
+    let text = after.to_string();
+    assert!(text.contains("reserved"), "{text}");
+}
+
+#[test]
+fn a_slot_the_node_has_no_memory_for_is_a_named_refusal() {
+    // Headroom beyond any machine: every new slot is refused, the server lives on.
+    let mut server = ServerProc::start(
+        "nomem",
+        &[
+            "--cap",
+            "1M",
+            "--slot-bytes",
+            "64K",
+            "--reserve-headroom",
+            "1000T",
+        ],
+    );
+    let client = server.client("test");
+    let Lookup::Miss(mut ticket) = client.get("k").unwrap() else {
+        panic!("expected a miss");
+    };
+    let err = ticket.reserve(REC as u64).unwrap_err();
+    let Some(RequestError::OutOfMemory { key, limit, .. }) = err.refusal() else {
+        panic!("expected OutOfMemory, got {err}");
+    };
+    assert_eq!(key, "k");
+    assert!(
+        limit.contains("MemAvailable") || limit.contains("cgroup"),
+        "{limit}"
+    );
+    drop(ticket);
+    let stats = client.stats().unwrap();
+    assert_eq!(stats.reserve_refusals, 1);
+    assert_eq!(stats.bytes_carved, 0);
+    assert!(server.alive());
 }

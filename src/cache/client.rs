@@ -10,15 +10,18 @@ use std::io::Write;
 use std::ops::Deref;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use ipc_channel::{IpcError, TryRecvError};
 use tracing::warn;
 
+use super::admission::peer_of;
+use super::fdpass;
 use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestError, TicketId};
+use super::rendezvous::{self, Greeting};
 use super::server::{read_frame, socket_addr};
-use super::shm::{self, Mapping};
+use super::shm::{self, Mapping, StoreFd};
 use super::stats::StatsReport;
 use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
 use super::{CacheError, FillError};
@@ -60,22 +63,80 @@ pub enum Lookup<'c> {
 
 impl CacheClient {
     /// Connects to the server at `address`; `name` labels this client in stats.
+    /// A server busy with other handshakes is asked again for up to 10 s.
     pub fn connect(address: &str, name: &str) -> Result<CacheClient, CacheError> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            if let Some((stream, oneshot)) = Self::rendezvous(address)? {
+                return Self::handshake(address, name, stream, oneshot);
+            }
+            if started.elapsed() >= HANDSHAKE_TIMEOUT {
+                return Err(CacheError::Busy {
+                    address: address.to_string(),
+                    waited_s: started.elapsed().as_secs(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Connects and says hello: the socket and the one-shot channel's name, or
+    /// `None` when the server is busy.
+    fn rendezvous(address: &str) -> Result<Option<(UnixStream, String)>, CacheError> {
         let connect_err = |source| CacheError::Connect {
             address: address.to_string(),
             source,
-        };
-        let handshake_err = |message: String| CacheError::Handshake {
-            address: address.to_string(),
-            message,
         };
         let mut stream = UnixStream::connect_addr(&socket_addr(address)?).map_err(connect_err)?;
         stream
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .map_err(connect_err)?;
+        let server = peer_of(&stream).map_err(connect_err)?;
+        let uid = nix::unistd::geteuid().as_raw();
+        let not_allowed = || CacheError::NotAllowed {
+            address: address.to_string(),
+            server_uid: server.uid,
+            uid,
+        };
+        // A server of another user that closes on us has refused us.
+        let refused = |message: String| match server.uid == uid {
+            true => CacheError::Handshake {
+                address: address.to_string(),
+                message,
+            },
+            false => not_allowed(),
+        };
+        // A server that refused us may have closed before the hello arrives.
+        let said_hello = stream.write_all(&[rendezvous::HELLO]);
+        let frame = read_frame(&mut stream);
+        let greeting = match (frame, said_hello) {
+            (Ok(frame), _) => Greeting::decode(&frame),
+            (Err(e), Ok(())) | (Err(_), Err(e)) => {
+                return Err(refused(format!("the server closed the connection: {e}")))
+            }
+        };
+        match greeting {
+            Some(Greeting::Channel(oneshot)) => Ok(Some((stream, oneshot))),
+            Some(Greeting::Busy) => Ok(None),
+            Some(Greeting::Refused) => Err(not_allowed()),
+            None => Err(refused("the server's greeting made no sense".into())),
+        }
+    }
+
+    /// The rest of the handshake, over the one-shot channel named `oneshot`.
+    fn handshake(
+        address: &str,
+        name: &str,
+        mut stream: UnixStream,
+        oneshot: String,
+    ) -> Result<CacheClient, CacheError> {
+        let handshake_err = |message: String| CacheError::Handshake {
+            address: address.to_string(),
+            message,
+        };
         let mapped_store = shm::mapped_store(address)?;
-        let oneshot = read_frame(&mut stream).map_err(|e| handshake_err(e.to_string()))?;
-        let oneshot = String::from_utf8(oneshot).map_err(|e| handshake_err(e.to_string()))?;
         let requests = IpcSender::<Request>::connect(oneshot)
             .map_err(|e| handshake_err(format!("connecting the request channel: {e}")))?;
         let (reply_tx, replies) =
@@ -94,25 +155,17 @@ impl CacheClient {
         let welcome = replies
             .try_recv_timeout(HANDSHAKE_TIMEOUT)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let (client, store_id, store_len, arena_bytes, pin_bit, store) = match welcome {
-            Reply::Welcome {
-                client,
-                store_id,
-                store_len,
-                arena_bytes,
-                pin_bit,
-                store,
-            } => (client, store_id, store_len, arena_bytes, pin_bit, store),
-            Reply::Error(error) => return Err(handshake_err(error.to_string())),
-            other => return Err(handshake_err(format!("expected welcome, got {other:?}"))),
-        };
-        let mapping = shm::adopt(address, store_id, store)?;
-        if mapping.len() as u64 != store_len || arena_bytes > store_len {
-            return Err(handshake_err(format!(
-                "store of {store_len} bytes (arena {arena_bytes}) mapped as {} bytes",
-                mapping.len()
-            )));
-        }
+        let welcome = Welcome::from_reply(welcome).map_err(handshake_err)?;
+        let Welcome {
+            client,
+            arena_bytes,
+            pin_bit,
+            ..
+        } = welcome;
+        let mapping = welcome.map(address, &stream).map_err(|e| match e {
+            MapError::Handshake(message) => handshake_err(message),
+            MapError::Cache(e) => e,
+        })?;
         let pin_bit = pin_bit as usize;
         if pin_bit >= MAX_CONNECTIONS {
             return Err(handshake_err(format!("pin bit {pin_bit} out of range")));
@@ -413,6 +466,76 @@ impl CacheClient {
             Ok(()) => self.pending_acks.set(self.pending_acks.get() + 1),
             Err(e) => warn!("cache abort of ticket {ticket} not sent: {e}"),
         }
+    }
+}
+
+/// The server's welcome, taken apart.
+#[derive(Debug, Clone, Copy)]
+struct Welcome {
+    client: ClientId,
+    store_id: u64,
+    store_len: u64,
+    arena_bytes: u64,
+    pin_bit: u32,
+    store_fd_follows: bool,
+}
+
+/// A failure to map the store: of the handshake, or of the cache itself.
+enum MapError {
+    Handshake(String),
+    Cache(CacheError),
+}
+
+impl From<CacheError> for MapError {
+    fn from(e: CacheError) -> MapError {
+        MapError::Cache(e)
+    }
+}
+
+impl Welcome {
+    fn from_reply(reply: Reply) -> Result<Welcome, String> {
+        match reply {
+            Reply::Welcome {
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store_fd_follows,
+            } => Ok(Welcome {
+                client,
+                store_id,
+                store_len,
+                arena_bytes,
+                pin_bit,
+                store_fd_follows,
+            }),
+            Reply::Error(error) => Err(error.to_string()),
+            other => Err(format!("expected welcome, got {other:?}")),
+        }
+    }
+
+    /// This process's mapping of the store: the one it has, or a new one of the
+    /// memfd that follows on `stream`; checked against the announced sizes.
+    fn map(&self, address: &str, stream: &UnixStream) -> Result<Arc<Mapping>, MapError> {
+        let store = match self.store_fd_follows {
+            true => Some(StoreFd {
+                fd: fdpass::recv_fd(stream)
+                    .map_err(|e| MapError::Handshake(format!("receiving the store: {e}")))?,
+                len: self.store_len,
+            }),
+            false => None,
+        };
+        let mapping = shm::adopt(address, self.store_id, store)?;
+        if mapping.len() as u64 != self.store_len || self.arena_bytes > self.store_len {
+            return Err(MapError::Handshake(format!(
+                "store of {} bytes (arena {}) mapped as {} bytes",
+                self.store_len,
+                self.arena_bytes,
+                mapping.len()
+            )));
+        }
+        Ok(mapping)
     }
 }
 

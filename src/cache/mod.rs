@@ -6,9 +6,13 @@
 //! index in shared memory (hits pin there, without a message), [`server`] and
 //! [`client`] the two ends of the control channel whose messages are in [`protocol`].
 
+pub mod admission;
 pub mod client;
+pub mod fdpass;
+pub mod handshake_dir;
 pub mod ids;
 pub mod protocol;
+pub mod rendezvous;
 pub mod server;
 pub mod shm;
 pub mod stats;
@@ -37,6 +41,32 @@ pub enum CacheError {
         address: String,
         /// The socket error.
         source: std::io::Error,
+    },
+    /// The server belongs to another user, who has not allowed this one in.
+    #[error("refused: the cache server at {address:?} belongs to uid {server_uid} and this process runs as uid {uid}; run as that user, or start the server with --allow-uid {uid}")]
+    NotAllowed {
+        /// The address.
+        address: String,
+        /// The server's user.
+        server_uid: u32,
+        /// This process's user.
+        uid: u32,
+    },
+    /// The server had too many handshakes in flight for as long as we retried.
+    #[error("the cache server at {address:?} stayed busy with other handshakes for {waited_s} s")]
+    Busy {
+        /// The address.
+        address: String,
+        /// Seconds spent retrying.
+        waited_s: u64,
+    },
+    /// The directory of the handshake sockets is unusable.
+    #[error("cache handshake directory {path:?}: {message}")]
+    HandshakeDir {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        message: String,
     },
     /// The connection was made but the handshake failed.
     #[error("handshake with the cache server at {address:?} failed: {message}")]
@@ -111,7 +141,7 @@ pub enum CacheError {
         key: String,
     },
     /// The machine cannot hold the store.
-    #[error("cache store needs {} ({requested} bytes) of shared memory but only {} ({available} bytes) is free ({limit}); lower DATA.CACHE_SIZE_GB / --cap", human(*requested), human(*available))]
+    #[error("cache store needs {} ({requested} bytes) of shared memory but only {} ({available} bytes) can be had ({limit}); lower DATA.CACHE_SIZE_GB / --cap", human(*requested), human(*available))]
     ShmTooSmall {
         /// Bytes asked for.
         requested: u64,
@@ -119,6 +149,14 @@ pub enum CacheError {
         available: u64,
         /// Which limit binds.
         limit: String,
+    },
+    /// A system call on the store's shared memory failed.
+    #[error("cache store shared memory: {op} failed: {source}")]
+    Shm {
+        /// The call.
+        op: &'static str,
+        /// The error.
+        source: std::io::Error,
     },
     /// The cap cannot hold even one slot.
     #[error("cache cap of {cap} bytes holds no slot of {slot_bytes} bytes; raise DATA.CACHE_SIZE_GB / --cap")]

@@ -5,7 +5,7 @@
 //! The protocol sits above the [`stats`](super::stats) report it carries and the
 //! [`ids`](super::ids) it names; neither of those looks back up here.
 
-use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
+use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
 use super::stats::StatsReport;
@@ -114,8 +114,9 @@ pub enum Reply {
         arena_bytes: u64,
         /// This connection's pin bit in the shared slot table.
         pin_bit: u32,
-        /// The store's memory (a memfd), unless the process maps it already.
-        store: Option<IpcSharedMemory>,
+        /// Whether the store's memfd follows on the rendezvous socket (as
+        /// SCM_RIGHTS); not when the process maps the store already.
+        store_fd_follows: bool,
     },
     /// The record is cached and now pinned for this client.
     Hit(LeaseGrant),
@@ -219,6 +220,23 @@ pub enum RequestError {
         slots: usize,
         /// Their size.
         slot_bytes: u64,
+    },
+    /// The machine has no memory for a new slot and no record can be evicted to
+    /// make room: the caller reads the record from disk instead.
+    #[error("no memory for a slot for {key:?} ({len} bytes): {needed} bytes needed but {available} available ({limit}); the store holds {reserved} bytes reserved; free memory on the node or lower DATA.CACHE_SIZE_GB")]
+    OutOfMemory {
+        /// The record's key.
+        key: String,
+        /// Its length.
+        len: u64,
+        /// Bytes the new slot needed (with the headroom kept free).
+        needed: u64,
+        /// Bytes that could be had.
+        available: u64,
+        /// Which limit refused it.
+        limit: String,
+        /// Bytes the store had reserved when it was refused.
+        reserved: u64,
     },
     /// The same client asked for a key it is filling itself.
     #[error("key {key:?} is already being filled by this client (ticket {ticket})")]

@@ -16,6 +16,7 @@ use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
@@ -25,26 +26,44 @@ use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use ipc_channel::IpcError;
 use tracing::{debug, error, info, warn};
 
+use super::admission::{peer_of, Admission, Gate, HandshakeLimits, HandshakeSlot};
+use super::fdpass;
+use super::handshake_dir;
 use super::protocol::{ClientId, Reply, Request, RequestError};
+use super::rendezvous::{self, Greeting};
 use super::shm::Segment;
+use super::store::reserve::Reservations;
 use super::store::{GetOutcome, Store};
 use super::table::{slot_size_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
+use crate::util::meminfo;
+
+/// Memory kept free on the node when a slot's memory is reserved: 512 MiB.
+pub const DEFAULT_RESERVE_HEADROOM: u64 = 512 << 20;
 
 /// How a server is set up.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Abstract socket name clients connect to (see [`default_address`]).
     pub address: String,
-    /// Byte cap: the size of the store, reserved at start.
+    /// Byte cap: the size of the store. Its memory is reserved as slots are carved,
+    /// never more than this.
     pub cap_bytes: u64,
+    /// Bytes of memory a new slot must leave free on the node (MemAvailable, or the
+    /// cgroup's room); a slot that would eat into them is refused.
+    pub reserve_headroom: u64,
     /// Slot sizes; empty: one class per record size, made on its first fill.
     pub slot_bytes: Vec<u64>,
     /// How long a get waits for another client's fill of the same key.
     pub fill_wait_timeout: Duration,
     /// How long a connecting client has to finish the handshake.
     pub handshake_timeout: Duration,
+    /// Users whose processes may connect (checked with `SO_PEERCRED` at accept);
+    /// by default the server's own user only.
+    pub allowed_uids: Vec<u32>,
+    /// Handshakes in flight, in all and per client process.
+    pub handshake_limits: HandshakeLimits,
 }
 
 impl ServerConfig {
@@ -53,9 +72,12 @@ impl ServerConfig {
         ServerConfig {
             address: address.into(),
             cap_bytes,
+            reserve_headroom: DEFAULT_RESERVE_HEADROOM,
             slot_bytes: Vec::new(),
             fill_wait_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
+            allowed_uids: vec![nix::unistd::geteuid().as_raw()],
+            handshake_limits: HandshakeLimits::default(),
         }
     }
 
@@ -95,6 +117,31 @@ pub(crate) fn socket_addr(address: &str) -> Result<SocketAddr, CacheError> {
     })
 }
 
+/// Refuses a store larger than the node's whole memory (it could never be filled:
+/// a typo); warns when it is larger than what is free now (it fills up to that,
+/// then evicts). Nothing is reserved here: slots take memory as they are carved.
+fn check_cap_fits(store_bytes: u64) -> Result<(), CacheError> {
+    let total = meminfo::meminfo_bytes("MemTotal")?;
+    if store_bytes > total {
+        return Err(CacheError::ShmTooSmall {
+            requested: store_bytes,
+            available: total,
+            limit: "MemTotal in /proc/meminfo: the node's whole memory".into(),
+        });
+    }
+    let free = meminfo::shared_memory_available()?;
+    if store_bytes > free.bytes {
+        warn!(
+            cap = %human(store_bytes),
+            free = %human(free.bytes),
+            limit = %free.limit,
+            "the cache cap is larger than the memory free now; the store will fill up to what \
+             can be reserved, then evict"
+        );
+    }
+    Ok(())
+}
+
 /// State every connection thread shares.
 struct Shared {
     store: Mutex<Store>,
@@ -108,6 +155,10 @@ struct Shared {
     shutdown: AtomicBool,
     /// Why the store is unusable: the first panic in a request, set once.
     poisoned_by: OnceLock<String>,
+    /// Who may handshake, and how many at once.
+    gate: Gate,
+    /// Where this process's one-shot handshake sockets are made.
+    handshake_dir: PathBuf,
 }
 
 impl Shared {
@@ -170,12 +221,19 @@ impl Server {
                 }
             }
         })?;
+        let handshake_dir = handshake_dir::prepare()?;
+        let gate = Gate::new(config.allowed_uids.clone(), config.handshake_limits);
         let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
+        check_cap_fits(layout.total_bytes())?;
         let segment = Arc::new(Segment::create(layout.total_bytes())?);
+        let headroom = config.reserve_headroom;
         let table = segment.create_table(layout)?;
+        let reserver = Box::new(segment.reserver(headroom));
+        let reservations = Reservations::new(reserver, layout.meta_bytes());
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let store = Store::new(store_id, config.cap_bytes, &config.slot_bytes, table);
+        let cap = config.cap_bytes;
+        let store = Store::new(store_id, cap, &config.slot_bytes, table, reservations);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),
@@ -195,6 +253,8 @@ impl Server {
                 config,
                 shutdown: AtomicBool::new(false),
                 poisoned_by: OnceLock::new(),
+                gate,
+                handshake_dir,
             }),
         })
     }
@@ -202,6 +262,45 @@ impl Server {
     /// The address clients connect to.
     pub fn address(&self) -> &str {
         &self.shared.address
+    }
+
+    /// Checks a new connection's peer and either starts its handshake on a thread
+    /// of its own or answers it at once (refused, busy) and closes it.
+    fn admit(&self, stream: UnixStream) {
+        let peer = match peer_of(&stream) {
+            Ok(peer) => peer,
+            Err(e) => return warn!("cannot read a connecting peer's credentials: {e}"),
+        };
+        let slot = match self.shared.gate.admit(peer) {
+            Admission::Admit(slot) => slot,
+            Admission::Refused(peer) => {
+                warn!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    "refused a connection from uid {} (pid {}): not an allowed user \
+                     (start the server with --allow-uid {} to let it in)",
+                    peer.uid,
+                    peer.pid,
+                    peer.uid
+                );
+                return answer_and_close(stream, &Greeting::Refused);
+            }
+            Admission::Busy(peer) => {
+                debug!(
+                    uid = peer.uid,
+                    pid = peer.pid,
+                    "too many handshakes in flight"
+                );
+                return answer_and_close(stream, &Greeting::Busy);
+            }
+        };
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("cache-conn".into())
+            .spawn(move || serve_connection(&shared, stream, slot));
+        if let Err(e) = spawned {
+            warn!("cannot start a connection thread: {e}");
+        }
     }
 
     /// Accepts connections until a shutdown request, or until a panic in a request
@@ -212,15 +311,7 @@ impl Server {
                 break;
             }
             match stream {
-                Ok(stream) => {
-                    let shared = Arc::clone(&self.shared);
-                    let spawned = std::thread::Builder::new()
-                        .name("cache-conn".into())
-                        .spawn(move || serve_connection(&shared, stream));
-                    if let Err(e) = spawned {
-                        warn!("cannot start a connection thread: {e}");
-                    }
-                }
+                Ok(stream) => self.admit(stream),
                 Err(e) => warn!("accept failed: {e}"),
             }
         }
@@ -280,6 +371,14 @@ fn request_shutdown(shared: &Shared) {
     }
 }
 
+/// Writes one greeting without waiting (the socket's buffer takes it, or the peer
+/// is not reading and loses it), then closes.
+fn answer_and_close(mut stream: UnixStream, greeting: &Greeting) {
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = write_frame(&mut stream, &greeting.encode());
+    }
+}
+
 /// Length-prefixed frame on the rendezvous socket.
 pub(crate) fn write_frame(stream: &mut UnixStream, bytes: &[u8]) -> std::io::Result<()> {
     let len = u32::try_from(bytes.len())
@@ -303,8 +402,44 @@ pub(crate) fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Handshake: a fresh one-shot ipc server per connection, its name sent over the
-/// rendezvous socket; the client connects, sends Hello, then acknowledges here.
+/// The rendezvous part of a handshake: the client's hello byte, a one-shot channel
+/// named to it, its acknowledgement (the one-shot socket's files are removed
+/// then), and the first message on the channel.
+fn open_channel(
+    shared: &Shared,
+    stream: &mut UnixStream,
+) -> Result<(ipc_channel::ipc::IpcReceiver<Request>, Request), String> {
+    stream
+        .set_read_timeout(Some(shared.config.handshake_timeout))
+        .map_err(|e| e.to_string())?;
+    let mut hello = [0u8; 1];
+    stream
+        .read_exact(&mut hello)
+        .map_err(|e| format!("client said no hello: {e}"))?;
+    if hello[0] != rendezvous::HELLO {
+        return Err(format!("client said {:#x}, not hello", hello[0]));
+    }
+    let (oneshot, name) =
+        IpcOneShotServer::<Request>::new().map_err(|e| format!("one-shot server: {e}"))?;
+    let dir = &shared.handshake_dir;
+    // The one-shot socket goes as soon as the client is connected, or failed to.
+    let mut handshake_files = handshake_dir::OneshotFiles::new(&name, dir);
+    if shared.gate.admits_others(nix::unistd::geteuid().as_raw()) {
+        handshake_dir::open_oneshot_to_others(&name, dir).map_err(|e| e.to_string())?;
+    }
+    let greeting = Greeting::Channel(name.clone()).encode();
+    write_frame(stream, &greeting).map_err(|e| format!("sending channel name: {e}"))?;
+    let mut ack = [0u8; 1];
+    stream
+        .read_exact(&mut ack)
+        .map_err(|e| format!("client did not finish the handshake: {e}"))?;
+    handshake_files.remove();
+    oneshot.accept().map_err(|e| format!("accept: {e:?}"))
+}
+
+/// Handshake: after the client's hello byte, a fresh one-shot ipc server, its name
+/// sent over the rendezvous socket; the client connects, sends Hello, then
+/// acknowledges here, and the one-shot socket's directory is removed at once.
 fn handshake(
     shared: &Shared,
     mut stream: UnixStream,
@@ -316,17 +451,7 @@ fn handshake(
     ),
     String,
 > {
-    let (oneshot, name) =
-        IpcOneShotServer::<Request>::new().map_err(|e| format!("one-shot server: {e}"))?;
-    write_frame(&mut stream, name.as_bytes()).map_err(|e| format!("sending channel name: {e}"))?;
-    stream
-        .set_read_timeout(Some(shared.config.handshake_timeout))
-        .map_err(|e| e.to_string())?;
-    let mut ack = [0u8; 1];
-    stream
-        .read_exact(&mut ack)
-        .map_err(|e| format!("client did not finish the handshake: {e}"))?;
-    let (requests, hello) = oneshot.accept().map_err(|e| format!("accept: {e:?}"))?;
+    let (requests, hello) = open_channel(shared, &mut stream)?;
     let Request::Hello {
         name,
         pid,
@@ -347,30 +472,38 @@ fn handshake(
             return Err(message);
         }
     };
-    let store = (mapped_store != Some(shared.store_id)).then(|| shared.segment.share());
+    let store_fd_follows = mapped_store != Some(shared.store_id);
     let welcome = Reply::Welcome {
         client,
         store_id: shared.store_id,
         store_len: shared.segment.len(),
         arena_bytes: shared.config.cap_bytes,
         pin_bit: pin_bit as u32,
-        store,
+        store_fd_follows,
     };
-    if let Err(e) = reply.send(welcome) {
+    let sent = reply.send(welcome).map_err(|e| format!("welcome: {e:?}"));
+    let sent = sent.and_then(|()| match store_fd_follows {
+        true => fdpass::send_fd(&stream, shared.segment.fd())
+            .map_err(|e| format!("sending the store's memfd: {e}")),
+        false => Ok(()),
+    });
+    if let Err(message) = sent {
         if let Ok(mut store) = shared.store() {
             store.disconnect(client);
         }
-        return Err(format!("welcome: {e:?}"));
+        return Err(message);
     }
     debug!(client, %name, pid, "client connected");
     Ok((requests, reply, client))
 }
 
-fn serve_connection(shared: &Shared, stream: UnixStream) {
+fn serve_connection(shared: &Shared, stream: UnixStream, slot: HandshakeSlot) {
     if shared.shutdown.load(Ordering::SeqCst) {
         return;
     }
-    let (requests, reply, client) = match handshake(shared, stream) {
+    let handshake = handshake(shared, stream);
+    drop(slot);
+    let (requests, reply, client) = match handshake {
         Ok(parts) => parts,
         Err(message) => {
             if !shared.shutdown.load(Ordering::SeqCst) {

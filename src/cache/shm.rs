@@ -1,53 +1,111 @@
-//! The store's shared memory: one memfd segment, created and reserved up front by the
-//! server (so a short machine fails at start with the sizes, never with a SIGBUS
-//! mid-epoch), handed to clients over the control channel and mapped once per process.
+//! The store's shared memory: one sealed memfd, sized to the cap at start without
+//! touching a page, whose pages are reserved (`fallocate`) only as slots are carved,
+//! after checking that the machine has them. Its size is sealed before any client
+//! gets the fd, so no process can shrink it under the others; the server passes the
+//! fd over the rendezvous socket ([`fdpass`](super::fdpass)) and each process maps
+//! it once, `MAP_SHARED`.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
-use ipc_channel::ipc::IpcSharedMemory;
+use nix::fcntl::{fallocate, fcntl, FallocateFlags, FcntlArg, SealFlag};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::stat::fstat;
+use nix::unistd::ftruncate;
+use tracing::warn;
 
+use super::store::reserve::{PageReserver, ReserveRefusal};
 use super::table::{Layout, Table};
 use super::CacheError;
-use crate::util::meminfo;
+use crate::util::meminfo::{self, Available};
 
-/// The server's segment: the memfd, zero-filled (every page allocated) at creation.
-pub struct Segment {
-    memory: IpcSharedMemory,
-    base: *const u8,
+/// The seals every store carries: its size is fixed for good.
+const SIZE_SEALS: SealFlag = SealFlag::F_SEAL_SHRINK.union(SealFlag::F_SEAL_GROW);
+
+fn os_error(op: &'static str, errno: nix::errno::Errno) -> CacheError {
+    CacheError::Shm {
+        op,
+        source: std::io::Error::from(errno),
+    }
 }
 
-// SAFETY: `base` points into the mapping `memory` owns, which lives as long as the
-// segment; the server itself only touches the metadata region, through atomics.
+/// A `MAP_SHARED` read-write mapping of a whole memfd, unmapped on drop.
+struct Region {
+    base: NonNull<c_void>,
+    len: usize,
+}
+
+impl Region {
+    fn map(fd: BorrowedFd<'_>, len: u64) -> Result<Region, CacheError> {
+        let size = usize::try_from(len)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .ok_or_else(|| CacheError::Protocol(format!("cannot map a store of {len} bytes")))?;
+        let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
+        // SAFETY: a fresh mapping at an address the kernel picks, of a memfd whose
+        // size is sealed at `len` or more (checked by the callers); nothing else
+        // aliases it in this process until we hand out its pointer.
+        let base = unsafe { mmap(None, size, prot, MapFlags::MAP_SHARED, fd, 0) }
+            .map_err(|e| os_error("mmap", e))?;
+        Ok(Region {
+            base,
+            len: size.get(),
+        })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.base.as_ptr().cast()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is the mapping made in `map`; every pointer into it
+        // is tied to the Arc that owns this region, so none outlives it.
+        if let Err(e) = unsafe { munmap(self.base, self.len) } {
+            warn!("munmap of the cache store failed: {e}");
+        }
+    }
+}
+
+/// The server's segment: the sealed memfd and the server's mapping of it.
+pub struct Segment {
+    fd: OwnedFd,
+    region: Region,
+}
+
+// SAFETY: the region is a fixed MAP_SHARED mapping owned by the segment; the server
+// touches only the metadata region, through atomics, and slot bytes not at all.
 unsafe impl Send for Segment {}
 // SAFETY: as above.
 unsafe impl Sync for Segment {}
 
 impl Segment {
-    /// Creates and reserves `len` bytes, after checking that the machine has them.
+    /// A sealed memfd of `len` bytes, none of them reserved yet.
     pub fn create(len: u64) -> Result<Segment, CacheError> {
-        let available = meminfo::shared_memory_available()?;
-        if len > available.bytes {
-            return Err(CacheError::ShmTooSmall {
-                requested: len,
-                available: available.bytes,
-                limit: available.limit,
-            });
-        }
-        let len = usize::try_from(len).map_err(|_| CacheError::ShmTooSmall {
+        let flags = MFdFlags::MFD_ALLOW_SEALING | MFdFlags::MFD_CLOEXEC;
+        let fd = memfd_create(c"vrtspike-cache", flags).map_err(|e| os_error("memfd_create", e))?;
+        let size = i64::try_from(len).map_err(|_| CacheError::ShmTooSmall {
             requested: len,
-            available: available.bytes,
-            limit: "address space".into(),
+            available: i64::MAX as u64,
+            limit: "file offsets".into(),
         })?;
-        // Writing every byte allocates every page of the memfd now.
-        let mut memory = IpcSharedMemory::from_byte(0, len);
-        // SAFETY: the pointer is taken once; no `&mut [u8]` over the region is made
-        // again, and the server reaches it only through the table's atomics.
-        let base = unsafe { memory.deref_mut() }.as_ptr();
-        Ok(Segment { memory, base })
+        // Sets the size only: a memfd's pages are allocated when written or fallocated.
+        ftruncate(&fd, size).map_err(|e| os_error("ftruncate", e))?;
+        let seals = SIZE_SEALS | SealFlag::F_SEAL_SEAL;
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| os_error("F_ADD_SEALS", e))?;
+        let region = Region::map(fd.as_fd(), len)?;
+        Ok(Segment { fd, region })
     }
 
-    /// Writes a fresh slot table into the segment's metadata region.
+    /// Reserves the metadata region of `layout` (after checking that the machine has
+    /// it; no headroom is kept for this small, one-off region) and writes a fresh
+    /// slot table there.
     pub fn create_table(self: &Arc<Self>, layout: Layout) -> Result<Table, CacheError> {
         if layout.total_bytes() > self.len() {
             return Err(CacheError::Protocol(format!(
@@ -55,44 +113,122 @@ impl Segment {
                 self.len()
             )));
         }
+        let mut reserver = self.reserver(0);
+        reserver
+            .reserve(layout.meta_offset(), layout.meta_bytes())
+            .map_err(|r| CacheError::ShmTooSmall {
+                requested: r.needed,
+                available: r.available,
+                limit: r.limit,
+            })?;
         // SAFETY: the metadata lies inside the segment (checked above), starts at a
-        // page-aligned offset of a page-aligned mapping, is zeroed (from_byte(0)) and
-        // touched only through atomics; the Arc keeps the mapping alive.
+        // page-aligned offset of a page-aligned mapping, is reserved and zeroed (a new
+        // memfd) and touched only through atomics; the Arc keeps the mapping alive.
         Ok(unsafe {
             Table::create(
-                self.base.add(layout.meta_offset() as usize),
+                self.region.ptr().add(layout.meta_offset() as usize),
                 layout,
                 Arc::clone(self) as Arc<dyn super::table::Backing>,
             )
         })
     }
 
-    /// A handle to send to a client (a dup of the memfd).
-    pub fn share(&self) -> IpcSharedMemory {
-        self.memory.clone()
+    /// What reserves slot ranges of this segment, keeping `headroom` bytes free.
+    pub fn reserver(self: &Arc<Self>, headroom: u64) -> MemfdReserver {
+        MemfdReserver {
+            segment: Arc::clone(self),
+            headroom,
+            available: meminfo::shared_memory_available,
+        }
+    }
+
+    /// The memfd, to pass to a client.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     /// Bytes in the segment.
     pub fn len(&self) -> u64 {
-        self.memory.len() as u64
+        self.region.len as u64
     }
 
     /// Whether the segment is empty (never, for a valid store).
     pub fn is_empty(&self) -> bool {
-        self.memory.is_empty()
+        self.region.len == 0
+    }
+}
+
+/// Where a [`MemfdReserver`] learns how much memory may still be taken.
+pub type AvailableFn = fn() -> Result<Available, meminfo::MeminfoError>;
+
+/// Reserves slot ranges of a segment: checks MemAvailable and the cgroup's room
+/// (keeping `headroom` free), then `fallocate`s the range so its pages exist before
+/// any process writes them.
+pub struct MemfdReserver {
+    segment: Arc<Segment>,
+    headroom: u64,
+    available: AvailableFn,
+}
+
+impl MemfdReserver {
+    /// The same, asking `available` for the memory figures (tests).
+    pub fn with_available(mut self, available: AvailableFn) -> MemfdReserver {
+        self.available = available;
+        self
+    }
+
+    fn check_room(&self, len: u64) -> Result<(), ReserveRefusal> {
+        let needed = len.saturating_add(self.headroom);
+        match (self.available)() {
+            Ok(room) if room.bytes < needed => Err(ReserveRefusal {
+                needed,
+                available: room.bytes,
+                limit: format!("{}, keeping {} bytes free", room.limit, self.headroom),
+            }),
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // fallocate below still refuses what the kernel cannot give.
+                warn!("reserving cache memory without a check: {e}");
+                Ok(())
+            }
+        }
+    }
+}
+
+impl PageReserver for MemfdReserver {
+    fn reserve(&mut self, offset: u64, len: u64) -> Result<(), ReserveRefusal> {
+        self.check_room(len)?;
+        let in_store = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.segment.len());
+        let range = (i64::try_from(offset), i64::try_from(len));
+        let (Ok(start), Ok(count), true) = (range.0, range.1, in_store) else {
+            return Err(ReserveRefusal {
+                needed: len,
+                available: 0,
+                limit: format!("range {offset}..+{len} outside the store"),
+            });
+        };
+        fallocate(&self.segment.fd, FallocateFlags::empty(), start, count).map_err(|e| {
+            ReserveRefusal {
+                needed: len,
+                available: 0,
+                limit: format!("fallocate of the store's memfd: {e}"),
+            }
+        })
     }
 }
 
 /// A client process's mapping of a store, shared by all its connections.
 pub struct Mapping {
     store_id: u64,
-    base: *mut u8,
-    len: usize,
-    // Keeps the memfd and its mapping alive; `base` points into it.
-    _memory: IpcSharedMemory,
+    region: Region,
+    // Keeps the memfd open while mapped (not needed by the kernel, but it names
+    // the store in /proc/<pid>/fd for an operator).
+    _fd: OwnedFd,
 }
 
-// SAFETY: the mapping is a fixed MAP_SHARED region that lives as long as `_memory`;
+// SAFETY: the mapping is a fixed MAP_SHARED region that lives as long as `region`;
 // threads only touch the ranges of slots they hold a lease or a reserved fill on,
 // which the server never hands to two writers or to a writer and a reader at once,
 // and the metadata region only through atomics (see `table`).
@@ -101,16 +237,27 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn new(store_id: u64, mut memory: IpcSharedMemory) -> Mapping {
-        // SAFETY: we take the base pointer once and never create a `&mut [u8]` over the
-        // whole region again; all later access is through disjoint slot ranges.
-        let region = unsafe { memory.deref_mut() };
-        Mapping {
-            store_id,
-            base: region.as_mut_ptr(),
-            len: region.len(),
-            _memory: memory,
+    /// Maps a store's memfd after checking that its size is sealed at `store_len`.
+    fn new(store_id: u64, fd: OwnedFd, store_len: u64) -> Result<Mapping, CacheError> {
+        let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| os_error("F_GET_SEALS", e))?;
+        let seals = SealFlag::from_bits_truncate(seals);
+        if !seals.contains(SIZE_SEALS) {
+            return Err(CacheError::Protocol(format!(
+                "the store's memfd is not sealed against resizing (seals {seals:?})"
+            )));
         }
+        let size = fstat(&fd).map_err(|e| os_error("fstat", e))?.st_size;
+        if u64::try_from(size).ok() != Some(store_len) {
+            return Err(CacheError::Protocol(format!(
+                "the store's memfd has {size} bytes, the server said {store_len}"
+            )));
+        }
+        let region = Region::map(fd.as_fd(), store_len)?;
+        Ok(Mapping {
+            store_id,
+            region,
+            _fd: fd,
+        })
     }
 
     /// The store this maps.
@@ -120,32 +267,32 @@ impl Mapping {
 
     /// Bytes mapped.
     pub fn len(&self) -> usize {
-        self.len
+        self.region.len
     }
 
     /// Whether nothing is mapped.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.region.len == 0
     }
 
     /// The store's slot table, whose metadata follows an arena of `arena_bytes`.
     pub fn table(self: &Arc<Self>, arena_bytes: u64) -> Result<Table, CacheError> {
         let meta_offset = super::table::meta_offset_after(arena_bytes);
-        if meta_offset >= self.len as u64 {
+        if meta_offset >= self.len() as u64 {
             return Err(CacheError::Protocol(format!(
                 "store of {} bytes has no metadata after an arena of {arena_bytes} bytes",
-                self.len
+                self.len()
             )));
         }
         // SAFETY: `meta_offset` is inside the mapping (checked above) and page-aligned
-        // in a page-aligned mapping; the server created atomics there and every
-        // process touches them only as atomics; the Arc keeps the mapping alive.
-        // `attach` checks the header's sizes against the mapping's length.
+        // in a page-aligned mapping; the server reserved it and created atomics there,
+        // and every process touches them only as atomics; the Arc keeps the mapping
+        // alive. `attach` checks the header's sizes against the mapping's length.
         let table = unsafe {
             Table::attach(
-                self.base.add(meta_offset as usize),
+                self.region.ptr().add(meta_offset as usize),
                 meta_offset,
-                self.len as u64,
+                self.len() as u64,
                 Arc::clone(self) as Arc<dyn super::table::Backing>,
             )
         }?;
@@ -156,14 +303,14 @@ impl Mapping {
     pub fn range(&self, offset: u64, len: u64) -> Result<*mut u8, CacheError> {
         let end = offset.checked_add(len);
         match end {
-            Some(end) if end <= self.len as u64 => {
+            Some(end) if end <= self.len() as u64 => {
                 // SAFETY: offset + len is within the mapping, checked just above.
-                Ok(unsafe { self.base.add(offset as usize) })
+                Ok(unsafe { self.region.ptr().add(offset as usize) })
             }
             _ => Err(CacheError::BadGrant {
                 offset,
                 len,
-                store_len: self.len as u64,
+                store_len: self.len() as u64,
             }),
         }
     }
@@ -188,12 +335,20 @@ pub fn mapped_store(address: &str) -> Result<Option<u64>, CacheError> {
     Ok(map.get(address).and_then(Weak::upgrade).map(|m| m.store_id))
 }
 
+/// A store's memfd as the server sent it.
+pub struct StoreFd {
+    /// The memfd.
+    pub fd: OwnedFd,
+    /// Its size, as the server announced it.
+    pub len: u64,
+}
+
 /// This process's mapping for `address`: the existing one if it is of `store_id`,
-/// else a new one from `memory`.
+/// else a new one of `store`.
 pub fn adopt(
     address: &str,
     store_id: u64,
-    memory: Option<IpcSharedMemory>,
+    store: Option<StoreFd>,
 ) -> Result<Arc<Mapping>, CacheError> {
     let mut map = locked_registry()?;
     if let Some(existing) = map.get(address).and_then(Weak::upgrade) {
@@ -201,10 +356,81 @@ pub fn adopt(
             return Ok(existing);
         }
     }
-    let memory = memory.ok_or_else(|| {
+    let store = store.ok_or_else(|| {
         CacheError::Protocol("the server sent no store to a process that maps none".into())
     })?;
-    let mapping = Arc::new(Mapping::new(store_id, memory));
+    let mapping = Arc::new(Mapping::new(store_id, store.fd, store.len)?);
     map.insert(address.to_string(), Arc::downgrade(&mapping));
     Ok(mapping)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1 << 20;
+
+    fn plenty() -> Result<Available, meminfo::MeminfoError> {
+        Ok(Available {
+            bytes: u64::MAX,
+            limit: "test".into(),
+        })
+    }
+
+    fn three_mb() -> Result<Available, meminfo::MeminfoError> {
+        Ok(Available {
+            bytes: 3 * MB,
+            limit: "a 3 MiB test limit".into(),
+        })
+    }
+
+    /// Pages of the memfd that hold memory, from its fstat block count.
+    fn allocated(segment: &Segment) -> u64 {
+        fstat(&segment.fd).unwrap().st_blocks as u64 * 512
+    }
+
+    #[test]
+    fn a_new_segment_takes_no_memory_and_cannot_be_resized() {
+        let segment = Arc::new(Segment::create(1 << 40).unwrap());
+        assert_eq!(segment.len(), 1 << 40);
+        assert_eq!(allocated(&segment), 0, "a 1 TiB store allocated pages");
+        assert!(ftruncate(segment.fd(), 4096).is_err(), "shrink allowed");
+        assert!(ftruncate(segment.fd(), 2 << 40).is_err(), "growth allowed");
+        let mut reserver = segment.reserver(0).with_available(plenty);
+        reserver.reserve(8 * MB, 2 * MB).unwrap();
+        assert_eq!(allocated(&segment), 2 * MB);
+    }
+
+    #[test]
+    fn reservation_checks_the_room_left_and_keeps_the_headroom() {
+        let segment = Arc::new(Segment::create(16 * MB).unwrap());
+        let mut reserver = segment.reserver(MB).with_available(three_mb);
+        reserver.reserve(0, 2 * MB).unwrap();
+        let refusal = reserver.reserve(2 * MB, 3 * MB).unwrap_err();
+        assert_eq!((refusal.needed, refusal.available), (4 * MB, 3 * MB));
+        assert!(
+            refusal.limit.contains("3 MiB test limit"),
+            "{}",
+            refusal.limit
+        );
+        assert_eq!(allocated(&segment), 2 * MB, "a refusal reserved nothing");
+        let outside = reserver.reserve(15 * MB, 2 * MB).unwrap_err();
+        assert!(outside.limit.contains("outside the store"), "{outside}");
+    }
+
+    #[test]
+    fn a_client_maps_only_a_sealed_memfd_of_the_announced_size() {
+        let segment = Segment::create(MB).unwrap();
+        let dup = || segment.fd().try_clone_to_owned().unwrap();
+        let mapping = Mapping::new(7, dup(), MB).unwrap();
+        assert_eq!(mapping.len() as u64, MB);
+        assert!(matches!(
+            Mapping::new(7, dup(), 2 * MB),
+            Err(CacheError::Protocol(_))
+        ));
+        let unsealed = memfd_create(c"unsealed", MFdFlags::MFD_CLOEXEC).unwrap();
+        ftruncate(&unsealed, MB as i64).unwrap();
+        let err = Mapping::new(7, unsealed, MB).err().unwrap();
+        assert!(err.to_string().contains("not sealed"), "{err}");
+    }
 }

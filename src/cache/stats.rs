@@ -157,6 +157,13 @@ pub struct StatsReport {
     pub bytes_used: u64,
     /// Bytes of slots carved from the store so far.
     pub bytes_carved: u64,
+    /// Bytes of memory reserved under the store: the carved slots and the metadata
+    /// (the store takes memory as slots are carved, up to the cap).
+    #[serde(default)]
+    pub reserved_bytes: u64,
+    /// New slots refused because the machine had no memory to reserve for them.
+    #[serde(default)]
+    pub reserve_refusals: u64,
     /// Bytes of shared metadata (slot table, index) beyond the cap.
     #[serde(default)]
     pub metadata_bytes: u64,
@@ -196,13 +203,21 @@ impl fmt::Display for StatsReport {
         )?;
         writeln!(
             f,
-            "bytes used {:.3} / {:.3} GiB ({:.1}%)  pinned {:.3} GiB  records {}",
+            "bytes used {:.3} / reserved {:.3} / cap {:.3} GiB ({:.1}% used)  pinned {:.3} GiB  records {}",
             gib(self.bytes_used),
+            gib(self.reserved_bytes),
             gib(self.cap_bytes),
             100.0 * self.bytes_used as f64 / self.cap_bytes.max(1) as f64,
             gib(self.pinned_bytes),
             self.records
         )?;
+        if self.reserve_refusals > 0 {
+            writeln!(
+                f,
+                "reservations refused (no memory for a new slot): {}",
+                self.reserve_refusals
+            )?;
+        }
         writeln!(
             f,
             "metadata {:.1} MiB for {} slot entries  requests {}",

@@ -72,6 +72,15 @@ pub struct ServeArgs {
     /// Seconds a get waits for another client's fill of the same key.
     #[arg(long, default_value_t = 120)]
     fill_wait_s: u64,
+    /// Memory each new slot must leave free on the node (MemAvailable, or the
+    /// cgroup's room), e.g. 2G; a slot that would eat into it is refused and the
+    /// record is read from disk instead.
+    #[arg(long, value_parser = parse_size)]
+    reserve_headroom: Option<u64>,
+    /// Also let processes of this user id connect (repeatable). By default only
+    /// the server's own user gets in; others are refused at accept.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
     /// Exit when the parent process dies (set by the launcher).
     #[arg(long)]
     exit_with_parent: bool,
@@ -140,12 +149,18 @@ fn serve(args: ServeArgs) -> Result<()> {
     let mut config = ServerConfig::new(args.address.resolve(), cap);
     config.slot_bytes = args.slot_bytes;
     config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
+    if let Some(headroom) = args.reserve_headroom {
+        config.reserve_headroom = headroom;
+    }
+    config.allowed_uids.extend(&args.allow_uids);
     let server = Server::bind(config)?;
     println!("cache server listening at {}", server.address());
     // A launcher that started this server waits for this word (not the line above).
     vrtspike_contract::ready::notify(&|name| std::env::var(name).ok())
         .context("telling the launcher that the cache server is ready")?;
-    server.run()?;
+    let result = server.run();
+    cache::handshake_dir::remove_own();
+    result?;
     Ok(())
 }
 

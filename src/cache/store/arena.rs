@@ -157,13 +157,20 @@ impl SlotArena {
         self.classes[ci].free.pop()
     }
 
+    /// The offset the next slot of class `ci` would be carved at (its memory is
+    /// reserved there before [`carve`](Self::carve)); `None` when neither the bytes
+    /// nor the table's entries allow one.
+    pub fn next_carve(&self, ci: ClassIdx) -> Option<u64> {
+        let slot_bytes = self.classes[ci].slot_bytes;
+        let room = self.cap - self.carved >= slot_bytes && self.slots.len() < self.max_slots;
+        room.then_some(self.carved)
+    }
+
     /// A new slot of class `ci` carved from the uncarved bytes, with its offset;
     /// `None` when neither the bytes nor the table's entries allow one.
     pub fn carve(&mut self, ci: ClassIdx) -> Option<(SlotIdx, u64)> {
         let slot_bytes = self.classes[ci].slot_bytes;
-        if self.cap - self.carved < slot_bytes || self.slots.len() >= self.max_slots {
-            return None;
-        }
+        self.next_carve(ci)?;
         let (slot, offset) = (self.slots.len(), self.carved);
         self.slots.push(Slot {
             offset,
@@ -331,10 +338,13 @@ mod tests {
         let mut arena = SlotArena::new(3 * MB, &[MB], 100);
         let offsets: Vec<u64> = (0..3).map(|_| arena.carve(0).unwrap().1).collect();
         assert_eq!(offsets, vec![0, MB, 2 * MB]);
+        assert_eq!(arena.next_carve(0), None);
         assert!(arena.carve(0).is_none(), "past the cap");
         assert_eq!((arena.carved_bytes(), arena.carved_slots()), (3 * MB, 3));
         let mut few = SlotArena::new(3 * MB, &[MB], 2);
+        assert_eq!(few.next_carve(0), Some(0));
         assert!(few.carve(0).is_some() && few.carve(0).is_some());
+        assert_eq!(few.next_carve(0), None);
         assert!(few.carve(0).is_none(), "past the table's entries");
     }
 

@@ -1,7 +1,8 @@
 //! The store's bookkeeping, a small facade over one part per job: the slot
 //! [`arena`] (classes, carving, free lists), the [`lru`] with its second chance,
 //! the record [`index`], the [`connections`] with their pin bits, single-flight
-//! [`fills`] and the [`stats`] counters. The server wraps it in a mutex and every
+//! [`fills`], the [`stats`] counters and the [`reserve`]d memory under the
+//! carved slots. The server wraps it in a mutex and every
 //! record is mirrored into the shared [`Table`], where clients pin hits themselves;
 //! pins are read back from there.
 //!
@@ -14,6 +15,7 @@ pub mod fills;
 pub mod index;
 pub mod lru;
 mod report;
+pub mod reserve;
 pub mod stats;
 
 use super::ids::{ClientId, LeaseId, TicketId};
@@ -24,6 +26,7 @@ use connections::Connections;
 use fills::{Fill, Fills};
 use index::RecordIndex;
 use lru::Lru;
+use reserve::{NoReserve, Reservations, ReserveRefusal};
 use stats::{Event, StoreStats};
 
 pub use super::table::{slot_size_for, SLOT_ALIGN};
@@ -52,6 +55,8 @@ pub struct Store {
     connections: Connections,
     fills: Fills,
     stats: StoreStats,
+    /// The memory under the carved slots.
+    reservations: Reservations,
     /// The next connection or ticket id.
     next_id: u64,
 }
@@ -69,8 +74,15 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// A store of `cap` bytes whose records are mirrored in `table`. With `slot_bytes`
     /// given, records must fit those classes; without, a class is made for each new
-    /// record size on its first fill.
-    pub fn new(store_id: u64, cap: u64, slot_bytes: &[u64], table: Table) -> Store {
+    /// record size on its first fill. Each slot's bytes are reserved through
+    /// `reservations` when the slot is carved, before it is handed out.
+    pub fn new(
+        store_id: u64,
+        cap: u64,
+        slot_bytes: &[u64],
+        table: Table,
+        reservations: Reservations,
+    ) -> Store {
         Store {
             store_id,
             arena: SlotArena::new(cap, slot_bytes, table.slots()),
@@ -80,14 +92,27 @@ impl Store {
             connections: Connections::new(),
             fills: Fills::new(),
             stats: StoreStats::new(),
+            reservations,
             next_id: 1,
         }
     }
 
     /// A store over a table on the heap (tests and single-process tools).
     pub fn on_heap(store_id: u64, cap: u64, slot_bytes: &[u64]) -> Store {
+        Store::on_heap_reserving(store_id, cap, slot_bytes, Box::new(NoReserve))
+    }
+
+    /// A store over a table on the heap whose slots are reserved through `reserver`.
+    pub fn on_heap_reserving(
+        store_id: u64,
+        cap: u64,
+        slot_bytes: &[u64],
+        reserver: Box<dyn reserve::PageReserver>,
+    ) -> Store {
         let layout = table::Layout::for_store(cap, slot_bytes);
-        Store::new(store_id, cap, slot_bytes, Table::on_heap(cap, layout.slots))
+        let table = Table::on_heap(cap, layout.slots);
+        let reservations = Reservations::new(reserver, 0);
+        Store::new(store_id, cap, slot_bytes, table, reservations)
     }
 
     /// The byte cap.
@@ -231,14 +256,24 @@ impl Store {
         Ok((placed.offset, len))
     }
 
-    /// A slot of class `ci`: a free one, a newly carved one, or an evicted one.
+    /// A slot of class `ci`: a free one, a newly carved one (its memory reserved
+    /// first), or an evicted one. When the memory for a new slot cannot be had and
+    /// nothing can be evicted, the refusal is the error.
     fn take_slot(&mut self, ci: ClassIdx, key: &str, len: u64) -> Result<SlotIdx, RequestError> {
         if let Some(slot) = self.arena.take_free(ci) {
             return Ok(slot);
         }
-        if let Some((slot, offset)) = self.arena.carve(ci) {
-            self.table.set_offset(slot, offset);
-            return Ok(slot);
+        let mut refused = None;
+        if let Some(offset) = self.arena.next_carve(ci) {
+            match self.reservations.reserve(offset, self.arena.slot_bytes(ci)) {
+                Ok(()) => {
+                    if let Some((slot, offset)) = self.arena.carve(ci) {
+                        self.table.set_offset(slot, offset);
+                        return Ok(slot);
+                    }
+                }
+                Err(refusal) => refused = Some(refusal),
+            }
         }
         if let Some(slot) = self.lru.victim(ci, &self.table) {
             if let Some(evicted) = self.arena.evict(slot) {
@@ -247,12 +282,35 @@ impl Store {
             self.stats.evicted();
             return Ok(slot);
         }
+        if let Some(refusal) = refused {
+            return Err(self.out_of_memory(key, len, refusal));
+        }
         Err(RequestError::StoreFull {
             key: key.to_string(),
             len,
             slots: self.arena.class_len(ci),
             slot_bytes: self.arena.slot_bytes(ci),
         })
+    }
+
+    /// The error for a fill whose slot's memory could not be reserved.
+    fn out_of_memory(&self, key: &str, len: u64, refusal: ReserveRefusal) -> RequestError {
+        tracing::warn!(
+            key,
+            needed = refusal.needed,
+            available = refusal.available,
+            limit = %refusal.limit,
+            reserved = self.reservations.reserved_bytes(),
+            "cannot reserve memory for a new cache slot"
+        );
+        RequestError::OutOfMemory {
+            key: key.to_string(),
+            len,
+            needed: refusal.needed,
+            available: refusal.available,
+            limit: refusal.limit,
+            reserved: self.reservations.reserved_bytes(),
+        }
     }
 
     /// Publishes a filled slot and leases it to the filler.
@@ -431,6 +489,57 @@ mod tests {
         assert!(s.bytes_used <= s.cap_bytes);
         assert_eq!(s.pinned_bytes, 3 * MB);
         let _ = (pinned, n);
+    }
+
+    #[test]
+    fn memory_is_reserved_per_carved_slot_and_a_refusal_evicts_or_fails_cleanly() {
+        // A cap of 4 slots, but memory for 2 only.
+        let budget = Box::new(reserve::BudgetReserver { budget: 2 * MB });
+        let mut store = Store::on_heap_reserving(1, 4 * MB, &[MB], budget);
+        let c = store.connect("a".into(), 1).unwrap().0;
+        assert_eq!(store.stats(0).reserved_bytes, 0, "nothing before a fill");
+        let first = fill(&mut store, c, "first", 10);
+        store.release(c, first.lease).unwrap();
+        let pinned = fill(&mut store, c, "pinned", 10);
+        let s = store.stats(0);
+        assert_eq!((s.reserved_bytes, s.reserve_refusals), (2 * MB, 0));
+        // No memory for a third slot: the unpinned record's slot is reused.
+        let third = fill(&mut store, c, "third", 10);
+        assert_eq!(third.offset, first.offset);
+        let s = store.stats(0);
+        assert_eq!(
+            (s.reserved_bytes, s.reserve_refusals, s.evictions),
+            (2 * MB, 1, 1)
+        );
+        // Both slots pinned, no memory for another: a named error, nothing changed.
+        let GetOutcome::Miss(t) = store.get(c, "fourth").unwrap() else {
+            panic!("expected a miss");
+        };
+        let err = store.reserve(c, t, 10).unwrap_err();
+        let RequestError::OutOfMemory {
+            ref key,
+            needed,
+            available,
+            reserved,
+            ..
+        } = err
+        else {
+            panic!("expected OutOfMemory, got {err:?}");
+        };
+        assert_eq!(
+            (key.as_str(), needed, available, reserved),
+            ("fourth", MB, 0, 2 * MB)
+        );
+        assert!(err.to_string().contains("DATA.CACHE_SIZE_GB"), "{err}");
+        let s = store.stats(0);
+        assert_eq!(
+            (s.bytes_carved, s.reserve_refusals, s.records),
+            (2 * MB, 2, 2)
+        );
+        // The ticket is still held: once a record is released, the fill goes on.
+        store.release(c, third.lease).unwrap();
+        assert_eq!(store.reserve(c, t, 10).unwrap().0, third.offset);
+        let _ = pinned;
     }
 
     #[test]

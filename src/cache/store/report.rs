@@ -58,6 +58,8 @@ impl Store {
             cap_bytes: self.arena.cap(),
             bytes_used: usage.bytes_used,
             bytes_carved: self.arena.carved_bytes(),
+            reserved_bytes: self.reservations.reserved_bytes(),
+            reserve_refusals: self.reservations.refusals(),
             metadata_bytes: self.table.layout().meta_bytes(),
             slot_entries: self.table.slots(),
             pinned_bytes: usage.pinned_bytes,
