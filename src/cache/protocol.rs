@@ -297,7 +297,9 @@ mod tests {
         let frame = vec![0u8, 0, 0, 0, 0];
         assert!(IpcMessage::from_data(frame).to::<Request>().is_err());
         // The decoder's thread state is clean afterwards: a good frame still decodes.
-        let get = IpcMessage::from_data(vec![1, 1, b'k']).to::<Request>().unwrap();
+        let get = IpcMessage::from_data(vec![1, 1, b'k'])
+            .to::<Request>()
+            .unwrap();
         assert!(matches!(get, Request::Get { key } if key == "k"));
     }
 }

@@ -460,7 +460,10 @@ mod tests {
         let key = vec!["DATA"; 20_000].join(".");
         let start = std::time::Instant::now();
         let err = override_layer(&format!("{key}=1")).unwrap_err().to_string();
-        assert!(err.contains("20000 parts") && err.contains("--set"), "{err}");
+        assert!(
+            err.contains("20000 parts") && err.contains("--set"),
+            "{err}"
+        );
         assert!(start.elapsed() < std::time::Duration::from_secs(1));
         assert!(override_layer("MODEL.SPIKE_TSA.CHUNK_SIZE=80").is_ok());
     }

@@ -11,19 +11,52 @@ use proptest::prelude::*;
 use vrtspike::config::Config;
 
 use super::meta::yaml_value;
-use super::{check, names};
+use super::{accepted, check, names};
 
 const SECTIONS: [&str; 6] = ["DATA", "DATALOADER", "TRAIN", "MODEL", "LOG", "DIST"];
 
 /// Real key names of every section (and some nested sections' keys).
 const KEYS: [&str; 40] = [
-    "CROP_SIZE", "TRAIN_CROP_SIZE", "VAL_CROP_SIZE", "CLIP_LEN", "CACHE_SIZE_GB", "ROOT",
-    "AUGMENT", "HFLIP", "BLUR_DIR", "USE_RAM_CACHE", "USE_PRECOMPUTED_VOXELS", "SPIKE_BINS",
-    "TOTAL_WORKERS", "NUM_WORKERS", "PREFETCH_FACTOR", "TRAIN_PREFETCH_FACTOR", "PIN_MEMORY",
-    "LR", "BATCH_SIZE", "BETAS", "AMP_OPT_LEVEL", "AMP_DTYPE", "FIX_KEYS", "FIX_ITER",
-    "TOTAL_STEPS", "WARMUP_STEPS", "SEED", "ARCH", "WINDOW_SIZE", "VRT_DEPTHS", "SPIKE_TSA",
-    "CHUNK_SHAPE", "CHUNK_SIZE", "UNET", "EMBED_DIMS", "NUM_HEADS", "VAL_EVERY_STEPS",
-    "KEEP_CHECKPOINTS", "BACKEND", "TIMEOUT_S",
+    "CROP_SIZE",
+    "TRAIN_CROP_SIZE",
+    "VAL_CROP_SIZE",
+    "CLIP_LEN",
+    "CACHE_SIZE_GB",
+    "ROOT",
+    "AUGMENT",
+    "HFLIP",
+    "BLUR_DIR",
+    "USE_RAM_CACHE",
+    "USE_PRECOMPUTED_VOXELS",
+    "SPIKE_BINS",
+    "TOTAL_WORKERS",
+    "NUM_WORKERS",
+    "PREFETCH_FACTOR",
+    "TRAIN_PREFETCH_FACTOR",
+    "PIN_MEMORY",
+    "LR",
+    "BATCH_SIZE",
+    "BETAS",
+    "AMP_OPT_LEVEL",
+    "AMP_DTYPE",
+    "FIX_KEYS",
+    "FIX_ITER",
+    "TOTAL_STEPS",
+    "WARMUP_STEPS",
+    "SEED",
+    "ARCH",
+    "WINDOW_SIZE",
+    "VRT_DEPTHS",
+    "SPIKE_TSA",
+    "CHUNK_SHAPE",
+    "CHUNK_SIZE",
+    "UNET",
+    "EMBED_DIMS",
+    "NUM_HEADS",
+    "VAL_EVERY_STEPS",
+    "KEEP_CHECKPOINTS",
+    "BACKEND",
+    "TIMEOUT_S",
 ];
 
 fn key() -> impl Strategy<Value = String> {
@@ -59,9 +92,10 @@ fn config_text() -> impl Strategy<Value = String> {
 #[test]
 fn any_config_document_validates_or_names_the_file() {
     let path = Path::new("/nowhere/prop-config.yaml");
-    check("config yaml", 600, config_text(), |text| {
-        if let Err(err) = Config::parse(&text, path) {
-            names(&err.to_string(), "prop-config.yaml")?;
+    check("config yaml", 3000, config_text(), |text| {
+        match Config::parse(&text, path) {
+            Ok(_) => accepted(),
+            Err(err) => names(&err.to_string(), "prop-config.yaml")?,
         }
         Ok(())
     });
@@ -76,7 +110,10 @@ fn override_spec() -> impl Strategy<Value = String> {
         1 => Just(String::new()),
         1 => "[ =.a-z]{0,3}",
     ];
+    let real = (prop::sample::select(SECTIONS.to_vec()), key())
+        .prop_map(|(section, key)| format!("{section}.{key}"));
     let path = prop_oneof![
+        8 => real,
         8 => prop::collection::vec(segment, 0..5).prop_map(|s| s.join(".")),
         1 => (1..20_000usize).prop_map(|n| vec!["DATA"; n].join(".")),
         1 => (1..20_000usize).prop_map(|n| format!("DATA{}", ".".repeat(n))),
@@ -91,10 +128,13 @@ fn override_spec() -> impl Strategy<Value = String> {
 #[test]
 fn any_override_applies_or_names_itself() {
     let base = Config::default();
-    check("config --set", 600, override_spec(), |spec| {
+    check("config --set", 3000, override_spec(), |spec| {
         let start = Instant::now();
         let result = base.with_overrides(std::slice::from_ref(&spec));
         prop_assert!(start.elapsed() < Duration::from_secs(5), "slow override");
+        if result.is_ok() {
+            accepted();
+        }
         if let Err(err) = result {
             let shown = err.to_string();
             prop_assert!(

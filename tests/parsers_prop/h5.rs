@@ -13,7 +13,7 @@ use proptest::prelude::*;
 
 use vrtspike::dataset::h5::H5Session;
 
-use super::{bounded_by_input, check, largest_allocation, names};
+use super::{accepted, bounded_by_input, check, largest_allocation, names};
 
 /// A file attribute as written.
 #[derive(Debug, Clone)]
@@ -60,8 +60,15 @@ struct Session {
 
 /// A session laid out as the format page says.
 fn valid() -> impl Strategy<Value = Session> {
-    (1..4usize, 1..3usize, 1..3usize, 0..3usize, 0..3usize, 1..4usize).prop_map(
-        |(n, hs, wb, dh, dw, t)| {
+    (
+        1..4usize,
+        1..3usize,
+        1..3usize,
+        0..3usize,
+        0..3usize,
+        1..4usize,
+    )
+        .prop_map(|(n, hs, wb, dh, dw, t)| {
             let (hs, ws) = (hs * 4, wb * 8);
             let rgb = vec![n, hs + dh, ws + dw, 3];
             Session {
@@ -72,8 +79,7 @@ fn valid() -> impl Strategy<Value = Session> {
                 spike: Data::Array(Dtype::U8, vec![n, t, hs, ws / 8]),
                 names: Names::Text(n),
             }
-        },
-    )
+        })
 }
 
 /// One fault a user's file might have.
@@ -193,7 +199,11 @@ fn write_array<T: H5Type + Default + Clone>(
     name: &str,
     shape: &[usize],
 ) -> hdf5::Result<()> {
+    // hdf5-metno's own chunk arithmetic overflows past 2^64 elements: not a file.
     let cells = shape.iter().try_fold(1usize, |n, d| n.checked_mul(*d));
+    if cells.is_none_or(|n| n > 1 << 60) {
+        return Err("shape too large to create".into());
+    }
     match cells {
         Some(cells) if cells <= 1 << 16 => {
             let ds = file.new_dataset::<T>().shape(shape.to_vec()).create(name)?;
@@ -249,6 +259,7 @@ fn open_and_read(path: &Path, pristine: bool) -> Result<(), TestCaseError> {
     bounded_by_input(largest, file_len, 4)?;
     match opened {
         Ok(session) => {
+            accepted();
             let mut record = vec![0u8; session.record_layout().byte_len()];
             for frame in 0..session.frame_names.len() {
                 if let Err(err) = session.read_frame_into(frame, &mut record) {
@@ -270,7 +281,7 @@ fn open_and_read(path: &Path, pristine: bool) -> Result<(), TestCaseError> {
 fn wrong_attributes_shapes_and_types_are_named_errors() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("case.h5");
-    check("h5 structure", 250, session(), |(s, pristine)| {
+    check("h5 structure", 800, session(), |(s, pristine)| {
         if write(&path, &s).is_err() {
             // HDF5 refused to write this one (e.g. a zero-sized chunk): nothing to read.
             return Ok(());
@@ -313,8 +324,24 @@ fn truncated_sessions_are_named_errors() {
     let valid = synth_file(&path);
     open_and_read(&path, true).unwrap();
     let len = valid.len();
-    check("h5 truncation", 100, 0..len, |cut| {
+    check("h5 truncation", 200, 0..len, |cut| {
         std::fs::write(&path, &valid[..cut]).unwrap();
+        open_and_read(&path, false)
+    });
+}
+
+/// Bytes changed anywhere in a session. Ignored: the system libhdf5 (1.10.8) itself
+/// crashes (SIGSEGV) on some of these files inside `H5Fopen`/`H5Dopen`, before any
+/// of our checks run, which no Rust code here can catch; run it by hand
+/// (`--ignored`) after an HDF5 upgrade.
+#[test]
+#[ignore = "the system libhdf5 1.10.8 segfaults on some corrupt files"]
+fn mutated_sessions_are_named_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("case.h5");
+    let valid = synth_file(&path);
+    check("h5 mutations", 300, super::mutated(valid), |bytes| {
+        std::fs::write(&path, &bytes).unwrap();
         open_and_read(&path, false)
     });
 }

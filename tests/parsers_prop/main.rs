@@ -29,9 +29,19 @@ struct Watched;
 
 thread_local! {
     static LARGEST: Cell<usize> = const { Cell::new(0) };
+    static ACCEPTED: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Counts a case whose input the parser accepted (the rest were errors).
+pub fn accepted() {
+    ACCEPTED.with(|n| n.set(n.get() + 1));
 }
 
 fn note(size: usize) {
+    // A panic's report (message, backtrace) is sized by the binary, not the input.
+    if std::thread::panicking() {
+        return;
+    }
     let _ = LARGEST.try_with(|largest| largest.set(largest.get().max(size)));
 }
 
@@ -75,7 +85,11 @@ pub fn largest_allocation<T>(f: impl FnOnce() -> T) -> (T, usize) {
 
 /// Fails the case if a parse of a `file_len`-byte input allocated more than the
 /// input could justify (`per_byte` output bytes per input byte, plus 1 MiB).
-pub fn bounded_by_input(largest: usize, file_len: usize, per_byte: usize) -> Result<(), TestCaseError> {
+pub fn bounded_by_input(
+    largest: usize,
+    file_len: usize,
+    per_byte: usize,
+) -> Result<(), TestCaseError> {
     let limit = (1 << 20) + per_byte * file_len;
     if largest <= limit {
         Ok(())
@@ -105,6 +119,7 @@ where
     };
     let mut runner = TestRunner::new(config);
     let start = Instant::now();
+    ACCEPTED.with(|n| n.set(0));
     let ran = std::sync::atomic::AtomicU32::new(0);
     let result = runner.run(&strategy, |value| {
         ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -112,7 +127,8 @@ where
     });
     let ran = ran.into_inner();
     println!(
-        "property {name}: {ran} cases in {:.1} s",
+        "property {name}: {ran} cases ({} accepted, the rest named errors) in {:.1} s",
+        ACCEPTED.with(Cell::get),
         start.elapsed().as_secs_f64()
     );
     if let Err(failure) = result {

@@ -10,7 +10,7 @@ use proptest::prelude::*;
 
 use vrtspike::dataset::image::{png_size, read_png_rgb};
 
-use super::{bounded_by_input, check, largest_allocation, mutated, names};
+use super::{accepted, bounded_by_input, check, largest_allocation, mutated, names};
 
 /// Bytes per input byte a decode may allocate: deflate expands at most ~1032x and
 /// one bit of a 1-bit grey pixel becomes 3 RGB bytes (24x).
@@ -69,7 +69,14 @@ fn claimed() -> impl Strategy<Value = Option<u32>> {
 }
 
 fn png_file() -> impl Strategy<Value = Vec<u8>> {
-    (format(), 1..7u32, 1..7u32, any::<u8>(), claimed(), claimed())
+    (
+        format(),
+        1..7u32,
+        1..7u32,
+        any::<u8>(),
+        claimed(),
+        claimed(),
+    )
         .prop_flat_map(|(format, w, h, seed, cw, ch)| {
             let mut png = encode(format, w, h, seed);
             if cw.is_some() || ch.is_some() {
@@ -83,7 +90,7 @@ fn png_file() -> impl Strategy<Value = Vec<u8>> {
 fn any_png_decodes_to_its_probed_size_or_names_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("case.png");
-    check("png", 500, png_file(), |bytes| {
+    check("png", 2500, png_file(), |bytes| {
         std::fs::write(&path, &bytes).unwrap();
         let start = Instant::now();
         let (size, largest) = largest_allocation(|| png_size(&path));
@@ -92,6 +99,7 @@ fn any_png_decodes_to_its_probed_size_or_names_the_file() {
         bounded_by_input(largest, bytes.len(), PER_BYTE)?;
         match (size, image) {
             (Ok(size), Ok(image)) => {
+                accepted();
                 prop_assert_eq!((image.height, image.width), size);
                 prop_assert_eq!(image.data.len(), 3 * size.0 as usize * size.1 as usize);
             }
