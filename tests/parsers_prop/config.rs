@@ -112,6 +112,18 @@ fn override_spec() -> impl Strategy<Value = String> {
     ];
     let real = (prop::sample::select(SECTIONS.to_vec()), key())
         .prop_map(|(section, key)| format!("{section}.{key}"));
+    let good = prop::sample::select(vec![
+        "DATA.CROP_SIZE=128",
+        "DATA.VAL_CROP_SIZE=null",
+        "TRAIN.LR=2.0e-4",
+        "TRAIN.NUM_WORKERS=3",
+        "DATALOADER.TOTAL_WORKERS=auto",
+        "MODEL.WINDOW_SIZE=7",
+        "MODEL.SPIKE_TSA.CHUNK_SHAPE=row",
+        "LOG.VAL_EVERY_STEPS=100",
+        "DIST.TIMEOUT_S=600",
+    ])
+    .prop_map(str::to_string);
     let path = prop_oneof![
         8 => real,
         8 => prop::collection::vec(segment, 0..5).prop_map(|s| s.join(".")),
@@ -119,10 +131,11 @@ fn override_spec() -> impl Strategy<Value = String> {
         1 => (1..20_000usize).prop_map(|n| format!("DATA{}", ".".repeat(n))),
     ];
     let value = prop_oneof![4 => yaml_value(), 1 => ".{0,20}"];
-    (path, prop::option::weighted(0.9, value)).prop_map(|(path, value)| match value {
+    let random = (path, prop::option::weighted(0.9, value)).prop_map(|(path, value)| match value {
         Some(v) => format!("{path}={v}"),
         None => path,
-    })
+    });
+    prop_oneof![4 => random, 1 => good]
 }
 
 #[test]

@@ -25,8 +25,9 @@ fn axis() -> impl Strategy<Value = String> {
     ]
 }
 
-/// The header dict, from its fields.
-fn dict() -> impl Strategy<Value = String> {
+/// The header dict, from its fields, and the cells of its shape when that is a
+/// small (K, H, W) that a data length can match.
+fn dict() -> impl Strategy<Value = (String, Option<usize>)> {
     let descr = prop_oneof![
         4 => Just("'<f4'".to_string()),
         1 => Just("\"<f4\"".to_string()),
@@ -37,21 +38,26 @@ fn dict() -> impl Strategy<Value = String> {
     let rank = prop_oneof![3 => Just(3..4usize), 1 => Just(0..5usize)];
     let shape = rank
         .prop_flat_map(|rank| prop::collection::vec(axis(), rank))
-        .prop_map(|axes| match axes.len() {
-            1 => format!("({},)", axes[0]),
-            _ => format!("({})", axes.join(", ")),
+        .prop_map(|axes| {
+            let cells = axes
+                .iter()
+                .map(|a| a.parse::<usize>().ok().filter(|v| *v < 5))
+                .try_fold(1, |n, v| Some(n * v?));
+            let text = match axes.len() {
+                1 => format!("({},)", axes[0]),
+                _ => format!("({})", axes.join(", ")),
+            };
+            (text, cells)
         });
-    (
-        descr,
-        order,
-        shape,
-        prop_oneof![3 => Just(0), 3 => Just(1), 1 => Just(2)],
-    )
-        .prop_map(|(descr, order, shape, pick)| match pick {
+    let pick = prop_oneof![3 => Just(0), 3 => Just(1), 1 => Just(2)];
+    (descr, order, shape, pick).prop_map(|(descr, order, (shape, cells), pick)| {
+        let dict = match pick {
             0 => format!("{{'descr': {descr}, 'fortran_order': {order}, 'shape': {shape}, }}\n"),
             1 => format!("{{'shape': {shape}, 'fortran_order': {order}, 'descr': {descr}}}"),
             _ => format!("{{'descr': {descr}, 'shape': {shape}}}"),
-        })
+        };
+        (dict, cells)
+    })
 }
 
 /// Magic, version, length field (true or random), dict, then data bytes.
@@ -60,9 +66,10 @@ fn npy_file() -> impl Strategy<Value = Vec<u8>> {
         prop_oneof![6 => Just(1u8), 2 => Just(2u8), 1 => Just(3u8), 1 => any::<u8>()],
         dict(),
         prop::option::weighted(0.2, any::<u32>()),
-        0..200usize,
+        prop::option::weighted(0.5, 0..200usize),
     )
-        .prop_map(|(version, dict, bad_len, data_len)| {
+        .prop_map(|(version, (dict, cells), bad_len, data_len)| {
+            let data_len = data_len.or(cells.map(|c| 4 * c)).unwrap_or(0);
             let mut out = b"\x93NUMPY".to_vec();
             out.extend_from_slice(&[version, 0]);
             let len = bad_len.unwrap_or(dict.len() as u32);
