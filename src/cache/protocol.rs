@@ -25,6 +25,7 @@ pub enum Request {
         /// Id of the store this process already maps for this address.
         mapped_store: Option<u64>,
         /// Where the server sends replies.
+        #[serde(deserialize_with = "reply_channel")]
         reply: IpcSender<Reply>,
     },
     /// Lease on `key` if cached; otherwise a fill ticket, or a wait for the fill in flight.
@@ -68,6 +69,24 @@ pub enum Request {
     Stats,
     /// Stop the server.
     Shutdown,
+}
+
+/// Decodes the reply channel of a `Hello`. ipc-channel looks the channel up by an
+/// index in the frame and panics when a corrupt frame names one that was not sent
+/// with it; the panic becomes a decode error here, so a bad frame closes only its
+/// own connection (with the usual clean-up) instead of killing the thread serving it.
+fn reply_channel<'de, D>(deserializer: D) -> Result<IpcSender<Reply>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        IpcSender::<Reply>::deserialize(deserializer)
+    }));
+    decoded.unwrap_or_else(|_| {
+        Err(serde::de::Error::custom(
+            "hello: the frame names a reply channel that was not sent with it",
+        ))
+    })
 }
 
 impl Request {
@@ -280,4 +299,25 @@ pub enum RequestError {
     /// A request that makes no sense at this point of the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use ipc_channel::ipc::IpcMessage;
+
+    use super::*;
+
+    #[test]
+    fn a_hello_naming_a_channel_it_lacks_is_a_decode_error() {
+        // Found by tests/parsers_prop: the 5-byte frame of a Hello (empty name, pid
+        // 0, no store, reply channel 0) sent without its channel panicked in
+        // ipc-channel's decoder, killing the server thread of that connection.
+        let frame = vec![0u8, 0, 0, 0, 0];
+        assert!(IpcMessage::from_data(frame).to::<Request>().is_err());
+        // The decoder's thread state is clean afterwards: a good frame still decodes.
+        let get = IpcMessage::from_data(vec![1, 1, b'k'])
+            .to::<Request>()
+            .unwrap();
+        assert!(matches!(get, Request::Get { key } if key == "k"));
+    }
 }

@@ -261,6 +261,10 @@ fn collect(
     Ok(())
 }
 
+/// The most parts a `--set` key path may have: every config key is at most three
+/// deep, and a deeper path would only build nesting that later passes recurse over.
+const MAX_KEY_PARTS: usize = 8;
+
 /// The layer of one `KEY.PATH=VALUE` override; VALUE is YAML (`7`, `[6, 8, 8]`,
 /// `auto`, `null`).
 pub fn override_layer(spec: &str) -> Result<Layer, ConfigError> {
@@ -277,6 +281,13 @@ pub fn override_layer(spec: &str) -> Result<Layer, ConfigError> {
         return Err(error(
             key,
             "expected a key path such as DATA.CROP_SIZE".into(),
+        ));
+    }
+    let parts = key.split('.').count();
+    if parts > MAX_KEY_PARTS {
+        return Err(error(
+            key,
+            format!("a key path of {parts} parts; config keys have at most {MAX_KEY_PARTS}"),
         ));
     }
     let value: Value = serde_yaml_ng::from_str(text)
@@ -440,5 +451,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("DATA.CROP_SIZE"), "{err}");
+    }
+
+    #[test]
+    fn a_very_deep_key_path_is_refused_quickly() {
+        // Found by tests/parsers_prop: 20k parts nested the layer so deep that
+        // merging it overflowed the stack.
+        let key = vec!["DATA"; 20_000].join(".");
+        let start = std::time::Instant::now();
+        let err = override_layer(&format!("{key}=1")).unwrap_err().to_string();
+        assert!(
+            err.contains("20000 parts") && err.contains("--set"),
+            "{err}"
+        );
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
+        assert!(override_layer("MODEL.SPIKE_TSA.CHUNK_SIZE=80").is_ok());
     }
 }

@@ -150,6 +150,35 @@ fn read_names(file: &File, path: &Path, frames: usize) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// The most bytes of data one byte of an HDF5 file can hold (deflate's ratio, the
+/// best of the usual filters).
+const MAX_INFLATE: u128 = 1032;
+
+/// Refuses datasets whose shapes claim more data than the file can hold even
+/// compressed (chunks that were never written): every buffer a session sizes
+/// (frame names, records) comes from these shapes.
+fn check_claimed_size(path: &Path, shapes: &[&[usize]]) -> Result<()> {
+    let file_len = std::fs::metadata(path)
+        .map_err(|e| DataError::io(path, e))?
+        .len();
+    let claimed = shapes.iter().try_fold(0u128, |sum, shape| {
+        let cells = shape
+            .iter()
+            .try_fold(1u128, |n, d| n.checked_mul(*d as u128))?;
+        sum.checked_add(cells)
+    });
+    match claimed {
+        Some(bytes) if bytes <= MAX_INFLATE * file_len as u128 => Ok(()),
+        _ => Err(DataError::format(
+            path,
+            format!(
+                "datasets 'blur', 'sharp' and 'spike' claim {} bytes, more than a file of {file_len} bytes holds (chunks never written?)",
+                claimed.map_or_else(|| "over 2^128".to_string(), |b| b.to_string())
+            ),
+        )),
+    }
+}
+
 impl H5Session {
     /// Opens `path` read-only with a chunk cache of `chunk_cache_mb` MiB for the
     /// file (split over its three datasets) and checks every dataset and attribute.
@@ -198,6 +227,8 @@ impl H5Session {
                 format!("frames are {height}x{width}, smaller than the spike grid {spike_height}x{spike_width}"),
             ));
         }
+        check_claimed_size(path, &[&blur_shape, &sharp_shape, &spike_shape])?;
+        to_u32(path, "N", frames)?;
         let frame_names = read_names(&file, path, frames)?;
         Ok(H5Session {
             path: path.to_path_buf(),
@@ -283,4 +314,42 @@ pub fn session_files(split_dir: &Path) -> Result<Vec<PathBuf>> {
     }
     out.sort();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unwritten_huge_datasets_are_refused_before_sizing_anything() {
+        // Found by tests/parsers_prop: a few-KiB file whose chunked datasets claim
+        // 2^40 frames (chunks never written) made `open` build 2^40 frame names.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("forged.h5");
+        let file = File::create(&path).unwrap();
+        for name in ["spike_height", "spike_width"] {
+            let attr = file.new_attr::<i64>().create(name).unwrap();
+            attr.write_scalar(&8i64).unwrap();
+        }
+        let frames = 1usize << 40;
+        for (name, shape) in [
+            ("blur", [frames, 8, 8, 3]),
+            ("sharp", [frames, 8, 8, 3]),
+            ("spike", [frames, 1, 8, 1]),
+        ] {
+            file.new_dataset::<u8>()
+                .shape(shape.to_vec())
+                .chunk(vec![1, shape[1], shape[2], shape[3]])
+                .create(name)
+                .unwrap();
+        }
+        drop(file);
+        let start = std::time::Instant::now();
+        let err = H5Session::open(&path, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("forged.h5") && err.contains("never written"),
+            "{err}"
+        );
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
 }

@@ -27,11 +27,34 @@ impl RgbImage {
     }
 }
 
-fn open(path: &Path) -> Result<png::Decoder<BufReader<std::fs::File>>> {
+/// The most image bytes one byte of compressed PNG data can expand to (deflate's
+/// limit is about 1032:1).
+const MAX_INFLATE: u128 = 1032;
+
+/// A decoder of `path`, and the file's length.
+fn open(path: &Path) -> Result<(png::Decoder<BufReader<std::fs::File>>, u64)> {
     let file = std::fs::File::open(path).map_err(|e| DataError::io(path, e))?;
+    let len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
     let mut decoder = png::Decoder::new(BufReader::new(file));
     decoder.set_transformations(Transformations::normalize_to_color8());
-    Ok(decoder)
+    Ok((decoder, len))
+}
+
+/// Refuses a header whose size a file of `file_len` bytes cannot hold even at
+/// deflate's best ratio, so that no buffer is sized by a forged width or height.
+fn check_claimed_size(path: &Path, info: &png::Info, file_len: u64) -> Result<()> {
+    let row_bytes = info.raw_row_length().saturating_sub(1) as u128;
+    let claimed = row_bytes * info.height as u128;
+    if claimed > MAX_INFLATE * file_len as u128 {
+        return Err(DataError::format(
+            path,
+            format!(
+                "PNG header claims {}x{} pixels ({claimed} bytes of image data), more than a file of {file_len} bytes can hold",
+                info.height, info.width
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn bad_png(path: &Path, err: png::DecodingError) -> DataError {
@@ -40,16 +63,18 @@ fn bad_png(path: &Path, err: png::DecodingError) -> DataError {
 
 /// The (height, width) of a PNG, reading only its header.
 pub fn png_size(path: &Path) -> Result<(u32, u32)> {
-    let mut decoder = open(path)?;
+    let (mut decoder, file_len) = open(path)?;
     let info = decoder.read_header_info().map_err(|e| bad_png(path, e))?;
+    check_claimed_size(path, info, file_len)?;
     Ok((info.height, info.width))
 }
 
 /// Decodes a PNG straight into `dst` as 8-bit RGB; its size must be `expected`
 /// (height, width), else an error names the file and both sizes.
 pub fn read_png_rgb_into(path: &Path, expected: (u32, u32), dst: &mut [u8]) -> Result<()> {
-    let decoder = open(path)?;
+    let (decoder, file_len) = open(path)?;
     let mut reader = decoder.read_info().map_err(|e| bad_png(path, e))?;
+    check_claimed_size(path, reader.info(), file_len)?;
     let (width, height) = reader.info().size();
     if (height, width) != expected {
         return Err(DataError::format(
@@ -174,6 +199,42 @@ mod tests {
             read_png_rgb(&path).unwrap().data,
             vec![10, 10, 10, 200, 200, 200]
         );
+    }
+
+    #[test]
+    fn a_forged_huge_size_is_refused_before_allocating() {
+        // Found by tests/parsers_prop: a 70-byte PNG whose IHDR (CRC fixed) claims
+        // 2^31-1 x 2^31-1 pixels made `read_png_rgb` allocate for that size.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("forged.png");
+        let image = RgbImage {
+            height: 2,
+            width: 2,
+            data: vec![7; 12],
+        };
+        write_png_rgb(&path, &image).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        for (at, value) in [(16, 0x7fff_ffffu32), (20, 0x7fff_ffff)] {
+            bytes[at..at + 4].copy_from_slice(&value.to_be_bytes());
+        }
+        let crc = crc32fast::hash(&bytes[12..29]);
+        bytes[29..33].copy_from_slice(&crc.to_be_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        for err in [
+            png_size(&path).unwrap_err(),
+            read_png_rgb(&path).unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(
+                err.contains("forged.png") && err.contains("2147483647x2147483647"),
+                "{err}"
+            );
+        }
+        // Decoding into a caller's buffer: refused too (here by the decoder's limits).
+        let err = read_png_rgb_into(&path, (0x7fff_ffff, 0x7fff_ffff), &mut [])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("forged.png"), "{err}");
     }
 
     #[test]

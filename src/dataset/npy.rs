@@ -110,8 +110,13 @@ fn check_grid(path: &Path, header: &NpyHeader, file_len: u64) -> Result<(u32, u3
             format!("shape {:?} has an empty or huge axis", header.shape),
         ));
     }
-    let want = header.data_offset as u64 + 4 * (k as u64 * h as u64 * w as u64);
-    if file_len != want {
+    // Checked: three axes of up to 2^32 overflow u64 (a forged header).
+    let want = [k as u64, h as u64, w as u64, 4]
+        .iter()
+        .try_fold(1u64, |n, v| n.checked_mul(*v))
+        .and_then(|data| data.checked_add(header.data_offset as u64));
+    if want != Some(file_len) {
+        let want = want.map_or_else(|| "more than 2^64".to_string(), |v| v.to_string());
         return Err(DataError::format(
             path,
             format!("{file_len} bytes, but its header describes {want}"),
@@ -218,5 +223,18 @@ mod tests {
         write_f32(&path, &[1, 2, 2], &[0.0; 4]).unwrap();
         let full = std::fs::read(&path).unwrap();
         check(&full[..full.len() - 4], "bytes");
+    }
+
+    #[test]
+    fn a_shape_whose_size_overflows_is_an_error() {
+        // Found by tests/parsers_prop: three axes just under 2^32 made the size
+        // computation overflow (a panic in debug builds, a wrong size in release).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("huge.npy");
+        write_f32(&path, &[4_294_967_295, 4_294_967_295, 4_294_967_295], &[]).unwrap();
+        let err = voxel_header(&path).unwrap_err().to_string();
+        assert!(err.contains("huge.npy") && err.contains("2^64"), "{err}");
+        let mut dst = [0u8; 2];
+        assert!(read_voxels_f16_into(&path, (1, 1, 1), &mut dst).is_err());
     }
 }
