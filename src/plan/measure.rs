@@ -166,7 +166,8 @@ fn one_step(
     let output = amp.run(|| model.forward(&blur, voxels, true))?;
     let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps);
     loss.f_backward()?;
-    optimizer.step(tc.lr);
+    // A step past FIX_ITER, so every parameter group holds its optimizer state.
+    optimizer.step(tc.lr, tc.fix_iter);
     Ok(())
 }
 

@@ -71,15 +71,12 @@ pub fn write_resolved(path: &Path, config: &Config) -> Result<ResolvedWrite, Tra
     })
 }
 
-/// On rank 0: logs the config's notices (one line each) and writes
+/// On rank 0: writes
 /// `<run dir>/config.resolved.yaml`, logging when a resumed run's config differs
 /// from the previous attempt's. Other ranks do nothing.
 pub fn record_config(config: &Config, env: &RankEnv) -> Result<(), TrainError> {
     if env.rank != 0 {
         return Ok(());
-    }
-    for notice in config.notices() {
-        tracing::info!("config notice: {notice}");
     }
     let path = env.layout().resolved_config();
     match write_resolved(&path, config)? {

@@ -50,7 +50,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
             store_len: 3,
             arena_bytes: 4,
             pin_bit: 5,
-            store: None,
+            store_fd_follows: true,
         },
         Reply::Error(RequestError::StoreFull {
             key: key.clone(),
