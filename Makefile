@@ -76,9 +76,9 @@ BENCH_DATA := $(ROOT)/data/bench-gopro
 BENCH_OUT := $(ROOT)/bench-out
 BENCH_ARGS := --ranks 2 --workers 2 --clip 6 --crop 256 --epochs 2
 PEER_CACHE_GB ?= 2.0
-# The cache server reserves its whole capacity up front (counted in Pss): size it
-# for the bench data (24 frames x 8.1 MB = 194 MB), with room to spare.
-LOADER_CACHE_GB ?= 0.5
+# The cache server's default cap (2 GiB); its pages are reserved only as records
+# arrive, so the job's Pss follows the data (24 frames x 8.1 MB = 194 MB), not the cap.
+LOADER_CACHE_GB ?= 2.0
 PSS_TREE := $(ROOT)/../shared/tools/pss-tree
 PEER := $(ROOT)/../shared/baselines/torch_loader.py
 

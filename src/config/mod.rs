@@ -174,12 +174,18 @@ impl Config {
             let origin = show::origin_of(&origins, &key);
             let path = match &origin.source {
                 Source::File(p) | Source::Base(p) => p.clone(),
-                Source::Override(spec) => {
-                    message.push_str(&format!(" (set by --set {spec})"));
-                    top.to_path_buf()
-                }
-                Source::Default => top.to_path_buf(),
+                Source::Override(_) | Source::Default => top.to_path_buf(),
             };
+            match &origin.source {
+                Source::Override(spec) => message.push_str(&format!(" (set by --set {spec})")),
+                // A rule across keys: name the overrides that may have broken it.
+                _ => {
+                    let specs = override_specs(all);
+                    if !specs.is_empty() {
+                        message.push_str(&format!(" (with --set {})", specs.join(", --set ")));
+                    }
+                }
+            }
             return Err(ConfigError::Invalid { path, key, message });
         }
         Ok(Resolved::new(config, top.to_path_buf(), origins))
@@ -195,6 +201,16 @@ impl Config {
         self.dist.validate()?;
         Ok(())
     }
+}
+
+/// The `KEY.PATH=VALUE` overrides among `all`, in order.
+fn override_specs(all: &[layers::Layer]) -> Vec<String> {
+    all.iter()
+        .filter_map(|layer| match &layer.source {
+            Source::Override(spec) => Some(spec.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Deserializes a YAML mapping into a config (types and key names only); errors give
@@ -499,6 +515,8 @@ mod tests {
             ("DATA.CROP_SIZE.X=3", "DATA.CROP_SIZE"),
             ("NOPE.X=1", "NOPE"),
             ("TRAIN.BATCH_SIZE=0", "TRAIN.BATCH_SIZE"),
+            // A rule across keys names the override that broke it (found by proptest).
+            ("TRAIN.FIX_ITER=1", "--set TRAIN.FIX_ITER=1"),
         ] {
             let err = set(&[spec]).unwrap_err();
             assert!(err.contains(key), "{spec}: {err}");
