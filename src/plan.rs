@@ -4,8 +4,6 @@
 //! sample bytes of the real sample shape), the model's parameter, gradient and AdamW
 //! bytes, the host total and its share of RAM, and the warnings of the user's guides.
 
-pub mod measure;
-
 use serde::Serialize;
 
 use crate::config::{Config, ModelConfig, Workers};
@@ -101,7 +99,7 @@ pub struct Plan {
     /// the term and the key to change.
     pub misfits: Vec<String>,
     /// One training step measured on a device (`--measure`).
-    pub measured: Option<measure::Measured>,
+    pub measured: Option<Measured>,
 }
 
 /// Share of RAM the host total may use before the plan warns (and before
@@ -467,6 +465,25 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         other => return Err(format!("{text:?}: unknown unit {other:?} (K, M, G, T)")),
     };
     Ok((value * (1u64 << shift) as f64) as u64)
+}
+
+/// What one measured step took.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Measured {
+    /// The device, `cpu` or `cuda:N`.
+    pub device: String,
+    /// Where the figures come from.
+    pub source: String,
+    /// Blur input shape (B, L, 3, crop, crop).
+    pub batch_shape: Vec<i64>,
+    /// Voxel input shape (B, L, K, rows, columns).
+    pub voxel_shape: Vec<i64>,
+    /// Peak bytes held by tensors (CUDA), or the rise of the peak resident set (CPU).
+    pub peak_allocated: u64,
+    /// Peak bytes the CUDA allocator reserved; `None` on the CPU.
+    pub peak_reserved: Option<u64>,
+    /// Wall time of the step, seconds (first step: includes warm-up).
+    pub step_seconds: f64,
 }
 
 #[cfg(test)]

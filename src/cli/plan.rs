@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use vrtspike::config::Config;
-use vrtspike::plan::measure::measure_step;
 use vrtspike::plan::{dataset_facts, model_params, parse_size, plan, Machine};
+use vrtspike::train::measure::measure_step;
 
 /// Arguments of `plan`.
 #[derive(Args)]

@@ -1,4 +1,4 @@
-//! Watching a run: TensorBoard event files fed from the metrics records
+//! Watching a run: the memory monitor of a rank ([`memory`]), TensorBoard event files fed from the metrics records
 //! ([`tb_sink`], [`tensorboard`], [`tfrecord`]), the researcher's log line
 //! ([`logline`]), and, from a finished or running run directory, one figure
 //! ([`plot`]) and a bottleneck diagnosis ([`analyze`]) read through [`run`].
@@ -9,6 +9,7 @@
 
 pub mod analyze;
 pub mod logline;
+pub mod memory;
 pub mod plot;
 pub mod run;
 pub mod tb_sink;

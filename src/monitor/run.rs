@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::MonitorError;
-use crate::train::metrics::METRICS_FILE;
+use vrtspike_contract::rundir::METRICS_FILE;
 
 /// Lines kept from the end of each log.
 const LOG_TAIL_LINES: usize = 200;

@@ -7,15 +7,14 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
 use tch::{nn, Device, Kind, Tensor};
 
+use super::amp::AmpMode;
+use super::loss::charbonnier;
+use super::optim::AdamW;
 use crate::config::Config;
-use crate::train::amp::AmpMode;
-use crate::train::loss::charbonnier;
-use crate::train::optim::AdamW;
 
-use super::{spike_crop, DatasetFacts};
+use crate::plan::{spike_crop, DatasetFacts, Measured};
 
 /// A measurement that could not be taken.
 #[derive(Debug, thiserror::Error)]
@@ -32,25 +31,6 @@ pub enum MeasureError {
     /// The device has no allocator figures (no CUDA in this build, or no such device).
     #[error("{0}")]
     Unavailable(String),
-}
-
-/// What one measured step took.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Measured {
-    /// The device, `cpu` or `cuda:N`.
-    pub device: String,
-    /// Where the figures come from.
-    pub source: String,
-    /// Blur input shape (B, L, 3, crop, crop).
-    pub batch_shape: Vec<i64>,
-    /// Voxel input shape (B, L, K, rows, columns).
-    pub voxel_shape: Vec<i64>,
-    /// Peak bytes held by tensors (CUDA), or the rise of the peak resident set (CPU).
-    pub peak_allocated: u64,
-    /// Peak bytes the CUDA allocator reserved; `None` on the CPU.
-    pub peak_reserved: Option<u64>,
-    /// Wall time of the step, seconds (first step: includes warm-up).
-    pub step_seconds: f64,
 }
 
 /// `VmHWM` or `VmRSS` of this process in bytes.
