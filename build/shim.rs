@@ -125,18 +125,40 @@ fn build_c10d_shim() {
         }
     }
 
-    // cc caches nothing: reuse an archive built from the same source and
-    // flags, kept beside the profile's build folders so `cargo build` and
-    // `cargo test` (distinct build-script runs) share it.
-    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
-    let source_text = std::fs::read_to_string(SOURCE).unwrap_or_default();
-    let stamp = format!(
-        "{}\n{}\n{:?}\n{}",
-        torch.root.display(),
-        torch.cxx11_abi,
-        cuda,
-        source_text
+    let started = std::time::Instant::now();
+    let compiled = shim_compile_cached(
+        build,
+        "c10d_shim",
+        "c10d-shim",
+        SOURCE,
+        &format!("{}\n{}\n{:?}", torch.root.display(), torch.cxx11_abi, cuda),
     );
+    if compiled {
+        // Not a cargo directive: kept in the build script's `output` file.
+        println!(
+            "c10d shim compiled in {:.1}s (NCCL: {})",
+            started.elapsed().as_secs_f64(),
+            if cuda.is_some() { "yes" } else { "no" }
+        );
+    }
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    if cuda.is_some() {
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+}
+
+/// Links the static library `lib` built from `source` by `build`, reusing an
+/// archive compiled earlier from the same source and `flags` (cc caches
+/// nothing). The archive is kept under `<profile>/<cache>/<hash>/` beside the
+/// profile's build folders so `cargo build` and `cargo test` (distinct
+/// build-script runs) share it. Returns whether it compiled.
+fn shim_compile_cached(build: cc::Build, lib: &str, cache: &str, source: &str, flags: &str) -> bool {
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
+    let source_text = std::fs::read_to_string(source).unwrap_or_default();
+    let stamp = format!("{flags}\n{source_text}");
     let key = {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -146,35 +168,23 @@ fn build_c10d_shim() {
     let profile_dir = out_dir.ancestors().nth(3).map(|d| d.to_path_buf());
     let cache_dir = profile_dir
         .unwrap_or_else(|| out_dir.clone())
-        .join("c10d-shim")
+        .join(cache)
         .join(&key);
-    let cached = cache_dir.join("libc10d_shim.a");
+    let archive = format!("lib{lib}.a");
+    let cached = cache_dir.join(&archive);
     if cached.is_file() {
         println!("cargo:rustc-link-search=native={}", cache_dir.display());
-        println!("cargo:rustc-link-lib=static=c10d_shim");
+        println!("cargo:rustc-link-lib=static={lib}");
         println!("cargo:rustc-link-lib=stdc++");
-        println!("c10d shim reused from {}", cache_dir.display());
-    } else {
-        let started = std::time::Instant::now();
-        build.compile("c10d_shim");
-        // Not a cargo directive: kept in the build script's `output` file.
-        println!(
-            "c10d shim compiled in {:.1}s (NCCL: {})",
-            started.elapsed().as_secs_f64(),
-            if cuda.is_some() { "yes" } else { "no" }
-        );
-        if std::fs::create_dir_all(&cache_dir).is_ok() {
-            let partial = cache_dir.join("libc10d_shim.a.partial");
-            if std::fs::copy(out_dir.join("libc10d_shim.a"), &partial).is_ok() {
-                let _ = std::fs::rename(&partial, &cached);
-            }
+        println!("{lib} reused from {}", cache_dir.display());
+        return false;
+    }
+    build.compile(lib);
+    if std::fs::create_dir_all(&cache_dir).is_ok() {
+        let partial = cache_dir.join(format!("{archive}.partial"));
+        if std::fs::copy(out_dir.join(&archive), &partial).is_ok() {
+            let _ = std::fs::rename(&partial, &cached);
         }
     }
-    println!("cargo:rustc-link-search=native={}", lib_dir.display());
-    if cuda.is_some() {
-        println!("cargo:rustc-link-lib=dylib=torch_cuda");
-        println!("cargo:rustc-link-lib=dylib=c10_cuda");
-    }
-    println!("cargo:rustc-link-lib=dylib=torch_cpu");
-    println!("cargo:rustc-link-lib=dylib=c10");
+    true
 }

@@ -332,7 +332,6 @@ mod tests {
         assert_eq!(t.fix_keys, vec!["spynet".to_string(), "deform".to_string()]);
         let notices = c.notices();
         for key in [
-            "MODEL.USE_CHECKPOINT_ATTN",
             "DATALOADER.PIN_MEMORY",
             "TRAIN.AMP_OPT_LEVEL",
             "TRAIN.COMPILE_MODEL",
@@ -342,7 +341,7 @@ mod tests {
                 "{key}: {notices:?}"
             );
         }
-        assert_eq!(notices.len(), 4, "{notices:?}");
+        assert_eq!(notices.len(), 3, "{notices:?}");
         assert!(parse("{}").unwrap().notices().is_empty());
     }
 

@@ -284,21 +284,10 @@ impl Default for UnetConfig {
 pub const ARCHS: [&str; 2] = ["vrt_spike", "unet_spike"];
 
 impl ModelConfig {
-    /// One-line notices for keys accepted without an equivalent here.
+    /// One-line notices for keys accepted without an equivalent here (none: every
+    /// `MODEL` key, the activation-checkpointing flags included, is implemented).
     pub(super) fn notices(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        for (key, on) in [
-            ("USE_CHECKPOINT_ATTN", self.use_checkpoint_attn),
-            ("USE_CHECKPOINT_FFN", self.use_checkpoint_ffn),
-        ] {
-            if on {
-                out.push(format!(
-                    "MODEL.{key}: true is accepted; activation checkpointing is not \
-                     implemented yet, activations are kept (more GPU memory)"
-                ));
-            }
-        }
-        out
+        Vec::new()
     }
 
     /// The chunking of the temporal spike attention (its keys, else `FUSE`'s).

@@ -2,16 +2,19 @@
 //! relative position bias, plus mutual attention between the two frames of a window),
 //! the TMSA block, the TMSA group (alternating cyclic shifts) and stage 8's RTMSA.
 //! Attention goes through `scaled_dot_product_attention` so GPUs get fused kernels.
+//! Each block's attention and MLP can be activation-checkpointed ([`Checkpointing`]).
 
 use std::sync::Arc;
 
 use tch::{nn, Tensor};
 
+use super::checkpoint::{checkpoint_one, Checkpointing};
 use super::layers::{drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
 use super::window::{
     effective_window, relative_position_index, sine_position_encoding, window_partition,
     window_reverse, MaskCache,
 };
+use super::ModelError;
 
 /// Attention (B, nH, L, hd) x (B, nH, S, hd) with an optional additive mask that
 /// broadcasts to (B, nH, L, S); scale hd^-0.5.
@@ -64,6 +67,22 @@ impl WindowAttention {
             qkv_self,
             qkv_mut,
             proj,
+        }
+    }
+
+    /// The same attention sharing its parameters and buffers (for closures that own them).
+    pub fn shallow_clone(&self) -> WindowAttention {
+        WindowAttention {
+            heads: self.heads,
+            window: self.window,
+            bias_table: self.bias_table.shallow_clone(),
+            position_index: self.position_index.shallow_clone(),
+            qkv_self: self.qkv_self.shallow_clone(),
+            qkv_mut: self
+                .qkv_mut
+                .as_ref()
+                .map(|(linear, pe)| (linear.shallow_clone(), pe.shallow_clone())),
+            proj: self.proj.shallow_clone(),
         }
     }
 
@@ -150,14 +169,31 @@ impl WindowAttention {
 }
 
 /// One TMSA block: pre-norm window attention (shifted on odd blocks) and a GEGLU MLP,
-/// both residual with stochastic depth.
+/// both residual with stochastic depth, each optionally checkpointed.
 #[derive(Debug)]
 pub struct Tmsa {
+    part1: AttentionPart,
+    part2: FeedForwardPart,
+    checkpointing: Checkpointing,
+}
+
+/// The attention half of a TMSA block (the reference's `forward_part1`): norm1, padding
+/// and cyclic shift, window attention, drop path.
+#[derive(Debug)]
+struct AttentionPart {
     window: [i64; 3],
     shift: [i64; 3],
     drop_path: f64,
     norm1: LayerNorm,
     attn: WindowAttention,
+    masks: Arc<MaskCache>,
+}
+
+/// The MLP half of a TMSA block (the reference's `forward_part2`): norm2, GEGLU MLP,
+/// drop path.
+#[derive(Debug)]
+struct FeedForwardPart {
+    drop_path: f64,
     norm2: LayerNorm,
     mlp: MlpGeglu,
 }
@@ -181,11 +217,19 @@ pub struct GroupSpec {
     pub qkv_bias: bool,
     /// Drop path rate of each block (indexed by block; missing entries are 0).
     pub drop_path: Vec<f64>,
+    /// Which parts of each block recompute their activations in the backward pass.
+    pub checkpointing: Checkpointing,
 }
 
 impl Tmsa {
-    fn new(p: &nn::Path, spec: &GroupSpec, shift: [i64; 3], drop_path: f64) -> Tmsa {
-        Tmsa {
+    fn new(
+        p: &nn::Path,
+        spec: &GroupSpec,
+        shift: [i64; 3],
+        drop_path: f64,
+        masks: Arc<MaskCache>,
+    ) -> Tmsa {
+        let part1 = AttentionPart {
             window: spec.window,
             shift,
             drop_path,
@@ -198,6 +242,10 @@ impl Tmsa {
                 spec.qkv_bias,
                 spec.mutual,
             ),
+            masks,
+        };
+        let part2 = FeedForwardPart {
+            drop_path,
             norm2: LayerNorm::new(&(p / "norm2"), spec.dim),
             mlp: MlpGeglu::new(
                 &(p / "mlp"),
@@ -205,10 +253,49 @@ impl Tmsa {
                 (spec.dim as f64 * spec.mlp_ratio) as i64,
                 spec.dim,
             ),
+        };
+        Tmsa {
+            part1,
+            part2,
+            checkpointing: spec.checkpointing,
         }
     }
 
-    fn attention_part(&self, x: &Tensor, masks: &MaskCache, train: bool) -> Tensor {
+    /// (B, D, H, W, C) to the same shape.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        let attn = if self.checkpointing.attn {
+            let part = self.part1.shallow_clone();
+            checkpoint_one(&[x], move |t| Ok(part.forward(&t[0], train)))?
+        } else {
+            self.part1.forward(x, train)
+        };
+        let x = x + attn;
+        let mlp = if self.checkpointing.ffn {
+            let part = self.part2.shallow_clone();
+            checkpoint_one(&[&x], move |t| Ok(part.forward(&t[0], train)))?
+        } else {
+            self.part2.forward(&x, train)
+        };
+        Ok(x + mlp)
+    }
+}
+
+impl AttentionPart {
+    /// The same part sharing its parameters (for a checkpointed closure).
+    fn shallow_clone(&self) -> AttentionPart {
+        AttentionPart {
+            window: self.window,
+            shift: self.shift,
+            drop_path: self.drop_path,
+            norm1: self.norm1.shallow_clone(),
+            attn: self.attn.shallow_clone(),
+            masks: self.masks.clone(),
+        }
+    }
+
+    /// The attention update of (B, D, H, W, C), same shape.
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let masks = &self.masks;
         let s = x.size();
         let (b, d, h, w, c) = (s[0], s[1], s[2], s[3], s[4]);
         let (window, shift) = effective_window([d, h, w], self.window, self.shift);
@@ -253,12 +340,22 @@ impl Tmsa {
         };
         drop_path(&x, self.drop_path, train)
     }
+}
 
-    /// (B, D, H, W, C) to the same shape.
-    pub fn forward(&self, x: &Tensor, masks: &MaskCache, train: bool) -> Tensor {
-        let x = x + self.attention_part(x, masks, train);
-        let mlp = self.mlp.forward(&self.norm2.forward(&x));
-        &x + drop_path(&mlp, self.drop_path, train)
+impl FeedForwardPart {
+    /// The same part sharing its parameters (for a checkpointed closure).
+    fn shallow_clone(&self) -> FeedForwardPart {
+        FeedForwardPart {
+            drop_path: self.drop_path,
+            norm2: self.norm2.shallow_clone(),
+            mlp: self.mlp.shallow_clone(),
+        }
+    }
+
+    /// The MLP update of (B, D, H, W, C), same shape.
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let mlp = self.mlp.forward(&self.norm2.forward(x));
+        drop_path(&mlp, self.drop_path, train)
     }
 }
 
@@ -266,7 +363,6 @@ impl Tmsa {
 #[derive(Debug)]
 pub struct Tmsag {
     blocks: Vec<Tmsa>,
-    masks: Arc<MaskCache>,
 }
 
 impl Tmsag {
@@ -277,19 +373,19 @@ impl Tmsag {
             .map(|i| {
                 let shift = if i % 2 == 0 { [0, 0, 0] } else { half };
                 let rate = spec.drop_path.get(i as usize).copied().unwrap_or(0.0);
-                Tmsa::new(&(p / "blocks" / i), spec, shift, rate)
+                Tmsa::new(&(p / "blocks" / i), spec, shift, rate, masks.clone())
             })
             .collect();
-        Tmsag { blocks, masks }
+        Tmsag { blocks }
     }
 
     /// Channel-last (B, D, H, W, C) to the same shape.
-    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
         let mut x = x.shallow_clone();
         for block in &self.blocks {
-            x = block.forward(&x, &self.masks, train);
+            x = block.forward(&x, train)?;
         }
-        x
+        Ok(x)
     }
 }
 
@@ -310,8 +406,8 @@ impl Rtmsa {
     }
 
     /// Channel-last (B, D, H, W, C) to the same shape.
-    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
-        x + self.linear.forward(&self.residual_group.forward(x, train))
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        Ok(x + self.linear.forward(&self.residual_group.forward(x, train)?))
     }
 }
 
@@ -381,10 +477,11 @@ mod tests {
             mlp_ratio: 2.0,
             qkv_bias: true,
             drop_path: vec![0.0, 0.1],
+            checkpointing: Checkpointing::default(),
         };
         let group = Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()));
         let x = Tensor::randn([1, 3, 6, 10, 8], (Kind::Float, Device::Cpu));
-        let y = group.forward(&x, false);
+        let y = group.forward(&x, false).unwrap();
         assert_eq!(y.size(), x.size());
         assert!(!y.isnan().any().int64_value(&[]) != 0);
         let names = vs.variables();

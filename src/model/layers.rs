@@ -24,6 +24,14 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
     }
+
+    /// The same layer sharing its parameters (for closures that must own them).
+    pub fn shallow_clone(&self) -> Linear {
+        Linear {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.as_ref().map(Tensor::shallow_clone),
+        }
+    }
 }
 
 /// Layer normalisation over the last dimension (eps 1e-5).
@@ -47,6 +55,15 @@ impl LayerNorm {
     /// Normalises the last dimension.
     pub fn forward(&self, x: &Tensor) -> Tensor {
         x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
+    }
+
+    /// The same layer sharing its parameters (for closures that must own them).
+    pub fn shallow_clone(&self) -> LayerNorm {
+        LayerNorm {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.shallow_clone(),
+            dim: self.dim,
+        }
     }
 }
 
@@ -136,6 +153,15 @@ impl MlpGeglu {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let gated = self.fc11.forward(x).gelu("none") * self.fc12.forward(x);
         self.fc2.forward(&gated)
+    }
+
+    /// The same MLP sharing its parameters (for closures that must own them).
+    pub fn shallow_clone(&self) -> MlpGeglu {
+        MlpGeglu {
+            fc11: self.fc11.shallow_clone(),
+            fc12: self.fc12.shallow_clone(),
+            fc2: self.fc2.shallow_clone(),
+        }
     }
 }
 

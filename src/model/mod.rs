@@ -5,6 +5,7 @@
 //! layers, `eval` or `train`).
 
 pub mod attention;
+pub mod checkpoint;
 pub mod deform;
 pub mod flow;
 pub mod layers;
@@ -46,6 +47,10 @@ pub enum ModelError {
         /// What was wrong.
         message: String,
     },
+    /// An activation-checkpointed part failed (libtorch, or the recomputation in the
+    /// backward pass).
+    #[error("activation checkpoint: {0}")]
+    Checkpoint(String),
     /// libtorch failed (reading or writing a file, an operation).
     #[error("weights {path}: {source}")]
     Torch {

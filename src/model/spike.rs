@@ -3,11 +3,14 @@
 //! (`SPIKE_TSA`), and RGB-spike cross-attention (`FUSE`) after stages 1-4. Both are
 //! per-pixel attentions computed by one chunked routine ([`per_pixel`]) in spatial
 //! chunks so that batch x pixels per chunk stays under `MAX_BATCH_TOKENS`; each has its
-//! own chunk keys (`SPIKE_TSA.*` follow `FUSE.*` where unset).
+//! own chunk keys (`SPIKE_TSA.*` follow `FUSE.*` where unset). With activation
+//! checkpointing, each chunk's attention (TSA and FUSE) and TSA MLP are recomputed in
+//! the backward pass.
 
 use tch::{nn, Tensor};
 
 use super::attention::sdpa;
+use super::checkpoint::{checkpoint_one, Checkpointing};
 use super::layers::{leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
 use super::ModelError;
 use crate::config::{ChunkShape, Chunking, FuseConfig, ModelConfig};
@@ -53,7 +56,11 @@ impl ChunkPlan {
 /// Applies `f` to every pixel's sequence over time, chunk by chunk. Inputs are
 /// (N, C_i, D, H, W); `f` gets (N * pixels, D, C_i) per input and returns
 /// (N * pixels, D, C_out). The result is (N, C_out, D, H, W), independent of `plan`.
-pub fn per_pixel(inputs: &[&Tensor], plan: ChunkPlan, f: impl Fn(&[Tensor]) -> Tensor) -> Tensor {
+pub fn per_pixel(
+    inputs: &[&Tensor],
+    plan: ChunkPlan,
+    f: impl Fn(&[Tensor]) -> Result<Tensor, ModelError>,
+) -> Result<Tensor, ModelError> {
     let s = inputs[0].size();
     let (n, d, h, w) = (s[0], s[2], s[3], s[4]);
     let mut rows_out = Vec::new();
@@ -74,7 +81,7 @@ pub fn per_pixel(inputs: &[&Tensor], plan: ChunkPlan, f: impl Fn(&[Tensor]) -> T
                         .reshape([n * rh * cw, d, c])
                 })
                 .collect();
-            let out = f(&seqs);
+            let out = f(&seqs)?;
             let c_out = out.size()[2];
             tiles.push(out.view([n, rh, cw, d, c_out]).permute([0, 4, 3, 1, 2]));
             x0 += cw;
@@ -82,7 +89,7 @@ pub fn per_pixel(inputs: &[&Tensor], plan: ChunkPlan, f: impl Fn(&[Tensor]) -> T
         rows_out.push(Tensor::cat(&tiles, 4));
         y0 += rh;
     }
-    Tensor::cat(&rows_out, 3)
+    Ok(Tensor::cat(&rows_out, 3))
 }
 
 /// Multi-head attention of (B, L, C) queries over (B, S, C) keys/values given projections.
@@ -99,34 +106,93 @@ fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64) -> Tensor {
 /// One pre-norm temporal transformer layer over spike features.
 #[derive(Debug)]
 struct TsaLayer {
+    attn: TsaAttention,
+    ffn: TsaFeedForward,
+}
+
+/// The attention half of a TSA layer: norm1, self-attention over time, proj.
+#[derive(Debug)]
+struct TsaAttention {
     norm1: LayerNorm,
     qkv: Linear,
     proj: Linear,
+    heads: i64,
+}
+
+/// The MLP half of a TSA layer: norm2 and a GEGLU MLP.
+#[derive(Debug)]
+struct TsaFeedForward {
     norm2: LayerNorm,
     mlp: MlpGeglu,
-    heads: i64,
 }
 
 impl TsaLayer {
     fn new(p: &nn::Path, dim: i64, heads: i64) -> TsaLayer {
         TsaLayer {
-            norm1: LayerNorm::new(&(p / "norm1"), dim),
-            qkv: Linear::new(&(p / "qkv"), dim, 3 * dim, true),
-            proj: Linear::new(&(p / "proj"), dim, dim, true),
-            norm2: LayerNorm::new(&(p / "norm2"), dim),
-            mlp: MlpGeglu::new(&(p / "mlp"), dim, 2 * dim, dim),
-            heads,
+            attn: TsaAttention {
+                norm1: LayerNorm::new(&(p / "norm1"), dim),
+                qkv: Linear::new(&(p / "qkv"), dim, 3 * dim, true),
+                proj: Linear::new(&(p / "proj"), dim, dim, true),
+                heads,
+            },
+            ffn: TsaFeedForward {
+                norm2: LayerNorm::new(&(p / "norm2"), dim),
+                mlp: MlpGeglu::new(&(p / "mlp"), dim, 2 * dim, dim),
+            },
         }
     }
 
-    /// (B, D, C) sequences to the same shape.
+    /// (B, D, C) sequences to the same shape, each half recomputed in the backward
+    /// pass when `checkpointing` says so.
+    fn forward(&self, x: &Tensor, checkpointing: Checkpointing) -> Result<Tensor, ModelError> {
+        let attn = if checkpointing.attn {
+            let part = self.attn.shallow_clone();
+            checkpoint_one(&[x], move |t| Ok(part.forward(&t[0])))?
+        } else {
+            self.attn.forward(x)
+        };
+        let x = x + attn;
+        let mlp = if checkpointing.ffn {
+            let part = self.ffn.shallow_clone();
+            checkpoint_one(&[&x], move |t| Ok(part.forward(&t[0])))?
+        } else {
+            self.ffn.forward(&x)
+        };
+        Ok(x + mlp)
+    }
+}
+
+impl TsaAttention {
+    /// The attention update of (B, D, C) sequences.
     fn forward(&self, x: &Tensor) -> Tensor {
         let qkv = self.qkv.forward(&self.norm1.forward(x)).chunk(3, 2);
-        let x = x + self
-            .proj
-            .forward(&heads_attention(&qkv[0], &qkv[1], &qkv[2], self.heads));
-        let mlp = self.mlp.forward(&self.norm2.forward(&x));
-        x + mlp
+        self.proj
+            .forward(&heads_attention(&qkv[0], &qkv[1], &qkv[2], self.heads))
+    }
+
+    /// The same part sharing its parameters (for a checkpointed closure).
+    fn shallow_clone(&self) -> TsaAttention {
+        TsaAttention {
+            norm1: self.norm1.shallow_clone(),
+            qkv: self.qkv.shallow_clone(),
+            proj: self.proj.shallow_clone(),
+            heads: self.heads,
+        }
+    }
+}
+
+impl TsaFeedForward {
+    /// The MLP update of (B, D, C) sequences.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.mlp.forward(&self.norm2.forward(x))
+    }
+
+    /// The same part sharing its parameters (for a checkpointed closure).
+    fn shallow_clone(&self) -> TsaFeedForward {
+        TsaFeedForward {
+            norm2: self.norm2.shallow_clone(),
+            mlp: self.mlp.shallow_clone(),
+        }
     }
 }
 
@@ -160,6 +226,32 @@ impl Fuse {
         self.proj
             .forward(&heads_attention(&q, &kv[0], &kv[1], self.heads))
     }
+
+    /// The same fusion sharing its parameters (for a checkpointed closure).
+    fn shallow_clone(&self) -> Fuse {
+        Fuse {
+            norm_q: self.norm_q.shallow_clone(),
+            norm_kv: self.norm_kv.shallow_clone(),
+            q: self.q.shallow_clone(),
+            kv: self.kv.shallow_clone(),
+            proj: self.proj.shallow_clone(),
+            heads: self.heads,
+        }
+    }
+
+    /// As [`Fuse::forward`], recomputed in the backward pass when `checkpointing.attn`.
+    fn forward_checkpointed(
+        &self,
+        rgb: &Tensor,
+        spike: &Tensor,
+        checkpointing: Checkpointing,
+    ) -> Result<Tensor, ModelError> {
+        if !checkpointing.attn {
+            return Ok(self.forward(rgb, spike));
+        }
+        let part = self.shallow_clone();
+        checkpoint_one(&[rgb, spike], move |t| Ok(part.forward(&t[0], &t[1])))
+    }
 }
 
 /// One pyramid level of the encoder: optional stride-2 down-sampling, residual blocks.
@@ -179,6 +271,7 @@ pub struct SpikeBranch {
     fuse: Vec<Fuse>,
     fuse_chunks: Chunking,
     tsa_chunks: Chunking,
+    checkpointing: Checkpointing,
 }
 
 impl SpikeBranch {
@@ -245,6 +338,7 @@ impl SpikeBranch {
             fuse,
             fuse_chunks: cfg.fuse.chunking(),
             tsa_chunks: cfg.tsa_chunking(),
+            checkpointing: Checkpointing::from_config(cfg),
         })
     }
 
@@ -306,13 +400,14 @@ impl SpikeBranch {
             if !self.tsa[l].is_empty() {
                 let plan = ChunkPlan::choose(&self.tsa_chunks, n, th, tw);
                 let layers = &self.tsa[l];
+                let checkpointing = self.checkpointing;
                 f = per_pixel(&[&f], plan, |seqs| {
                     let mut y = seqs[0].shallow_clone();
                     for layer in layers {
-                        y = layer.forward(&y);
+                        y = layer.forward(&y, checkpointing)?;
                     }
-                    y
-                });
+                    Ok(y)
+                })?;
             }
             feats.push(f);
         }
@@ -332,7 +427,10 @@ impl SpikeBranch {
         let s = x.size();
         let plan = ChunkPlan::choose(&self.fuse_chunks, s[0], s[3], s[4]);
         let fuse = &self.fuse[i];
-        let update = per_pixel(&[x, spike], plan, |seqs| fuse.forward(&seqs[0], &seqs[1]));
+        let checkpointing = self.checkpointing;
+        let update = per_pixel(&[x, spike], plan, |seqs| {
+            fuse.forward_checkpointed(&seqs[0], &seqs[1], checkpointing)
+        })?;
         Ok(x + update)
     }
 
@@ -397,14 +495,14 @@ mod tests {
         let weights = Tensor::randn([4, 5], opts);
         // A per-pixel function that mixes time: softmax over frames.
         let f = |s: &[Tensor]| s[0].softmax(1, Kind::Float).matmul(&weights);
-        let whole = per_pixel(&[&x], ChunkPlan { rows: 7, cols: 9 }, f);
+        let whole = per_pixel(&[&x], ChunkPlan { rows: 7, cols: 9 }, |s| Ok(f(s))).unwrap();
         assert_eq!(whole.size(), vec![2, 5, 3, 7, 9]);
         for plan in [
             ChunkPlan { rows: 2, cols: 4 },
             ChunkPlan { rows: 1, cols: 9 },
             ChunkPlan { rows: 3, cols: 3 },
         ] {
-            let chunked = per_pixel(&[&x], plan, f);
+            let chunked = per_pixel(&[&x], plan, |s| Ok(f(s))).unwrap();
             assert!(chunked.allclose(&whole, 1e-6, 1e-6, false), "{plan:?}");
         }
         // Pixel (1, 2) of sample 1 equals the function on that pixel alone.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tch::{nn, Tensor};
 
 use super::attention::{GroupSpec, Rtmsa, Tmsag};
+use super::checkpoint::Checkpointing;
 use super::deform::FlowGuidedDcn;
 use super::flow::{flow_warp, SpyNet, WarpMode};
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
@@ -76,6 +77,7 @@ impl Stage {
             mlp_ratio: cfg.mlp_ratio,
             qkv_bias: cfg.qkv_bias,
             drop_path: spec.drop_path.clone(),
+            checkpointing: Checkpointing::from_config(cfg),
         };
         let g1 = group(mutual_depth, [2, wh, ww], true);
         let g2 = group(spec.depth - mutual_depth, cfg.window_size, false);
@@ -128,15 +130,15 @@ impl Stage {
         flow_backward: &Tensor,
         flow_forward: &Tensor,
         train: bool,
-    ) -> Tensor {
+    ) -> Result<Tensor, ModelError> {
         let x = self.reshape_in(x);
         let x = self
             .linear1
-            .forward(&self.residual_group1.forward(&x, train))
+            .forward(&self.residual_group1.forward(&x, train)?)
             + &x;
         let x = self
             .linear2
-            .forward(&self.residual_group2.forward(&x, train))
+            .forward(&self.residual_group2.forward(&x, train)?)
             + &x;
         // Parallel warping on (N, D, C, H, W).
         let frames = x.permute([0, 1, 4, 2, 3]);
@@ -145,7 +147,7 @@ impl Stage {
             &Tensor::cat(&[&frames, &aligned_backward, &aligned_forward], 2)
                 .permute([0, 1, 3, 4, 2]),
         );
-        fused.permute([0, 4, 1, 2, 3])
+        Ok(fused.permute([0, 4, 1, 2, 3]))
     }
 
     /// Each frame's neighbours aligned to it: backward (from frame t+1; zeros at the
@@ -270,6 +272,7 @@ impl Vrt {
                     mlp_ratio: cfg.mlp_ratio,
                     qkv_bias: cfg.qkv_bias,
                     drop_path: rates(i),
+                    checkpointing: Checkpointing::from_config(cfg),
                 };
                 Rtmsa::new(&(&s8 / (i - 6)), &spec, masks.clone())
             })
@@ -419,24 +422,24 @@ impl Vrt {
             }
         };
         let st = &self.stages;
-        let x1 = fuse(0, st[0].forward(&feat, &backward[0], &forward[0], train))?;
+        let x1 = fuse(0, st[0].forward(&feat, &backward[0], &forward[0], train)?)?;
         mark("stage1");
-        let x2 = fuse(1, st[1].forward(&x1, &backward[1], &forward[1], train))?;
+        let x2 = fuse(1, st[1].forward(&x1, &backward[1], &forward[1], train)?)?;
         mark("stage2");
-        let x3 = fuse(2, st[2].forward(&x2, &backward[2], &forward[2], train))?;
+        let x3 = fuse(2, st[2].forward(&x2, &backward[2], &forward[2], train)?)?;
         mark("stage3");
-        let x4 = fuse(3, st[3].forward(&x3, &backward[3], &forward[3], train))?;
+        let x4 = fuse(3, st[3].forward(&x3, &backward[3], &forward[3], train)?)?;
         mark("stage4");
-        let y = st[4].forward(&x4, &backward[2], &forward[2], train);
+        let y = st[4].forward(&x4, &backward[2], &forward[2], train)?;
         mark("stage5");
-        let y = st[5].forward(&(y + &x3), &backward[1], &forward[1], train);
+        let y = st[5].forward(&(y + &x3), &backward[1], &forward[1], train)?;
         mark("stage6");
-        let y = st[6].forward(&(y + &x2), &backward[0], &forward[0], train);
+        let y = st[6].forward(&(y + &x2), &backward[0], &forward[0], train)?;
         mark("stage7");
         let y = (y + &x1).permute([0, 2, 3, 4, 1]);
         let mut y = self.stage8_linear.forward(&self.stage8_norm.forward(&y));
         for group in &self.stage8 {
-            y = group.forward(&y, train);
+            y = group.forward(&y, train)?;
         }
         mark("stage8");
         let body = self

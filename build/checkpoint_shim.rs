@@ -1,0 +1,45 @@
+// Builds the activation-checkpointing shim (src/model/shim/checkpoint.cpp)
+// with the `cc` crate against the same torch headers as the c10d shim
+// (build/shim.rs, whose `shim_find_torch` and `shim_compile_cached` it uses).
+// It needs no CUDA headers: CUDA generators are reached through ATen's hooks.
+// Included by build.rs (not a crate).
+
+/// Compiles and links the checkpoint shim; panics (failing the build) if torch is missing.
+fn build_checkpoint_shim() {
+    const SOURCE: &str = "src/model/shim/checkpoint.cpp";
+    println!("cargo:rerun-if-changed={SOURCE}");
+    println!("cargo:rerun-if-changed=build/checkpoint_shim.rs");
+    let torch = match shim_find_torch() {
+        Some(torch) => torch,
+        None => panic!(
+            "checkpoint shim: torch not found (set VIRTUAL_ENV or LIBTORCH; run `make setup`)"
+        ),
+    };
+    let include = torch.root.join("include");
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .file(SOURCE)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", torch.cxx11_abi.as_str())
+        .define("GLOG_USE_GLOG_EXPORT", None);
+    let started = std::time::Instant::now();
+    let flags = format!("{}\n{}", torch.root.display(), torch.cxx11_abi);
+    if shim_compile_cached(build, "vs_checkpoint", "checkpoint-shim", SOURCE, &flags) {
+        // Not a cargo directive: kept in the build script's `output` file.
+        println!(
+            "checkpoint shim compiled in {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    println!(
+        "cargo:rustc-link-search=native={}",
+        torch.root.join("lib").display()
+    );
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+}
