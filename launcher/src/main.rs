@@ -119,7 +119,37 @@ impl Job {
 
     /// Runs the job to its end; `Ok` is how it ended (with the reason it gave up
     /// restarting, if it did), `Err` a failure to start it at all.
-    fn run(&mut self, args: &Args) -> Result<(ExitKind, Option<String>)> {
+    fn run(&mut self, args: &Args) -> Result<Ending> {
+        let setup = self.prepare(args)?;
+        let cache_spec = setup.cache_spec(args, &self.run_dir);
+        if setup.topology.nnodes > 1 {
+            self.peers = Some(connect_peers(args, &setup.topology)?);
+        }
+        let mut server = cache_server::start(&cache_spec)?;
+        let mut last_failed_at: Option<Instant> = None;
+        let ending = loop {
+            // Between attempts the last checkpoint is already on disk.
+            if let Some(ending) = self.ending_before_attempt() {
+                break ending;
+            }
+            if !server.running() {
+                tracing::warn!("restarting the cache server");
+                server = cache_server::start(&cache_spec)?;
+            }
+            let attempt = self.run_attempt(&setup, args, &mut server, last_failed_at)?;
+            match self.after_attempt(args, &setup, attempt) {
+                Next::End(ending) => break ending,
+                Next::Restart(failed_at) => last_failed_at = failed_at,
+            }
+        };
+        self.cache_stats = cache_server::stats(&setup.vrtspike, &setup.cache_addr);
+        spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        Ok(ending)
+    }
+
+    /// Resolves what every attempt shares: the node layout, the config, the ranks,
+    /// the memory plan check, the rank command line and the cache address.
+    fn prepare(&mut self, args: &Args) -> Result<JobSetup> {
         let env = |name: &str| std::env::var(name).ok();
         // The node first: an error after this lands in this node's own summary.
         let topology = cluster::resolve(args, &env)?;
@@ -129,20 +159,7 @@ impl Job {
         let ranks = NodeRanks::from_args(args.gpus, args.ranks, env_contract::visible_gpus(&env))?;
         self.local_world_size = ranks.per_node;
         self.world_size = ranks.per_node * topology.nnodes;
-        tracing::info!(
-            "node {} of {} ({}), ranks {}..{} of {}, {}",
-            topology.node_rank,
-            topology.nnodes,
-            topology.source,
-            topology.node_rank * ranks.per_node,
-            (topology.node_rank + 1) * ranks.per_node - 1,
-            self.world_size,
-            if ranks.gpus {
-                "one GPU each (NCCL)"
-            } else {
-                "on CPU (Gloo)"
-            }
-        );
+        log_layout(&topology, ranks, self.world_size);
         let vrtspike = vrtspike_exe()?;
         if args.no_plan_check {
             tracing::info!("memory plan check skipped (--no-plan-check)");
@@ -156,7 +173,6 @@ impl Job {
                 cache_size: args.cache_size.as_deref(),
             })?;
         }
-        let rank_program = args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone());
         let mut rank_args: Vec<OsString> =
             vec!["train".into(), "--config".into(), config.clone().into()];
         rank_args.extend(
@@ -165,184 +181,189 @@ impl Job {
                 .map(|spec| OsString::from(format!("--set={spec}"))),
         );
         rank_args.extend(args.train_args.iter().map(OsString::from));
+        Ok(JobSetup {
+            cache_addr: cache_server::address(topology.node_rank),
+            rank_program: args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone()),
+            rank_args,
+            topology,
+            ranks,
+            config,
+            vrtspike,
+        })
+    }
 
-        let cache_addr = cache_server::address(topology.node_rank);
-        let cache_spec = cache_server::CacheServerSpec {
-            vrtspike: &vrtspike,
-            address: &cache_addr,
-            config: &config,
-            cap: args.cache_size.as_deref(),
-            overrides: &args.set,
-            log: self.run_dir.layout.cache_log(topology.node_rank),
-            start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
-        };
-        if topology.nnodes > 1 {
-            let port = match (args.control_port, topology.master_port) {
-                (Some(port), _) => port,
-                (None, Some(master)) => master.checked_add(1).context(
-                    "MASTER_PORT 65535 leaves no room for the control port: give --control-port",
-                )?,
-                (None, None) => bail!("a multi-node job needs --master-port or --control-port"),
-            };
-            self.peers = Some(PeerLinks::start(
-                topology.node_rank,
-                &topology.master_addr,
-                port,
-                Duration::from_secs_f64(args.peer_timeout_s),
-            )?);
+    /// An ending asked for before the next attempt starts: a signal, or another
+    /// node leaving the job.
+    fn ending_before_attempt(&mut self) -> Option<Ending> {
+        if let Some(ending) = signals::requested_ending() {
+            return Some((ending, None));
         }
-        let peers = self.peers.clone();
-        let mut server = cache_server::start(&cache_spec)?;
+        let event = self.peers.as_ref().and_then(PeerLinks::quit)?;
+        let failure = peer_failure(&event);
+        let why = format!("{} (node {} left the job)", failure.cause, failure.node);
+        self.first_failure.get_or_insert(failure);
+        Some((ExitKind::Failed, Some(why)))
+    }
 
+    /// Starts the ranks of the next attempt, supervises them to the attempt's end
+    /// and records it.
+    fn run_attempt(
+        &mut self,
+        setup: &JobSetup,
+        args: &Args,
+        server: &mut spawn::Supervised,
+        last_failed_at: Option<Instant>,
+    ) -> Result<Attempt> {
+        let restart_count = self.attempts.len() as u32;
+        let launches = self.launches(setup, args, restart_count)?;
+        let resumed_from = self.run_dir.latest_checkpoint();
+        let resumed_name = resumed_from.as_ref().map(Checkpoint::name);
+        for launch in &launches {
+            banner(&launch.log, restart_count, resumed_name.as_deref());
+        }
+        if restart_count > 0 {
+            tracing::info!(
+                "restart {restart_count} of {}, from checkpoint {}",
+                args.max_restarts,
+                resumed_name.as_deref().unwrap_or("(none yet)")
+            );
+        }
+        let started = Instant::now();
+        let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
+        let peers = self.peers.clone();
+        let peer_stop = || {
+            peers
+                .as_ref()
+                .and_then(|p| p.stop_reason(restart_count))
+                .map(|event| peer_failure(&event))
+        };
+        let hang = hang::HangCheck::new(
+            args.hang_timeout_s,
+            self.run_dir.path.clone(),
+            restart_count,
+            self.world_size,
+        );
+        let timing = GangSettings {
+            node_rank: setup.topology.node_rank,
+            grace: Duration::from_secs_f64(args.grace_s),
+            preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
+        };
+        let end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
+        self.attempts.push(AttemptRecord {
+            attempt: restart_count,
+            duration_s: started.elapsed().as_secs_f64(),
+            outcome: end.outcome,
+            resumed_from: resumed_name,
+            restart_latency_s,
+            failure: end.failure.clone(),
+            killed_after_grace: end.killed_after_grace.clone(),
+        });
+        Ok(Attempt {
+            restart_count,
+            resumed_step: resumed_from.map(|c| c.step),
+            end,
+        })
+    }
+
+    /// The launch of every local rank of attempt `restart_count`.
+    fn launches(
+        &self,
+        setup: &JobSetup,
+        args: &Args,
+        restart_count: u32,
+    ) -> Result<Vec<RankLaunch>> {
+        let env = |name: &str| std::env::var(name).ok();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let master_port = match setup.topology.master_port {
+            Some(port) => port,
+            None => free_port()?,
+        };
+        let attempt_env = AttemptEnv {
+            topology: &setup.topology,
+            ranks: setup.ranks,
+            master_port,
+            restart_count,
+            max_restarts: args.max_restarts,
+            cache_addr: &setup.cache_addr,
+            run_dir: &self.run_dir.path,
+            threads_per_rank: env_contract::threads_per_rank(cores, setup.ranks.per_node),
+        };
+        Ok((0..setup.ranks.per_node)
+            .map(|local| {
+                let rank = attempt_env.global_rank(local);
+                RankLaunch {
+                    rank,
+                    program: setup.rank_program.clone(),
+                    args: setup.rank_args.clone(),
+                    env: attempt_env.vars(local, &env),
+                    log: self.run_dir.layout.rank_log(rank),
+                }
+            })
+            .collect())
+    }
+
+    /// After an attempt: the job's ending, or a restart (after the policy's delay).
+    fn after_attempt(&mut self, args: &Args, setup: &JobSetup, attempt: Attempt) -> Next {
+        let Attempt {
+            restart_count,
+            resumed_step,
+            end,
+        } = attempt;
+        let Some(failure) = end.failure else {
+            return Next::End((end.outcome, None));
+        };
+        if self.first_failure.is_none() {
+            self.first_failure = Some(failure.clone());
+        }
+        let peers = self.peers.as_ref();
+        if let Some(peers) = peers.filter(|_| failure.node == setup.topology.node_rank) {
+            peers.report_failure(restart_count, &failure.cause);
+        }
+        if peers.and_then(PeerLinks::quit).is_some() {
+            return Next::End((ExitKind::Failed, Some("a node left the job".into())));
+        }
+        if end.preempting {
+            let why = "it failed while checkpointing for a preemption";
+            return Next::End((ExitKind::Failed, Some(why.into())));
+        }
+        // A request that came while the gang was being stopped: the last
+        // checkpoint is on disk, so end as asked instead of restarting.
+        if let Some(ending) = signals::requested_ending() {
+            return Next::End((ending, None));
+        }
+        let previous_failure = self
+            .attempts
+            .iter()
+            .rev()
+            .nth(1)
+            .and_then(|a| a.failure.as_ref());
+        // Progress: a checkpoint of a higher step than the attempt started from.
+        let made_progress = self.run_dir.latest_checkpoint().map(|c| c.step) > resumed_step;
         let policy = RestartPolicy {
             max_restarts: args.max_restarts,
             delay: Duration::from_secs_f64(args.restart_delay_s),
         };
-        let timing = GangSettings {
-            node_rank: topology.node_rank,
-            grace: Duration::from_secs_f64(args.grace_s),
-            preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
-        };
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let mut last_failed_at: Option<Instant> = None;
-        let ending = loop {
-            // Between attempts the last checkpoint is already on disk.
-            if let Some(ending) = signals::requested_ending() {
-                break (ending, None);
-            }
-            if let Some(event) = peers.as_ref().and_then(PeerLinks::quit) {
-                let failure = peer_failure(&event);
-                let why = format!("{} (node {} left the job)", failure.cause, failure.node);
-                self.first_failure.get_or_insert(failure);
-                break (ExitKind::Failed, Some(why));
-            }
-            let restart_count = self.attempts.len() as u32;
-            if !server.running() {
-                tracing::warn!("restarting the cache server");
-                server = cache_server::start(&cache_spec)?;
-            }
-            let master_port = match topology.master_port {
-                Some(port) => port,
-                None => free_port()?,
-            };
-            let attempt_env = AttemptEnv {
-                topology: &topology,
-                ranks,
-                master_port,
-                restart_count,
-                max_restarts: args.max_restarts,
-                cache_addr: &cache_addr,
-                run_dir: &self.run_dir.path,
-                threads_per_rank: env_contract::threads_per_rank(cores, ranks.per_node),
-            };
-            let launches: Vec<RankLaunch> = (0..ranks.per_node)
-                .map(|local| {
-                    let rank = attempt_env.global_rank(local);
-                    RankLaunch {
-                        rank,
-                        program: rank_program.clone(),
-                        args: rank_args.clone(),
-                        env: attempt_env.vars(local, &env),
-                        log: self.run_dir.layout.rank_log(rank),
-                    }
-                })
-                .collect();
-            let resumed_from = self.run_dir.latest_checkpoint();
-            let resumed_name = resumed_from.as_ref().map(Checkpoint::name);
-            for launch in &launches {
-                banner(&launch.log, restart_count, resumed_name.as_deref());
-            }
-            if restart_count > 0 {
-                tracing::info!(
-                    "restart {restart_count} of {}, from checkpoint {}",
-                    args.max_restarts,
-                    resumed_name.as_deref().unwrap_or("(none yet)")
+        match policy.decide(&FailedAttempt {
+            restarts_done: restart_count,
+            failure: &failure,
+            made_progress,
+            previous_failure,
+        }) {
+            Decision::GiveUp(why) => Next::End((ExitKind::Failed, Some(why))),
+            Decision::Restart(delay) => {
+                tracing::warn!(
+                    "{}; restarting in {:.1} s",
+                    failure.cause,
+                    delay.as_secs_f64()
                 );
+                interruptible_sleep(delay);
+                Next::Restart(end.failed_at)
             }
-            let attempt_started = Instant::now();
-            let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
-            let peer_stop = || {
-                peers
-                    .as_ref()
-                    .and_then(|p| p.stop_reason(restart_count))
-                    .map(|event| peer_failure(&event))
-            };
-            let hang = hang::HangCheck::new(
-                args.hang_timeout_s,
-                self.run_dir.path.clone(),
-                restart_count,
-                self.world_size,
-            );
-            let end = gang::run_attempt(&launches, &mut server, timing, &peer_stop, hang)?;
-            self.attempts.push(AttemptRecord {
-                attempt: restart_count,
-                duration_s: attempt_started.elapsed().as_secs_f64(),
-                outcome: end.outcome,
-                resumed_from: resumed_name.clone(),
-                restart_latency_s,
-                failure: end.failure.clone(),
-                killed_after_grace: end.killed_after_grace.clone(),
-            });
-            let Some(failure) = end.failure else {
-                break (end.outcome, None);
-            };
-            if self.first_failure.is_none() {
-                self.first_failure = Some(failure.clone());
-            }
-            if let Some(peers) = peers
-                .as_ref()
-                .filter(|_| failure.node == topology.node_rank)
-            {
-                peers.report_failure(restart_count, &failure.cause);
-            }
-            if peers.as_ref().and_then(PeerLinks::quit).is_some() {
-                break (ExitKind::Failed, Some("a node left the job".into()));
-            }
-            if end.preempting {
-                break (
-                    ExitKind::Failed,
-                    Some("it failed while checkpointing for a preemption".into()),
-                );
-            }
-            // A request that came while the gang was being stopped: the last
-            // checkpoint is on disk, so end as asked instead of restarting.
-            if let Some(ending) = signals::requested_ending() {
-                break (ending, None);
-            }
-            let previous_failure = self
-                .attempts
-                .iter()
-                .rev()
-                .nth(1)
-                .and_then(|a| a.failure.as_ref());
-            // Progress: a checkpoint of a higher step than the attempt started from.
-            let made_progress = self.run_dir.latest_checkpoint().map(|c| c.step)
-                > resumed_from.as_ref().map(|c| c.step);
-            match policy.decide(&FailedAttempt {
-                restarts_done: restart_count,
-                failure: &failure,
-                made_progress,
-                previous_failure,
-            }) {
-                Decision::GiveUp(why) => break (ExitKind::Failed, Some(why)),
-                Decision::Restart(delay) => {
-                    tracing::warn!(
-                        "{}; restarting in {:.1} s",
-                        failure.cause,
-                        delay.as_secs_f64()
-                    );
-                    interruptible_sleep(delay);
-                    last_failed_at = end.failed_at;
-                }
-            }
-        };
-        self.cache_stats = cache_server::stats(&vrtspike, &cache_addr);
-        spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
-        Ok(ending)
+        }
     }
 
     /// Writes the summary, reports the ending, and returns the exit status.
-    fn finish(self, result: Result<(ExitKind, Option<String>)>) -> u8 {
+    fn finish(self, result: Result<Ending>) -> u8 {
         let (exit, error) = match result {
             Ok((kind, why)) => {
                 let error = match (&self.first_failure, kind) {
@@ -411,6 +432,93 @@ impl Job {
 }
 
 /// The config must exist and be a readable file; returns its absolute path.
+/// How the job ended, with the reason it gave up restarting, if it did.
+type Ending = (ExitKind, Option<String>);
+
+/// What every attempt of the job shares, resolved once before the first.
+struct JobSetup {
+    topology: cluster::Topology,
+    ranks: NodeRanks,
+    /// The run config (checked to be a readable file).
+    config: PathBuf,
+    /// The `vrtspike` binary beside the launcher.
+    vrtspike: PathBuf,
+    /// What each rank runs (`vrtspike`, or `--rank-cmd`) and its arguments.
+    rank_program: PathBuf,
+    rank_args: Vec<OsString>,
+    /// This node's cache server address.
+    cache_addr: String,
+}
+
+impl JobSetup {
+    /// How this node's cache server is started (and restarted).
+    fn cache_spec<'a>(
+        &'a self,
+        args: &'a Args,
+        run_dir: &RunDir,
+    ) -> cache_server::CacheServerSpec<'a> {
+        cache_server::CacheServerSpec {
+            vrtspike: &self.vrtspike,
+            address: &self.cache_addr,
+            config: &self.config,
+            cap: args.cache_size.as_deref(),
+            overrides: &args.set,
+            log: run_dir.layout.cache_log(self.topology.node_rank),
+            start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
+        }
+    }
+}
+
+/// One finished attempt, as the restart decision needs it.
+struct Attempt {
+    restart_count: u32,
+    /// The step of the checkpoint it resumed from.
+    resumed_step: Option<u64>,
+    end: gang::AttemptEnd,
+}
+
+/// What follows an attempt.
+enum Next {
+    End(Ending),
+    /// Another attempt; the failure's time measures the restart latency.
+    Restart(Option<Instant>),
+}
+
+/// Links to the other nodes' launchers (multi-node jobs).
+fn connect_peers(args: &Args, topology: &cluster::Topology) -> Result<PeerLinks> {
+    let port = match (args.control_port, topology.master_port) {
+        (Some(port), _) => port,
+        (None, Some(master)) => master.checked_add(1).context(
+            "MASTER_PORT 65535 leaves no room for the control port: give --control-port",
+        )?,
+        (None, None) => bail!("a multi-node job needs --master-port or --control-port"),
+    };
+    PeerLinks::start(
+        topology.node_rank,
+        &topology.master_addr,
+        port,
+        Duration::from_secs_f64(args.peer_timeout_s),
+    )
+}
+
+/// Logs this node's place in the job.
+fn log_layout(topology: &cluster::Topology, ranks: NodeRanks, world_size: u32) {
+    tracing::info!(
+        "node {} of {} ({}), ranks {}..{} of {}, {}",
+        topology.node_rank,
+        topology.nnodes,
+        topology.source,
+        topology.node_rank * ranks.per_node,
+        (topology.node_rank + 1) * ranks.per_node - 1,
+        world_size,
+        if ranks.gpus {
+            "one GPU each (NCCL)"
+        } else {
+            "on CPU (Gloo)"
+        }
+    );
+}
+
 fn check_config(path: &Path) -> Result<PathBuf> {
     let meta = std::fs::metadata(path)
         .with_context(|| format!("config file {} cannot be read", path.display()))?;
