@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{read_json, run_with_limit, texts, vrtspike};
+use common::{read_json, run_with_limit, synth_tiny, texts, write_tiny_config, TinyTrain};
 use vrtspike_contract::heartbeat;
 use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
@@ -21,38 +21,15 @@ const TOTAL_STEPS: u64 = 12;
 const LIMIT: Duration = Duration::from_secs(120);
 const HANG_CAUSE: &str = "hang: rank 1 in phase forward at step 5";
 
-/// A tiny dataset written by `vrtspike synth`.
-fn synth(dir: &Path) -> PathBuf {
-    let data = dir.join("data");
-    let output = Command::new(vrtspike())
-        .arg("synth")
-        .arg("--out")
-        .arg(&data)
-        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
-        .args(["--height", "64", "--width", "96", "--seed", "9"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
-    let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "synth: {stdout}\n{stderr}");
-    data
-}
-
-/// A tiny U-Net run on `data` with a checkpoint every 2 steps and a collective
+/// The tiny U-Net run on `data` with a checkpoint every 2 steps and a collective
 /// timeout far above the hang timeout (so the hang is found, not timed out).
 fn write_config(dir: &Path, data: &Path) -> PathBuf {
-    let path = dir.join("tiny.yaml");
-    let text = format!(
-        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
-         DATALOADER:\n  TOTAL_WORKERS: 2\n\
-         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {TOTAL_STEPS}\n  LR: 1.0e-3\n  SEED: 3\n\
-         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
-         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 2\n  MEM_EVERY_STEPS: 1000\n\
-         DIST:\n  TIMEOUT_S: 120\n",
-        data.display()
-    );
-    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    path
+    let run = TinyTrain {
+        total_steps: TOTAL_STEPS,
+        ckpt_every: 2,
+        timeout_s: 120,
+    };
+    write_tiny_config(dir, data, &run)
 }
 
 /// Runs the launcher with rank 1 hanging in its first attempt. Its PATH is empty:
@@ -111,7 +88,7 @@ fn assert_stacks_saved(run: &Path) {
 #[test]
 fn a_hung_rank_is_named_its_stacks_saved_and_the_gang_restarts_to_the_end() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let config = write_config(tmp.path(), &synth(tmp.path()));
+    let config = write_config(tmp.path(), &synth_tiny(tmp.path()));
     let run = tmp.path().join("run");
     let layout = RunLayout::new(&run);
     let output = launch_with_hang(&config, &run, "1");
@@ -147,7 +124,7 @@ fn a_hung_rank_is_named_its_stacks_saved_and_the_gang_restarts_to_the_end() {
 #[test]
 fn a_hang_with_no_restart_left_fails_the_job_with_the_hang_as_cause() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let config = write_config(tmp.path(), &synth(tmp.path()));
+    let config = write_config(tmp.path(), &synth_tiny(tmp.path()));
     let run = tmp.path().join("run");
     let output = launch_with_hang(&config, &run, "0");
     let (stdout, stderr) = texts(&output);

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{launcher, read_json, run_with_limit, signal, texts, vrtspike, wait_until};
+use common::{
+    launcher, read_json, run_with_limit, signal, synth_tiny, texts, wait_until, write_tiny_config,
+    TinyTrain,
+};
 use nix::sys::signal::Signal;
 use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
@@ -19,37 +22,14 @@ use vrtspike_contract::summary::{RunSummary, TrainStatus};
 const TOTAL_STEPS: u64 = 40;
 const LIMIT: Duration = Duration::from_secs(90);
 
-/// A tiny dataset written by `vrtspike synth`.
-fn synth(dir: &Path) -> PathBuf {
-    let data = dir.join("data");
-    let output = Command::new(vrtspike())
-        .arg("synth")
-        .arg("--out")
-        .arg(&data)
-        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
-        .args(["--height", "64", "--width", "96", "--seed", "9"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
-    let (stdout, stderr) = texts(&output);
-    assert!(output.status.success(), "synth: {stdout}\n{stderr}");
-    data
-}
-
-/// The tiny U-Net config of `configs/tiny`, smaller still, on `data`.
+/// The tiny U-Net run of these tests on `data`.
 fn write_config(dir: &Path, data: &Path) -> PathBuf {
-    let path = dir.join("tiny.yaml");
-    let text = format!(
-        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
-         DATALOADER:\n  TOTAL_WORKERS: 2\n\
-         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {TOTAL_STEPS}\n  LR: 1.0e-3\n  SEED: 3\n\
-         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
-         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 1000\n\
-         DIST:\n  TIMEOUT_S: 60\n",
-        data.display()
-    );
-    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    path
+    let run = TinyTrain {
+        total_steps: TOTAL_STEPS,
+        ckpt_every: 1000,
+        timeout_s: 60,
+    };
+    write_tiny_config(dir, data, &run)
 }
 
 fn launch(config: &Path, run: &Path) -> Command {
@@ -79,7 +59,7 @@ fn trained_a_step(layout: &RunLayout) -> bool {
 #[test]
 fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let data = synth(tmp.path());
+    let data = synth_tiny(tmp.path());
     let config = write_config(tmp.path(), &data);
     let run = tmp.path().join("run");
     let layout = RunLayout::new(&run);

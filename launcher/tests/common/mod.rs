@@ -286,3 +286,50 @@ pub fn fake_node0(port: u16) -> std::thread::JoinHandle<String> {
         said
     })
 }
+
+/// A tiny dataset written by `vrtspike synth` into `dir/data`.
+pub fn synth_tiny(dir: &Path) -> PathBuf {
+    let data = dir.join("data");
+    let output = Command::new(vrtspike())
+        .arg("synth")
+        .arg("--out")
+        .arg(&data)
+        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
+        .args(["--height", "64", "--width", "96", "--seed", "9"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
+    let (stdout, stderr) = texts(&output);
+    assert!(output.status.success(), "synth: {stdout}\n{stderr}");
+    data
+}
+
+/// What the tiny U-Net training runs of the end-to-end tests differ in.
+pub struct TinyTrain {
+    /// `TRAIN.TOTAL_STEPS`.
+    pub total_steps: u64,
+    /// `LOG.CKPT_EVERY_STEPS`.
+    pub ckpt_every: u64,
+    /// `DIST.TIMEOUT_S`.
+    pub timeout_s: u64,
+}
+
+/// The tiny U-Net config of `configs/tiny`, smaller still, on `data`, written as
+/// `dir/tiny.yaml`.
+pub fn write_tiny_config(dir: &Path, data: &Path, run: &TinyTrain) -> PathBuf {
+    let path = dir.join("tiny.yaml");
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {}\n  LR: 1.0e-3\n  SEED: 3\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: {}\n  MEM_EVERY_STEPS: 1000\n\
+         DIST:\n  TIMEOUT_S: {}\n",
+        data.display(),
+        run.total_steps,
+        run.ckpt_every,
+        run.timeout_s
+    );
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    path
+}
