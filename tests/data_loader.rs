@@ -131,6 +131,43 @@ fn disk_and_cache_give_identical_ordered_batches() {
 }
 
 #[test]
+fn a_node_without_memory_for_slots_still_serves_every_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, clips) = tiny(dir.path());
+    let mut disk = Loader::new(
+        index.clone(),
+        clips.clone(),
+        sampler(&clips),
+        options(2, None),
+    )
+    .unwrap();
+    let reference = epoch(&mut disk, 3);
+    let address = format!("vrtspike-test-loader-oom-{}", std::process::id());
+    let mut config = ServerConfig::new(address.clone(), 64 << 20);
+    // Headroom no machine has: every slot reservation is refused for memory.
+    config.reserve_headroom = u64::MAX / 4;
+    let _server = spawn_server(config).unwrap();
+    let mut cached = Loader::new(
+        index,
+        clips.clone(),
+        sampler(&clips),
+        options(2, Some(&address)),
+    )
+    .unwrap();
+    let got = epoch(&mut cached, 3);
+    for (a, b) in reference.iter().zip(&got) {
+        assert_eq!(
+            a.samples, b.samples,
+            "uncached records give the same samples"
+        );
+    }
+    let s = cached.stats();
+    assert_eq!(s.cache_hits, 0, "{s:?}");
+    assert_eq!(s.cache_uncached, s.cache_misses, "{s:?}");
+    assert!(s.cache_misses >= 40, "{s:?}");
+}
+
+#[test]
 fn resume_mid_epoch_continues_with_the_same_samples() {
     let dir = tempfile::tempdir().unwrap();
     let (index, clips) = tiny(dir.path());

@@ -230,6 +230,8 @@ pub struct LoaderStats {
     pub cache_hits: u64,
     /// Records decoded and filled by this rank's workers.
     pub cache_misses: u64,
+    /// Misses decoded outside the cache because the node had no memory for a slot.
+    pub cache_uncached: u64,
     /// hits / (hits + misses) of this rank's reads.
     pub hit_rate: f64,
     /// Clips replaced under `DATA.SKIP_BAD_FRAMES`.
@@ -548,6 +550,7 @@ impl Loader {
         let mut stats = self.stats;
         stats.cache_hits = self.counters.reads.hits.load(Ordering::Relaxed);
         stats.cache_misses = self.counters.reads.misses.load(Ordering::Relaxed);
+        stats.cache_uncached = self.counters.reads.uncached.load(Ordering::Relaxed);
         stats.skipped = self.counters.skipped.load(Ordering::Relaxed);
         let reads = stats.cache_hits + stats.cache_misses;
         stats.hit_rate = if reads > 0 {
