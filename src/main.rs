@@ -54,6 +54,9 @@ enum Command {
 fn main() -> Result<()> {
     vrtspike::util::logging::init();
     let cli = Cli::parse();
+    if cli.command.only_prints() {
+        restore_sigpipe();
+    }
     match cli.command {
         Command::Cache(cmd) => cli::cache::run(cmd),
         Command::Bench(cmd) => cli::bench::run(cmd),
@@ -69,5 +72,29 @@ fn main() -> Result<()> {
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Plot(args) => cli::plot::run(args),
         Command::Analyze(args) => cli::analyze::run(args),
+    }
+}
+
+impl Command {
+    /// Subcommands that only read files and print: a closed pipe on their stdout
+    /// (`vrtspike config show ... | head`) ends them quietly, as it ends `cat`.
+    /// The others keep Rust's ignored SIGPIPE, so a peer's closed socket is an error
+    /// they report, not a silent death.
+    fn only_prints(&self) -> bool {
+        matches!(
+            self,
+            Command::Info | Command::Config(_) | Command::Analyze(_) | Command::Model(_)
+        ) || matches!(self, Command::Plan(args) if !args.measures())
+    }
+}
+
+/// Puts SIGPIPE back to its default action (Rust's runtime ignores it, which turns
+/// a closed stdout into a panic inside `println!`).
+fn restore_sigpipe() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_DFL installs no handler code (nothing to be async-signal-safe);
+    // it only changes this process's disposition of SIGPIPE.
+    if let Err(e) = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) } {
+        tracing::debug!(error = %e, "SIGPIPE left ignored");
     }
 }

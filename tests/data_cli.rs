@@ -205,3 +205,29 @@ fn synth_h5_then_inspect_matches_the_folder_layout() {
     assert!(tensors[0][2].iter().any(|v| *v > 0.0));
     assert_eq!(tensors[0], tensors[1]);
 }
+
+/// A reader that stops early (`vrtspike config show ... | head`) ends the printing
+/// subcommand quietly, not with a panic on the closed pipe.
+#[test]
+fn a_closed_stdout_is_not_a_panic() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/configs/demo/unet_spike_demo.yaml"
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+        .args(["config", "show", "--json", "--config", config])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vrtspike");
+    drop(child.stdout.take());
+    let mut stderr = String::new();
+    if let Some(mut err) = child.stderr.take() {
+        err.read_to_string(&mut stderr).expect("read stderr");
+    }
+    let status = child.wait().expect("wait for vrtspike");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_ne!(status.code(), Some(101), "{stderr}");
+}

@@ -117,6 +117,40 @@ pub fn stats(vrtspike: &Path, address: &str) -> Option<Value> {
     serde_json::from_slice(&output.stdout).ok()
 }
 
+/// Whether the resolved config (with the job's overrides) reads through the node
+/// cache (`DATA.USE_RAM_CACHE`), asked of `vrtspike config show --json`.
+pub fn wanted(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<bool> {
+    let mut command = Command::new(vrtspike);
+    command
+        .args(["config", "show", "--json", "--config"])
+        .arg(config);
+    for spec in overrides {
+        command.arg(format!("--set={spec}"));
+    }
+    let output = command
+        .stdin(Stdio::null())
+        .env("RUST_LIB_BACKTRACE", "0")
+        .output()
+        .with_context(|| format!("running {} config show", vrtspike.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} config show --config {}: {}",
+            vrtspike.display(),
+            config.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    let shown: Value = serde_json::from_slice(&output.stdout)
+        .with_context(|| format!("reading the JSON of config show for {}", config.display()))?;
+    match shown["keys"]["DATA.USE_RAM_CACHE"]["value"].as_bool() {
+        Some(wanted) => Ok(wanted),
+        None => bail!(
+            "config show for {} gives no boolean DATA.USE_RAM_CACHE",
+            config.display()
+        ),
+    }
+}
+
 /// The address of this node's server for this launch: unique per node and
 /// launcher, so several jobs (or loopback "nodes") on one machine never share one.
 pub fn address(node_rank: u32) -> String {

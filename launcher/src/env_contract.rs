@@ -85,7 +85,7 @@ pub struct AttemptEnv<'a> {
     /// The launcher's --max-restarts.
     pub max_restarts: u32,
     /// The node's cache server address.
-    pub cache_addr: &'a str,
+    pub cache_addr: Option<&'a str>,
     /// The run directory (absolute).
     pub run_dir: &'a Path,
     /// OMP_NUM_THREADS for each rank, unless the user set it.
@@ -119,7 +119,7 @@ impl AttemptEnv<'_> {
             }),
             restart_count: self.restart_count,
             max_restarts: self.max_restarts,
-            cache_addr: Some(self.cache_addr.to_string()),
+            cache_addr: self.cache_addr.map(str::to_string),
             run_dir: Some(self.run_dir.to_path_buf()),
             device: if self.ranks.gpus {
                 Device::Cuda(local_rank)
@@ -209,7 +209,7 @@ mod tests {
             master_port: 29500,
             restart_count: 2,
             max_restarts: 5,
-            cache_addr: "addr",
+            cache_addr: Some("addr"),
             run_dir: &run_dir,
             threads_per_rank: 4,
         };

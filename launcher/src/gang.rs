@@ -70,7 +70,7 @@ pub struct AttemptEnd {
 /// supervises them until they all exit, one fails, or a signal ends the attempt.
 pub fn run_attempt(
     launches: &[RankLaunch],
-    cache_server: &mut Supervised,
+    cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     hang: Option<HangCheck>,
@@ -122,7 +122,7 @@ pub fn run_attempt(
 
 fn supervise(
     ranks: &mut [(u32, Supervised)],
-    cache_server: &mut Supervised,
+    cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     mut hang: Option<HangWatch>,
@@ -143,7 +143,7 @@ fn supervise(
 /// The supervision loop; sets `preempting` once the ranks got the preemption signal.
 fn watch(
     ranks: &mut [(u32, Supervised)],
-    cache_server: &mut Supervised,
+    mut cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
@@ -182,10 +182,12 @@ fn watch(
                 return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
             }
         }
-        if let Ok(Some(status)) = cache_server.poll() {
-            let failure = failure_of(timing.node_rank, None, cache_server, status);
-            tracing::error!("{}: stopping the ranks", failure.cause);
-            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+        if let Some(server) = cache_server.as_deref_mut() {
+            if let Ok(Some(status)) = server.poll() {
+                let failure = failure_of(timing.node_rank, None, server, status);
+                tracing::error!("{}: stopping the ranks", failure.cause);
+                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+            }
         }
         if let Some(failure) = peer_stop() {
             tracing::error!("{}: stopping the ranks of this node", failure.cause);

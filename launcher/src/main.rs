@@ -125,25 +125,37 @@ impl Job {
         if setup.topology.nnodes > 1 {
             self.peers = Some(connect_peers(args, &setup.topology)?);
         }
-        let mut server = cache_server::start(&cache_spec)?;
+        let mut server = match setup.ram_cache {
+            true => Some(cache_server::start(&cache_spec)?),
+            false => {
+                tracing::info!(
+                    "DATA.USE_RAM_CACHE is false: no cache server, ranks read from disk"
+                );
+                None
+            }
+        };
         let mut last_failed_at: Option<Instant> = None;
         let ending = loop {
             // Between attempts the last checkpoint is already on disk.
             if let Some(ending) = self.ending_before_attempt() {
                 break ending;
             }
-            if !server.running() {
-                tracing::warn!("restarting the cache server");
-                server = cache_server::start(&cache_spec)?;
+            if let Some(stopped) = server.as_mut() {
+                if !stopped.running() {
+                    tracing::warn!("restarting the cache server");
+                    *stopped = cache_server::start(&cache_spec)?;
+                }
             }
-            let attempt = self.run_attempt(&setup, args, &mut server, last_failed_at)?;
+            let attempt = self.run_attempt(&setup, args, server.as_mut(), last_failed_at)?;
             match self.after_attempt(args, &setup, attempt) {
                 Next::End(ending) => break ending,
                 Next::Restart(failed_at) => last_failed_at = failed_at,
             }
         };
-        self.cache_stats = cache_server::stats(&setup.vrtspike, &setup.cache_addr);
-        spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        if let Some(mut server) = server {
+            self.cache_stats = cache_server::stats(&setup.vrtspike, &setup.cache_addr);
+            spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        }
         Ok(ending)
     }
 
@@ -182,6 +194,7 @@ impl Job {
         );
         rank_args.extend(args.train_args.iter().map(OsString::from));
         Ok(JobSetup {
+            ram_cache: cache_server::wanted(&vrtspike, &config, &args.set)?,
             cache_addr: cache_server::address(topology.node_rank),
             rank_program: args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone()),
             rank_args,
@@ -211,7 +224,7 @@ impl Job {
         &mut self,
         setup: &JobSetup,
         args: &Args,
-        server: &mut spawn::Supervised,
+        server: Option<&mut spawn::Supervised>,
         last_failed_at: Option<Instant>,
     ) -> Result<Attempt> {
         let restart_count = self.attempts.len() as u32;
@@ -284,7 +297,7 @@ impl Job {
             master_port,
             restart_count,
             max_restarts: args.max_restarts,
-            cache_addr: &setup.cache_addr,
+            cache_addr: setup.ram_cache.then_some(setup.cache_addr.as_str()),
             run_dir: &self.run_dir.path,
             threads_per_rank: env_contract::threads_per_rank(cores, setup.ranks.per_node),
         };
@@ -448,6 +461,8 @@ struct JobSetup {
     rank_args: Vec<OsString>,
     /// This node's cache server address.
     cache_addr: String,
+    /// `DATA.USE_RAM_CACHE`: start the node's cache server.
+    ram_cache: bool,
 }
 
 impl JobSetup {

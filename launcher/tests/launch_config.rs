@@ -40,6 +40,33 @@ fn overrides_reach_every_rank() {
 }
 
 #[test]
+fn no_cache_server_without_the_ram_cache() {
+    let job = Job::new("echo \"cache address: [${VRTSPIKE_CACHE_ADDR:-}]\"");
+    let output = job.run(
+        &[
+            "--gpus",
+            "0",
+            "--ranks",
+            "2",
+            "--set",
+            "DATA.USE_RAM_CACHE=false",
+        ],
+        LIMIT,
+    );
+    let (stdout, stderr) = texts(&output);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("no cache server"), "{stderr}");
+    assert!(
+        !job.run_dir.join("logs").join("cache.node0.log").exists(),
+        "a cache server was started"
+    );
+    for rank in 0..2 {
+        let log = job.rank_log(rank);
+        assert!(log.contains("cache address: []"), "rank {rank}: {log}");
+    }
+}
+
+#[test]
 fn a_bad_override_is_refused_naming_the_key() {
     for (spec, key) in [
         ("DATA.CROP_SIZ=64", "DATA.CROP_SIZ"),

@@ -49,6 +49,13 @@ pub struct PlanArgs {
     device: Option<String>,
 }
 
+impl PlanArgs {
+    /// Whether it runs a training step (`--measure`), not only prints.
+    pub fn measures(&self) -> bool {
+        self.measure
+    }
+}
+
 fn size(flag: &str, text: &str) -> Result<u64> {
     parse_size(text).map_err(|e| anyhow!("--{flag}: {e}"))
 }
