@@ -57,6 +57,10 @@ fn main() -> Result<()> {
     if cli.command.only_prints() {
         restore_sigpipe();
     }
+    if cli.command.runs_model() {
+        let policy = vrtspike::util::heap::apply_from_env()?;
+        tracing::debug!(?policy, "heap policy for tensor memory");
+    }
     match cli.command {
         Command::Cache(cmd) => cli::cache::run(cmd),
         Command::Bench(cmd) => cli::bench::run(cmd),
@@ -76,6 +80,15 @@ fn main() -> Result<()> {
 }
 
 impl Command {
+    /// Subcommands whose tensors are large: they pin the heap's mmap threshold so
+    /// freed activations go back to the kernel (`vrtspike::util::heap`).
+    fn runs_model(&self) -> bool {
+        matches!(
+            self,
+            Command::Train(_) | Command::Profile(_) | Command::Infer(_) | Command::Model(_)
+        ) || matches!(self, Command::Plan(args) if args.measures())
+    }
+
     /// Subcommands that only read files and print: a closed pipe on their stdout
     /// (`vrtspike config show ... | head`) ends them quietly, as it ends `cat`.
     /// The others keep Rust's ignored SIGPIPE, so a peer's closed socket is an error

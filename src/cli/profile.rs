@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use vrtspike::model::profile::{profile, ProfileOptions};
+use tch::Device;
+use vrtspike::model::profile::{profile, resident_bytes, ProfileOptions};
 
 use super::model::load_model_config;
 use super::{group_digits, parse_device};
@@ -62,7 +63,8 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         backward: !args.no_backward,
         bf16: args.bf16,
     };
-    let profile = profile(&cfg, device, &options)
+    let probe = memory_probe(device);
+    let profile = profile(&cfg, device, &options, &probe)
         .with_context(|| format!("profiling the model of {}", args.config.display()))?;
     if args.json {
         println!("{}", serde_json::to_string(&profile)?);
@@ -81,16 +83,21 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             .unwrap_or_default()
     );
     println!(
-        "{:<16} {:>12} {:>8} {:>14}",
-        "part", "forward ms", "share", "parameters"
+        "{:<16} {:>12} {:>8} {:>14} {:>12}",
+        "part", "forward ms", "share", "parameters", "held MiB"
     );
     for row in &profile.parts {
+        let held = row
+            .held_bytes
+            .map(|b| format!("{:.1}", b as f64 / (1 << 20) as f64))
+            .unwrap_or_else(|| "-".into());
         println!(
-            "{:<16} {:>12.2} {:>7.1}% {:>14}",
+            "{:<16} {:>12.2} {:>7.1}% {:>14} {:>12}",
             row.part,
             row.forward_ms,
             100.0 * row.share,
-            group_digits(row.params)
+            group_digits(row.params),
+            held
         );
     }
     println!("total parameters: {}", group_digits(profile.total_params));
@@ -98,4 +105,16 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         println!("peak RSS: {:.1} MiB", rss as f64 / (1 << 20) as f64);
     }
     Ok(())
+}
+
+/// The memory figure per part: the resident set on CPU, the CUDA allocator's
+/// allocated bytes on a GPU (no figure if the allocator cannot be read).
+fn memory_probe(device: Device) -> impl Fn() -> Option<u64> {
+    move || match device {
+        Device::Cuda(i) => vrtspike::dist::cuda_memory_stats(i)
+            .ok()
+            .flatten()
+            .map(|s| s.allocated_current),
+        _ => resident_bytes(),
+    }
 }

@@ -4,7 +4,9 @@
 
 use tch::{nn, Tensor};
 
+use super::checkpoint::checkpoint_one;
 use super::layers::{leaky_relu, Conv};
+use super::ModelError;
 
 /// DCNv2: `x` (B, Cin, H, W), `offset` (B, 2*G*kh*kw, Ho, Wo) as (dy, dx) pairs per
 /// group and kernel tap, `mask` (B, G*kh*kw, Ho, Wo), `weight` (Cout, Cin, kh, kw);
@@ -90,8 +92,16 @@ impl FlowGuidedDcn {
     }
 
     /// Aligns `x` (B, C, H, W) to `current` given `warped` (x warped by `flow`) and the
-    /// flow (B, 2, H, W) in pixels (x, y).
-    pub fn forward(&self, x: &Tensor, warped: &Tensor, current: &Tensor, flow: &Tensor) -> Tensor {
+    /// flow (B, 2, H, W) in pixels (x, y). The deformable convolution keeps only its
+    /// inputs for the backward pass and samples again there (as torchvision's kernel
+    /// does): its sampled columns are 9x the input and would otherwise stay alive.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        warped: &Tensor,
+        current: &Tensor,
+        flow: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let mut out = Tensor::cat(&[warped, current, flow], 1);
         for (i, conv) in self.conv_offset.iter().enumerate() {
             out = conv.forward(&out);
@@ -104,7 +114,17 @@ impl FlowGuidedDcn {
         let pairs = offset.size()[1] / 2;
         let offset = offset + flow.flip([1]).repeat([1, pairs, 1, 1]);
         let mask = parts[2].sigmoid();
-        modulated_deform_conv(x, &offset, &mask, &self.weight, Some(&self.bias), 1)
+        let (weight, bias) = (self.weight.shallow_clone(), self.bias.shallow_clone());
+        checkpoint_one(&[x, &offset, &mask], move |t| {
+            Ok(modulated_deform_conv(
+                &t[0],
+                &t[1],
+                &t[2],
+                &weight,
+                Some(&bias),
+                1,
+            ))
+        })
     }
 }
 

@@ -1,7 +1,8 @@
 //! Forward/backward time per stage of a model on random input: one warm-up
 //! iteration, then the mean over timed ones of each part's forward time (marked by
-//! [`Restorer::forward_marked`]), the backward pass, parameters per part and the
-//! process's peak RSS on CPU. `vrtspike profile` prints it.
+//! [`Restorer::forward_marked`]), the memory each part's forward leaves held for the
+//! backward pass (its activations, read from a [`MemoryProbe`]), the backward pass,
+//! parameters per part and the process's peak RSS on CPU. `vrtspike profile` prints it.
 
 use std::time::Instant;
 
@@ -41,6 +42,23 @@ pub struct ProfileRow {
     pub share: f64,
     /// Parameters of the part.
     pub params: i64,
+    /// Memory the part's forward added (activations kept for the backward pass, or
+    /// its output without grad), bytes, from the last timed iteration; `None` when
+    /// the probe has no figure.
+    pub held_bytes: Option<i64>,
+}
+
+/// The memory in use now: the resident set on CPU, the CUDA allocator's allocated
+/// bytes on a GPU. The caller supplies it (the CUDA figures live above this layer).
+pub type MemoryProbe<'a> = &'a dyn Fn() -> Option<u64>;
+
+/// The resident set of this process now, from /proc/self/statm.
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
 }
 
 /// The whole profile.
@@ -90,16 +108,24 @@ fn peak_rss() -> Option<u64> {
 struct Timings {
     order: Vec<String>,
     part_ms: Vec<f64>,
+    part_held: Vec<Option<i64>>,
     forward_ms: f64,
     backward_ms: f64,
 }
 
 /// What one iteration measured.
 struct Iteration {
-    /// Forward time per marked part, ms, in forward order.
-    marks: Vec<(String, f64)>,
+    /// Forward time (ms) and memory added per marked part, in forward order.
+    marks: Vec<Mark>,
     forward_ms: f64,
     backward_ms: f64,
+}
+
+/// One marked part of a forward pass.
+struct Mark {
+    name: String,
+    ms: f64,
+    held_bytes: Option<i64>,
 }
 
 /// One iteration: the forward pass with its marks, then the backward pass.
@@ -107,18 +133,29 @@ fn iterate(
     net: &dyn Restorer,
     vs: &nn::VarStore,
     (x, voxels): (&Tensor, Option<&Tensor>),
-    device: Device,
+    (device, probe): (Device, MemoryProbe),
     backward: bool,
 ) -> Result<Iteration, ModelError> {
     sync(device);
     let start = Instant::now();
     let mut last = start;
-    let mut marks: Vec<(String, f64)> = Vec::new();
+    let mut last_memory = probe();
+    let mut marks: Vec<Mark> = Vec::new();
     let mut mark = |name: &str| {
         sync(device);
         let now = Instant::now();
-        marks.push((name.to_string(), (now - last).as_secs_f64() * 1e3));
+        let memory = probe();
+        let held_bytes = match (memory, last_memory) {
+            (Some(now), Some(before)) => Some(now as i64 - before as i64),
+            _ => None,
+        };
+        marks.push(Mark {
+            name: name.to_string(),
+            ms: (now - last).as_secs_f64() * 1e3,
+            held_bytes,
+        });
         last = now;
+        last_memory = memory;
     };
     let run = |mark: &mut dyn FnMut(&str)| net.forward_marked(x, voxels, backward, mark);
     let out = if backward {
@@ -149,11 +186,13 @@ fn iterate(
     })
 }
 
-/// Profiles the model `cfg` describes on `device` with random input.
+/// Profiles the model `cfg` describes on `device` with random input; `probe` reads
+/// the memory in use (see [`MemoryProbe`]).
 pub fn profile(
     cfg: &ModelConfig,
     device: Device,
     options: &ProfileOptions,
+    probe: MemoryProbe,
 ) -> Result<Profile, ModelError> {
     if options.iters == 0 {
         return Err(ModelError::Config(
@@ -185,17 +224,18 @@ pub fn profile(
             marks,
             forward_ms,
             backward_ms,
-        } = iterate(net.as_ref(), &vs, input, device, options.backward)?;
+        } = iterate(net.as_ref(), &vs, input, (device, probe), options.backward)?;
         if iter == 0 {
             continue;
         }
         if t.order.is_empty() {
-            t.order = marks.iter().map(|(n, _)| n.clone()).collect();
+            t.order = marks.iter().map(|m| m.name.clone()).collect();
             t.part_ms = vec![0.0; t.order.len()];
         }
-        for (total, (_, ms)) in t.part_ms.iter_mut().zip(&marks) {
-            *total += ms;
+        for (total, m) in t.part_ms.iter_mut().zip(&marks) {
+            *total += m.ms;
         }
+        t.part_held = marks.iter().map(|m| m.held_bytes).collect();
         t.forward_ms += forward_ms;
         t.backward_ms += backward_ms;
     }
@@ -205,7 +245,8 @@ pub fn profile(
         .order
         .iter()
         .zip(&t.part_ms)
-        .map(|(name, total)| ProfileRow {
+        .zip(&t.part_held)
+        .map(|((name, total), held)| ProfileRow {
             part: name.clone(),
             forward_ms: total / iters,
             share: total / iters / forward_ms.max(1e-9),
@@ -215,6 +256,7 @@ pub fn profile(
                 .filter(|p| &p.prefix == name)
                 .map(|p| p.params)
                 .sum(),
+            held_bytes: *held,
         })
         .collect();
     Ok(Profile {

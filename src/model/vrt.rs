@@ -142,7 +142,8 @@ impl Stage {
             + &x;
         // Parallel warping on (N, D, C, H, W).
         let frames = x.permute([0, 1, 4, 2, 3]);
-        let (aligned_backward, aligned_forward) = self.align(&frames, flow_backward, flow_forward);
+        let (aligned_backward, aligned_forward) =
+            self.align(&frames, flow_backward, flow_forward)?;
         let fused = self.pa_fuse.forward(
             &Tensor::cat(&[&frames, &aligned_backward, &aligned_forward], 2)
                 .permute([0, 1, 3, 4, 2]),
@@ -152,7 +153,12 @@ impl Stage {
 
     /// Each frame's neighbours aligned to it: backward (from frame t+1; zeros at the
     /// last frame) and forward (from t-1; zeros at the first), all pairs in one batch.
-    fn align(&self, x: &Tensor, flow_backward: &Tensor, flow_forward: &Tensor) -> (Tensor, Tensor) {
+    fn align(
+        &self,
+        x: &Tensor,
+        flow_backward: &Tensor,
+        flow_forward: &Tensor,
+    ) -> Result<(Tensor, Tensor), ModelError> {
         let s = x.size();
         let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
         let pairs = n * (d - 1);
@@ -166,14 +172,14 @@ impl Stage {
         let target = Tensor::cat(&[&earlier, &later], 0);
         let flow = Tensor::cat(&[&fb, &ff], 0);
         let warped = flow_warp(&source, &flow, WarpMode::Bilinear);
-        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow);
+        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow)?;
         let backward = aligned.narrow(0, 0, pairs).view([n, d - 1, c, h, w]);
         let forward = aligned.narrow(0, pairs, pairs).view([n, d - 1, c, h, w]);
         let zeros = Tensor::zeros([n, 1, c, h, w], (x.kind(), x.device()));
-        (
+        Ok((
             Tensor::cat(&[&backward, &zeros], 1),
             Tensor::cat(&[&zeros, &forward], 1),
-        )
+        ))
     }
 }
 

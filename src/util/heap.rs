@@ -1,0 +1,190 @@
+//! The heap policy of the processes that run the model (train, profile, infer).
+//!
+//! libtorch's CPU tensors come from glibc's `malloc`. Blocks above the mmap threshold
+//! get their own mapping, returned to the kernel when freed; smaller ones come from
+//! the heap, whose freed space stays resident. The threshold starts at 128 KiB but
+//! glibc raises it after every large free, up to 32 MiB, so within the first forward
+//! and backward pass nearly every activation moves onto the heap; freed activations
+//! then stay resident, scattered between live ones, and the next pass adds to them.
+//! Pinning the threshold keeps activation-sized blocks in their own mappings, so the
+//! resident set follows the live tensors: the VRT GoPro model at 6x64x64, forward and
+//! backward on 2 CPU threads, peaks at 13.8 GB instead of 19.9 GB (README, "Model
+//! memory"). The price is a page fault per page of every new large tensor.
+//!
+//! `VRTSPIKE_MMAP_THRESHOLD` sets the threshold (`1M`, `256K`, ... or `glibc` for
+//! glibc's own dynamic rule); glibc's `MALLOC_MMAP_THRESHOLD_`, when set, is left to
+//! glibc and wins.
+
+use super::bytes::parse_size;
+
+/// The environment variable that sets the threshold.
+pub const THRESHOLD_ENV: &str = "VRTSPIKE_MMAP_THRESHOLD";
+
+/// glibc's own tunable; when set, this module changes nothing.
+const GLIBC_ENV: &str = "MALLOC_MMAP_THRESHOLD_";
+
+/// The threshold used when nothing is set: above the small tensors of a step
+/// (biases, norms, indices) and below any activation.
+pub const DEFAULT_THRESHOLD: u64 = 1 << 20;
+
+/// glibc's largest mmap threshold (`HEAP_MAX_SIZE / 2` on 64-bit).
+const MAX_THRESHOLD: u64 = 32 << 20;
+
+/// What the process's heap does with large blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeapPolicy {
+    /// Blocks of at least this many bytes get their own mapping.
+    Pinned(u64),
+    /// glibc's dynamic threshold (asked for by `VRTSPIKE_MMAP_THRESHOLD=glibc`).
+    GlibcDynamic,
+    /// `MALLOC_MMAP_THRESHOLD_` is set: glibc applies it.
+    GlibcTunable,
+    /// This C library has no `mallopt` (not glibc).
+    Unsupported,
+}
+
+/// A `VRTSPIKE_MMAP_THRESHOLD` value that is not a size or `glibc`.
+#[derive(Debug, thiserror::Error)]
+#[error("{THRESHOLD_ENV}={value}: {reason}")]
+pub struct HeapPolicyError {
+    value: String,
+    reason: String,
+}
+
+/// The policy the environment asks for (`threshold`: `VRTSPIKE_MMAP_THRESHOLD`;
+/// `glibc_tunable_set`: whether `MALLOC_MMAP_THRESHOLD_` is set).
+pub fn policy_for(
+    threshold: Option<&str>,
+    glibc_tunable_set: bool,
+) -> Result<HeapPolicy, HeapPolicyError> {
+    if glibc_tunable_set {
+        return Ok(HeapPolicy::GlibcTunable);
+    }
+    let Some(value) = threshold.map(str::trim) else {
+        return Ok(HeapPolicy::Pinned(DEFAULT_THRESHOLD));
+    };
+    if value.eq_ignore_ascii_case("glibc") {
+        return Ok(HeapPolicy::GlibcDynamic);
+    }
+    let error = |reason: String| HeapPolicyError {
+        value: value.to_string(),
+        reason,
+    };
+    let bytes = parse_size(value).map_err(|e| error(format!("{e} (or `glibc`)")))?;
+    if bytes == 0 || bytes > MAX_THRESHOLD {
+        return Err(error(format!(
+            "the threshold must be between 1 byte and {} MiB",
+            MAX_THRESHOLD >> 20
+        )));
+    }
+    Ok(HeapPolicy::Pinned(bytes))
+}
+
+/// Reads the policy from the environment and applies it to this process; call it
+/// before any tensor is allocated.
+pub fn apply_from_env() -> Result<HeapPolicy, HeapPolicyError> {
+    let threshold = std::env::var(THRESHOLD_ENV).ok();
+    let tunable = std::env::var_os(GLIBC_ENV).is_some();
+    let policy = policy_for(threshold.as_deref(), tunable)?;
+    Ok(apply(policy))
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn apply(policy: HeapPolicy) -> HeapPolicy {
+    let HeapPolicy::Pinned(bytes) = policy else {
+        return policy;
+    };
+    // The bound check in `policy_for` keeps it far below i32::MAX.
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt only sets a parameter of glibc's allocator; any value is
+    // accepted or refused (return 0), never undefined.
+    if unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, value) } == 0 {
+        return HeapPolicy::Unsupported;
+    }
+    policy
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn apply(policy: HeapPolicy) -> HeapPolicy {
+    match policy {
+        HeapPolicy::Pinned(_) => HeapPolicy::Unsupported,
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unset_pins_the_default_threshold() {
+        assert_eq!(
+            policy_for(None, false).unwrap(),
+            HeapPolicy::Pinned(DEFAULT_THRESHOLD)
+        );
+    }
+
+    #[test]
+    fn sizes_and_glibc_are_read() {
+        assert_eq!(
+            policy_for(Some("256K"), false).unwrap(),
+            HeapPolicy::Pinned(256 << 10)
+        );
+        assert_eq!(
+            policy_for(Some(" glibc "), false).unwrap(),
+            HeapPolicy::GlibcDynamic
+        );
+    }
+
+    #[test]
+    fn the_glibc_tunable_wins() {
+        assert_eq!(
+            policy_for(Some("1M"), true).unwrap(),
+            HeapPolicy::GlibcTunable
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for bad in ["lots", "0", "64M"] {
+            let err = policy_for(Some(bad), false).unwrap_err().to_string();
+            assert!(err.starts_with("VRTSPIKE_MMAP_THRESHOLD="), "{err}");
+            assert!(err.contains(bad), "{err}");
+        }
+    }
+
+    /// Whether glibc serves the block at `ptr` from its own mapping (the IS_MMAPPED
+    /// bit of the chunk's size word, just before the block).
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn own_mapping(ptr: *const u8) -> bool {
+        // SAFETY: `ptr` is a live block from glibc's malloc (Rust's System allocator
+        // calls malloc for this alignment); glibc keeps the chunk's size word in the
+        // 8 bytes before every block, readable while the block is allocated.
+        let size_word = unsafe { (ptr as *const usize).sub(1).read() };
+        size_word & 2 != 0
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_pinned_threshold_keeps_large_blocks_in_their_own_mapping() {
+        assert_eq!(
+            apply(HeapPolicy::Pinned(1 << 20)),
+            HeapPolicy::Pinned(1 << 20)
+        );
+        // Freeing an 8 MiB mapped block would raise glibc's dynamic threshold to
+        // 8 MiB and put the next 4 MiB block on the heap; pinned, it stays mapped.
+        let big: Vec<u8> = Vec::with_capacity(8 << 20);
+        assert!(own_mapping(big.as_ptr()));
+        drop(big);
+        let block: Vec<u8> = Vec::with_capacity(4 << 20);
+        assert!(
+            own_mapping(block.as_ptr()),
+            "a 4 MiB block came from the heap"
+        );
+        let small: Vec<u8> = Vec::with_capacity(64 << 10);
+        assert!(
+            !own_mapping(small.as_ptr()),
+            "a 64 KiB block got its own mapping"
+        );
+    }
+}
