@@ -2,7 +2,7 @@
 //! initialisation, so a `VarStore` holds the same keys and shapes as a PyTorch
 //! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path.
 
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Kind, TchError, Tensor};
 
 /// A fully connected layer acting on the last dimension.
 #[derive(Debug)]
@@ -23,6 +23,11 @@ impl Linear {
     /// Applies the layer to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// [`Linear::forward`] returning libtorch's error instead of panicking.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_linear(&self.weight, self.bias.as_ref())
     }
 
     /// The same layer sharing its parameters (for closures that must own them).
@@ -55,6 +60,11 @@ impl LayerNorm {
     /// Normalises the last dimension.
     pub fn forward(&self, x: &Tensor) -> Tensor {
         x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
+    }
+
+    /// [`LayerNorm::forward`] returning libtorch's error instead of panicking.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
     }
 
     /// The same layer sharing its parameters (for closures that must own them).
@@ -129,6 +139,21 @@ impl Conv {
             1,
         )
     }
+
+    /// [`Conv::forward`] returning libtorch's error instead of panicking.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let dilation = vec![1; self.padding.len()];
+        x.f_convolution(
+            &self.weight,
+            self.bias.as_ref(),
+            &self.stride,
+            &self.padding,
+            &dilation,
+            false,
+            vec![0; self.padding.len()],
+            1,
+        )
+    }
 }
 
 /// Multilayer perceptron with a GELU-gated linear unit: `fc2(gelu(fc11 x) * fc12 x)`.
@@ -153,6 +178,16 @@ impl MlpGeglu {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         let gated = self.fc11.forward(x).gelu("none") * self.fc12.forward(x);
         self.fc2.forward(&gated)
+    }
+
+    /// [`MlpGeglu::forward`] returning libtorch's error instead of panicking.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let gated = self
+            .fc11
+            .f_forward(x)?
+            .f_gelu("none")?
+            .f_mul(&self.fc12.f_forward(x)?)?;
+        self.fc2.f_forward(&gated)
     }
 
     /// The same MLP sharing its parameters (for closures that must own them).
@@ -181,6 +216,20 @@ pub fn drop_path(x: &Tensor, rate: f64, train: bool) -> Tensor {
     shape.extend(std::iter::repeat_n(1, x.dim() - 1));
     let mask = (Tensor::rand(&shape, (x.kind(), x.device())) + keep).floor();
     x / keep * mask
+}
+
+/// [`drop_path`] returning libtorch's error instead of panicking.
+pub fn f_drop_path(x: &Tensor, rate: f64, train: bool) -> Result<Tensor, TchError> {
+    if rate <= 0.0 || !train {
+        return Ok(x.shallow_clone());
+    }
+    let keep = 1.0 - rate;
+    let mut shape = vec![x.size()[0]];
+    shape.extend(std::iter::repeat_n(1, x.dim() - 1));
+    let mask = Tensor::f_rand(&shape, (x.kind(), x.device()))?
+        .f_add_scalar(keep)?
+        .f_floor()?;
+    x.f_div_scalar(keep)?.f_mul(&mask)
 }
 
 /// Truncated normal in [-2 std, 2 std] (timm's `trunc_normal_` with a = -2, b = 2 in std units
