@@ -1,6 +1,7 @@
 //! Whether a failed attempt is restarted: up to `--max-restarts`, and never into a
 //! crash loop (an attempt that failed exactly like the one before it without
-//! writing a new checkpoint would only fail again).
+//! writing a new checkpoint would only fail again). A failure the rank classed as
+//! deterministic (out of memory: the config does not fit) is never restarted.
 
 use std::time::Duration;
 
@@ -40,6 +41,13 @@ pub struct FailedAttempt<'a> {
 impl RestartPolicy {
     /// Decides on one failed attempt.
     pub fn decide(&self, attempt: &FailedAttempt) -> Decision {
+        if let Some(class) = attempt.failure.class.filter(|c| c.deterministic()) {
+            return Decision::GiveUp(format!(
+                "a rank failed with {}, which a restart of the same config would hit again: \
+                 change the config as the cause says",
+                class.name()
+            ));
+        }
         if attempt.restarts_done >= self.max_restarts {
             return Decision::GiveUp(format!(
                 "no restart left ({} of --max-restarts {} used)",
@@ -78,6 +86,7 @@ mod tests {
             cause: String::new(),
             log: String::new(),
             log_tail: Vec::new(),
+            class: None,
         }
     }
 

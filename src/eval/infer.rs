@@ -49,6 +49,9 @@ pub enum InferError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// libtorch failed outside the model (tiling, copies).
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
 }
 
 fn option_err(option: &str, message: impl Into<String>) -> InferError {

@@ -550,10 +550,10 @@ mod tests {
         cfg.spike.enabled = false;
         let vs = nn::VarStore::new(Device::Cpu);
         let net = Vrt::new(&vs.root(), &cfg).unwrap();
-        // A zero-stride view of a clip of 2^20 x 2^20 frames: no memory until the
-        // first operation that materialises it asks for ~24 TiB, which the CPU
-        // allocator refuses at once.
-        let side = 1 << 20;
+        // A zero-stride view of a clip of 2^22 x 2^22 frames: no memory until the
+        // first operation that materialises it asks for ~384 TiB, more than any
+        // address space, which the CPU allocator refuses at once.
+        let side = 1 << 22;
         let huge = Tensor::zeros([1, 1, 1, 1, 1], (Kind::Float, Device::Cpu)).expand(
             [1, 2, 3, side, side],
             false,
