@@ -262,7 +262,9 @@ impl Job {
             preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
         };
         let mut end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
-        end.failure = end.failure.map(|f| f.with_rank_account(&self.run_dir.layout));
+        end.failure = end
+            .failure
+            .map(|f| f.with_rank_account(&self.run_dir.layout));
         if let Some(failure) = end.failure.as_ref().filter(|f| f.class.is_some()) {
             tracing::error!("rank failure cause: {}", failure.cause);
         }

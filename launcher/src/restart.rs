@@ -112,6 +112,31 @@ mod tests {
     }
 
     #[test]
+    fn an_out_of_memory_is_never_restarted() {
+        let mut oom = failure("rank 1", Some(12));
+        oom.class = Some(vrtspike_contract::FailureClass::OutOfMemory);
+        let decision = POLICY.decide(&FailedAttempt {
+            restarts_done: 0,
+            failure: &oom,
+            made_progress: true,
+            previous_failure: None,
+        });
+        assert!(
+            matches!(&decision, Decision::GiveUp(why) if why.contains("out_of_memory")),
+            "{decision:?}"
+        );
+        // A rank's other errors keep the usual rules.
+        oom.class = Some(vrtspike_contract::FailureClass::Error);
+        let decision = POLICY.decide(&FailedAttempt {
+            restarts_done: 0,
+            failure: &oom,
+            made_progress: true,
+            previous_failure: None,
+        });
+        assert_eq!(decision, Decision::Restart(POLICY.delay));
+    }
+
+    #[test]
     fn crash_loop_stops_restarts() {
         let first = failure("rank 1", Some(3));
         let again = failure("rank 1", Some(3));

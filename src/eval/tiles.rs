@@ -95,9 +95,11 @@ pub fn tiled_forward<E: From<TchError>>(
     let out = blur.f_zeros_like()?;
     for ty in tile_spans(h, tile, overlap, align) {
         for tx in tile_spans(w, tile, overlap, align) {
-            let b = blur
-                .f_narrow(3, ty.start, ty.end - ty.start)?
-                .f_narrow(4, tx.start, tx.end - tx.start)?;
+            let b = blur.f_narrow(3, ty.start, ty.end - ty.start)?.f_narrow(
+                4,
+                tx.start,
+                tx.end - tx.start,
+            )?;
             let v = voxels
                 .map(|v| {
                     v.f_narrow(3, ty.start / ratio, (ty.end - ty.start) / ratio)?

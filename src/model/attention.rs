@@ -24,7 +24,12 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor
 }
 
 /// [`sdpa`] returning libtorch's error instead of panicking.
-pub fn f_sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
+pub fn f_sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor, TchError> {
     let mask = mask.map(|m| m.f_to_kind(q.kind())).transpose()?;
     Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
 }
@@ -478,12 +483,13 @@ mod tests {
         let batched = attn.forward(&x, Some(&mask), [1, 2, 2]).unwrap();
         for b in 0..2 {
             for w in 0..3 {
-                let one = attn.forward(
-                    &x.narrow(0, b * 3 + w, 1),
-                    Some(&mask.narrow(0, w, 1)),
-                    [1, 2, 2],
-                )
-                .unwrap();
+                let one = attn
+                    .forward(
+                        &x.narrow(0, b * 3 + w, 1),
+                        Some(&mask.narrow(0, w, 1)),
+                        [1, 2, 2],
+                    )
+                    .unwrap();
                 assert!(batched
                     .narrow(0, b * 3 + w, 1)
                     .allclose(&one, 1e-5, 1e-5, false));

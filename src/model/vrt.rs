@@ -10,10 +10,10 @@ use super::attention::{GroupSpec, Rtmsa, Tmsag};
 use super::checkpoint::Checkpointing;
 use super::deform::FlowGuidedDcn;
 use super::flow::{flow_warp, SpyNet, WarpMode};
+use super::guard::{guarded, guarded_torch};
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
 use super::spike::SpikeBranch;
 use super::window::MaskCache;
-use super::guard::{guarded, guarded_torch};
 use super::{AtStage, ModelError};
 use crate::config::ModelConfig;
 
@@ -180,7 +180,9 @@ impl Stage {
         let warped = flow_warp(&source, &flow, WarpMode::Bilinear);
         let aligned = self.pa_deform.forward(&source, &warped, &target, &flow);
         let backward = aligned.f_narrow(0, 0, pairs)?.f_view([n, d - 1, c, h, w])?;
-        let forward = aligned.f_narrow(0, pairs, pairs)?.f_view([n, d - 1, c, h, w])?;
+        let forward = aligned
+            .f_narrow(0, pairs, pairs)?
+            .f_view([n, d - 1, c, h, w])?;
         let zeros = Tensor::f_zeros([n, 1, c, h, w], (x.kind(), x.device()))?;
         Ok((
             Tensor::f_cat(&[&backward, &zeros], 1)?,
@@ -365,8 +367,12 @@ impl Vrt {
             0,
         )?;
         let warped = flow_warp(&source, &flow, WarpMode::Nearest4);
-        let backward = warped.f_narrow(0, 0, pairs)?.f_view([n, d - 1, 4 * c, h, w])?;
-        let forward = warped.f_narrow(0, pairs, pairs)?.f_view([n, d - 1, 4 * c, h, w])?;
+        let backward = warped
+            .f_narrow(0, 0, pairs)?
+            .f_view([n, d - 1, 4 * c, h, w])?;
+        let forward = warped
+            .f_narrow(0, pairs, pairs)?
+            .f_view([n, d - 1, 4 * c, h, w])?;
         let zeros = Tensor::f_zeros([n, 1, 4 * c, h, w], (x.kind(), x.device()))?;
         let backward = Tensor::f_cat(&[&backward, &zeros], 1)?;
         let forward = Tensor::f_cat(&[&zeros, &forward], 1)?;
@@ -554,10 +560,8 @@ mod tests {
         // first operation that materialises it asks for ~384 TiB, more than any
         // address space, which the CPU allocator refuses at once.
         let side = 1 << 22;
-        let huge = Tensor::zeros([1, 1, 1, 1, 1], (Kind::Float, Device::Cpu)).expand(
-            [1, 2, 3, side, side],
-            false,
-        );
+        let huge = Tensor::zeros([1, 1, 1, 1, 1], (Kind::Float, Device::Cpu))
+            .expand([1, 2, 3, side, side], false);
         let err = tch::no_grad(|| net.forward(&huge, None, false)).unwrap_err();
         assert!(err.is_out_of_memory(), "{err}");
         assert_eq!(err.stage(), Some("SpyNet flows"));

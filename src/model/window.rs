@@ -101,7 +101,10 @@ pub fn shift_mask(
     let volume = Tensor::f_from_slice(&labels)?.f_view([1, dp, hp, wp, 1])?;
     let windows = window_partition(&volume, window)?.f_squeeze_dim(-1)?;
     let diff = windows.f_unsqueeze(1)?.f_sub(&windows.f_unsqueeze(2)?)?;
-    let mask = diff.f_ne(0.0)?.f_to_kind(Kind::Float)?.f_mul_scalar(-100.0)?;
+    let mask = diff
+        .f_ne(0.0)?
+        .f_to_kind(Kind::Float)?
+        .f_mul_scalar(-100.0)?;
     mask.f_to_device(device)
 }
 
@@ -257,7 +260,9 @@ mod tests {
         // Symmetric, zero diagonal.
         assert!(mask.equal(&mask.transpose(1, 2)));
         let cache = MaskCache::default();
-        let a = cache.get([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu).unwrap();
+        let a = cache
+            .get([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu)
+            .unwrap();
         assert!(a.equal(&mask));
     }
 

@@ -95,10 +95,7 @@ impl OomSite {
         .flatten()
         .collect();
         if !off.is_empty() {
-            remedy += &format!(
-                ", or activation checkpointing ({}: true)",
-                off.join(", ")
-            );
+            remedy += &format!(", or activation checkpointing ({}: true)", off.join(", "));
         }
         OomSite {
             phase: OomPhase::Forward,
@@ -147,10 +144,9 @@ impl OomSite {
     /// `error` as [`TrainError::OutOfMemory`] when it is an allocation failure.
     pub fn classify(&self, error: TrainError) -> TrainError {
         let (stage, detail) = match &error {
-            TrainError::Model(e) if e.is_out_of_memory() => (
-                e.stage().map(str::to_string),
-                first_line(&model_detail(e)),
-            ),
+            TrainError::Model(e) if e.is_out_of_memory() => {
+                (e.stage().map(str::to_string), first_line(&model_detail(e)))
+            }
             TrainError::Torch(e) if is_out_of_memory(e) => (None, first_line(&e.to_string())),
             _ => return error,
         };
@@ -296,11 +292,17 @@ mod tests {
         cfg.data.val_tile = Some(128);
         let site = OomSite::validation(&cfg, vec![1, 6, 3, 720, 1280], Device::Cuda(1));
         let text = site.torch(cpu_oom()).to_string();
-        assert!(text.starts_with("out of memory in validation on cuda:1"), "{text}");
+        assert!(
+            text.starts_with("out of memory in validation on cuda:1"),
+            "{text}"
+        );
         assert!(text.contains("a smaller DATA.VAL_TILE (now 128"), "{text}");
         cfg.data.val_tile = None;
         let site = OomSite::validation(&cfg, vec![1, 6, 3, 720, 1280], Device::Cpu);
-        assert!(site.torch(cpu_oom()).to_string().contains("DATA.VAL_TILE (validate by tiles"));
+        assert!(site
+            .torch(cpu_oom())
+            .to_string()
+            .contains("DATA.VAL_TILE (validate by tiles"));
         let other = site.model(ModelError::Shape("odd".into()));
         assert!(matches!(other, TrainError::Model(ModelError::Shape(_))));
     }
