@@ -1,5 +1,5 @@
-//! A narrow net for model parts that still call tch's panicking API (SpyNet, the
-//! deformable alignment, the spike branch, the U-Net): [`guarded`] runs such a part
+//! A narrow net for model parts that still call tch's panicking API (the spike
+//! branch's encoder and fusion): [`guarded`] runs such a part
 //! and turns a libtorch panic inside it into [`ModelError::Op`] naming the part, so
 //! a CUDA out-of-memory there is an error like anywhere else, not a panicking rank.
 //! Only a panic whose text is a libtorch error (`TchError`) is turned into an error;
@@ -12,7 +12,7 @@ use std::sync::Once;
 
 use tch::TchError;
 
-use super::{AtStage, ModelError};
+use super::ModelError;
 
 thread_local! {
     /// How many [`guarded`] calls are running on this thread.
@@ -42,15 +42,6 @@ pub fn guarded<T>(
             None => resume_unwind(payload),
         },
     }
-}
-
-/// [`guarded`] of a part written with tch's fallible calls (`f_*`) that may still
-/// make a panicking one: either failure becomes [`ModelError::Op`] naming `stage`.
-pub fn guarded_torch<T>(
-    stage: &str,
-    part: impl FnOnce() -> Result<T, TchError>,
-) -> Result<T, ModelError> {
-    guarded(stage, || part().at_stage(stage))
 }
 
 /// The libtorch error a panic payload carries, if it is one.

@@ -205,20 +205,13 @@ pub fn leaky_relu(x: &Tensor, slope: f64) -> Tensor {
     x.maximum(&(x * slope))
 }
 
-/// Stochastic depth: in training, zeroes whole samples with probability `rate` and
-/// rescales the rest by 1/(1-rate); identity in evaluation or at rate 0.
-pub fn drop_path(x: &Tensor, rate: f64, train: bool) -> Tensor {
-    if rate <= 0.0 || !train {
-        return x.shallow_clone();
-    }
-    let keep = 1.0 - rate;
-    let mut shape = vec![x.size()[0]];
-    shape.extend(std::iter::repeat_n(1, x.dim() - 1));
-    let mask = (Tensor::rand(&shape, (x.kind(), x.device())) + keep).floor();
-    x / keep * mask
+/// [`leaky_relu`] returning libtorch's error instead of panicking.
+pub fn f_leaky_relu(x: &Tensor, slope: f64) -> Result<Tensor, TchError> {
+    x.f_maximum(&x.f_mul_scalar(slope)?)
 }
 
-/// [`drop_path`] returning libtorch's error instead of panicking.
+/// Stochastic depth: in training, zeroes whole samples with probability `rate` and
+/// rescales the rest by 1/(1-rate); identity in evaluation or at rate 0.
 pub fn f_drop_path(x: &Tensor, rate: f64, train: bool) -> Result<Tensor, TchError> {
     if rate <= 0.0 || !train {
         return Ok(x.shallow_clone());
@@ -272,8 +265,8 @@ mod tests {
     #[test]
     fn drop_path_is_identity_in_eval_and_drops_samples_in_training() {
         let x = Tensor::ones([64, 3], (Kind::Float, tch::Device::Cpu));
-        assert!(drop_path(&x, 0.5, false).equal(&x));
-        let y = drop_path(&x, 0.5, true);
+        assert!(f_drop_path(&x, 0.5, false).unwrap().equal(&x));
+        let y = f_drop_path(&x, 0.5, true).unwrap();
         let per_sample = y.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
         let values: Vec<f32> = Vec::try_from(per_sample).unwrap();
         assert!(values.iter().all(|&v| v == 0.0 || (v - 6.0).abs() < 1e-5));

@@ -225,8 +225,7 @@ impl Restorer for UnetSpike {
         voxels: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        // The U-Net still calls tch's panicking API: its libtorch failures become errors here.
-        guard::guarded("U-Net", || UnetSpike::forward(self, blur, voxels, train))
+        UnetSpike::forward(self, blur, voxels, train)
     }
     fn parts(&self) -> Vec<(String, String)> {
         UnetSpike::parts(self)

@@ -10,7 +10,7 @@ use super::attention::{GroupSpec, Rtmsa, Tmsag};
 use super::checkpoint::Checkpointing;
 use super::deform::FlowGuidedDcn;
 use super::flow::{flow_warp, SpyNet, WarpMode};
-use super::guard::{guarded, guarded_torch};
+use super::guard::guarded;
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
 use super::spike::SpikeBranch;
 use super::window::MaskCache;
@@ -147,7 +147,7 @@ impl Stage {
         // Parallel warping on (N, D, C, H, W).
         let frames = x.f_permute([0, 1, 4, 2, 3]).at_stage(WARP)?;
         let (aligned_backward, aligned_forward) =
-            guarded_torch(WARP, || self.align(&frames, flow_backward, flow_forward))?;
+            self.align(&frames, flow_backward, flow_forward).at_stage(WARP)?;
         let fused = Tensor::f_cat(&[&frames, &aligned_backward, &aligned_forward], 2)
             .and_then(|t| t.f_permute([0, 1, 3, 4, 2]))
             .and_then(|t| self.pa_fuse.f_forward(&t))
@@ -157,8 +157,6 @@ impl Stage {
 
     /// Each frame's neighbours aligned to it: backward (from frame t+1; zeros at the
     /// last frame) and forward (from t-1; zeros at the first), all pairs in one batch.
-    /// `flow_warp` and the deformable convolution still panic on a libtorch failure:
-    /// call it inside [`guarded_torch`].
     fn align(
         &self,
         x: &Tensor,
@@ -177,8 +175,8 @@ impl Stage {
         let source = Tensor::f_cat(&[&later, &earlier], 0)?;
         let target = Tensor::f_cat(&[&earlier, &later], 0)?;
         let flow = Tensor::f_cat(&[&fb, &ff], 0)?;
-        let warped = flow_warp(&source, &flow, WarpMode::Bilinear);
-        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow);
+        let warped = flow_warp(&source, &flow, WarpMode::Bilinear)?;
+        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow)?;
         let backward = aligned.f_narrow(0, 0, pairs)?.f_view([n, d - 1, c, h, w])?;
         let forward = aligned
             .f_narrow(0, pairs, pairs)?
@@ -323,7 +321,6 @@ impl Vrt {
 
     /// Flows between neighbours at scales 1, 1/2, 1/4, 1/8: backward[k] is the flow of
     /// frame t to t+1, forward[k] of t+1 to t; each (N, D-1, 2, H/2^k, W/2^k).
-    /// SpyNet still panics on a libtorch failure: call it inside [`guarded_torch`].
     pub fn flows(&self, x: &Tensor) -> Result<Flows, TchError> {
         let s = x.size();
         let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
@@ -333,7 +330,7 @@ impl Vrt {
         let all = self.spynet.forward(
             &Tensor::f_cat(&[&first, &second], 0)?,
             &Tensor::f_cat(&[&second, &first], 0)?,
-        );
+        )?;
         let pairs = n * (d - 1);
         let mut backward = Vec::with_capacity(4);
         let mut forward = Vec::with_capacity(4);
@@ -346,7 +343,6 @@ impl Vrt {
     }
 
     /// Each frame with its neighbours warped by the flow (`nearest4`): (N, D, 9C, H, W).
-    /// `flow_warp` still panics on a libtorch failure: call it inside [`guarded_torch`].
     fn aligned_input(
         &self,
         x: &Tensor,
@@ -366,7 +362,7 @@ impl Vrt {
             ],
             0,
         )?;
-        let warped = flow_warp(&source, &flow, WarpMode::Nearest4);
+        let warped = flow_warp(&source, &flow, WarpMode::Nearest4)?;
         let backward = warped
             .f_narrow(0, 0, pairs)?
             .f_view([n, d - 1, 4 * c, h, w])?;
@@ -430,12 +426,12 @@ impl Vrt {
         mark: &mut dyn FnMut(&str),
     ) -> Result<Tensor, ModelError> {
         self.check(x, voxels)?;
-        let (backward, forward) = guarded_torch("SpyNet flows", || self.flows(x))?;
+        let (backward, forward) = self.flows(x).at_stage("SpyNet flows")?;
         mark("spynet");
-        let feat = guarded_torch("conv_first", || {
-            let input = self.aligned_input(x, &backward[0], &forward[0])?;
-            self.conv_first.f_forward(&input.f_transpose(1, 2)?)
-        })?;
+        let feat = self
+            .aligned_input(x, &backward[0], &forward[0])
+            .and_then(|input| self.conv_first.f_forward(&input.f_transpose(1, 2)?))
+            .at_stage("conv_first")?;
         mark("conv_first");
         let spike_feats = match (&self.spike, voxels) {
             (Some(branch), Some(v)) => {
