@@ -51,7 +51,11 @@ pub fn modulated_deform_conv(
     let sampled = grouped.f_grid_sampler(&grid.f_to_kind(x.kind())?, 0, 0, false)?;
     let modulated = sampled
         .f_view([b, groups, cin / groups, taps, ho, wo])?
-        .f_mul(&mask.f_view([b, groups, 1, taps, ho, wo])?.f_to_kind(x.kind())?)?;
+        .f_mul(
+            &mask
+                .f_view([b, groups, 1, taps, ho, wo])?
+                .f_to_kind(x.kind())?,
+        )?;
     let columns = modulated.f_reshape([b, cin * taps, ho * wo])?;
     let out = weight
         .f_reshape([cout, cin * taps])?

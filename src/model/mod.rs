@@ -8,7 +8,6 @@ pub mod attention;
 pub mod checkpoint;
 pub mod deform;
 pub mod flow;
-pub mod guard;
 pub mod layers;
 pub mod profile;
 pub mod spike;

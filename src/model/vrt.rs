@@ -10,7 +10,6 @@ use super::attention::{GroupSpec, Rtmsa, Tmsag};
 use super::checkpoint::Checkpointing;
 use super::deform::FlowGuidedDcn;
 use super::flow::{flow_warp, SpyNet, WarpMode};
-use super::guard::guarded;
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
 use super::spike::SpikeBranch;
 use super::window::MaskCache;
@@ -146,8 +145,9 @@ impl Stage {
         let x = x.at_stage(GROUP2)?;
         // Parallel warping on (N, D, C, H, W).
         let frames = x.f_permute([0, 1, 4, 2, 3]).at_stage(WARP)?;
-        let (aligned_backward, aligned_forward) =
-            self.align(&frames, flow_backward, flow_forward).at_stage(WARP)?;
+        let (aligned_backward, aligned_forward) = self
+            .align(&frames, flow_backward, flow_forward)
+            .at_stage(WARP)?;
         let fused = Tensor::f_cat(&[&frames, &aligned_backward, &aligned_forward], 2)
             .and_then(|t| t.f_permute([0, 1, 3, 4, 2]))
             .and_then(|t| self.pa_fuse.f_forward(&t))
@@ -435,7 +435,9 @@ impl Vrt {
         mark("conv_first");
         let spike_feats = match (&self.spike, voxels) {
             (Some(branch), Some(v)) => {
-                let feats = guarded("spike encoder", || branch.encode(v, &x.size(), train))?;
+                let feats = branch
+                    .encode(v, &x.size(), train)
+                    .at_stage("spike encoder")?;
                 mark("spike_encoder");
                 Some(feats)
             }
@@ -443,9 +445,9 @@ impl Vrt {
         };
         let fuse = |i: usize, y: Tensor| -> Result<Tensor, ModelError> {
             match (&self.spike, &spike_feats) {
-                (Some(branch), Some(feats)) => guarded(&format!("spike fusion {}", i + 1), || {
-                    branch.fuse(i, &y, &feats[i])
-                }),
+                (Some(branch), Some(feats)) => branch
+                    .fuse(i, &y, &feats[i])
+                    .at_stage(&format!("spike fusion {}", i + 1)),
                 _ => Ok(y),
             }
         };
