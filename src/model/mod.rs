@@ -94,6 +94,16 @@ impl ModelError {
         }
     }
 
+    /// libtorch's own message, first line (its C++ backtrace follows on the next
+    /// lines), without the stage; other errors' text.
+    pub fn libtorch_message(&self) -> String {
+        let text = match self {
+            ModelError::Op { source, .. } | ModelError::Torch { source, .. } => source.to_string(),
+            other => other.to_string(),
+        };
+        first_line(&text)
+    }
+
     /// The model part that failed, for an [`ModelError::Op`].
     pub fn stage(&self) -> Option<&str> {
         match self {
@@ -101,6 +111,25 @@ impl ModelError {
             _ => None,
         }
     }
+}
+
+/// A device as messages name it: `cpu`, `cuda:0`.
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cpu => "cpu".into(),
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// The first non-empty line of `text`, without a final period.
+pub fn first_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("")
+        .trim_end_matches('.')
+        .to_string()
 }
 
 /// Whether libtorch's error is an allocation failure: CUDA's `OutOfMemoryError` /

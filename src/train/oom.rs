@@ -6,7 +6,7 @@
 use tch::{Device, TchError};
 
 use crate::config::Config;
-use crate::model::{is_out_of_memory, ModelError};
+use crate::model::{device_name, first_line, is_out_of_memory, ModelError};
 
 use super::TrainError;
 
@@ -145,7 +145,7 @@ impl OomSite {
     pub fn classify(&self, error: TrainError) -> TrainError {
         let (stage, detail) = match &error {
             TrainError::Model(e) if e.is_out_of_memory() => {
-                (e.stage().map(str::to_string), first_line(&model_detail(e)))
+                (e.stage().map(str::to_string), e.libtorch_message())
             }
             TrainError::Torch(e) if is_out_of_memory(e) => (None, first_line(&e.to_string())),
             _ => return error,
@@ -207,33 +207,6 @@ pub fn at_step(error: TrainError, step: u64) -> TrainError {
             TrainError::OutOfMemory(oom)
         }
         other => other,
-    }
-}
-
-/// A model error's libtorch message without the stage (the report names it apart).
-fn model_detail(error: &ModelError) -> String {
-    match error {
-        ModelError::Op { source, .. } => source.to_string(),
-        other => other.to_string(),
-    }
-}
-
-/// The first non-empty line (libtorch appends a C++ backtrace on the next lines).
-fn first_line(text: &str) -> String {
-    text.lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("")
-        .trim_end_matches('.')
-        .to_string()
-}
-
-/// `cpu`, `cuda:0`.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(i) => format!("cuda:{i}"),
-        other => format!("{other:?}").to_lowercase(),
     }
 }
 
