@@ -17,6 +17,8 @@ pub enum OomPhase {
     Forward,
     /// The backward pass (including the recomputation of checkpointed parts).
     Backward,
+    /// The optimizer update (gradient norm, clipping, AdamW).
+    Optimizer,
     /// A validation forward pass (no grad).
     Validation,
 }
@@ -27,6 +29,7 @@ impl OomPhase {
         match self {
             OomPhase::Forward => "training forward",
             OomPhase::Backward => "training backward",
+            OomPhase::Optimizer => "the optimizer update",
             OomPhase::Validation => "validation",
         }
     }
@@ -61,11 +64,11 @@ impl std::fmt::Display for OutOfMemory {
         if let Some(stage) = &self.stage {
             write!(f, " ({stage})")?;
         }
-        write!(
-            f,
-            " on {}, input (B, T, C, H, W) = {:?}: {}. To fit: {}",
-            self.device, self.shape, self.detail, self.remedy
-        )
+        write!(f, " on {}", self.device)?;
+        if !self.shape.is_empty() {
+            write!(f, ", input (B, T, C, H, W) = {:?}", self.shape)?;
+        }
+        write!(f, ": {}. To fit: {}", self.detail, self.remedy)
     }
 }
 
@@ -180,7 +183,8 @@ pub const TEST_OOM_VAR: &str = "VRTSPIKE_TEST_OOM";
 const IMPOSSIBLE_ELEMENTS: i64 = 1 << 60;
 
 /// TEST HOOK, for the launcher's tests of an out-of-memory rank: with
-/// `VRTSPIKE_TEST_OOM=<phase>` set (`forward`, `backward`, `validation`), the rank
+/// `VRTSPIKE_TEST_OOM=<phase>` set (`forward`, `backward`, `optimizer`,
+/// `validation`), the rank
 /// asks libtorch for 2^62 bytes on its device at that phase; the real allocator
 /// failure then takes the same path as any out-of-memory there. Unset, it does nothing.
 pub fn test_hook(phase: OomPhase, device: Device) -> Result<(), TchError> {
@@ -189,6 +193,7 @@ pub fn test_hook(phase: OomPhase, device: Device) -> Result<(), TchError> {
     let name = match phase {
         OomPhase::Forward => "forward",
         OomPhase::Backward => "backward",
+        OomPhase::Optimizer => "optimizer",
         OomPhase::Validation => "validation",
     };
     if wanted.as_deref() != Some(name) {

@@ -561,6 +561,9 @@ impl Run<'_> {
             tracing::warn!(step = step + 1, rank = self.env.rank, samples = ?local.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
         }
         heartbeat::beat(step, Phase::Optimizer);
+        let site = OomSite::training(self.config, step + 1, Vec::new(), self.env.device)
+            .in_phase(OomPhase::Optimizer);
+        oom::test_hook(OomPhase::Optimizer, self.env.device).map_err(|e| site.torch(e))?;
         let result = apply_update(
             &mut self.model.optimizer,
             &mut self.state.scaler,
@@ -570,7 +573,8 @@ impl Run<'_> {
                 lr,
                 max_grad_norm: self.config.train.grad_clip(),
             },
-        );
+        )
+        .map_err(|e| site.torch(e))?;
         let report = self.record(lr, &global, result, &local.bad_samples);
         let seconds = started.elapsed().as_secs_f64();
         self.attempt.unsaved_seconds += seconds;
