@@ -91,6 +91,12 @@ fn an_out_of_memory_rank_names_its_cause_and_is_not_restarted() {
         assert!(cause.contains(part), "{part:?} not in the cause: {cause}");
     }
 
+    let cause = run_out_of_memory(tmp.path(), &data, "optimizer");
+    assert!(
+        cause.contains("out of memory in the optimizer update at step 1 on cpu: "),
+        "{cause}"
+    );
+
     let cause = run_out_of_memory(tmp.path(), &data, "validation");
     for part in [
         "out of memory in validation at step 2",
