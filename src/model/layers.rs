@@ -1,6 +1,8 @@
 //! Small layers with PyTorch's parameter names (`weight`, `bias`) and default
 //! initialisation, so a `VarStore` holds the same keys and shapes as a PyTorch
-//! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path.
+//! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path. Each
+//! forward is fallible (`f_forward`, like tch's `f_*` calls): a libtorch failure such
+//! as an out-of-memory is returned, never a panic.
 
 use tch::{nn, Kind, TchError, Tensor};
 
@@ -21,11 +23,6 @@ impl Linear {
     }
 
     /// Applies the layer to the last dimension of `x`.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
-    }
-
-    /// [`Linear::forward`] returning libtorch's error instead of panicking.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         x.f_linear(&self.weight, self.bias.as_ref())
     }
@@ -58,11 +55,6 @@ impl LayerNorm {
     }
 
     /// Normalises the last dimension.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
-    }
-
-    /// [`LayerNorm::forward`] returning libtorch's error instead of panicking.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         x.f_layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
     }
@@ -126,21 +118,6 @@ impl Conv {
     }
 
     /// Applies the convolution to (N, C, H, W) or (N, C, D, H, W).
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        let dilation = vec![1; self.padding.len()];
-        x.convolution(
-            &self.weight,
-            self.bias.as_ref(),
-            &self.stride,
-            &self.padding,
-            &dilation,
-            false,
-            vec![0; self.padding.len()],
-            1,
-        )
-    }
-
-    /// [`Conv::forward`] returning libtorch's error instead of panicking.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let dilation = vec![1; self.padding.len()];
         x.f_convolution(
@@ -175,12 +152,6 @@ impl MlpGeglu {
     }
 
     /// Applies the MLP to the last dimension.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = self.fc11.forward(x).gelu("none") * self.fc12.forward(x);
-        self.fc2.forward(&gated)
-    }
-
-    /// [`MlpGeglu::forward`] returning libtorch's error instead of panicking.
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let gated = self
             .fc11
@@ -201,11 +172,6 @@ impl MlpGeglu {
 }
 
 /// Leaky ReLU with a chosen negative slope (below 1).
-pub fn leaky_relu(x: &Tensor, slope: f64) -> Tensor {
-    x.maximum(&(x * slope))
-}
-
-/// [`leaky_relu`] returning libtorch's error instead of panicking.
 pub fn f_leaky_relu(x: &Tensor, slope: f64) -> Result<Tensor, TchError> {
     x.f_maximum(&x.f_mul_scalar(slope)?)
 }
@@ -253,7 +219,7 @@ mod tests {
         let h = lin("fc11", &x);
         let gelu = &h * 0.5 * (1.0 + (&h / 2f64.sqrt()).erf());
         let expected = lin("fc2", &(gelu * lin("fc12", &x)));
-        let got = mlp.forward(&x);
+        let got = mlp.f_forward(&x).unwrap();
         assert_eq!(got.size(), vec![2, 5, 3]);
         assert!(got.allclose(&expected, 1e-5, 1e-5, false));
         let mut names: Vec<_> = vars.keys().cloned().collect();
