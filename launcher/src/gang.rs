@@ -228,6 +228,7 @@ fn watch(
                 ),
                 log: String::new(),
                 log_tail: Vec::new(),
+                class: None,
             };
             tracing::error!("{}", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
@@ -280,5 +281,6 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         cause,
         log: child.log.display().to_string(),
         log_tail: spawn::log_tail(&child.log, child.log_offset, LOG_TAIL_LINES),
+        class: None,
     }
 }

@@ -270,6 +270,7 @@ impl HangWatch {
             cause: hang.cause(),
             log: log.display().to_string(),
             log_tail: spawn::log_tail(&log, log_offset, LOG_TAIL_LINES),
+            class: None,
         }
     }
 }

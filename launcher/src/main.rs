@@ -261,7 +261,13 @@ impl Job {
             grace: Duration::from_secs_f64(args.grace_s),
             preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
         };
-        let end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
+        let mut end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
+        end.failure = end
+            .failure
+            .map(|f| f.with_rank_account(&self.run_dir.layout));
+        if let Some(failure) = end.failure.as_ref().filter(|f| f.class.is_some()) {
+            tracing::error!("rank failure cause: {}", failure.cause);
+        }
         self.attempts.push(AttemptRecord {
             attempt: restart_count,
             duration_s: started.elapsed().as_secs_f64(),
@@ -559,6 +565,7 @@ fn peer_failure(event: &PeerEvent) -> Failure {
         cause: format!("node {node}: {cause}"),
         log: String::new(),
         log_tail: Vec::new(),
+        class: None,
     }
 }
 

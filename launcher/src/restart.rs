@@ -1,6 +1,7 @@
 //! Whether a failed attempt is restarted: up to `--max-restarts`, and never into a
 //! crash loop (an attempt that failed exactly like the one before it without
-//! writing a new checkpoint would only fail again).
+//! writing a new checkpoint would only fail again). A failure the rank classed as
+//! deterministic (out of memory: the config does not fit) is never restarted.
 
 use std::time::Duration;
 
@@ -40,6 +41,13 @@ pub struct FailedAttempt<'a> {
 impl RestartPolicy {
     /// Decides on one failed attempt.
     pub fn decide(&self, attempt: &FailedAttempt) -> Decision {
+        if let Some(class) = attempt.failure.class.filter(|c| c.deterministic()) {
+            return Decision::GiveUp(format!(
+                "a rank failed with {}, which a restart of the same config would hit again: \
+                 change the config as the cause says",
+                class.name()
+            ));
+        }
         if attempt.restarts_done >= self.max_restarts {
             return Decision::GiveUp(format!(
                 "no restart left ({} of --max-restarts {} used)",
@@ -78,6 +86,7 @@ mod tests {
             cause: String::new(),
             log: String::new(),
             log_tail: Vec::new(),
+            class: None,
         }
     }
 
@@ -100,6 +109,31 @@ mod tests {
         assert!(
             matches!(POLICY.decide(&at(3)), Decision::GiveUp(why) if why.contains("3 of --max-restarts 3"))
         );
+    }
+
+    #[test]
+    fn an_out_of_memory_is_never_restarted() {
+        let mut oom = failure("rank 1", Some(12));
+        oom.class = Some(vrtspike_contract::FailureClass::OutOfMemory);
+        let decision = POLICY.decide(&FailedAttempt {
+            restarts_done: 0,
+            failure: &oom,
+            made_progress: true,
+            previous_failure: None,
+        });
+        assert!(
+            matches!(&decision, Decision::GiveUp(why) if why.contains("out_of_memory")),
+            "{decision:?}"
+        );
+        // A rank's other errors keep the usual rules.
+        oom.class = Some(vrtspike_contract::FailureClass::Error);
+        let decision = POLICY.decide(&FailedAttempt {
+            restarts_done: 0,
+            failure: &oom,
+            made_progress: true,
+            previous_failure: None,
+        });
+        assert_eq!(decision, Decision::Restart(POLICY.delay));
     }
 
     #[test]

@@ -10,6 +10,8 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use vrtspike_contract::failure::{FailureClass, RankFailure, EXIT_OUT_OF_MEMORY};
+use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::RunSummary;
 
 use crate::pss::MemoryPeaks;
@@ -74,6 +76,33 @@ pub struct Failure {
     pub log: String,
     /// The last lines of that log.
     pub log_tail: Vec<String>,
+    /// The rank's own failure class (from its failure record or exit code), when it
+    /// gave one: `out_of_memory` or `error`.
+    pub class: Option<FailureClass>,
+}
+
+impl Failure {
+    /// Adds the rank's own account of this failure: its failure record (written by
+    /// this very process) or, without one, its out-of-memory exit code. The cause
+    /// gets the rank's message: `rank 1 (pid 7) exited with code 12: out of memory in ...`.
+    pub fn with_rank_account(mut self, layout: &RunLayout) -> Failure {
+        let Some(rank) = self.rank else {
+            return self;
+        };
+        let record = RankFailure::read_for(&layout.rank_failure(rank), self.pid);
+        match record {
+            Some(record) => {
+                self.cause = format!("{}: {}", self.cause, record.message);
+                self.class = Some(record.class);
+            }
+            None if self.exit_code == Some(EXIT_OUT_OF_MEMORY) => {
+                self.cause = format!("{}: out of memory (no failure record)", self.cause);
+                self.class = Some(FailureClass::OutOfMemory);
+            }
+            None => {}
+        }
+        self
+    }
 }
 
 /// One start of the gang.

@@ -8,7 +8,7 @@ use clap::Args;
 
 use vrtspike::config::Config;
 use vrtspike::train::run_config::record_config;
-use vrtspike::train::{train, RankEnv, TrainOptions};
+use vrtspike::train::{failure, train, RankEnv, TrainError, TrainOptions};
 
 /// `vrtspike train`: trains the model of a config on its dataset.
 #[derive(Debug, Args)]
@@ -33,6 +33,17 @@ pub struct TrainArgs {
     pub stop_after_steps: Option<u64>,
 }
 
+/// Records why training failed for the launcher; an out-of-memory ends the rank here
+/// with its own exit code and one line (it is the config, not a bug: no backtrace).
+fn fail(env: &RankEnv, error: TrainError) -> TrainError {
+    let code = failure::record(env, &error);
+    if let TrainError::OutOfMemory(_) = &error {
+        tracing::error!("rank {} of {}: {error}", env.rank, env.world_size);
+        std::process::exit(code);
+    }
+    error
+}
+
 /// Runs `vrtspike train`.
 pub fn run(args: TrainArgs) -> Result<()> {
     let config = Config::resolve(&args.config, &args.set)
@@ -46,14 +57,16 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let options = TrainOptions {
         stop_after_steps: args.stop_after_steps,
     };
-    let outcome = train(&config, &env, &options).with_context(|| {
-        format!(
-            "rank {} of {}: training {}",
-            env.rank,
-            env.world_size,
-            args.config.display()
-        )
-    })?;
+    let outcome = train(&config, &env, &options)
+        .map_err(|e| fail(&env, e))
+        .with_context(|| {
+            format!(
+                "rank {} of {}: training {}",
+                env.rank,
+                env.world_size,
+                args.config.display()
+            )
+        })?;
     if env.rank == 0 {
         println!("{}", serde_json::to_string_pretty(&outcome.summary)?);
     }

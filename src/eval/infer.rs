@@ -14,7 +14,7 @@ use crate::dataset::image::{write_png_rgb, RgbImage};
 use crate::dataset::record::Rect;
 use crate::dataset::voxel::SpikeRect;
 use crate::dataset::{DataError, DatasetIndex};
-use crate::model::{ModelError, Restorer};
+use crate::model::{device_name, first_line, is_out_of_memory, ModelError, Restorer};
 use crate::pipeline::sample::crop_voxels;
 use crate::pipeline::{DiskSource, PipelineError, RecordSource};
 
@@ -49,12 +49,54 @@ pub enum InferError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// Inference ran out of memory (the message names what to change).
+    #[error(
+        "out of memory in inference{} on {device}, input (B, T, C, H, W) = {shape:?}: \
+         {detail}. To fit: a smaller --tile (now {tile}) or --clip (now {clip})",
+        stage.as_ref().map(|s| format!(" ({s})")).unwrap_or_default()
+    )]
+    OutOfMemory {
+        /// The model part that ran out, if the model did.
+        stage: Option<String>,
+        /// The clip's input shape.
+        shape: Vec<i64>,
+        /// The device.
+        device: String,
+        /// libtorch's message.
+        detail: String,
+        /// `--tile`.
+        tile: i64,
+        /// `--clip`.
+        clip: usize,
+    },
+    /// libtorch failed outside the model (tiling, copies).
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
 }
 
 fn option_err(option: &str, message: impl Into<String>) -> InferError {
     InferError::Option {
         option: option.into(),
         message: message.into(),
+    }
+}
+
+/// `error` as [`InferError::OutOfMemory`] when it is an allocation failure on `blur`.
+fn out_of_memory(error: InferError, blur: &Tensor, options: &InferOptions) -> InferError {
+    let (stage, detail) = match &error {
+        InferError::Model(e) if e.is_out_of_memory() => {
+            (e.stage().map(str::to_string), e.libtorch_message())
+        }
+        InferError::Torch(e) if is_out_of_memory(e) => (None, first_line(&e.to_string())),
+        _ => return error,
+    };
+    InferError::OutOfMemory {
+        stage,
+        shape: blur.size(),
+        device: device_name(blur.device()),
+        detail,
+        tile: options.tile,
+        clip: options.clip,
     }
 }
 
@@ -341,7 +383,8 @@ pub fn infer_dataset(
                 } else {
                     forward(&blur_dev, vox_dev.as_ref())
                 }
-            })?
+            })
+            .map_err(|e| out_of_memory(e, &blur_dev, options))?
             .to_device(Device::Cpu);
             let keep = clip.keep_end - clip.keep_start;
             let offset = clip.keep_start - clip.start;
@@ -383,6 +426,34 @@ pub fn infer_dataset(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_out_of_memory_names_the_stage_shape_and_tile() {
+        let refused = Tensor::f_empty([1i64 << 60], (Kind::Float, Device::Cpu));
+        let Err(source) = refused else {
+            panic!("2^62 bytes were allocated");
+        };
+        let error = InferError::Model(ModelError::Op {
+            stage: "stage 2, TMSA group 1".into(),
+            source,
+        });
+        let blur = Tensor::zeros([1, 18, 3, 64, 96], (Kind::Float, Device::Cpu));
+        let text = out_of_memory(error, &blur, &InferOptions::default()).to_string();
+        for part in [
+            "out of memory in inference (stage 2, TMSA group 1) on cpu",
+            "input (B, T, C, H, W) = [1, 18, 3, 64, 96]",
+            "DefaultCPUAllocator",
+            "a smaller --tile (now 192) or --clip (now 18)",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
+        let other = out_of_memory(
+            InferError::Model(ModelError::Shape("odd".into())),
+            &blur,
+            &InferOptions::default(),
+        );
+        assert!(matches!(other, InferError::Model(ModelError::Shape(_))));
+    }
 
     #[test]
     fn options_are_checked_by_name() {

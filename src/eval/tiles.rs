@@ -4,7 +4,7 @@
 //! split every overlap at its middle), so a model whose output at a pixel depends
 //! only on a neighbourhood of radius <= overlap/2 gives exactly the whole-frame result.
 
-use tch::Tensor;
+use tch::{TchError, Tensor};
 
 /// One tile along an axis: the input span and the span of it that is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,8 +78,9 @@ pub type TileModel<'m, E> = dyn FnMut(&Tensor, Option<&Tensor>) -> Result<Tensor
 
 /// Runs `model` on tiles of `blur` (N, D, 3, H, W) and of `voxels` (N, D, K, Hs, Ws,
 /// H/Hs = W/Ws an integer ratio) and stitches the (N, D, 3, H, W) output. Tile starts
-/// are aligned to `align` RGB pixels (a multiple of the spike ratio).
-pub fn tiled_forward<E>(
+/// are aligned to `align` RGB pixels (a multiple of the spike ratio). A libtorch
+/// failure (the output buffer, a tile) is returned as `E`, never a panic.
+pub fn tiled_forward<E: From<TchError>>(
     model: &mut TileModel<'_, E>,
     blur: &Tensor,
     voxels: Option<&Tensor>,
@@ -91,23 +92,27 @@ pub fn tiled_forward<E>(
     let (h, w) = (size[3], size[4]);
     let ratio = voxels.map_or(1, |v| (h / v.size()[3]).max(1));
     let align = (align.max(1) + ratio - 1) / ratio * ratio;
-    let out = blur.zeros_like();
+    let out = blur.f_zeros_like()?;
     for ty in tile_spans(h, tile, overlap, align) {
         for tx in tile_spans(w, tile, overlap, align) {
-            let b =
-                blur.narrow(3, ty.start, ty.end - ty.start)
-                    .narrow(4, tx.start, tx.end - tx.start);
-            let v = voxels.map(|v| {
-                v.narrow(3, ty.start / ratio, (ty.end - ty.start) / ratio)
-                    .narrow(4, tx.start / ratio, (tx.end - tx.start) / ratio)
-            });
+            let b = blur.f_narrow(3, ty.start, ty.end - ty.start)?.f_narrow(
+                4,
+                tx.start,
+                tx.end - tx.start,
+            )?;
+            let v = voxels
+                .map(|v| {
+                    v.f_narrow(3, ty.start / ratio, (ty.end - ty.start) / ratio)?
+                        .f_narrow(4, tx.start / ratio, (tx.end - tx.start) / ratio)
+                })
+                .transpose()?;
             let y = model(&b, v.as_ref())?;
             let kept = y
-                .narrow(3, ty.keep_start - ty.start, ty.keep_end - ty.keep_start)
-                .narrow(4, tx.keep_start - tx.start, tx.keep_end - tx.keep_start);
-            out.narrow(3, ty.keep_start, ty.keep_end - ty.keep_start)
-                .narrow(4, tx.keep_start, tx.keep_end - tx.keep_start)
-                .copy_(&kept);
+                .f_narrow(3, ty.keep_start - ty.start, ty.keep_end - ty.keep_start)?
+                .f_narrow(4, tx.keep_start - tx.start, tx.keep_end - tx.keep_start)?;
+            out.f_narrow(3, ty.keep_start, ty.keep_end - ty.keep_start)?
+                .f_narrow(4, tx.keep_start, tx.keep_end - tx.keep_start)?
+                .f_copy_(&kept)?;
         }
     }
     Ok(out)
@@ -153,14 +158,14 @@ mod tests {
 
     /// A 3x3 box filter per frame and channel (zero padding): output depends on a
     /// radius-1 neighbourhood, plus the voxels' mean to check their tiling.
-    fn local_model(blur: &Tensor, voxels: Option<&Tensor>) -> Result<Tensor, String> {
+    fn local_model(blur: &Tensor, voxels: Option<&Tensor>) -> Result<Tensor, TchError> {
         let s = blur.size();
         let frames = blur.reshape([s[0] * s[1] * s[2], 1, s[3], s[4]]);
         let kernel = Tensor::full([1, 1, 3, 3], 1.0 / 9.0, (Kind::Float, Device::Cpu));
         let y = frames
             .conv2d(&kernel, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1)
             .view(s.as_slice());
-        let v = voxels.ok_or("no voxels")?;
+        let v = voxels.ok_or_else(|| TchError::Torch("no voxels".into()))?;
         let vs = v.size();
         let up = v
             .mean_dim([2i64].as_slice(), true, Kind::Float)

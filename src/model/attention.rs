@@ -6,22 +6,30 @@
 
 use std::sync::Arc;
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
 use super::checkpoint::{checkpoint_one, Checkpointing};
-use super::layers::{drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
+use super::layers::{f_drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
 use super::window::{
     effective_window, relative_position_index, sine_position_encoding, window_partition,
     window_reverse, MaskCache,
 };
-use super::ModelError;
+use super::{AtStage, ModelError};
 
 /// Attention (B, nH, L, hd) x (B, nH, S, hd) with an optional additive mask that
 /// broadcasts to (B, nH, L, S); scale hd^-0.5.
-pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
-    let mask = mask.map(|m| m.to_kind(q.kind()));
-    Tensor::scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
+pub fn f_sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor, TchError> {
+    let mask = mask.map(|m| m.f_to_kind(q.kind())).transpose()?;
+    Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
 }
+
+/// Queries, keys and values, each (B_, nH, N, hd).
+type Heads = (Tensor, Tensor, Tensor);
 
 /// Window attention: self attention with relative position bias and, when `mutual`,
 /// mutual attention between the first and second half (frame) of each window.
@@ -87,11 +95,11 @@ impl WindowAttention {
     }
 
     /// Splits (B_, N, 3C) into q, k, v of (B_, nH, N, hd).
-    fn split_heads(&self, qkv: &Tensor, b: i64, n: i64, c: i64) -> (Tensor, Tensor, Tensor) {
+    fn split_heads(&self, qkv: &Tensor, b: i64, n: i64, c: i64) -> Result<Heads, TchError> {
         let qkv = qkv
-            .reshape([b, n, 3, self.heads, c / self.heads])
-            .permute([2, 0, 3, 1, 4]);
-        (qkv.get(0), qkv.get(1), qkv.get(2))
+            .f_reshape([b, n, 3, self.heads, c / self.heads])?
+            .f_permute([2, 0, 3, 1, 4])?;
+        Ok((qkv.f_get(0)?, qkv.f_get(1)?, qkv.f_get(2)?))
     }
 
     /// Attention of (B_, nH, L, hd) queries with an optional (nW, L, S) mask and bias.
@@ -102,48 +110,57 @@ impl WindowAttention {
         v: &Tensor,
         mask: Option<&Tensor>,
         bias: Option<&Tensor>,
-    ) -> Tensor {
+    ) -> Result<Tensor, TchError> {
         let s = q.size();
         let (b_, nh, l, hd) = (s[0], s[1], s[2], s[3]);
         let combined = match (mask, bias) {
             (None, None) => None,
-            (None, Some(bias)) => Some(bias.unsqueeze(0)),
+            (None, Some(bias)) => Some(bias.f_unsqueeze(0)?),
             (Some(mask), bias) => {
                 let nw = mask.size()[0];
                 let lm = mask.size()[1];
                 let sm = mask.size()[2];
-                let m = mask.unsqueeze(1); // (nW, 1, L, S)
+                let m = mask.f_unsqueeze(1)?; // (nW, 1, L, S)
                 let m = match bias {
-                    Some(bias) => m + bias.unsqueeze(0),
+                    Some(bias) => m.f_add(&bias.f_unsqueeze(0)?)?,
                     None => m,
                 };
                 let heads = m.size()[1];
-                let m = m.unsqueeze(0).expand([b_ / nw, nw, heads, lm, sm], false);
-                Some(m.reshape([b_, heads, lm, sm]))
+                let m = m
+                    .f_unsqueeze(0)?
+                    .f_expand([b_ / nw, nw, heads, lm, sm], false)?;
+                Some(m.f_reshape([b_, heads, lm, sm])?)
             }
         };
-        let out = sdpa(q, k, v, combined.as_ref());
-        out.transpose(1, 2).reshape([b_, l, nh * hd])
+        let out = f_sdpa(q, k, v, combined.as_ref())?;
+        out.f_transpose(1, 2)?.f_reshape([b_, l, nh * hd])
     }
 
     /// Attention over windows `x` (B_, N, C) with an optional shift mask (nW, N', N');
     /// `window` is the window in use (smaller than the built one on small inputs).
-    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>, window: [i64; 3]) -> Tensor {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        mask: Option<&Tensor>,
+        window: [i64; 3],
+    ) -> Result<Tensor, TchError> {
         let s = x.size();
         let (b_, n, c) = (s[0], s[1], s[2]);
-        let (q, k, v) = self.split_heads(&self.qkv_self.forward(x), b_, n, c);
+        let (q, k, v) = self.split_heads(&self.qkv_self.f_forward(x)?, b_, n, c)?;
         let index = self
             .position_index
-            .narrow(0, 0, n)
-            .narrow(1, 0, n)
-            .reshape([-1]);
+            .f_narrow(0, 0, n)?
+            .f_narrow(1, 0, n)?
+            .f_reshape([-1])?;
         let bias = self
             .bias_table
-            .index_select(0, &index)
-            .reshape([n, n, -1])
-            .permute([2, 0, 1]);
-        let mask_n = mask.map(|m| m.narrow(1, 0, n).narrow(2, 0, n));
-        let mut out = self.attend(&q, &k, &v, mask_n.as_ref(), Some(&bias));
+            .f_index_select(0, &index)?
+            .f_reshape([n, n, -1])?
+            .f_permute([2, 0, 1])?;
+        let mask_n = mask
+            .map(|m| m.f_narrow(1, 0, n)?.f_narrow(2, 0, n))
+            .transpose()?;
+        let mut out = self.attend(&q, &k, &v, mask_n.as_ref(), Some(&bias))?;
 
         if let Some((qkv_mut, position_bias)) = &self.qkv_mut {
             let half = n / 2;
@@ -152,19 +169,22 @@ impl WindowAttention {
             } else {
                 // The window shrank in H/W (small input): encode the grid actually used.
                 // The reference cannot run this case; this keeps small inputs usable.
-                sine_position_encoding([window[1], window[2]], c / 2).to_device(x.device())
+                sine_position_encoding([window[1], window[2]], c / 2).f_to_device(x.device())?
             };
-            let pe = pe.to_kind(x.kind()).repeat([1, 2, 1]);
-            let (q, k, v) = self.split_heads(&qkv_mut.forward(&(x + pe)), b_, n, c);
-            let (q1, q2) = (q.narrow(2, 0, half), q.narrow(2, half, half));
-            let (k1, k2) = (k.narrow(2, 0, half), k.narrow(2, half, half));
-            let (v1, v2) = (v.narrow(2, 0, half), v.narrow(2, half, half));
-            let mask_h = mask.map(|m| m.narrow(1, 0, half).narrow(2, 0, half));
-            let x1_aligned = self.attend(&q2, &k1, &v1, mask_h.as_ref(), None);
-            let x2_aligned = self.attend(&q1, &k2, &v2, mask_h.as_ref(), None);
-            out = Tensor::cat(&[Tensor::cat(&[x1_aligned, x2_aligned], 1), out], 2);
+            let pe = pe.f_to_kind(x.kind())?.f_repeat([1, 2, 1])?;
+            let (q, k, v) = self.split_heads(&qkv_mut.f_forward(&x.f_add(&pe)?)?, b_, n, c)?;
+            let halves = |t: &Tensor| -> Result<(Tensor, Tensor), TchError> {
+                Ok((t.f_narrow(2, 0, half)?, t.f_narrow(2, half, half)?))
+            };
+            let ((q1, q2), (k1, k2), (v1, v2)) = (halves(&q)?, halves(&k)?, halves(&v)?);
+            let mask_h = mask
+                .map(|m| m.f_narrow(1, 0, half)?.f_narrow(2, 0, half))
+                .transpose()?;
+            let x1_aligned = self.attend(&q2, &k1, &v1, mask_h.as_ref(), None)?;
+            let x2_aligned = self.attend(&q1, &k2, &v2, mask_h.as_ref(), None)?;
+            out = Tensor::f_cat(&[Tensor::f_cat(&[x1_aligned, x2_aligned], 1)?, out], 2)?;
         }
-        self.proj.forward(&out)
+        self.proj.f_forward(&out)
     }
 }
 
@@ -263,20 +283,22 @@ impl Tmsa {
 
     /// (B, D, H, W, C) to the same shape.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        const ATTN: &str = "attention";
+        const MLP: &str = "MLP";
         let attn = if self.checkpointing.attn {
             let part = self.part1.shallow_clone();
-            checkpoint_one(&[x], move |t| Ok(part.forward(&t[0], train)))?
+            checkpoint_one(&[x], move |t| part.forward(&t[0], train).at_stage(ATTN))?
         } else {
-            self.part1.forward(x, train)
+            self.part1.forward(x, train).at_stage(ATTN)?
         };
-        let x = x + attn;
+        let x = x.f_add(&attn).at_stage(ATTN)?;
         let mlp = if self.checkpointing.ffn {
             let part = self.part2.shallow_clone();
-            checkpoint_one(&[&x], move |t| Ok(part.forward(&t[0], train)))?
+            checkpoint_one(&[&x], move |t| part.forward(&t[0], train).at_stage(MLP))?
         } else {
-            self.part2.forward(&x, train)
+            self.part2.forward(&x, train).at_stage(MLP)?
         };
-        Ok(x + mlp)
+        x.f_add(&mlp).at_stage(MLP)
     }
 }
 
@@ -294,51 +316,51 @@ impl AttentionPart {
     }
 
     /// The attention update of (B, D, H, W, C), same shape.
-    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TchError> {
         let masks = &self.masks;
         let s = x.size();
         let (b, d, h, w, c) = (s[0], s[1], s[2], s[3], s[4]);
         let (window, shift) = effective_window([d, h, w], self.window, self.shift);
-        let x = self.norm1.forward(x);
+        let x = self.norm1.f_forward(x)?;
         let pad = |len: i64, win: i64| (win - len % win) % win;
         let (pd, ph, pw) = (pad(d, window[0]), pad(h, window[1]), pad(w, window[2]));
         let x = if pd + ph + pw > 0 {
-            x.constant_pad_nd([0, 0, 0, pw, 0, ph, 0, pd])
+            x.f_constant_pad_nd([0, 0, 0, pw, 0, ph, 0, pd])?
         } else {
             x
         };
         let (dp, hp, wp) = (d + pd, h + ph, w + pw);
         let shifted = shift.iter().any(|&v| v > 0);
         let (x, mask) = if shifted {
-            let mask = masks.get([dp, hp, wp], window, shift, x.device());
+            let mask = masks.get([dp, hp, wp], window, shift, x.device())?;
             (
-                x.roll([-shift[0], -shift[1], -shift[2]], [1, 2, 3]),
+                x.f_roll([-shift[0], -shift[1], -shift[2]], [1, 2, 3])?,
                 Some(mask),
             )
         } else {
             (x, None)
         };
-        let windows = window_partition(&x, window);
-        let attended = self.attn.forward(&windows, mask.as_ref(), window);
+        let windows = window_partition(&x, window)?;
+        let attended = self.attn.forward(&windows, mask.as_ref(), window)?;
         let x = window_reverse(
-            &attended.view([-1, window[0], window[1], window[2], c]),
+            &attended.f_view([-1, window[0], window[1], window[2], c])?,
             window,
             b,
             dp,
             hp,
             wp,
-        );
+        )?;
         let x = if shifted {
-            x.roll([shift[0], shift[1], shift[2]], [1, 2, 3])
+            x.f_roll([shift[0], shift[1], shift[2]], [1, 2, 3])?
         } else {
             x
         };
         let x = if pd + ph + pw > 0 {
-            x.narrow(1, 0, d).narrow(2, 0, h).narrow(3, 0, w)
+            x.f_narrow(1, 0, d)?.f_narrow(2, 0, h)?.f_narrow(3, 0, w)?
         } else {
             x
         };
-        drop_path(&x, self.drop_path, train)
+        f_drop_path(&x, self.drop_path, train)
     }
 }
 
@@ -353,9 +375,9 @@ impl FeedForwardPart {
     }
 
     /// The MLP update of (B, D, H, W, C), same shape.
-    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
-        let mlp = self.mlp.forward(&self.norm2.forward(x));
-        drop_path(&mlp, self.drop_path, train)
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TchError> {
+        let mlp = self.mlp.f_forward(&self.norm2.f_forward(x)?)?;
+        f_drop_path(&mlp, self.drop_path, train)
     }
 }
 
@@ -382,8 +404,8 @@ impl Tmsag {
     /// Channel-last (B, D, H, W, C) to the same shape.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
         let mut x = x.shallow_clone();
-        for block in &self.blocks {
-            x = block.forward(&x, train)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.forward(&x, train).at_stage(&format!("block {i}"))?;
         }
         Ok(x)
     }
@@ -407,7 +429,9 @@ impl Rtmsa {
 
     /// Channel-last (B, D, H, W, C) to the same shape.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ModelError> {
-        Ok(x + self.linear.forward(&self.residual_group.forward(x, train)?))
+        let group = self.residual_group.forward(x, train)?;
+        let out = self.linear.f_forward(&group).and_then(|y| x.f_add(&y));
+        out.at_stage("linear")
     }
 }
 
@@ -434,7 +458,7 @@ mod tests {
             Tensor::randn([6, 2, 8, 4], opts),
         );
         let mask = Tensor::randn([3, 1, 8, 8], opts).repeat([2, 2, 1, 1]);
-        let got = sdpa(&q, &k, &v, Some(&mask));
+        let got = f_sdpa(&q, &k, &v, Some(&mask)).unwrap();
         assert!(got.allclose(
             &manual_attention(&q, &k, &v, Some(&mask)),
             1e-5,
@@ -450,14 +474,16 @@ mod tests {
         let attn = WindowAttention::new(&(vs.root() / "a"), 8, [1, 2, 2], 2, true, false);
         let x = Tensor::randn([6, 4, 8], (Kind::Float, Device::Cpu));
         let mask = Tensor::randn([3, 4, 4], (Kind::Float, Device::Cpu)) * 10.0;
-        let batched = attn.forward(&x, Some(&mask), [1, 2, 2]);
+        let batched = attn.forward(&x, Some(&mask), [1, 2, 2]).unwrap();
         for b in 0..2 {
             for w in 0..3 {
-                let one = attn.forward(
-                    &x.narrow(0, b * 3 + w, 1),
-                    Some(&mask.narrow(0, w, 1)),
-                    [1, 2, 2],
-                );
+                let one = attn
+                    .forward(
+                        &x.narrow(0, b * 3 + w, 1),
+                        Some(&mask.narrow(0, w, 1)),
+                        [1, 2, 2],
+                    )
+                    .unwrap();
                 assert!(batched
                     .narrow(0, b * 3 + w, 1)
                     .allclose(&one, 1e-5, 1e-5, false));
@@ -495,5 +521,34 @@ mod tests {
             vec![3 * 7 * 7, 2]
         );
         assert_eq!(names["g.blocks.0.attn.proj.weight"].size(), vec![8, 16]);
+    }
+
+    #[test]
+    fn a_failed_allocation_names_the_block_and_part() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let spec = GroupSpec {
+            dim: 8,
+            depth: 1,
+            heads: 2,
+            window: [2, 4, 4],
+            mutual: false,
+            mlp_ratio: 2.0,
+            qkv_bias: true,
+            drop_path: Vec::new(),
+            checkpointing: Checkpointing::default(),
+        };
+        let group = Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()));
+        // A zero-stride view whose first materialisation (norm1) needs ~512 TiB,
+        // more than any address space: the CPU allocator refuses it at once.
+        let x = Tensor::zeros([1, 1, 1, 1, 8], (Kind::Float, Device::Cpu))
+            .expand([1, 1 << 12, 1 << 16, 1 << 16, 8], false);
+        let err = tch::no_grad(|| group.forward(&x, false)).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        assert_eq!(err.stage(), Some("block 0, attention"));
+        let text = err.within("stage 3, TMSA group 2").to_string();
+        assert!(
+            text.starts_with("stage 3, TMSA group 2, block 0, attention: "),
+            "{text}"
+        );
     }
 }

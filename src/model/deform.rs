@@ -2,11 +2,11 @@
 //! built from `grid_sampler` (bilinear, zero padding) and one matrix product, since
 //! core libtorch has no deformable convolution; and VRT's flow-guided alignment module.
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
 use super::checkpoint::checkpoint_one;
-use super::layers::{leaky_relu, Conv};
-use super::ModelError;
+use super::layers::{f_leaky_relu, Conv};
+use super::{AtStage, ModelError};
 
 /// DCNv2: `x` (B, Cin, H, W), `offset` (B, 2*G*kh*kw, Ho, Wo) as (dy, dx) pairs per
 /// group and kernel tap, `mask` (B, G*kh*kw, Ho, Wo), `weight` (Cout, Cin, kh, kw);
@@ -18,7 +18,7 @@ pub fn modulated_deform_conv(
     weight: &Tensor,
     bias: Option<&Tensor>,
     padding: i64,
-) -> Tensor {
+) -> Result<Tensor, TchError> {
     let xs = x.size();
     let (b, cin, h, w) = (xs[0], xs[1], xs[2], xs[3]);
     let ws = weight.size();
@@ -29,31 +29,43 @@ pub fn modulated_deform_conv(
     let groups = os[1] / (2 * taps);
     let opts = (offset.kind(), offset.device());
 
-    let off = offset.view([b, groups, taps, 2, ho, wo]);
-    let tap_y = Tensor::arange(kh, opts).repeat_interleave_self_int(kw, 0, None);
-    let tap_x = Tensor::arange(kw, opts).repeat([kh]);
-    let base_y =
-        (tap_y.view([taps, 1, 1]) + Tensor::arange(ho, opts).view([1, ho, 1])) - padding as f64;
-    let base_x =
-        (tap_x.view([taps, 1, 1]) + Tensor::arange(wo, opts).view([1, 1, wo])) - padding as f64;
-    let py = off.select(3, 0) + base_y; // (B, G, taps, Ho, Wo)
-    let px = off.select(3, 1) + base_x;
+    let off = offset.f_view([b, groups, taps, 2, ho, wo])?;
+    let tap_y = Tensor::f_arange(kh, opts)?.f_repeat_interleave_self_int(kw, 0, None)?;
+    let tap_x = Tensor::f_arange(kw, opts)?.f_repeat([kh])?;
+    // Tap offset plus output position, minus the padding: (taps, Ho, 1) or (taps, 1, Wo).
+    let base = |tap: &Tensor, len: i64, shape: [i64; 3]| {
+        tap.f_view([taps, 1, 1])?
+            .f_add(&Tensor::f_arange(len, opts)?.f_view(shape)?)?
+            .f_sub_scalar(padding as f64)
+    };
+    let py = off.f_select(3, 0)?.f_add(&base(&tap_y, ho, [1, ho, 1])?)?; // (B, G, taps, Ho, Wo)
+    let px = off.f_select(3, 1)?.f_add(&base(&tap_x, wo, [1, 1, wo])?)?;
     // Normalised coordinates for align_corners = false: pixel p -> (2p + 1) / size - 1.
-    let gy = (py * 2.0 + 1.0) / h as f64 - 1.0;
-    let gx = (px * 2.0 + 1.0) / w as f64 - 1.0;
-    let grid = Tensor::stack(&[gx, gy], -1).view([b * groups, taps * ho, wo, 2]);
-    let grouped = x.reshape([b * groups, cin / groups, h, w]);
-    let sampled = grouped.grid_sampler(&grid.to_kind(x.kind()), 0, 0, false);
-    let modulated = sampled.view([b, groups, cin / groups, taps, ho, wo])
-        * mask.view([b, groups, 1, taps, ho, wo]).to_kind(x.kind());
-    let columns = modulated.reshape([b, cin * taps, ho * wo]);
+    let normalise = |p: &Tensor, size: i64| {
+        p.f_mul_scalar(2.0)?
+            .f_add_scalar(1.0)?
+            .f_div_scalar(size as f64)?
+            .f_sub_scalar(1.0)
+    };
+    let (gy, gx) = (normalise(&py, h)?, normalise(&px, w)?);
+    let grid = Tensor::f_stack(&[gx, gy], -1)?.f_view([b * groups, taps * ho, wo, 2])?;
+    let grouped = x.f_reshape([b * groups, cin / groups, h, w])?;
+    let sampled = grouped.f_grid_sampler(&grid.f_to_kind(x.kind())?, 0, 0, false)?;
+    let modulated = sampled
+        .f_view([b, groups, cin / groups, taps, ho, wo])?
+        .f_mul(
+            &mask
+                .f_view([b, groups, 1, taps, ho, wo])?
+                .f_to_kind(x.kind())?,
+        )?;
+    let columns = modulated.f_reshape([b, cin * taps, ho * wo])?;
     let out = weight
-        .reshape([cout, cin * taps])
-        .matmul(&columns)
-        .view([b, cout, ho, wo]);
+        .f_reshape([cout, cin * taps])?
+        .f_matmul(&columns)?
+        .f_view([b, cout, ho, wo])?;
     match bias {
-        Some(bias) => out + bias.view([1, cout, 1, 1]),
-        None => out,
+        Some(bias) => out.f_add(&bias.f_view([1, cout, 1, 1])?),
+        None => Ok(out),
     }
 }
 
@@ -93,8 +105,8 @@ impl FlowGuidedDcn {
 
     /// Aligns `x` (B, C, H, W) to `current` given `warped` (x warped by `flow`) and the
     /// flow (B, 2, H, W) in pixels (x, y). The deformable convolution keeps only its
-    /// inputs for the backward pass and samples again there (as torchvision's kernel
-    /// does): its sampled columns are 9x the input and would otherwise stay alive.
+    /// inputs for the backward pass and samples again there, as torchvision's kernel
+    /// does: its sampled columns are 9x the input and would otherwise stay alive.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -102,29 +114,37 @@ impl FlowGuidedDcn {
         current: &Tensor,
         flow: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        let mut out = Tensor::cat(&[warped, current, flow], 1);
-        for (i, conv) in self.conv_offset.iter().enumerate() {
-            out = conv.forward(&out);
-            if i < 3 {
-                out = leaky_relu(&out, 0.1);
-            }
-        }
-        let parts = out.chunk(3, 1);
-        let offset = Tensor::cat(&[&parts[0], &parts[1]], 1).tanh() * self.max_residue;
-        let pairs = offset.size()[1] / 2;
-        let offset = offset + flow.flip([1]).repeat([1, pairs, 1, 1]);
-        let mask = parts[2].sigmoid();
+        let (offset, mask) = self
+            .offset_and_mask(warped, current, flow)
+            .at_stage("deformable offsets")?;
         let (weight, bias) = (self.weight.shallow_clone(), self.bias.shallow_clone());
         checkpoint_one(&[x, &offset, &mask], move |t| {
-            Ok(modulated_deform_conv(
-                &t[0],
-                &t[1],
-                &t[2],
-                &weight,
-                Some(&bias),
-                1,
-            ))
+            modulated_deform_conv(&t[0], &t[1], &t[2], &weight, Some(&bias), 1)
+                .at_stage("deformable convolution")
         })
+    }
+
+    /// The sampling offsets (around the flow) and the modulation mask.
+    fn offset_and_mask(
+        &self,
+        warped: &Tensor,
+        current: &Tensor,
+        flow: &Tensor,
+    ) -> Result<(Tensor, Tensor), TchError> {
+        let mut out = Tensor::f_cat(&[warped, current, flow], 1)?;
+        for (i, conv) in self.conv_offset.iter().enumerate() {
+            out = conv.f_forward(&out)?;
+            if i < 3 {
+                out = f_leaky_relu(&out, 0.1)?;
+            }
+        }
+        let parts = out.f_chunk(3, 1)?;
+        let offset = Tensor::f_cat(&[&parts[0], &parts[1]], 1)?
+            .f_tanh()?
+            .f_mul_scalar(self.max_residue)?;
+        let pairs = offset.size()[1] / 2;
+        let offset = offset.f_add(&flow.f_flip([1])?.f_repeat([1, pairs, 1, 1])?)?;
+        Ok((offset, parts[2].f_sigmoid()?))
     }
 }
 
@@ -226,7 +246,7 @@ mod tests {
         let mask = Tensor::rand([b, groups * 9, h, w], opts);
         let weight = Tensor::randn([cout, cin, 3, 3], opts);
         let bias = Tensor::randn([cout], opts);
-        let got = modulated_deform_conv(&x, &offset, &mask, &weight, Some(&bias), 1);
+        let got = modulated_deform_conv(&x, &offset, &mask, &weight, Some(&bias), 1).unwrap();
         let expected = reference(&x, &offset, &mask, &weight, &bias, 1);
         assert_eq!(got.size(), vec![b, cout, h, w]);
         let err = (&got - &expected).abs().max().double_value(&[]);
@@ -240,8 +260,51 @@ mod tests {
         let weight = Tensor::randn([2, 4, 3, 3], opts);
         let offset = Tensor::zeros([1, 2 * 9, 7, 5], opts);
         let mask = Tensor::ones([1, 9, 7, 5], opts);
-        let got = modulated_deform_conv(&x, &offset, &mask, &weight, None, 1);
+        let got = modulated_deform_conv(&x, &offset, &mask, &weight, None, 1).unwrap();
         let conv = x.conv2d(&weight, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1);
         assert!(got.allclose(&conv, 1e-4, 1e-4, false));
+    }
+
+    /// Gradients of `forward` (sampling again in the backward pass) and of the same
+    /// computation keeping every activation.
+    #[test]
+    fn recomputed_deform_conv_has_the_same_gradients() {
+        tch::manual_seed(3);
+        let opts = (Kind::Float, Device::Cpu);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let dcn = FlowGuidedDcn::new(&vs.root(), 4, 2, 10.0);
+        // The last offset conv starts at zero; random weights make offsets matter.
+        tch::no_grad(|| {
+            for (_, mut t) in vs.variables() {
+                let _ = t.normal_(0.0, 0.1);
+            }
+        });
+        let inputs: Vec<Tensor> = [4, 4, 4, 2]
+            .iter()
+            .map(|&c| (Tensor::randn([2, c, 6, 7], opts) * 2.0).set_requires_grad(true))
+            .collect();
+        let leaves: Vec<Tensor> = vs
+            .trainable_variables()
+            .into_iter()
+            .chain(inputs.iter().map(Tensor::shallow_clone))
+            .collect();
+        let grads = |y: Tensor| {
+            for mut t in leaves.iter().map(Tensor::shallow_clone) {
+                t.zero_grad();
+            }
+            y.square().sum(Kind::Float).backward();
+            leaves.iter().map(|t| t.grad().copy()).collect::<Vec<_>>()
+        };
+        let [x, warped, current, flow] = [0, 1, 2, 3].map(|i| &inputs[i]);
+        let recomputed = grads(dcn.forward(x, warped, current, flow).unwrap());
+        let (offset, mask) = dcn.offset_and_mask(warped, current, flow).unwrap();
+        let kept =
+            modulated_deform_conv(x, &offset, &mask, &dcn.weight, Some(&dcn.bias), 1).unwrap();
+        let kept = grads(kept);
+        assert_eq!(recomputed.len(), 4 + 10);
+        for (a, b) in recomputed.iter().zip(&kept) {
+            assert!(a.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+            assert!(a.allclose(b, 1e-5, 1e-6, false), "gradients differ");
+        }
     }
 }

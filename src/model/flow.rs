@@ -2,7 +2,7 @@
 //! four integer neighbours) and SpyNet (6-level pyramid, ImageNet normalisation
 //! buffers) returning flows at scales 1, 1/2, 1/4 and 1/8.
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
 use super::layers::Conv;
 
@@ -20,32 +20,34 @@ pub enum WarpMode {
 
 /// Warps `x` (N, C, H, W) by `flow` (N, 2, H, W), flow in pixels (x, y), with the
 /// reference's coordinate convention (align_corners = true).
-pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Tensor {
+pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Result<Tensor, TchError> {
     let s = x.size();
     let (h, w) = (s[2], s[3]);
     let opts = (flow.kind(), flow.device());
-    let grid_x = Tensor::arange(w, opts).view([1, 1, w]);
-    let grid_y = Tensor::arange(h, opts).view([1, h, 1]);
-    let vx = flow.select(1, 0) + grid_x;
-    let vy = flow.select(1, 1) + grid_y;
-    let norm_x = |v: &Tensor| v * (2.0 / (w - 1).max(1) as f64) - 1.0;
-    let norm_y = |v: &Tensor| v * (2.0 / (h - 1).max(1) as f64) - 1.0;
-    let sample = |gx: Tensor, gy: Tensor, interp: i64, padding: i64| {
-        let grid = Tensor::stack(&[gx, gy], 3).to_kind(x.kind());
-        x.grid_sampler(&grid, interp, padding, true)
+    let grid_x = Tensor::f_arange(w, opts)?.f_view([1, 1, w])?;
+    let grid_y = Tensor::f_arange(h, opts)?.f_view([1, h, 1])?;
+    let vx = flow.f_select(1, 0)?.f_add(&grid_x)?;
+    let vy = flow.f_select(1, 1)?.f_add(&grid_y)?;
+    let norm = |v: &Tensor, len: i64| {
+        v.f_mul_scalar(2.0 / (len - 1).max(1) as f64)?
+            .f_sub_scalar(1.0)
+    };
+    let sample = |gx: &Tensor, gy: &Tensor, interp: i64, padding: i64| {
+        let grid = Tensor::f_stack(&[gx, gy], 3)?.f_to_kind(x.kind())?;
+        x.f_grid_sampler(&grid, interp, padding, true)
     };
     match mode {
-        WarpMode::Bilinear => sample(norm_x(&vx), norm_y(&vy), 0, 0),
-        WarpMode::BilinearBorder => sample(norm_x(&vx), norm_y(&vy), 0, 1),
+        WarpMode::Bilinear => sample(&norm(&vx, w)?, &norm(&vy, h)?, 0, 0),
+        WarpMode::BilinearBorder => sample(&norm(&vx, w)?, &norm(&vy, h)?, 0, 1),
         WarpMode::Nearest4 => {
-            let (xf, xc) = (norm_x(&vx.floor()), norm_x(&vx.ceil()));
-            let (yf, yc) = (norm_y(&vy.floor()), norm_y(&vy.ceil()));
-            Tensor::cat(
+            let (xf, xc) = (norm(&vx.f_floor()?, w)?, norm(&vx.f_ceil()?, w)?);
+            let (yf, yc) = (norm(&vy.f_floor()?, h)?, norm(&vy.f_ceil()?, h)?);
+            Tensor::f_cat(
                 &[
-                    sample(xf.shallow_clone(), yf.shallow_clone(), 1, 0),
-                    sample(xf, yc.shallow_clone(), 1, 0),
-                    sample(xc.shallow_clone(), yf, 1, 0),
-                    sample(xc, yc, 1, 0),
+                    sample(&xf, &yf, 1, 0)?,
+                    sample(&xf, &yc, 1, 0)?,
+                    sample(&xc, &yf, 1, 0)?,
+                    sample(&xc, &yc, 1, 0)?,
                 ],
                 1,
             )
@@ -69,15 +71,15 @@ impl BasicModule {
         BasicModule { convs }
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let mut x = x.shallow_clone();
         for (i, conv) in self.convs.iter().enumerate() {
-            x = conv.forward(&x);
+            x = conv.f_forward(&x)?;
             if i < 4 {
-                x = x.relu();
+                x = x.f_relu()?;
             }
         }
-        x
+        Ok(x)
     }
 }
 
@@ -111,62 +113,77 @@ impl SpyNet {
 
     /// Flows from `reference` to `support` (both (N, 3, H, W) in [0, 1]) at scales
     /// 1, 1/2, 1/4, 1/8: flow k is (N, 2, H / 2^k, W / 2^k).
-    pub fn forward(&self, reference: &Tensor, support: &Tensor) -> Vec<Tensor> {
+    pub fn forward(&self, reference: &Tensor, support: &Tensor) -> Result<Vec<Tensor>, TchError> {
         let s = reference.size();
         let (h, w) = (s[2], s[3]);
         let h_floor = (h + 31) / 32 * 32;
         let w_floor = (w + 31) / 32 * 32;
         let resize = |x: &Tensor| {
             if (h, w) == (h_floor, w_floor) {
-                x.shallow_clone()
+                Ok(x.shallow_clone())
             } else {
-                x.upsample_bilinear2d([h_floor, w_floor], false, None, None)
+                x.f_upsample_bilinear2d([h_floor, w_floor], false, None, None)
             }
         };
         let kind = reference.kind();
-        let normalise = |x: &Tensor| (resize(x) - self.mean.to_kind(kind)) / self.std.to_kind(kind);
-        let mut refs = vec![normalise(reference)];
-        let mut sups = vec![normalise(support)];
+        let normalise = |x: &Tensor| {
+            resize(x)?
+                .f_sub(&self.mean.f_to_kind(kind)?)?
+                .f_div(&self.std.f_to_kind(kind)?)
+        };
+        let mut refs = vec![normalise(reference)?];
+        let mut sups = vec![normalise(support)?];
         for _ in 0..5 {
-            let pool = |x: &Tensor| x.avg_pool2d([2, 2], [2, 2], [0, 0], false, false, None::<i64>);
-            refs.insert(0, pool(&refs[0]));
-            sups.insert(0, pool(&sups[0]));
+            let pool =
+                |x: &Tensor| x.f_avg_pool2d([2, 2], [2, 2], [0, 0], false, false, None::<i64>);
+            refs.insert(0, pool(&refs[0])?);
+            sups.insert(0, pool(&sups[0])?);
         }
         let n = s[0];
         let (h0, w0) = (refs[0].size()[2], refs[0].size()[3]);
-        let mut flow = Tensor::zeros([n, 2, h0 / 2, w0 / 2], (kind, reference.device()));
+        let mut flow = Tensor::f_zeros([n, 2, h0 / 2, w0 / 2], (kind, reference.device()))?;
         let mut flows = Vec::with_capacity(4);
         for level in 0..6 {
-            let (lh, lw) = (refs[level].size()[2], refs[level].size()[3]);
-            let mut up = if flow.size()[2] == 0 || flow.size()[3] == 0 {
-                // Inputs of 32 px or less: no coarser flow exists; start from zero.
-                Tensor::zeros([n, 2, lh, lw], (kind, reference.device()))
-            } else {
-                let fs = flow.size();
-                flow.upsample_bilinear2d([fs[2] * 2, fs[3] * 2], true, None, None) * 2.0
-            };
-            if up.size()[2] != lh {
-                up = up.replication_pad2d([0, 0, 0, 1]);
-            }
-            if up.size()[3] != lw {
-                up = up.replication_pad2d([0, 1, 0, 0]);
-            }
-            let warped = flow_warp(&sups[level], &up, WarpMode::BilinearBorder);
-            flow = self.levels[level].forward(&Tensor::cat(&[&refs[level], &warped, &up], 1)) + &up;
+            let up = self.upsampled(&flow, &refs[level])?;
+            let warped = flow_warp(&sups[level], &up, WarpMode::BilinearBorder)?;
+            let input = Tensor::f_cat(&[&refs[level], &warped, &up], 1)?;
+            flow = self.levels[level].forward(&input)?.f_add(&up)?;
             if level >= 2 {
                 let scale = 1i64 << (5 - level);
                 let (oh, ow) = (h / scale, w / scale);
-                let out = flow.upsample_bilinear2d([oh, ow], false, None, None);
+                let out = flow.f_upsample_bilinear2d([oh, ow], false, None, None)?;
                 let sx = ow as f64 / (w_floor / scale) as f64;
                 let sy = oh as f64 / (h_floor / scale) as f64;
-                let factors = Tensor::from_slice(&[sx as f32, sy as f32])
-                    .view([1, 2, 1, 1])
-                    .to_kind(kind)
-                    .to_device(out.device());
-                flows.insert(0, out * factors);
+                let factors = Tensor::f_from_slice(&[sx as f32, sy as f32])?
+                    .f_view([1, 2, 1, 1])?
+                    .f_to_kind(kind)?
+                    .f_to_device(out.device())?;
+                flows.insert(0, out.f_mul(&factors)?);
             }
         }
-        flows
+        Ok(flows)
+    }
+
+    /// The coarser level's `flow` brought to the size of `level_ref` (N, 3, lh, lw):
+    /// upsampled x2 (values x2) and edge-padded by a row/column when odd; zeros when
+    /// there is no coarser flow (inputs of 32 px or less).
+    fn upsampled(&self, flow: &Tensor, level_ref: &Tensor) -> Result<Tensor, TchError> {
+        let (n, kind) = (flow.size()[0], flow.kind());
+        let (lh, lw) = (level_ref.size()[2], level_ref.size()[3]);
+        let fs = flow.size();
+        let mut up = if fs[2] == 0 || fs[3] == 0 {
+            Tensor::f_zeros([n, 2, lh, lw], (kind, level_ref.device()))?
+        } else {
+            flow.f_upsample_bilinear2d([fs[2] * 2, fs[3] * 2], true, None, None)?
+                .f_mul_scalar(2.0)?
+        };
+        if up.size()[2] != lh {
+            up = up.f_replication_pad2d([0, 0, 0, 1])?;
+        }
+        if up.size()[3] != lw {
+            up = up.f_replication_pad2d([0, 1, 0, 0])?;
+        }
+        Ok(up)
     }
 }
 
@@ -180,10 +197,10 @@ mod tests {
         let x = Tensor::arange(20, (Kind::Float, Device::Cpu)).view([1, 1, 4, 5]);
         let flow = Tensor::zeros([1, 2, 4, 5], (Kind::Float, Device::Cpu));
         let _ = flow.select(1, 0).fill_(1.0); // read from x + 1
-        let warped = flow_warp(&x, &flow, WarpMode::Bilinear);
+        let warped = flow_warp(&x, &flow, WarpMode::Bilinear).unwrap();
         let v: Vec<f32> = Vec::try_from(warped.flatten(0, -1)).unwrap();
         assert_eq!(&v[0..5], &[1.0, 2.0, 3.0, 4.0, 0.0]);
-        let near = flow_warp(&x, &(flow * 0.5), WarpMode::Nearest4);
+        let near = flow_warp(&x, &(flow * 0.5), WarpMode::Nearest4).unwrap();
         assert_eq!(near.size(), vec![1, 4, 4, 5]);
         let v: Vec<f32> = Vec::try_from(near.get(0).get(2).get(0)).unwrap();
         // x ceil of 0.5 shift = 1 pixel right.
@@ -195,7 +212,7 @@ mod tests {
         let vs = nn::VarStore::new(Device::Cpu);
         let net = SpyNet::new(&(vs.root() / "spynet"));
         let a = Tensor::rand([2, 3, 48, 40], (Kind::Float, Device::Cpu));
-        let flows = tch::no_grad(|| net.forward(&a, &a));
+        let flows = tch::no_grad(|| net.forward(&a, &a)).unwrap();
         let sizes: Vec<_> = flows.iter().map(|f| f.size()).collect();
         assert_eq!(
             sizes,

@@ -1,8 +1,10 @@
 //! Small layers with PyTorch's parameter names (`weight`, `bias`) and default
 //! initialisation, so a `VarStore` holds the same keys and shapes as a PyTorch
-//! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path.
+//! state_dict: Linear, LayerNorm, Conv2d/Conv3d, the GEGLU MLP and drop path. Each
+//! forward is fallible (`f_forward`, like tch's `f_*` calls): a libtorch failure such
+//! as an out-of-memory is returned, never a panic.
 
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Kind, TchError, Tensor};
 
 /// A fully connected layer acting on the last dimension.
 #[derive(Debug)]
@@ -21,8 +23,8 @@ impl Linear {
     }
 
     /// Applies the layer to the last dimension of `x`.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_linear(&self.weight, self.bias.as_ref())
     }
 
     /// The same layer sharing its parameters (for closures that must own them).
@@ -53,8 +55,8 @@ impl LayerNorm {
     }
 
     /// Normalises the last dimension.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_layer_norm([self.dim], Some(&self.weight), Some(&self.bias), 1e-5, true)
     }
 
     /// The same layer sharing its parameters (for closures that must own them).
@@ -116,9 +118,9 @@ impl Conv {
     }
 
     /// Applies the convolution to (N, C, H, W) or (N, C, D, H, W).
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let dilation = vec![1; self.padding.len()];
-        x.convolution(
+        x.f_convolution(
             &self.weight,
             self.bias.as_ref(),
             &self.stride,
@@ -150,9 +152,13 @@ impl MlpGeglu {
     }
 
     /// Applies the MLP to the last dimension.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = self.fc11.forward(x).gelu("none") * self.fc12.forward(x);
-        self.fc2.forward(&gated)
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let gated = self
+            .fc11
+            .f_forward(x)?
+            .f_gelu("none")?
+            .f_mul(&self.fc12.f_forward(x)?)?;
+        self.fc2.f_forward(&gated)
     }
 
     /// The same MLP sharing its parameters (for closures that must own them).
@@ -166,21 +172,23 @@ impl MlpGeglu {
 }
 
 /// Leaky ReLU with a chosen negative slope (below 1).
-pub fn leaky_relu(x: &Tensor, slope: f64) -> Tensor {
-    x.maximum(&(x * slope))
+pub fn f_leaky_relu(x: &Tensor, slope: f64) -> Result<Tensor, TchError> {
+    x.f_maximum(&x.f_mul_scalar(slope)?)
 }
 
 /// Stochastic depth: in training, zeroes whole samples with probability `rate` and
 /// rescales the rest by 1/(1-rate); identity in evaluation or at rate 0.
-pub fn drop_path(x: &Tensor, rate: f64, train: bool) -> Tensor {
+pub fn f_drop_path(x: &Tensor, rate: f64, train: bool) -> Result<Tensor, TchError> {
     if rate <= 0.0 || !train {
-        return x.shallow_clone();
+        return Ok(x.shallow_clone());
     }
     let keep = 1.0 - rate;
     let mut shape = vec![x.size()[0]];
     shape.extend(std::iter::repeat_n(1, x.dim() - 1));
-    let mask = (Tensor::rand(&shape, (x.kind(), x.device())) + keep).floor();
-    x / keep * mask
+    let mask = Tensor::f_rand(&shape, (x.kind(), x.device()))?
+        .f_add_scalar(keep)?
+        .f_floor()?;
+    x.f_div_scalar(keep)?.f_mul(&mask)
 }
 
 /// Truncated normal in [-2 std, 2 std] (timm's `trunc_normal_` with a = -2, b = 2 in std units
@@ -211,7 +219,7 @@ mod tests {
         let h = lin("fc11", &x);
         let gelu = &h * 0.5 * (1.0 + (&h / 2f64.sqrt()).erf());
         let expected = lin("fc2", &(gelu * lin("fc12", &x)));
-        let got = mlp.forward(&x);
+        let got = mlp.f_forward(&x).unwrap();
         assert_eq!(got.size(), vec![2, 5, 3]);
         assert!(got.allclose(&expected, 1e-5, 1e-5, false));
         let mut names: Vec<_> = vars.keys().cloned().collect();
@@ -223,8 +231,8 @@ mod tests {
     #[test]
     fn drop_path_is_identity_in_eval_and_drops_samples_in_training() {
         let x = Tensor::ones([64, 3], (Kind::Float, tch::Device::Cpu));
-        assert!(drop_path(&x, 0.5, false).equal(&x));
-        let y = drop_path(&x, 0.5, true);
+        assert!(f_drop_path(&x, 0.5, false).unwrap().equal(&x));
+        let y = f_drop_path(&x, 0.5, true).unwrap();
         let per_sample = y.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
         let values: Vec<f32> = Vec::try_from(per_sample).unwrap();
         assert!(values.iter().all(|&v| v == 0.0 || (v - 6.0).abs() < 1e-5));

@@ -51,7 +51,15 @@ pub enum ModelError {
     /// backward pass).
     #[error("activation checkpoint: {0}")]
     Checkpoint(String),
-    /// libtorch failed (reading or writing a file, an operation).
+    /// A libtorch operation of the forward pass failed (out of memory above all).
+    #[error("{stage}: {source}")]
+    Op {
+        /// The model part that ran it, outermost first: `stage 3, TMSA group 1, block 0 attention`.
+        stage: String,
+        /// What libtorch said.
+        source: tch::TchError,
+    },
+    /// libtorch failed reading or writing a weights file.
     #[error("weights {path}: {source}")]
     Torch {
         /// The file involved.
@@ -59,6 +67,110 @@ pub enum ModelError {
         /// What libtorch said.
         source: tch::TchError,
     },
+}
+
+impl ModelError {
+    /// This error inside the part `outer` (an [`ModelError::Op`]'s stage gets `outer`
+    /// in front; other errors are returned as they are).
+    pub fn within(self, outer: &str) -> ModelError {
+        match self {
+            ModelError::Op { stage, source } => ModelError::Op {
+                stage: format!("{outer}, {stage}"),
+                source,
+            },
+            other => other,
+        }
+    }
+
+    /// Whether the allocator ran out of memory (CUDA or CPU), also through a
+    /// checkpointed part's recomputation.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            ModelError::Op { source, .. } | ModelError::Torch { source, .. } => {
+                is_out_of_memory(source)
+            }
+            ModelError::Checkpoint(message) => message_is_out_of_memory(message),
+            _ => false,
+        }
+    }
+
+    /// libtorch's own message, first line (its C++ backtrace follows on the next
+    /// lines), without the stage; other errors' text.
+    pub fn libtorch_message(&self) -> String {
+        let text = match self {
+            ModelError::Op { source, .. } | ModelError::Torch { source, .. } => source.to_string(),
+            other => other.to_string(),
+        };
+        first_line(&text)
+    }
+
+    /// The model part that failed, for an [`ModelError::Op`].
+    pub fn stage(&self) -> Option<&str> {
+        match self {
+            ModelError::Op { stage, .. } => Some(stage),
+            _ => None,
+        }
+    }
+}
+
+/// A device as messages name it: `cpu`, `cuda:0`.
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cpu => "cpu".into(),
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// The first non-empty line of `text`, without a final period.
+pub fn first_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("")
+        .trim_end_matches('.')
+        .to_string()
+}
+
+/// Whether libtorch's error is an allocation failure: CUDA's `OutOfMemoryError` /
+/// "CUDA out of memory", or the CPU allocator's "can't allocate memory" / "not
+/// enough memory".
+pub fn is_out_of_memory(error: &tch::TchError) -> bool {
+    message_is_out_of_memory(&error.to_string())
+}
+
+/// [`is_out_of_memory`] of an error's text.
+pub fn message_is_out_of_memory(message: &str) -> bool {
+    const MARKERS: [&str; 5] = [
+        "CUDA out of memory",
+        "OutOfMemoryError",
+        "can't allocate memory",
+        "not enough memory",
+        "out of memory",
+    ];
+    MARKERS.iter().any(|m| message.contains(m))
+}
+
+/// Names the model part of a failed libtorch call: `.at_stage("stage 3")` turns a
+/// `TchError` into [`ModelError::Op`]; on a `ModelError` it prefixes the stage.
+pub trait AtStage<T> {
+    /// The result with its error attributed to `stage`.
+    fn at_stage(self, stage: &str) -> Result<T, ModelError>;
+}
+
+impl<T> AtStage<T> for Result<T, tch::TchError> {
+    fn at_stage(self, stage: &str) -> Result<T, ModelError> {
+        self.map_err(|source| ModelError::Op {
+            stage: stage.to_string(),
+            source,
+        })
+    }
+}
+
+impl<T> AtStage<T> for Result<T, ModelError> {
+    fn at_stage(self, stage: &str) -> Result<T, ModelError> {
+        self.map_err(|e| e.within(stage))
+    }
 }
 
 /// A video restoration model: blurred clip (and spike voxels) in, restored clip out.

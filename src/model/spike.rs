@@ -7,12 +7,12 @@
 //! checkpointing, each chunk's attention (TSA and FUSE) and TSA MLP are recomputed in
 //! the backward pass.
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
-use super::attention::sdpa;
+use super::attention::f_sdpa;
 use super::checkpoint::{checkpoint_one, Checkpointing};
-use super::layers::{leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
-use super::ModelError;
+use super::layers::{f_leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
+use super::{AtStage, ModelError};
 use crate::config::{ChunkShape, Chunking, FuseConfig, ModelConfig};
 
 /// How per-pixel attention is cut into spatial chunks.
@@ -53,6 +53,9 @@ impl ChunkPlan {
     }
 }
 
+/// The stage name of [`per_pixel`]'s own cutting and stitching.
+const CHUNKS: &str = "per-pixel chunks";
+
 /// Applies `f` to every pixel's sequence over time, chunk by chunk. Inputs are
 /// (N, C_i, D, H, W); `f` gets (N * pixels, D, C_i) per input and returns
 /// (N * pixels, D, C_out). The result is (N, C_out, D, H, W), independent of `plan`.
@@ -71,36 +74,41 @@ pub fn per_pixel(
         let mut x0 = 0;
         while x0 < w {
             let cw = plan.cols.min(w - x0);
-            let seqs: Vec<Tensor> = inputs
+            let seqs = inputs
                 .iter()
                 .map(|t| {
                     let c = t.size()[1];
-                    t.narrow(3, y0, rh)
-                        .narrow(4, x0, cw)
-                        .permute([0, 3, 4, 2, 1])
-                        .reshape([n * rh * cw, d, c])
+                    t.f_narrow(3, y0, rh)?
+                        .f_narrow(4, x0, cw)?
+                        .f_permute([0, 3, 4, 2, 1])?
+                        .f_reshape([n * rh * cw, d, c])
                 })
-                .collect();
+                .collect::<Result<Vec<Tensor>, TchError>>()
+                .at_stage(CHUNKS)?;
             let out = f(&seqs)?;
             let c_out = out.size()[2];
-            tiles.push(out.view([n, rh, cw, d, c_out]).permute([0, 4, 3, 1, 2]));
+            let tile = out
+                .f_view([n, rh, cw, d, c_out])
+                .and_then(|t| t.f_permute([0, 4, 3, 1, 2]));
+            tiles.push(tile.at_stage(CHUNKS)?);
             x0 += cw;
         }
-        rows_out.push(Tensor::cat(&tiles, 4));
+        rows_out.push(Tensor::f_cat(&tiles, 4).at_stage(CHUNKS)?);
         y0 += rh;
     }
-    Ok(Tensor::cat(&rows_out, 3))
+    Tensor::f_cat(&rows_out, 3).at_stage(CHUNKS)
 }
 
 /// Multi-head attention of (B, L, C) queries over (B, S, C) keys/values given projections.
-fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64) -> Tensor {
+fn heads_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64) -> Result<Tensor, TchError> {
     let split = |t: &Tensor| {
         let s = t.size();
-        t.view([s[0], s[1], heads, s[2] / heads]).transpose(1, 2)
+        t.f_view([s[0], s[1], heads, s[2] / heads])?
+            .f_transpose(1, 2)
     };
-    let out = sdpa(&split(q), &split(k), &split(v), None);
+    let out = f_sdpa(&split(q)?, &split(k)?, &split(v)?, None)?;
     let s = out.size();
-    out.transpose(1, 2).reshape([s[0], s[2], s[1] * s[3]])
+    out.f_transpose(1, 2)?.f_reshape([s[0], s[2], s[1] * s[3]])
 }
 
 /// One pre-norm temporal transformer layer over spike features.
@@ -145,29 +153,34 @@ impl TsaLayer {
     /// (B, D, C) sequences to the same shape, each half recomputed in the backward
     /// pass when `checkpointing` says so.
     fn forward(&self, x: &Tensor, checkpointing: Checkpointing) -> Result<Tensor, ModelError> {
+        const ATTN: &str = "attention";
+        const MLP: &str = "MLP";
         let attn = if checkpointing.attn {
             let part = self.attn.shallow_clone();
-            checkpoint_one(&[x], move |t| Ok(part.forward(&t[0])))?
+            checkpoint_one(&[x], move |t| part.forward(&t[0]).at_stage(ATTN))?
         } else {
-            self.attn.forward(x)
+            self.attn.forward(x).at_stage(ATTN)?
         };
-        let x = x + attn;
+        let x = x.f_add(&attn).at_stage(ATTN)?;
         let mlp = if checkpointing.ffn {
             let part = self.ffn.shallow_clone();
-            checkpoint_one(&[&x], move |t| Ok(part.forward(&t[0])))?
+            checkpoint_one(&[&x], move |t| part.forward(&t[0]).at_stage(MLP))?
         } else {
-            self.ffn.forward(&x)
+            self.ffn.forward(&x).at_stage(MLP)?
         };
-        Ok(x + mlp)
+        x.f_add(&mlp).at_stage(MLP)
     }
 }
 
 impl TsaAttention {
     /// The attention update of (B, D, C) sequences.
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let qkv = self.qkv.forward(&self.norm1.forward(x)).chunk(3, 2);
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let qkv = self
+            .qkv
+            .f_forward(&self.norm1.f_forward(x)?)?
+            .f_chunk(3, 2)?;
         self.proj
-            .forward(&heads_attention(&qkv[0], &qkv[1], &qkv[2], self.heads))
+            .f_forward(&heads_attention(&qkv[0], &qkv[1], &qkv[2], self.heads)?)
     }
 
     /// The same part sharing its parameters (for a checkpointed closure).
@@ -183,8 +196,8 @@ impl TsaAttention {
 
 impl TsaFeedForward {
     /// The MLP update of (B, D, C) sequences.
-    fn forward(&self, x: &Tensor) -> Tensor {
-        self.mlp.forward(&self.norm2.forward(x))
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.mlp.f_forward(&self.norm2.f_forward(x)?)
     }
 
     /// The same part sharing its parameters (for a checkpointed closure).
@@ -220,11 +233,14 @@ impl Fuse {
     }
 
     /// (B, D, C) RGB and spike sequences to the RGB update (B, D, C).
-    fn forward(&self, rgb: &Tensor, spike: &Tensor) -> Tensor {
-        let q = self.q.forward(&self.norm_q.forward(rgb));
-        let kv = self.kv.forward(&self.norm_kv.forward(spike)).chunk(2, 2);
+    fn forward(&self, rgb: &Tensor, spike: &Tensor) -> Result<Tensor, TchError> {
+        let q = self.q.f_forward(&self.norm_q.f_forward(rgb)?)?;
+        let kv = self
+            .kv
+            .f_forward(&self.norm_kv.f_forward(spike)?)?
+            .f_chunk(2, 2)?;
         self.proj
-            .forward(&heads_attention(&q, &kv[0], &kv[1], self.heads))
+            .f_forward(&heads_attention(&q, &kv[0], &kv[1], self.heads)?)
     }
 
     /// The same fusion sharing its parameters (for a checkpointed closure).
@@ -246,11 +262,14 @@ impl Fuse {
         spike: &Tensor,
         checkpointing: Checkpointing,
     ) -> Result<Tensor, ModelError> {
+        const ATTN: &str = "cross-attention";
         if !checkpointing.attn {
-            return Ok(self.forward(rgb, spike));
+            return self.forward(rgb, spike).at_stage(ATTN);
         }
         let part = self.shallow_clone();
-        checkpoint_one(&[rgb, spike], move |t| Ok(part.forward(&t[0], &t[1])))
+        checkpoint_one(&[rgb, spike], move |t| {
+            part.forward(&t[0], &t[1]).at_stage(ATTN)
+        })
     }
 }
 
@@ -259,6 +278,21 @@ impl Fuse {
 struct Level {
     down: Option<Conv>,
     blocks: Vec<(Conv, Conv)>,
+}
+
+impl Level {
+    /// Down-sampling (levels 1-3) then the residual blocks, on (N, C, D, H, W).
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let mut x = match &self.down {
+            Some(down) => f_leaky_relu(&down.f_forward(x)?, 0.1)?,
+            None => x.shallow_clone(),
+        };
+        for (conv1, conv2) in &self.blocks {
+            let y = conv2.f_forward(&f_leaky_relu(&conv1.f_forward(&x)?, 0.1)?)?;
+            x = x.f_add(&y)?;
+        }
+        Ok(x)
+    }
 }
 
 /// The spike branch: encoder, temporal self-attention and fusion for stages 1-4.
@@ -379,23 +413,23 @@ impl SpikeBranch {
     ) -> Result<Vec<Tensor>, ModelError> {
         self.check(voxels, rgb)?;
         let (n, d, h, w) = (rgb[0], rgb[1], rgb[3], rgb[4]);
-        let mut x = self.head.forward(&voxels.transpose(1, 2));
+        let head = voxels
+            .f_transpose(1, 2)
+            .and_then(|v| self.head.f_forward(&v));
+        let mut x = head.at_stage("head")?;
         let mut feats = Vec::with_capacity(4);
         for (l, level) in self.levels.iter().enumerate() {
-            if let Some(down) = &level.down {
-                x = leaky_relu(&down.forward(&x), 0.1);
-            }
-            for (conv1, conv2) in &level.blocks {
-                x = &x + conv2.forward(&leaky_relu(&conv1.forward(&x), 0.1));
-            }
+            x = level.forward(&x).at_stage(&format!("level {l}"))?;
             let (th, tw) = (h >> l, w >> l);
             let s = x.size();
             let mut f = if (s[3], s[4]) == (th, tw) {
                 x.shallow_clone()
             } else {
-                x.reshape([n, s[1] * d, s[3], s[4]])
-                    .upsample_bilinear2d([th, tw], false, None, None)
-                    .view([n, s[1], d, th, tw])
+                let resized = x
+                    .f_reshape([n, s[1] * d, s[3], s[4]])
+                    .and_then(|t| t.f_upsample_bilinear2d([th, tw], false, None, None))
+                    .and_then(|t| t.f_view([n, s[1], d, th, tw]));
+                resized.at_stage(&format!("level {l} resize"))?
             };
             if !self.tsa[l].is_empty() {
                 let plan = ChunkPlan::choose(&self.tsa_chunks, n, th, tw);
@@ -403,11 +437,14 @@ impl SpikeBranch {
                 let checkpointing = self.checkpointing;
                 f = per_pixel(&[&f], plan, |seqs| {
                     let mut y = seqs[0].shallow_clone();
-                    for layer in layers {
-                        y = layer.forward(&y, checkpointing)?;
+                    for (j, layer) in layers.iter().enumerate() {
+                        y = layer
+                            .forward(&y, checkpointing)
+                            .at_stage(&format!("layer {j}"))?;
                     }
                     Ok(y)
-                })?;
+                })
+                .at_stage(&format!("SPIKE_TSA level {l}"))?;
             }
             feats.push(f);
         }
@@ -431,7 +468,7 @@ impl SpikeBranch {
         let update = per_pixel(&[x, spike], plan, |seqs| {
             fuse.forward_checkpointed(&seqs[0], &seqs[1], checkpointing)
         })?;
-        Ok(x + update)
+        x.f_add(&update).at_stage("residual")
     }
 
     /// Sets how fusion and temporal attention are chunked, both alike (memory only;

@@ -3,10 +3,10 @@
 //! (1,3,3) kernels) with one temporal (3,3,3) block at the bottleneck; the output is a
 //! residual added to the blurred frames.
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
-use super::layers::{leaky_relu, Conv};
-use super::ModelError;
+use super::layers::{f_leaky_relu, Conv};
+use super::{AtStage, ModelError};
 use crate::config::ModelConfig;
 
 /// The compact U-Net (`head`, `down.{l}`, `mid`, `up.{l}`, `tail`).
@@ -158,37 +158,48 @@ impl UnetSpike {
         _train: bool,
     ) -> Result<Tensor, ModelError> {
         self.check(blur, voxels)?;
+        let input = self.input(blur, voxels).at_stage("U-Net input")?;
+        self.body(&input, blur).at_stage("U-Net")
+    }
+
+    /// The blur with the voxels (resized to the frames) stacked on its channels.
+    fn input(&self, blur: &Tensor, voxels: Option<&Tensor>) -> Result<Tensor, TchError> {
         let s = blur.size();
         let (n, d, h, w) = (s[0], s[1], s[3], s[4]);
-        let mut input = blur.shallow_clone();
-        if let (Some(k), Some(v)) = (self.bins, voxels) {
-            let vs = v.size();
-            let v = v.to_kind(blur.kind());
-            let v = if (vs[3], vs[4]) == (h, w) {
-                v
-            } else {
-                v.reshape([n * d, k, vs[3], vs[4]])
-                    .upsample_bilinear2d([h, w], false, None, None)
-                    .view([n, d, k, h, w])
-            };
-            input = Tensor::cat(&[&input, &v], 2);
-        }
-        let act = |x: Tensor| leaky_relu(&x, 0.1);
-        let mut x = act(self.head.forward(&input.transpose(1, 2)));
+        let (Some(k), Some(v)) = (self.bins, voxels) else {
+            return Ok(blur.shallow_clone());
+        };
+        let vs = v.size();
+        let v = v.f_to_kind(blur.kind())?;
+        let v = if (vs[3], vs[4]) == (h, w) {
+            v
+        } else {
+            v.f_reshape([n * d, k, vs[3], vs[4]])?
+                .f_upsample_bilinear2d([h, w], false, None, None)?
+                .f_view([n, d, k, h, w])?
+        };
+        Tensor::f_cat(&[blur, &v], 2)
+    }
+
+    /// Encoder, middle and decoder on `input`; the output is `blur` plus the residual.
+    fn body(&self, input: &Tensor, blur: &Tensor) -> Result<Tensor, TchError> {
+        let act = |x: Tensor| f_leaky_relu(&x, 0.1);
+        let mut x = act(self.head.f_forward(&input.f_transpose(1, 2)?)?)?;
         let mut skips = Vec::with_capacity(self.down.len());
         for (conv, refine) in &self.down {
             skips.push(x.shallow_clone());
-            x = act(conv.forward(&x));
-            x = &x + act(refine.forward(&x));
+            x = act(conv.f_forward(&x)?)?;
+            x = x.f_add(&act(refine.f_forward(&x)?)?)?;
         }
-        x = &x + self.mid.1.forward(&act(self.mid.0.forward(&x)));
+        let mid = self.mid.1.f_forward(&act(self.mid.0.f_forward(&x)?)?)?;
+        x = x.f_add(&mid)?;
         for ((conv, refine), skip) in self.up.iter().zip(skips.iter()).rev() {
             let ss = skip.size();
-            let up = x.upsample_nearest3d([ss[2], ss[3], ss[4]], None, None, None);
-            x = act(conv.forward(&up)) + skip;
-            x = &x + act(refine.forward(&x));
+            let up = x.f_upsample_nearest3d([ss[2], ss[3], ss[4]], None, None, None)?;
+            x = act(conv.f_forward(&up)?)?.f_add(skip)?;
+            x = x.f_add(&act(refine.f_forward(&x)?)?)?;
         }
-        let residual = self.tail.forward(&x).transpose(1, 2);
-        Ok(residual + blur)
+        let residual = self.tail.f_forward(&x)?.f_transpose(1, 2)?;
+        residual.f_add(blur)
     }
 }

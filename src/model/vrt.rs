@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tch::{nn, Tensor};
+use tch::{nn, TchError, Tensor};
 
 use super::attention::{GroupSpec, Rtmsa, Tmsag};
 use super::checkpoint::Checkpointing;
@@ -13,8 +13,11 @@ use super::flow::{flow_warp, SpyNet, WarpMode};
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
 use super::spike::SpikeBranch;
 use super::window::MaskCache;
-use super::ModelError;
+use super::{AtStage, ModelError};
 use crate::config::ModelConfig;
+
+/// The stage name of a stage's parallel warping (alignment and fusion).
+const WARP: &str = "parallel warping";
 
 /// How a stage changes resolution before its attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,26 +103,26 @@ impl Stage {
     }
 
     /// (N, C, D, H, W) channel-first to channel-last (N, D, H', W', C') after the reshape.
-    fn reshape_in(&self, x: &Tensor) -> Tensor {
+    fn reshape_in(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let s = x.size();
         let (n, c, d, h, w) = (s[0], s[1], s[2], s[3], s[4]);
         let x = match self.reshape {
-            Reshape::None => x.permute([0, 2, 3, 4, 1]),
+            Reshape::None => x.f_permute([0, 2, 3, 4, 1])?,
             // 'n c d (h nh) (w nw) -> n d h w (nw nh c)'
             Reshape::Down => x
-                .view([n, c, d, h / 2, 2, w / 2, 2].as_slice())
-                .permute([0, 2, 3, 5, 6, 4, 1])
-                .reshape([n, d, h / 2, w / 2, 4 * c]),
+                .f_view([n, c, d, h / 2, 2, w / 2, 2].as_slice())?
+                .f_permute([0, 2, 3, 5, 6, 4, 1])?
+                .f_reshape([n, d, h / 2, w / 2, 4 * c])?,
             // 'n (nw nh c) d h w -> n d (h nh) (w nw) c'
             Reshape::Up => x
-                .view([n, 2, 2, c / 4, d, h, w].as_slice())
-                .permute([0, 4, 5, 2, 6, 1, 3])
-                .reshape([n, d, 2 * h, 2 * w, c / 4]),
+                .f_view([n, 2, 2, c / 4, d, h, w].as_slice())?
+                .f_permute([0, 4, 5, 2, 6, 1, 3])?
+                .f_reshape([n, d, 2 * h, 2 * w, c / 4])?,
         };
-        let x = self.norm.forward(&x);
+        let x = self.norm.f_forward(&x)?;
         match &self.reshape_linear {
-            Some(linear) => linear.forward(&x),
-            None => x,
+            Some(linear) => linear.f_forward(&x),
+            None => Ok(x),
         }
     }
 
@@ -131,24 +134,25 @@ impl Stage {
         flow_forward: &Tensor,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        let x = self.reshape_in(x);
-        let x = self
-            .linear1
-            .forward(&self.residual_group1.forward(&x, train)?)
-            + &x;
-        let x = self
-            .linear2
-            .forward(&self.residual_group2.forward(&x, train)?)
-            + &x;
+        let x = self.reshape_in(x).at_stage("reshape")?;
+        const GROUP1: &str = "TMSA group 1";
+        let group = self.residual_group1.forward(&x, train).at_stage(GROUP1)?;
+        let x = self.linear1.f_forward(&group).and_then(|y| y.f_add(&x));
+        let x = x.at_stage(GROUP1)?;
+        const GROUP2: &str = "TMSA group 2";
+        let group = self.residual_group2.forward(&x, train).at_stage(GROUP2)?;
+        let x = self.linear2.f_forward(&group).and_then(|y| y.f_add(&x));
+        let x = x.at_stage(GROUP2)?;
         // Parallel warping on (N, D, C, H, W).
-        let frames = x.permute([0, 1, 4, 2, 3]);
-        let (aligned_backward, aligned_forward) =
-            self.align(&frames, flow_backward, flow_forward)?;
-        let fused = self.pa_fuse.forward(
-            &Tensor::cat(&[&frames, &aligned_backward, &aligned_forward], 2)
-                .permute([0, 1, 3, 4, 2]),
-        );
-        Ok(fused.permute([0, 4, 1, 2, 3]))
+        let frames = x.f_permute([0, 1, 4, 2, 3]).at_stage(WARP)?;
+        let (aligned_backward, aligned_forward) = self
+            .align(&frames, flow_backward, flow_forward)
+            .at_stage(WARP)?;
+        let fused = Tensor::f_cat(&[&frames, &aligned_backward, &aligned_forward], 2)
+            .and_then(|t| t.f_permute([0, 1, 3, 4, 2]))
+            .and_then(|t| self.pa_fuse.f_forward(&t))
+            .and_then(|t| t.f_permute([0, 4, 1, 2, 3]));
+        fused.at_stage(WARP)
     }
 
     /// Each frame's neighbours aligned to it: backward (from frame t+1; zeros at the
@@ -159,29 +163,69 @@ impl Stage {
         flow_backward: &Tensor,
         flow_forward: &Tensor,
     ) -> Result<(Tensor, Tensor), ModelError> {
-        let s = x.size();
-        let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
-        let pairs = n * (d - 1);
-        let flat = |t: Tensor, ch: i64| t.reshape([pairs, ch, h, w]);
-        let later = flat(x.narrow(1, 1, d - 1), c);
-        let earlier = flat(x.narrow(1, 0, d - 1), c);
-        let fb = flat(flow_backward.shallow_clone(), 2);
-        let ff = flat(flow_forward.shallow_clone(), 2);
-        // Sources, targets and flows of both directions in one batch.
-        let source = Tensor::cat(&[&later, &earlier], 0);
-        let target = Tensor::cat(&[&earlier, &later], 0);
-        let flow = Tensor::cat(&[&fb, &ff], 0);
-        let warped = flow_warp(&source, &flow, WarpMode::Bilinear);
-        let aligned = self.pa_deform.forward(&source, &warped, &target, &flow)?;
-        let backward = aligned.narrow(0, 0, pairs).view([n, d - 1, c, h, w]);
-        let forward = aligned.narrow(0, pairs, pairs).view([n, d - 1, c, h, w]);
-        let zeros = Tensor::zeros([n, 1, c, h, w], (x.kind(), x.device()));
-        Ok((
-            Tensor::cat(&[&backward, &zeros], 1),
-            Tensor::cat(&[&zeros, &forward], 1),
-        ))
+        let pairs = align_pairs(x, flow_backward, flow_forward).at_stage("flow warping")?;
+        let aligned =
+            self.pa_deform
+                .forward(&pairs.source, &pairs.warped, &pairs.target, &pairs.flow)?;
+        split_aligned(&aligned, x).at_stage("flow warping")
     }
 }
+
+/// The frame pairs of parallel warping, both directions in one batch: each source
+/// frame, the target frame it is aligned to, the flow between them and the source
+/// warped by that flow.
+struct AlignPairs {
+    source: Tensor,
+    target: Tensor,
+    flow: Tensor,
+    warped: Tensor,
+}
+
+/// The pairs of `x` (N, D, C, H, W): later-to-earlier (flows backward) then
+/// earlier-to-later (flows forward).
+fn align_pairs(
+    x: &Tensor,
+    flow_backward: &Tensor,
+    flow_forward: &Tensor,
+) -> Result<AlignPairs, TchError> {
+    let s = x.size();
+    let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+    let pairs = n * (d - 1);
+    let flat = |t: &Tensor, ch: i64| t.f_reshape([pairs, ch, h, w]);
+    let later = flat(&x.f_narrow(1, 1, d - 1)?, c)?;
+    let earlier = flat(&x.f_narrow(1, 0, d - 1)?, c)?;
+    let fb = flat(flow_backward, 2)?;
+    let ff = flat(flow_forward, 2)?;
+    let source = Tensor::f_cat(&[&later, &earlier], 0)?;
+    let flow = Tensor::f_cat(&[&fb, &ff], 0)?;
+    let warped = flow_warp(&source, &flow, WarpMode::Bilinear)?;
+    Ok(AlignPairs {
+        target: Tensor::f_cat(&[&earlier, &later], 0)?,
+        source,
+        flow,
+        warped,
+    })
+}
+
+/// The aligned pairs back as (N, D, C, H, W) per direction: backward (from frame t+1;
+/// zeros at the last frame) and forward (from t-1; zeros at the first).
+fn split_aligned(aligned: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+    let s = x.size();
+    let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+    let pairs = n * (d - 1);
+    let backward = aligned.f_narrow(0, 0, pairs)?.f_view([n, d - 1, c, h, w])?;
+    let forward = aligned
+        .f_narrow(0, pairs, pairs)?
+        .f_view([n, d - 1, c, h, w])?;
+    let zeros = Tensor::f_zeros([n, 1, c, h, w], (x.kind(), x.device()))?;
+    Ok((
+        Tensor::f_cat(&[&backward, &zeros], 1)?,
+        Tensor::f_cat(&[&zeros, &forward], 1)?,
+    ))
+}
+
+/// Flows (backward, forward) at scales 1, 1/2, 1/4, 1/8 (see [`Vrt::flows`]).
+pub type Flows = (Vec<Tensor>, Vec<Tensor>);
 
 /// VRT for deblurring, optionally with the spike branch (VRT-Spike).
 #[derive(Debug)]
@@ -312,49 +356,58 @@ impl Vrt {
 
     /// Flows between neighbours at scales 1, 1/2, 1/4, 1/8: backward[k] is the flow of
     /// frame t to t+1, forward[k] of t+1 to t; each (N, D-1, 2, H/2^k, W/2^k).
-    pub fn flows(&self, x: &Tensor) -> (Vec<Tensor>, Vec<Tensor>) {
+    pub fn flows(&self, x: &Tensor) -> Result<Flows, TchError> {
         let s = x.size();
         let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
-        let first = x.narrow(1, 0, d - 1).reshape([-1, c, h, w]);
-        let second = x.narrow(1, 1, d - 1).reshape([-1, c, h, w]);
+        let first = x.f_narrow(1, 0, d - 1)?.f_reshape([-1, c, h, w])?;
+        let second = x.f_narrow(1, 1, d - 1)?.f_reshape([-1, c, h, w])?;
         // Both directions in one SpyNet batch.
         let all = self.spynet.forward(
-            &Tensor::cat(&[&first, &second], 0),
-            &Tensor::cat(&[&second, &first], 0),
-        );
+            &Tensor::f_cat(&[&first, &second], 0)?,
+            &Tensor::f_cat(&[&second, &first], 0)?,
+        )?;
         let pairs = n * (d - 1);
         let mut backward = Vec::with_capacity(4);
         let mut forward = Vec::with_capacity(4);
         for (k, flow) in all.iter().enumerate() {
             let shape = [n, d - 1, 2, h >> k, w >> k];
-            backward.push(flow.narrow(0, 0, pairs).reshape(shape));
-            forward.push(flow.narrow(0, pairs, pairs).reshape(shape));
+            backward.push(flow.f_narrow(0, 0, pairs)?.f_reshape(shape)?);
+            forward.push(flow.f_narrow(0, pairs, pairs)?.f_reshape(shape)?);
         }
-        (backward, forward)
+        Ok((backward, forward))
     }
 
     /// Each frame with its neighbours warped by the flow (`nearest4`): (N, D, 9C, H, W).
-    fn aligned_input(&self, x: &Tensor, flow_backward: &Tensor, flow_forward: &Tensor) -> Tensor {
+    fn aligned_input(
+        &self,
+        x: &Tensor,
+        flow_backward: &Tensor,
+        flow_forward: &Tensor,
+    ) -> Result<Tensor, TchError> {
         let s = x.size();
         let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
         let pairs = n * (d - 1);
-        let later = x.narrow(1, 1, d - 1).reshape([pairs, c, h, w]);
-        let earlier = x.narrow(1, 0, d - 1).reshape([pairs, c, h, w]);
-        let source = Tensor::cat(&[&later, &earlier], 0);
-        let flow = Tensor::cat(
+        let later = x.f_narrow(1, 1, d - 1)?.f_reshape([pairs, c, h, w])?;
+        let earlier = x.f_narrow(1, 0, d - 1)?.f_reshape([pairs, c, h, w])?;
+        let source = Tensor::f_cat(&[&later, &earlier], 0)?;
+        let flow = Tensor::f_cat(
             &[
-                flow_backward.reshape([pairs, 2, h, w]),
-                flow_forward.reshape([pairs, 2, h, w]),
+                flow_backward.f_reshape([pairs, 2, h, w])?,
+                flow_forward.f_reshape([pairs, 2, h, w])?,
             ],
             0,
-        );
-        let warped = flow_warp(&source, &flow, WarpMode::Nearest4);
-        let backward = warped.narrow(0, 0, pairs).view([n, d - 1, 4 * c, h, w]);
-        let forward = warped.narrow(0, pairs, pairs).view([n, d - 1, 4 * c, h, w]);
-        let zeros = Tensor::zeros([n, 1, 4 * c, h, w], (x.kind(), x.device()));
-        let backward = Tensor::cat(&[&backward, &zeros], 1);
-        let forward = Tensor::cat(&[&zeros, &forward], 1);
-        Tensor::cat(&[x, &backward, &forward], 2)
+        )?;
+        let warped = flow_warp(&source, &flow, WarpMode::Nearest4)?;
+        let backward = warped
+            .f_narrow(0, 0, pairs)?
+            .f_view([n, d - 1, 4 * c, h, w])?;
+        let forward = warped
+            .f_narrow(0, pairs, pairs)?
+            .f_view([n, d - 1, 4 * c, h, w])?;
+        let zeros = Tensor::f_zeros([n, 1, 4 * c, h, w], (x.kind(), x.device()))?;
+        let backward = Tensor::f_cat(&[&backward, &zeros], 1)?;
+        let forward = Tensor::f_cat(&[&zeros, &forward], 1)?;
+        Tensor::f_cat(&[x, &backward, &forward], 2)
     }
 
     /// Checks the input shapes; returns (N, D, H, W).
@@ -408,14 +461,18 @@ impl Vrt {
         mark: &mut dyn FnMut(&str),
     ) -> Result<Tensor, ModelError> {
         self.check(x, voxels)?;
-        let (backward, forward) = self.flows(x);
+        let (backward, forward) = self.flows(x).at_stage("SpyNet flows")?;
         mark("spynet");
-        let input = self.aligned_input(x, &backward[0], &forward[0]);
-        let feat = self.conv_first.forward(&input.transpose(1, 2));
+        let feat = self
+            .aligned_input(x, &backward[0], &forward[0])
+            .and_then(|input| self.conv_first.f_forward(&input.f_transpose(1, 2)?))
+            .at_stage("conv_first")?;
         mark("conv_first");
         let spike_feats = match (&self.spike, voxels) {
             (Some(branch), Some(v)) => {
-                let feats = branch.encode(v, &x.size(), train)?;
+                let feats = branch
+                    .encode(v, &x.size(), train)
+                    .at_stage("spike encoder")?;
                 mark("spike_encoder");
                 Some(feats)
             }
@@ -423,39 +480,65 @@ impl Vrt {
         };
         let fuse = |i: usize, y: Tensor| -> Result<Tensor, ModelError> {
             match (&self.spike, &spike_feats) {
-                (Some(branch), Some(feats)) => branch.fuse(i, &y, &feats[i]),
+                (Some(branch), Some(feats)) => branch
+                    .fuse(i, &y, &feats[i])
+                    .at_stage(&format!("spike fusion {}", i + 1)),
                 _ => Ok(y),
             }
         };
-        let st = &self.stages;
-        let x1 = fuse(0, st[0].forward(&feat, &backward[0], &forward[0], train)?)?;
+        let stage = |i: usize, y: &Tensor, k: usize| {
+            let name = format!("stage {}", i + 1);
+            let out = self.stages[i].forward(y, &backward[k], &forward[k], train);
+            out.at_stage(&name)
+        };
+        let skip = |y: Tensor, x: &Tensor, name: &str| y.f_add(x).at_stage(name);
+        let x1 = fuse(0, stage(0, &feat, 0)?)?;
         mark("stage1");
-        let x2 = fuse(1, st[1].forward(&x1, &backward[1], &forward[1], train)?)?;
+        let x2 = fuse(1, stage(1, &x1, 1)?)?;
         mark("stage2");
-        let x3 = fuse(2, st[2].forward(&x2, &backward[2], &forward[2], train)?)?;
+        let x3 = fuse(2, stage(2, &x2, 2)?)?;
         mark("stage3");
-        let x4 = fuse(3, st[3].forward(&x3, &backward[3], &forward[3], train)?)?;
+        let x4 = fuse(3, stage(3, &x3, 3)?)?;
         mark("stage4");
-        let y = st[4].forward(&x4, &backward[2], &forward[2], train)?;
+        let y = stage(4, &x4, 2)?;
         mark("stage5");
-        let y = st[5].forward(&(y + &x3), &backward[1], &forward[1], train)?;
+        let y = stage(5, &skip(y, &x3, "stage 6")?, 1)?;
         mark("stage6");
-        let y = st[6].forward(&(y + &x2), &backward[0], &forward[0], train)?;
+        let y = stage(6, &skip(y, &x2, "stage 7")?, 0)?;
         mark("stage7");
-        let y = (y + &x1).permute([0, 2, 3, 4, 1]);
-        let mut y = self.stage8_linear.forward(&self.stage8_norm.forward(&y));
-        for group in &self.stage8 {
-            y = group.forward(&y, train)?;
-        }
+        let y = self.stage8(&skip(y, &x1, "stage 8")?, train)?;
         mark("stage8");
-        let body = self
-            .conv_after_body
-            .forward(&self.norm.forward(&y))
-            .permute([0, 4, 1, 2, 3]);
-        let out = self.conv_last.forward(&(feat + body)).transpose(1, 2);
-        let out = out + x;
+        let out = self.reconstruct(&y, &feat, x).at_stage("reconstruction")?;
         mark("reconstruction");
         Ok(out)
+    }
+
+    /// Stage 8 on stage 7's output plus `x1` (N, C, D, H, W): channel-last (N, D, H, W, C).
+    fn stage8(&self, y: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        const STAGE8: &str = "stage 8";
+        let y = y.f_permute([0, 2, 3, 4, 1]).at_stage(STAGE8)?;
+        let y = self.stage8_norm.f_forward(&y).at_stage(STAGE8)?;
+        let mut y = self.stage8_linear.f_forward(&y).at_stage(STAGE8)?;
+        for (i, group) in self.stage8.iter().enumerate() {
+            y = group
+                .forward(&y, train)
+                .at_stage(&format!("{STAGE8}, RTMSA group {}", i + 1))?;
+        }
+        Ok(y)
+    }
+
+    /// The restored clip (N, D, C, H, W) from stage 8's output, the first features
+    /// and the input `x`.
+    fn reconstruct(&self, y: &Tensor, feat: &Tensor, x: &Tensor) -> Result<Tensor, TchError> {
+        let body = self
+            .conv_after_body
+            .f_forward(&self.norm.f_forward(y)?)?
+            .f_permute([0, 4, 1, 2, 3])?;
+        let out = self
+            .conv_last
+            .f_forward(&feat.f_add(&body)?)?
+            .f_transpose(1, 2)?;
+        out.f_add(x)
     }
 
     /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
@@ -490,5 +573,31 @@ impl Vrt {
             parts.extend(SpikeBranch::parts());
         }
         parts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn an_allocation_failure_is_an_error_naming_the_stage() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
+        let mut cfg = crate::config::Config::load(&path).unwrap().model;
+        cfg.spike.enabled = false;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = Vrt::new(&vs.root(), &cfg).unwrap();
+        // A zero-stride view of a clip of 2^22 x 2^22 frames: no memory until the
+        // first operation that materialises it asks for ~384 TiB, more than any
+        // address space, which the CPU allocator refuses at once.
+        let side = 1 << 22;
+        let huge = Tensor::zeros([1, 1, 1, 1, 1], (Kind::Float, Device::Cpu))
+            .expand([1, 2, 3, side, side], false);
+        let err = tch::no_grad(|| net.forward(&huge, None, false)).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        assert_eq!(err.stage(), Some("SpyNet flows"));
+        assert!(err.to_string().starts_with("SpyNet flows: "), "{err}");
     }
 }

@@ -5,18 +5,18 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// Cuts (B, D, H, W, C) into windows: (B * nW, wd * wh * ww, C), batch outermost.
 /// D, H and W must be multiples of the window.
-pub fn window_partition(x: &Tensor, window: [i64; 3]) -> Tensor {
+pub fn window_partition(x: &Tensor, window: [i64; 3]) -> Result<Tensor, TchError> {
     let s = x.size();
     let (b, d, h, w, c) = (s[0], s[1], s[2], s[3], s[4]);
     let [wd, wh, ww] = window;
-    x.view([b, d / wd, wd, h / wh, wh, w / ww, ww, c].as_slice())
-        .permute([0, 1, 3, 5, 2, 4, 6, 7])
-        .contiguous()
-        .view([-1, wd * wh * ww, c])
+    x.f_view([b, d / wd, wd, h / wh, wh, w / ww, ww, c].as_slice())?
+        .f_permute([0, 1, 3, 5, 2, 4, 6, 7])?
+        .f_contiguous()?
+        .f_view([-1, wd * wh * ww, c])
 }
 
 /// Inverse of [`window_partition`]: (B * nW, wd * wh * ww, C) to (B, D, H, W, C).
@@ -27,13 +27,13 @@ pub fn window_reverse(
     d: i64,
     h: i64,
     w: i64,
-) -> Tensor {
+) -> Result<Tensor, TchError> {
     let [wd, wh, ww] = window;
     windows
-        .view([b, d / wd, h / wh, w / ww, wd, wh, ww, -1].as_slice())
-        .permute([0, 1, 4, 2, 5, 3, 6, 7])
-        .contiguous()
-        .view([b, d, h, w, -1])
+        .f_view([b, d / wd, h / wh, w / ww, wd, wh, ww, -1].as_slice())?
+        .f_permute([0, 1, 4, 2, 5, 3, 6, 7])?
+        .f_contiguous()?
+        .f_view([b, d, h, w, -1])
 }
 
 /// The window and shift used for an input of `size` (D, H, W): a dimension no larger
@@ -90,14 +90,22 @@ fn region_labels(padded: [i64; 3], window: [i64; 3], shift: [i64; 3]) -> Vec<f32
 
 /// The additive attention mask of shifted windows: (nW, N, N), 0 within a region and
 /// -100 across regions, for a padded volume (Dp, Hp, Wp).
-pub fn shift_mask(padded: [i64; 3], window: [i64; 3], shift: [i64; 3], device: Device) -> Tensor {
+pub fn shift_mask(
+    padded: [i64; 3],
+    window: [i64; 3],
+    shift: [i64; 3],
+    device: Device,
+) -> Result<Tensor, TchError> {
     let labels = region_labels(padded, window, shift);
     let [dp, hp, wp] = padded;
-    let volume = Tensor::from_slice(&labels).view([1, dp, hp, wp, 1]);
-    let windows = window_partition(&volume, window).squeeze_dim(-1);
-    let diff = windows.unsqueeze(1) - windows.unsqueeze(2);
-    let mask = diff.ne(0.0).to_kind(Kind::Float) * -100.0;
-    mask.to_device(device)
+    let volume = Tensor::f_from_slice(&labels)?.f_view([1, dp, hp, wp, 1])?;
+    let windows = window_partition(&volume, window)?.f_squeeze_dim(-1)?;
+    let diff = windows.f_unsqueeze(1)?.f_sub(&windows.f_unsqueeze(2)?)?;
+    let mask = diff
+        .f_ne(0.0)?
+        .f_to_kind(Kind::Float)?
+        .f_mul_scalar(-100.0)?;
+    mask.f_to_device(device)
 }
 
 /// Caches shift masks by (padded size, window, shift, device), as the reference's
@@ -115,7 +123,7 @@ impl MaskCache {
         window: [i64; 3],
         shift: [i64; 3],
         device: Device,
-    ) -> Tensor {
+    ) -> Result<Tensor, TchError> {
         let key: Vec<i64> = padded
             .iter()
             .chain(&window)
@@ -126,10 +134,13 @@ impl MaskCache {
             Ok(guard) => guard,
             Err(poisoned) => poisoned.into_inner(),
         };
-        masks
-            .entry((key, device))
-            .or_insert_with(|| shift_mask(padded, window, shift, device))
-            .shallow_clone()
+        let key = (key, device);
+        if let Some(mask) = masks.get(&key) {
+            return Ok(mask.shallow_clone());
+        }
+        let mask = shift_mask(padded, window, shift, device)?;
+        masks.insert(key, mask.shallow_clone());
+        Ok(mask)
     }
 }
 
@@ -188,7 +199,7 @@ mod tests {
     #[test]
     fn partition_then_reverse_is_identity() {
         let x = Tensor::randn([2, 4, 8, 12, 5], (Kind::Float, Device::Cpu));
-        let windows = window_partition(&x, [2, 4, 4]);
+        let windows = window_partition(&x, [2, 4, 4]).unwrap();
         assert_eq!(windows.size(), vec![2 * 2 * 2 * 3, 32, 5]);
         // The first window is the top-left-first block of the first sample.
         let first = x
@@ -198,7 +209,7 @@ mod tests {
             .narrow(2, 0, 4)
             .reshape([32, 5]);
         assert!(windows.get(0).equal(&first));
-        let back = window_reverse(&windows, [2, 4, 4], 2, 4, 8, 12);
+        let back = window_reverse(&windows, [2, 4, 4], 2, 4, 8, 12).unwrap();
         assert!(back.equal(&x));
     }
 
@@ -232,7 +243,7 @@ mod tests {
     #[test]
     fn shift_mask_separates_wrapped_regions() {
         // One frame, 8 x 8 padded, window 4 x 4, shift 2 x 2: 4 windows of 16 tokens.
-        let mask = shift_mask([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu);
+        let mask = shift_mask([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu).unwrap();
         assert_eq!(mask.size(), vec![4, 16, 16]);
         let m: Vec<f32> = Vec::try_from(mask.flatten(0, -1)).unwrap();
         let at = |w: usize, i: usize, j: usize| m[(w * 16 + i) * 16 + j];
@@ -249,7 +260,9 @@ mod tests {
         // Symmetric, zero diagonal.
         assert!(mask.equal(&mask.transpose(1, 2)));
         let cache = MaskCache::default();
-        let a = cache.get([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu);
+        let a = cache
+            .get([1, 8, 8], [1, 4, 4], [0, 2, 2], Device::Cpu)
+            .unwrap();
         assert!(a.equal(&mask));
     }
 

@@ -2,12 +2,21 @@
 //! mean(sqrt((pred - target)^2 + eps^2)). It is robust to outliers like L1 but
 //! differentiable at zero.
 
-use tch::Tensor;
+use tch::{TchError, Tensor};
 
 /// Mean Charbonnier distance between `pred` and `target` (same shape), as a scalar tensor.
 pub fn charbonnier(pred: &Tensor, target: &Tensor, eps: f64) -> Tensor {
     let diff = pred - target;
     (&diff * &diff + eps * eps).sqrt().mean(diff.kind())
+}
+
+/// [`charbonnier`] returning libtorch's error instead of panicking.
+pub fn f_charbonnier(pred: &Tensor, target: &Tensor, eps: f64) -> Result<Tensor, TchError> {
+    let diff = pred.f_sub(target)?;
+    diff.f_mul(&diff)?
+        .f_add_scalar(eps * eps)?
+        .f_sqrt()?
+        .f_mean(diff.kind())
 }
 
 #[cfg(test)]

@@ -147,7 +147,7 @@ fn one_step(
     let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps);
     loss.f_backward()?;
     // A step past FIX_ITER, so every parameter group holds its optimizer state.
-    optimizer.step(tc.lr, tc.fix_iter);
+    optimizer.step(tc.lr, tc.fix_iter)?;
     Ok(())
 }
 

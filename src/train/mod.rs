@@ -7,11 +7,13 @@ pub mod amp;
 pub mod checkpoint;
 pub mod comm;
 pub mod env;
+pub mod failure;
 pub mod heartbeat;
 pub mod loader_plan;
 pub mod loss;
 pub mod measure;
 pub mod metrics;
+pub mod oom;
 pub mod optim;
 pub mod preempt;
 pub mod report;
@@ -64,6 +66,10 @@ pub enum TrainError {
     /// A checkpoint could not be written or read.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// Training or validation ran out of memory (deterministic for the config: the
+    /// message names the stage, the input shape and what to change).
+    #[error("{0}")]
+    OutOfMemory(Box<oom::OutOfMemory>),
     /// libtorch failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),

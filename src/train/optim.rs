@@ -6,7 +6,7 @@
 //! global-norm clipping.
 
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::{Kind, TchError, Tensor};
 
 /// The optimizer group of a parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,8 +225,9 @@ impl AdamW {
 
     /// One AdamW update at training step `step` (0-based) with learning rate `lr`
     /// (times the group's multiplier) from the current gradients; parameters
-    /// without a gradient, and the fixed group while frozen, are left alone.
-    pub fn step(&mut self, lr: f64, step: u64) {
+    /// without a gradient, and the fixed group while frozen, are left alone. A libtorch
+    /// failure (out of memory for a temporary) is returned, not a panic.
+    pub fn step(&mut self, lr: f64, step: u64) -> Result<(), TchError> {
         let policy = self.groups.policy;
         let fixed_mul = policy.lr_mul(ParamGroup::Fixed, step);
         self.steps += 1;
@@ -252,22 +253,23 @@ impl AdamW {
                     (ParamGroup::Fixed, Some(mul)) => (mul, fixed_bias),
                     (ParamGroup::Fixed, None) => continue,
                 };
-                let g = p.grad();
+                let g = p.f_grad()?;
                 if !g.defined() {
                     continue;
                 }
                 let lr = lr * mul;
                 if wd != 0.0 {
-                    let _ = p.g_mul_scalar_(1.0 - lr * wd);
+                    let _ = p.f_mul_scalar_(1.0 - lr * wd)?;
                 }
-                let _ = m.g_mul_scalar_(beta1);
-                let _ = m.g_add_(&(&g * (1.0 - beta1)));
-                let _ = v.g_mul_scalar_(beta2);
-                let _ = v.g_add_(&(&g * &g * (1.0 - beta2)));
-                let denom = v.sqrt() / bias2.sqrt() + eps;
-                let _ = p.g_sub_(&(&*m / denom * (lr / bias1)));
+                let _ = m.f_mul_scalar_(beta1)?;
+                let _ = m.f_add_(&g.f_mul_scalar(1.0 - beta1)?)?;
+                let _ = v.f_mul_scalar_(beta2)?;
+                let _ = v.f_add_(&g.f_mul(&g)?.f_mul_scalar(1.0 - beta2)?)?;
+                let denom = v.f_sqrt()?.f_div_scalar(bias2.sqrt())?.f_add_scalar(eps)?;
+                let _ = p.f_sub_(&m.f_div(&denom)?.f_mul_scalar(lr / bias1)?)?;
             }
-        });
+            Ok(())
+        })
     }
 
     /// The moments as named tensors (`exp_avg.<i>`, `exp_avg_sq.<i>`) for a checkpoint.
@@ -345,33 +347,34 @@ impl AdamW {
 
 /// Scales gradients so that their global L2 norm is at most `max_norm`; returns the
 /// norm before clipping (non-finite when a gradient is).
-pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let norm = grad_norm(params);
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64, TchError> {
+    let norm = grad_norm(params)?;
     if norm.is_finite() && norm > max_norm {
         let factor = max_norm / (norm + 1e-6);
-        tch::no_grad(|| {
+        tch::no_grad(|| -> Result<(), TchError> {
             for p in params {
-                let mut g = p.grad();
+                let mut g = p.f_grad()?;
                 if g.defined() {
-                    let _ = g.g_mul_scalar_(factor);
+                    let _ = g.f_mul_scalar_(factor)?;
                 }
             }
-        });
+            Ok(())
+        })?;
     }
-    norm
+    Ok(norm)
 }
 
 /// Global L2 norm of the gradients.
-pub fn grad_norm(params: &[Tensor]) -> f64 {
+pub fn grad_norm(params: &[Tensor]) -> Result<f64, TchError> {
     let mut sum = 0.0f64;
     for p in params {
-        let g = p.grad();
+        let g = p.f_grad()?;
         if g.defined() {
-            let n = g.to_kind(Kind::Double).norm().double_value(&[]);
+            let n = g.f_to_kind(Kind::Double)?.f_norm()?.f_double_value(&[])?;
             sum += n * n;
         }
     }
-    sum.sqrt()
+    Ok(sum.sqrt())
 }
 
 #[cfg(test)]
@@ -390,7 +393,7 @@ mod tests {
             opt.zero_grad();
             let loss = (&p * Tensor::from_slice(&g)).sum(Kind::Double);
             loss.backward();
-            opt.step(lr, t as u64);
+            opt.step(lr, t as u64).unwrap();
             for i in 0..2 {
                 expected[i] *= 1.0 - lr * 0.1;
                 m[i] = 0.9 * m[i] + 0.1 * g[i];
@@ -474,7 +477,7 @@ mod tests {
             opt.zero_grad();
             (&a * 2.0 + &b * 3.0).sum(Kind::Double).backward();
             assert_eq!(opt.trainable(step).len(), if step < 2 { 1 } else { 2 });
-            opt.step(lr, step);
+            opt.step(lr, step).unwrap();
             if step < 2 {
                 assert_eq!(b.double_value(&[0]), 1.0, "frozen at step {step}");
                 assert_eq!(opt.fixed_state().steps, 0);
@@ -485,7 +488,7 @@ mod tests {
                 // bias correction counts from the unfreezing step.
                 reference.zero_grad();
                 (&reference.params()[0] * 3.0).sum(Kind::Double).backward();
-                reference.step(lr * 0.5, step);
+                reference.step(lr * 0.5, step).unwrap();
                 let want = reference.params()[0].double_value(&[0]);
                 assert_eq!(b.double_value(&[0]), want, "step {step}");
             }
@@ -517,13 +520,13 @@ mod tests {
         (&p * Tensor::from_slice(&[3.0f32, 4.0]))
             .sum(Kind::Float)
             .backward();
-        let norm = clip_grad_norm(&[p.shallow_clone()], 1.0);
+        let norm = clip_grad_norm(&[p.shallow_clone()], 1.0).unwrap();
         assert!((norm - 5.0).abs() < 1e-6);
-        assert!((grad_norm(&[p.shallow_clone()]) - 1.0).abs() < 1e-4);
+        assert!((grad_norm(&[p.shallow_clone()]).unwrap() - 1.0).abs() < 1e-4);
         // A non-finite gradient is reported and left alone (the step is skipped).
         let q = Tensor::from_slice(&[1.0f32]).set_requires_grad(true);
         (&q * f64::NAN).sum(Kind::Float).backward();
-        assert!(clip_grad_norm(&[q.shallow_clone()], 1.0).is_nan());
+        assert!(clip_grad_norm(&[q.shallow_clone()], 1.0).unwrap().is_nan());
         assert!(q.grad().double_value(&[0]).is_nan());
     }
 }

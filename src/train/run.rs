@@ -26,8 +26,9 @@ use super::comm::{self, Communication};
 use super::env::RankEnv;
 use super::heartbeat::{self, Phase};
 use super::loader_plan::{LoaderPlan, NodeFacts};
-use super::loss::charbonnier;
+use super::loss::f_charbonnier;
 use super::metrics::MetricsSink;
+use super::oom::{self, OomPhase, OomSite};
 use super::optim::{AdamW, FixPolicy, ParamGroup, ParamGroups};
 use super::preempt;
 use super::report::{LogWindow, StepReport};
@@ -560,6 +561,9 @@ impl Run<'_> {
             tracing::warn!(step = step + 1, rank = self.env.rank, samples = ?local.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
         }
         heartbeat::beat(step, Phase::Optimizer);
+        let site = OomSite::training(self.config, step + 1, Vec::new(), self.env.device)
+            .in_phase(OomPhase::Optimizer);
+        oom::test_hook(OomPhase::Optimizer, self.env.device).map_err(|e| site.torch(e))?;
         let result = apply_update(
             &mut self.model.optimizer,
             &mut self.state.scaler,
@@ -569,7 +573,8 @@ impl Run<'_> {
                 lr,
                 max_grad_norm: self.config.train.grad_clip(),
             },
-        );
+        )
+        .map_err(|e| site.torch(e))?;
         let report = self.record(lr, &global, result, &local.bad_samples);
         let seconds = started.elapsed().as_secs_f64();
         self.attempt.unsaved_seconds += seconds;
@@ -590,19 +595,37 @@ impl Run<'_> {
             let batch = next_batch(&mut self.data.loader)?;
             let (blur, sharp, voxels) = batch.to_tensors(self.env.device)?;
             let voxels = model.uses_voxels().then_some(&voxels);
+            let site = OomSite::training(
+                self.config,
+                self.state.step + 1,
+                blur.size(),
+                self.env.device,
+            );
             heartbeat::beat(self.state.step, Phase::Forward);
-            let output = amp.run(|| model.forward(&blur, voxels, true))?;
-            let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps)
-                / accum as f64;
-            let value = loss.double_value(&[]);
+            let device = self.env.device;
+            oom::test_hook(OomPhase::Forward, device).map_err(|e| site.torch(e))?;
+            let output = amp
+                .run(|| model.forward(&blur, voxels, true))
+                .map_err(|e| site.model(e))?;
+            let eps = tc.charbonnier_eps;
+            let loss = output
+                .f_to_kind(Kind::Float)
+                .and_then(|y| f_charbonnier(&y, &sharp, eps))
+                .and_then(|l| l.f_div_scalar(accum as f64))
+                .map_err(|e| site.torch(e))?;
+            let value = loss.f_double_value(&[]).map_err(|e| site.torch(e))?;
             local.input_loss +=
-                tch::no_grad(|| charbonnier(&blur, &sharp, tc.charbonnier_eps).double_value(&[]))
+                tch::no_grad(|| f_charbonnier(&blur, &sharp, eps)?.f_double_value(&[]))
+                    .map_err(|e| site.torch(e))?
                     / accum as f64;
             local.samples += batch.samples.len();
             if value.is_finite() {
                 local.loss += value;
                 heartbeat::beat(self.state.step, Phase::Backward);
-                self.state.scaler.scale_loss(&loss).backward();
+                let site = site.in_phase(OomPhase::Backward);
+                oom::test_hook(OomPhase::Backward, device).map_err(|e| site.torch(e))?;
+                let scaled = self.state.scaler.scale_loss(&loss);
+                scaled.f_backward().map_err(|e| site.torch(e))?;
             } else {
                 local.nonfinite = true;
                 local.bad_samples.extend(

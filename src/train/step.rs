@@ -5,6 +5,8 @@
 //! gradients and the reduced loss flag are the same everywhere), so an inf/NaN
 //! never reaches the weights or the optimizer moments.
 
+use tch::TchError;
+
 use super::amp::GradScaler;
 use super::optim::{clip_grad_norm, grad_norm, AdamW};
 
@@ -34,28 +36,29 @@ pub struct UpdateOptions {
     pub max_grad_norm: Option<f64>,
 }
 
-/// Finishes a step: `nonfinite_loss` says whether any rank's loss was inf/NaN.
+/// Finishes a step: `nonfinite_loss` says whether any rank's loss was inf/NaN. A
+/// libtorch failure (out of memory) is returned, not a panic.
 pub fn apply_update(
     optimizer: &mut AdamW,
     scaler: &mut GradScaler,
     nonfinite_loss: bool,
     options: UpdateOptions,
-) -> StepResult {
+) -> Result<StepResult, TchError> {
     scaler.unscale(optimizer.params());
     let trainable = optimizer.trainable(options.step);
     // Clipping leaves non-finite gradients alone; a skipped step clears them anyway.
     let norm = match options.max_grad_norm {
-        Some(max) => clip_grad_norm(&trainable, max),
-        None => grad_norm(&trainable),
+        Some(max) => clip_grad_norm(&trainable, max)?,
+        None => grad_norm(&trainable)?,
     };
     if nonfinite_loss || !norm.is_finite() {
         optimizer.zero_grad();
         scaler.update(true);
-        return StepResult::Skipped { nonfinite_loss };
+        return Ok(StepResult::Skipped { nonfinite_loss });
     }
-    optimizer.step(options.lr, options.step);
+    optimizer.step(options.lr, options.step)?;
     scaler.update(false);
-    StepResult::Applied { grad_norm: norm }
+    Ok(StepResult::Applied { grad_norm: norm })
 }
 
 #[cfg(test)]
@@ -96,7 +99,7 @@ mod tests {
         loss.backward();
         let mut scaler = GradScaler::new(true);
         let scale = scaler.scale;
-        let result = apply_update(&mut opt, &mut scaler, true, options(Some(1.0)));
+        let result = apply_update(&mut opt, &mut scaler, true, options(Some(1.0))).unwrap();
         assert_eq!(
             result,
             StepResult::Skipped {
@@ -116,7 +119,8 @@ mod tests {
         // A NaN gradient with a finite loss flag is caught too.
         let mut g = w.grad();
         let _ = g.fill_(f64::INFINITY);
-        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, options(None));
+        let result =
+            apply_update(&mut opt, &mut GradScaler::new(false), false, options(None)).unwrap();
         assert_eq!(
             result,
             StepResult::Skipped {
@@ -127,7 +131,8 @@ mod tests {
         // The next good step applies.
         opt.zero_grad();
         (&w * 2.0).sum(Kind::Float).backward();
-        let result = apply_update(&mut opt, &mut GradScaler::new(false), false, options(None));
+        let result =
+            apply_update(&mut opt, &mut GradScaler::new(false), false, options(None)).unwrap();
         assert!(
             matches!(result, StepResult::Applied { grad_norm } if (grad_norm - 12f64.sqrt()).abs() < 1e-5)
         );

@@ -266,7 +266,9 @@ impl PeriodicTask for Validate {
         } else {
             0
         };
-        let (sums, previews) = validator.run(run.model.model.as_ref(), keep)?;
+        let (sums, previews) = validator
+            .run(run.model.model.as_ref(), keep)
+            .map_err(|e| super::oom::at_step(e, report.step))?;
         let mine = Vec::<f64>::try_from(&sums.to_tensor())?;
         let all = run.comm.all_reduce(&mine, ReduceOp::Sum)?;
         let all = QualitySums::from_tensor(&Tensor::from_slice(&all));

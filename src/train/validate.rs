@@ -18,6 +18,7 @@ use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 
 use super::amp::AmpMode;
 use super::env::RankEnv;
+use super::oom::{test_hook, OomPhase, OomSite};
 use super::TrainError;
 
 /// Alignment of tile starts in RGB pixels (a multiple of the spike ratio and of the
@@ -31,6 +32,7 @@ pub struct Validator {
     device: Device,
     amp: AmpMode,
     clips: usize,
+    oom: OomSite,
 }
 
 impl Validator {
@@ -86,6 +88,7 @@ impl Validator {
             device,
             amp,
             clips,
+            oom: OomSite::validation(config, Vec::new(), device),
         })
     }
 
@@ -113,19 +116,22 @@ impl Validator {
         while let Some(batch) = loader.next_batch() {
             let (blur, sharp, voxels) = batch?.to_tensors(self.device)?;
             let voxels = model.uses_voxels().then_some(&voxels);
+            let site = self.oom.with_shape(blur.size());
             let output = tch::no_grad(|| -> Result<Tensor, TrainError> {
-                let mut forward = |b: &Tensor, v: Option<&Tensor>| {
-                    self.amp
-                        .run(|| model.forward(b, v, false))
-                        .map(|y| y.to_kind(Kind::Float))
+                let (device, amp) = (self.device, self.amp);
+                let mut forward = |b: &Tensor, v: Option<&Tensor>| -> Result<Tensor, TrainError> {
+                    test_hook(OomPhase::Validation, device)?;
+                    let y = amp.run(|| model.forward(b, v, false))?;
+                    Ok(y.f_to_kind(Kind::Float)?)
                 };
-                Ok(match self.tile {
+                match self.tile {
                     Some((tile, overlap)) => {
-                        tiled_forward(&mut forward, &blur, voxels, tile, overlap, TILE_ALIGN)?
+                        tiled_forward(&mut forward, &blur, voxels, tile, overlap, TILE_ALIGN)
                     }
-                    None => forward(&blur, voxels)?,
-                })
-            })?;
+                    None => forward(&blur, voxels),
+                }
+            })
+            .map_err(|e| site.classify(e))?;
             sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0));
             if kept.len() < previews {
                 kept.push(Preview::first_frame(&blur, &output, &sharp));

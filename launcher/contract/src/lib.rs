@@ -2,11 +2,13 @@
 //! training ranks, written down once: [`env`] (the variables every rank starts
 //! with), [`rundir`] (where things live in a run directory, and which checkpoint is
 //! the latest), [`summary`] (the figures rank 0 leaves for the launcher), [`ready`]
-//! (how a child says it is ready), [`pss`] (how memory is measured) and
-//! [`heartbeat`] (each rank's step and phase, for finding a hung rank).
+//! (how a child says it is ready), [`pss`] (how memory is measured),
+//! [`heartbeat`] (each rank's step and phase, for finding a hung rank) and
+//! [`failure`] (why a rank failed, in its own words, and its exit code).
 //! It links no libtorch, so the launcher stays free of it.
 
 pub mod env;
+pub mod failure;
 pub mod heartbeat;
 pub mod pss;
 pub mod ready;
@@ -14,5 +16,6 @@ pub mod rundir;
 pub mod summary;
 
 pub use env::{Device, EnvError, RankEnv, Rendezvous};
+pub use failure::{FailureClass, RankFailure, EXIT_OUT_OF_MEMORY};
 pub use rundir::{Checkpoint, RunLayout};
 pub use summary::{RunSummary, SummaryError, TrainStatus};

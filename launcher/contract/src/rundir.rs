@@ -49,6 +49,12 @@ impl RunLayout {
         self.logs_dir().join(format!("rank{rank}.log"))
     }
 
+    /// The failure record global rank `rank` writes before it exits with an error
+    /// ([`crate::failure::RankFailure`]).
+    pub fn rank_failure(&self, rank: u32) -> PathBuf {
+        self.logs_dir().join(format!("rank{rank}.failure.json"))
+    }
+
     /// The log of node `node_rank`'s cache server.
     pub fn cache_log(&self, node_rank: u32) -> PathBuf {
         self.logs_dir().join(format!("cache.node{node_rank}.log"))
