@@ -199,7 +199,7 @@ fn died_message(status: ExitStatus) -> String {
         None => format!("exit status {}", status.code().unwrap_or(-1)),
     };
     format!(
-        "libhdf5 crashed ({how}) reading it in a probe process (`vrtspike h5-probe`): the file is corrupt; it was not opened"
+        "reading it with libhdf5 crashed a probe process ({how}, `vrtspike h5-probe`): the file is corrupt; it was not opened"
     )
 }
 
@@ -245,11 +245,14 @@ impl ProbeChild {
             .as_fd()
             .try_clone_to_owned()
             .map_err(|e| fail(format!("dup: {e}")))?;
-        let child = Command::new(exe)
+        let mut command = Command::new(exe);
+        command
             .args(["h5-probe", "--serve"])
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::from(stdout))
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::inherit());
+        close_inherited_files(&mut command);
+        let child = command
             .spawn()
             .map_err(|e| fail(format!("{}: {e}", exe.display())))?;
         let mut probe = ProbeChild {
@@ -336,6 +339,28 @@ impl Drop for ProbeChild {
         // Closing the socket ends the child's loop; reap it if it is already gone.
         let _ = self.socket.get_ref().shutdown(std::net::Shutdown::Both);
         let _ = self.child.try_wait();
+    }
+}
+
+/// Closes every descriptor above stdio in the child before `exec`. libhdf5 opens
+/// files without `O_CLOEXEC`: a child inheriting the parent's open session files
+/// would hold their `flock` locks (and the parent's later opens of them would fail
+/// with "unable to lock file") for as long as it serves.
+fn close_inherited_files(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: sysconf is called here, in the parent, before any fork.
+    let open_max = unsafe { libc::sysconf(libc::_SC_OPEN_MAX) }.clamp(1024, 1 << 16) as i32;
+    // SAFETY: the hook runs in the forked child before exec and makes only
+    // async-signal-safe system calls (close_range, close) on plain integers.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) != 0 {
+                for fd in 3..open_max {
+                    libc::close(fd);
+                }
+            }
+            Ok(())
+        });
     }
 }
 
