@@ -10,7 +10,8 @@
 //! [`CHILD_IDLE`] without a request; a child that crashed is replaced, and a file
 //! that crashed a child which had probed other files first is probed again in a
 //! fresh one before it is called corrupt. Verdicts are cached per process, keyed
-//! by path, size, mtime, ctime and inode.
+//! by path, size, mtime, ctime, inode and a CRC of the file's bytes (all of a
+//! file up to 8 MiB, else its first and last MiB).
 //!
 //! The child executable, first match: [`set_probe_executable`]; the environment
 //! variable `VRTSPIKE_H5_PROBE` (a path, or `off` to open files in-process without
@@ -22,9 +23,9 @@
 //! open files in-process (no `vrtspike` binary is built for them).
 //!
 //! Left to chance: frames other than the first and last are read only by the
-//! parent (a corrupt chunk *payload* is an HDF5 error there, not a crash), and a
-//! file rewritten between the probe and the open within one mtime tick with the
-//! same size and inode keeps its old verdict.
+//! parent (a corrupt chunk *payload* is an HDF5 error there, not a crash); a file
+//! changed between the probe and the open is opened unchecked; and a large file
+//! changed only in its middle, in place within one mtime tick, keeps its verdict.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -83,7 +84,16 @@ pub enum ProbeMode {
 /// What a probe concluded about one file (cached per process).
 type Verdict = std::result::Result<(), String>;
 
-/// A file's identity for the verdict cache.
+/// Files up to this size are fingerprinted whole; larger ones by their first and
+/// last [`FINGERPRINT_SPAN`] bytes.
+const FINGERPRINT_WHOLE: u64 = 8 << 20;
+
+/// Bytes fingerprinted at each end of a large file.
+const FINGERPRINT_SPAN: u64 = 1 << 20;
+
+/// A file's identity for the verdict cache: its metadata and a CRC of its bytes
+/// (file times tick only every few milliseconds, so a file rewritten in place at
+/// once keeps its size and times).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct FileKey {
     path: PathBuf,
@@ -92,6 +102,7 @@ struct FileKey {
     ctime_ns: i128,
     dev: u64,
     ino: u64,
+    crc: u32,
 }
 
 impl FileKey {
@@ -105,8 +116,29 @@ impl FileKey {
             ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
             dev: meta.dev(),
             ino: meta.ino(),
+            crc: fingerprint(path, meta.len()).map_err(|e| DataError::io(path, e))?,
         })
     }
+}
+
+/// CRC-32 of the whole file when small, else of its first and last megabyte.
+fn fingerprint(path: &Path, len: u64) -> std::io::Result<u32> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = Vec::new();
+    if len <= FINGERPRINT_WHOLE {
+        file.read_to_end(&mut buf)?;
+        hasher.update(&buf);
+        return Ok(hasher.finalize());
+    }
+    for start in [0, len - FINGERPRINT_SPAN] {
+        buf.clear();
+        file.seek(SeekFrom::Start(start))?;
+        (&mut file).take(FINGERPRINT_SPAN).read_to_end(&mut buf)?;
+        hasher.update(&buf);
+    }
+    Ok(hasher.finalize())
 }
 
 /// Checks session files in child processes and remembers the verdicts.
@@ -342,21 +374,24 @@ impl Drop for ProbeChild {
     }
 }
 
-/// Closes every descriptor above stdio in the child before `exec`. libhdf5 opens
-/// files without `O_CLOEXEC`: a child inheriting the parent's open session files
-/// would hold their `flock` locks (and the parent's later opens of them would fail
-/// with "unable to lock file") for as long as it serves.
+/// Marks every descriptor above stdio close-on-exec in the child, so none
+/// survives `exec` (std's own exec-error pipe keeps working until then). libhdf5
+/// opens files without `O_CLOEXEC`: a child inheriting the parent's open session
+/// files would hold their `flock` locks (and the parent's later opens of them would
+/// fail with "unable to lock file") for as long as it serves.
 fn close_inherited_files(command: &mut Command) {
     use std::os::unix::process::CommandExt;
     // SAFETY: sysconf is called here, in the parent, before any fork.
     let open_max = unsafe { libc::sysconf(libc::_SC_OPEN_MAX) }.clamp(1024, 1 << 16) as i32;
     // SAFETY: the hook runs in the forked child before exec and makes only
-    // async-signal-safe system calls (close_range, close) on plain integers.
+    // async-signal-safe system calls (close_range, fcntl) on plain integers.
     unsafe {
         command.pre_exec(move || {
-            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) != 0 {
+            let all_above_stdio = (3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
+            let (first, last, flags) = all_above_stdio;
+            if libc::syscall(libc::SYS_close_range, first, last, flags) != 0 {
                 for fd in 3..open_max {
-                    libc::close(fd);
+                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
                 }
             }
             Ok(())
@@ -526,4 +561,148 @@ pub fn serve_stdio() -> std::io::Result<()> {
         Box::new(std::io::stdin().lock())
     };
     serve(input, std::io::stdout().lock())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A fake probe executable: a shell script that greets with `greeting`, logs
+    /// each request to `requests.log`, and runs `on_request` (with `$line` set).
+    fn fake_probe(dir: &Path, greeting: &str, on_request: &str) -> PathBuf {
+        let exe = dir.join("fake-vrtspike");
+        let log = dir.join("requests.log");
+        let script = format!(
+            "#!/bin/sh\necho '{greeting}'\nwhile read line; do\n  echo \"$line\" >> '{}'\n  {on_request}\ndone\n",
+            log.display()
+        );
+        std::fs::write(&exe, script).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        exe
+    }
+
+    /// Answers every request as usable, except files named `crashes*`, on which
+    /// it dies by SIGSEGV as libhdf5 does.
+    const CRASHES_ON_CRASHES: &str = "case \"$line\" in *63726173686573*) kill -SEGV $$ ;; esac\n  echo '{\"error\":null}'";
+
+    fn requests(dir: &Path, file: &Path) -> usize {
+        let wanted = hex(file.as_os_str().as_bytes());
+        std::fs::read_to_string(dir.join("requests.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| *l == wanted)
+            .count()
+    }
+
+    fn files(dir: &Path) -> (PathBuf, PathBuf) {
+        let (good, bad) = (dir.join("good.h5"), dir.join("crashes.h5"));
+        std::fs::write(&good, b"good").unwrap();
+        std::fs::write(&bad, b"bad").unwrap();
+        (good, bad)
+    }
+
+    #[test]
+    fn a_crashing_child_is_a_named_error_and_later_files_still_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, bad) = files(dir.path());
+        let exe = fake_probe(dir.path(), GREETING, CRASHES_ON_CRASHES);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("crashes.h5") && err.contains("SIGSEGV") && err.contains("corrupt"),
+            "{err}"
+        );
+        prober.check(&good).unwrap();
+        // A fresh child's crash is final: probed once, and the verdict is cached.
+        assert!(prober.check(&bad).is_err());
+        prober.check(&good).unwrap();
+        assert_eq!((requests(dir.path(), &bad), requests(dir.path(), &good)), (1, 1));
+    }
+
+    #[test]
+    fn a_crash_after_other_files_is_confirmed_in_a_fresh_child() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, bad) = files(dir.path());
+        let exe = fake_probe(dir.path(), GREETING, CRASHES_ON_CRASHES);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        prober.check(&good).unwrap();
+        let err = prober.check(&bad).unwrap_err().to_string();
+        assert!(err.contains("SIGSEGV"), "{err}");
+        assert_eq!(requests(dir.path(), &bad), 2);
+        // A changed file is probed again.
+        std::fs::write(&good, b"changed").unwrap();
+        prober.check(&good).unwrap();
+        assert_eq!(requests(dir.path(), &good), 2);
+    }
+
+    #[test]
+    fn a_hanging_child_is_killed_and_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let exe = fake_probe(dir.path(), GREETING, "exec sleep 60");
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_millis(500));
+        let start = Instant::now();
+        let err = prober.check(&good).unwrap_err().to_string();
+        assert!(
+            err.contains("good.h5") && err.contains("did not finish") && err.contains(ENV_TIMEOUT),
+            "{err}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn the_childs_error_is_named_with_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let answer = r#"echo '{"error":"dataset '"'"'blur'"'"' is missing"}'"#;
+        let exe = fake_probe(dir.path(), GREETING, answer);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&good).unwrap_err().to_string();
+        assert_eq!(err, format!("{}: dataset 'blur' is missing", good.display()));
+    }
+
+    #[test]
+    fn a_wrong_executable_or_none_is_a_named_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let exe = fake_probe(dir.path(), "some other tool 2.0", "echo '{\"error\":null}'");
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&good).unwrap_err().to_string();
+        assert!(err.contains("good.h5") && err.contains("greeted"), "{err}");
+        assert!(err.contains(ENV_EXECUTABLE), "{err}");
+        let missing = Prober::new(
+            ProbeMode::Child(dir.path().join("no-such-exe")),
+            Duration::from_secs(20),
+        );
+        let err = missing.check(&good).unwrap_err().to_string();
+        assert!(err.contains("good.h5") && err.contains("no-such-exe"), "{err}");
+        let none = Prober::new(unavailable("test"), Duration::from_secs(20));
+        let err = none.check(&good).unwrap_err().to_string();
+        assert!(err.contains("good.h5") && err.contains(ENV_EXECUTABLE), "{err}");
+    }
+
+    #[test]
+    fn serve_answers_each_request_with_a_verdict() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let input = format!("{}\nzz\n", hex(good.as_os_str().as_bytes()));
+        let mut output = Vec::new();
+        serve(input.as_bytes(), &mut output).unwrap();
+        let output = String::from_utf8(output).unwrap();
+        let lines: Vec<&str> = output.lines().collect();
+        assert_eq!(lines[0], GREETING);
+        let reply: Reply = serde_json::from_str(lines[1]).unwrap();
+        assert!(reply.error.unwrap().contains("cannot open as HDF5"));
+        let reply: Reply = serde_json::from_str(lines[2]).unwrap();
+        assert!(reply.error.unwrap().contains("bad probe request"));
+    }
+
+    #[test]
+    fn paths_survive_the_hex_encoding() {
+        let bytes = b"/tmp/a b\n\xff.h5";
+        assert_eq!(unhex(&hex(bytes)).unwrap(), bytes);
+        assert_eq!(unhex("abc"), None);
+        assert_eq!(unhex("zz"), None);
+    }
 }
