@@ -39,7 +39,10 @@ pub fn run(args: H5ProbeArgs) -> Result<()> {
         }
     }
     if bad > 0 {
-        bail!("{bad} of {} HDF5 session files are unusable", args.files.len());
+        bail!(
+            "{bad} of {} HDF5 session files are unusable",
+            args.files.len()
+        );
     }
     Ok(())
 }

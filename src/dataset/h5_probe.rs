@@ -584,7 +584,8 @@ mod tests {
 
     /// Answers every request as usable, except files named `crashes*`, on which
     /// it dies by SIGSEGV as libhdf5 does.
-    const CRASHES_ON_CRASHES: &str = "case \"$line\" in *63726173686573*) kill -SEGV $$ ;; esac\n  echo '{\"error\":null}'";
+    const CRASHES_ON_CRASHES: &str =
+        "case \"$line\" in *63726173686573*) kill -SEGV $$ ;; esac\n  echo '{\"error\":null}'";
 
     fn requests(dir: &Path, file: &Path) -> usize {
         let wanted = hex(file.as_os_str().as_bytes());
@@ -617,7 +618,10 @@ mod tests {
         // A fresh child's crash is final: probed once, and the verdict is cached.
         assert!(prober.check(&bad).is_err());
         prober.check(&good).unwrap();
-        assert_eq!((requests(dir.path(), &bad), requests(dir.path(), &good)), (1, 1));
+        assert_eq!(
+            (requests(dir.path(), &bad), requests(dir.path(), &good)),
+            (1, 1)
+        );
     }
 
     #[test]
@@ -659,7 +663,10 @@ mod tests {
         let exe = fake_probe(dir.path(), GREETING, answer);
         let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
         let err = prober.check(&good).unwrap_err().to_string();
-        assert_eq!(err, format!("{}: dataset 'blur' is missing", good.display()));
+        assert_eq!(
+            err,
+            format!("{}: dataset 'blur' is missing", good.display())
+        );
     }
 
     #[test]
@@ -676,10 +683,16 @@ mod tests {
             Duration::from_secs(20),
         );
         let err = missing.check(&good).unwrap_err().to_string();
-        assert!(err.contains("good.h5") && err.contains("no-such-exe"), "{err}");
+        assert!(
+            err.contains("good.h5") && err.contains("no-such-exe"),
+            "{err}"
+        );
         let none = Prober::new(unavailable("test"), Duration::from_secs(20));
         let err = none.check(&good).unwrap_err().to_string();
-        assert!(err.contains("good.h5") && err.contains(ENV_EXECUTABLE), "{err}");
+        assert!(
+            err.contains("good.h5") && err.contains(ENV_EXECUTABLE),
+            "{err}"
+        );
     }
 
     #[test]

@@ -345,7 +345,6 @@ fn mutated_sessions_are_named_errors() {
     });
 }
 
-
 /// One byte of the synthetic session that the system libhdf5 (1.10.8) segfaults on
 /// inside `H5Fopen`/`H5Dopen` (found by the mutation property).
 const CRASHING_EDIT: (usize, u8) = (13421, 108);
@@ -375,7 +374,10 @@ fn a_file_that_crashes_libhdf5_is_a_named_error_and_good_files_still_open() {
         "{mode:?}"
     );
     let err = H5Session::open(&bad, 1).unwrap_err().to_string();
-    assert!(err.contains("crashes.h5") && err.contains("corrupt"), "{err}");
+    assert!(
+        err.contains("crashes.h5") && err.contains("corrupt"),
+        "{err}"
+    );
     if signal.is_some() {
         assert!(err.contains("crashed") && err.contains("SIG"), "{err}");
     }
