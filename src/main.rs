@@ -49,6 +49,9 @@ enum Command {
     Plot(cli::plot::PlotArgs),
     /// Where a run's time and memory go, and what to change.
     Analyze(cli::analyze::AnalyzeArgs),
+    /// Reads HDF5 session files for a parent process, which a libhdf5 crash spares.
+    #[command(name = "h5-probe", hide = true)]
+    H5Probe(cli::h5_probe::H5ProbeArgs),
 }
 
 fn main() -> Result<()> {
@@ -76,6 +79,7 @@ fn main() -> Result<()> {
         Command::Inspect(args) => cli::inspect::run(args),
         Command::Plot(args) => cli::plot::run(args),
         Command::Analyze(args) => cli::analyze::run(args),
+        Command::H5Probe(args) => cli::h5_probe::run(args),
     }
 }
 

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod demo;
+pub mod h5_probe;
 pub mod infer;
 pub mod info;
 pub mod inspect;

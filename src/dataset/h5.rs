@@ -2,6 +2,8 @@
 //! `blur`/`sharp` (N,H,W,3) u8, `spike` (N,T,H_s,W_s/8) u8 and optional
 //! `frame_names`. Read lazily (the file stays open, each read fetches one frame's
 //! hyperslabs, chunk cache from `DATA.CHUNK_CACHE_MB`); written by `synth::h5`.
+//! A file is first checked in a child process ([`super::h5_probe`]), so a corrupt
+//! one that crashes libhdf5 is an error here, not a crash.
 
 use std::path::{Path, PathBuf};
 
@@ -181,8 +183,15 @@ fn check_claimed_size(path: &Path, shapes: &[&[usize]]) -> Result<()> {
 
 impl H5Session {
     /// Opens `path` read-only with a chunk cache of `chunk_cache_mb` MiB for the
-    /// file (split over its three datasets) and checks every dataset and attribute.
+    /// file (split over its three datasets) and checks every dataset and attribute,
+    /// once a probe child has read it without crashing ([`super::h5_probe::check`]).
     pub fn open(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
+        super::h5_probe::check(path)?;
+        Self::open_unprobed(path, chunk_cache_mb)
+    }
+
+    /// [`Self::open`] without the probe: what the probe child itself runs.
+    pub(crate) fn open_unprobed(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
         let per_dataset = chunk_cache_mb as usize * (1 << 20) / 3;
         let file = File::with_options()
             .with_fapl(|p| p.chunk_cache(CHUNK_CACHE_SLOTS, per_dataset, 0.75))
@@ -243,6 +252,29 @@ impl H5Session {
             sharp,
             spike,
         })
+    }
+
+    /// Reads the index entry of every chunk (at most `max_chunks` per dataset) of
+    /// the three datasets, so libhdf5 walks each chunk index once.
+    pub(crate) fn walk_chunks(&self, max_chunks: usize) -> Result<()> {
+        for (name, ds) in [
+            ("blur", &self.blur),
+            ("sharp", &self.sharp),
+            ("spike", &self.spike),
+        ] {
+            let Some(chunks) = ds.num_chunks() else {
+                continue;
+            };
+            for i in 0..chunks.min(max_chunks) {
+                if ds.chunk_info(i).is_none() {
+                    return Err(DataError::format(
+                        &self.path,
+                        format!("dataset '{name}': chunk {i} of {chunks} cannot be located"),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The record layout of every frame of the session.

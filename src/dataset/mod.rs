@@ -1,12 +1,14 @@
 //! The dataset layer: GoPro-Spike on disk and one frame as a compact record.
 //! `dataset.yaml` metadata, PNG frames, Vidar `.dat` spike streams, HDF5 sessions
-//! (reading), `.npy` voxel grids, the dataset index over a split, the compact record
-//! layout the cache stores, and the crop-only voxelizer. Pure file formats: it may
+//! (reading, each file checked first in a probe child), `.npy` voxel grids, the
+//! dataset index over a split, the compact record layout the cache stores, and the
+//! crop-only voxelizer. Pure file formats: it may
 //! import `config` and `util`, never the cache, the pipeline or libtorch.
 
 pub mod dat;
 pub mod error;
 pub mod h5;
+pub mod h5_probe;
 pub mod image;
 pub mod index;
 pub mod meta;
