@@ -3,6 +3,7 @@
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
 #   make test   formatting, lints, then every unit and multi-process test
 #   make bench  benchmarks: the cache as JSON, then the loader against the peer as a table
+#   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make build  release binaries in target/release
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -23,7 +24,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench clean
+.PHONY: setup build test lint demo cache-demo bench bench-spike clean
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -94,6 +95,16 @@ bench: build
 	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
 	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/peer.out
 	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)
+
+# Spike study (issue 10): the tiny VRT-Spike trained on the demo set twice by 2 CPU
+# ranks, MODEL.SPIKE.ENABLED true and false (same seed, data and steps), then a table
+# of validation PSNR/SSIM, the blurred input's PSNR and the spikes' margin.
+SPIKE_STUDY_CONFIG := configs/study/vrt_spike_study.yaml
+
+bench-spike: build
+	@cd $(ROOT) && [ -f $(DEMO_DATA)/dataset.yaml ] || $(BIN) synth --out $(DEMO_DATA) --seqs 12 --test-seqs 4 --frames 12
+	cd $(ROOT) && $(VENV)/bin/python scripts/spike_study.py --launch $(LAUNCH) \
+	  --config $(SPIKE_STUDY_CONFIG) --out runs/spike-study-$$(date -u +%Y%m%d-%H%M%S)
 
 clean:
 	cargo clean
