@@ -2,7 +2,8 @@
 #   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent), then its plot
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
 #   make test   formatting, lints, then every unit and multi-process test
-#   make bench  benchmarks: the cache as JSON, then the loader against the peer as a table
+#   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
+#   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make build  release binaries in target/release
 SHELL := /bin/bash
@@ -24,7 +25,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-spike clean
+.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike clean
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -95,6 +96,15 @@ bench: build
 	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
 	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/peer.out
 	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)
+	$(MAKE) --no-print-directory bench-model
+
+# Model memory (issue 10): `vrtspike profile --json` of the VRT GoPro config at 6x64x64,
+# forward + backward, 2 threads: the heap before issue 10, then checkpointing off and
+# on, each with its peak RSS, beside the reference VRT's PyTorch figures (~5 min).
+bench-model: build
+	@mkdir -p $(BENCH_OUT)
+	cd $(ROOT) && $(VENV)/bin/python scripts/model_memory.py --bin $(BIN) \
+	  --out $(BENCH_OUT)/model-memory.json
 
 # Spike study (issue 10): the tiny VRT-Spike trained on the demo set twice by 2 CPU
 # ranks, MODEL.SPIKE.ENABLED true and false (same seed, data and steps), then a table

@@ -27,6 +27,7 @@ fn build_checkpoint_shim() {
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", torch.cxx11_abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None);
+    shim_with_common_header(&mut build);
     let started = std::time::Instant::now();
     let flags = format!("{}\n{}", torch.root.display(), torch.cxx11_abi);
     if shim_compile_cached(build, "vs_checkpoint", "checkpoint-shim", SOURCE, &flags) {

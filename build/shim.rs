@@ -84,6 +84,18 @@ fn shim_cuda_includes(torch_root: &std::path::Path) -> Option<Vec<std::path::Pat
     Some(dirs)
 }
 
+/// The header both shims include (`vs_errors.h`): its folder goes on their include
+/// path, its text into their compile-cache key.
+const SHIM_ERRORS_HEADER: &str = "src/util/shim/vs_errors.h";
+
+/// `build` with the shared shim header on its include path.
+fn shim_with_common_header(build: &mut cc::Build) {
+    println!("cargo:rerun-if-changed={SHIM_ERRORS_HEADER}");
+    if let Some(dir) = std::path::Path::new(SHIM_ERRORS_HEADER).parent() {
+        build.include(dir);
+    }
+}
+
 /// Compiles and links the shim; panics (failing the build) if torch is missing.
 fn build_c10d_shim() {
     const SOURCE: &str = "src/dist/shim/c10d_shim.cpp";
@@ -118,6 +130,7 @@ fn build_c10d_shim() {
         .define("_GLIBCXX_USE_CXX11_ABI", torch.cxx11_abi.as_str())
         .define("USE_C10D_GLOO", None)
         .define("GLOG_USE_GLOG_EXPORT", None);
+    shim_with_common_header(&mut build);
     if let Some(dirs) = &cuda {
         build.define("USE_C10D_NCCL", None).define("VS_WITH_NCCL", None);
         for dir in dirs {
@@ -158,7 +171,8 @@ fn build_c10d_shim() {
 fn shim_compile_cached(build: cc::Build, lib: &str, cache: &str, source: &str, flags: &str) -> bool {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
     let source_text = std::fs::read_to_string(source).unwrap_or_default();
-    let stamp = format!("{flags}\n{source_text}");
+    let header_text = std::fs::read_to_string(SHIM_ERRORS_HEADER).unwrap_or_default();
+    let stamp = format!("{flags}\n{source_text}\n{header_text}");
     let key = {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -173,6 +187,9 @@ fn shim_compile_cached(build: cc::Build, lib: &str, cache: &str, source: &str, f
     let archive = format!("lib{lib}.a");
     let cached = cache_dir.join(&archive);
     if cached.is_file() {
+        // An archive of an older source left in OUT_DIR would win the link whenever
+        // the other shim was compiled (cc adds OUT_DIR to the search path).
+        let _ = std::fs::remove_file(out_dir.join(&archive));
         println!("cargo:rustc-link-search=native={}", cache_dir.display());
         println!("cargo:rustc-link-lib=static={lib}");
         println!("cargo:rustc-link-lib=stdc++");

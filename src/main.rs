@@ -61,8 +61,8 @@ fn main() -> Result<()> {
         restore_sigpipe();
     }
     if cli.command.runs_model() {
-        let policy = vrtspike::util::heap::apply_from_env()?;
-        tracing::debug!(?policy, "heap policy for tensor memory");
+        let heap = vrtspike::util::heap::apply_from_env()?;
+        tracing::debug!(?heap, "heap policy for tensor memory");
     }
     match cli.command {
         Command::Cache(cmd) => cli::cache::run(cmd),
@@ -85,7 +85,8 @@ fn main() -> Result<()> {
 
 impl Command {
     /// Subcommands whose tensors are large: they pin the heap's mmap threshold so
-    /// freed activations go back to the kernel (`vrtspike::util::heap`).
+    /// freed activations go back to the kernel, with huge pages for the faults
+    /// (`vrtspike::util::heap`).
     fn runs_model(&self) -> bool {
         matches!(
             self,

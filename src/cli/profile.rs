@@ -2,12 +2,14 @@
 //! model config (the timing is `vrtspike::model::profile`), as a table or JSON.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use tch::Device;
-use vrtspike::model::profile::{profile, resident_bytes, ProfileOptions};
+use vrtspike::model::profile::{profile, MemoryProbe, Profile, ProfileOptions, RssProbe};
 
 use super::model::load_model_config;
 use super::{group_digits, parse_device};
@@ -64,12 +66,24 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         bf16: args.bf16,
     };
     let probe = memory_probe(device);
-    let profile = profile(&cfg, device, &options, &probe)
+    let profile = profile(&cfg, device, &options, probe)
         .with_context(|| format!("profiling the model of {}", args.config.display()))?;
     if args.json {
         println!("{}", serde_json::to_string(&profile)?);
-        return Ok(());
+    } else {
+        print_table(&profile);
     }
+    Ok(())
+}
+
+/// Bytes as MiB with one decimal, `-` for no figure.
+fn mib(bytes: Option<f64>) -> String {
+    bytes
+        .map(|b| format!("{:.1}", b / f64::from(1 << 20)))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn print_table(profile: &Profile) {
     println!(
         "{} on {} input {:?} {}: forward {:.1} ms{}",
         profile.arch,
@@ -83,38 +97,61 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             .unwrap_or_default()
     );
     println!(
-        "{:<16} {:>12} {:>8} {:>14} {:>12}",
-        "part", "forward ms", "share", "parameters", "held MiB"
+        "{:<16} {:>11} {:>7} {:>12} {:>10} {:>10} {:>11} {:>10}",
+        "part",
+        "forward ms",
+        "share",
+        "parameters",
+        "held MiB",
+        "peak MiB",
+        "backward ms",
+        "peak MiB"
     );
     for row in &profile.parts {
-        let held = row
-            .held_bytes
-            .map(|b| format!("{:.1}", b as f64 / (1 << 20) as f64))
+        let backward = row
+            .backward_ms
+            .map(|ms| format!("{ms:.2}"))
             .unwrap_or_else(|| "-".into());
         println!(
-            "{:<16} {:>12.2} {:>7.1}% {:>14} {:>12}",
+            "{:<16} {:>11.2} {:>6.1}% {:>12} {:>10} {:>10} {:>11} {:>10}",
             row.part,
             row.forward_ms,
             100.0 * row.share,
             group_digits(row.params),
-            held
+            mib(row.held_bytes.map(|b| b as f64)),
+            mib(row.forward_peak_bytes.map(|b| b as f64)),
+            backward,
+            mib(row.backward_peak_bytes.map(|b| b as f64)),
         );
     }
     println!("total parameters: {}", group_digits(profile.total_params));
     if let Some(rss) = profile.peak_rss_bytes {
-        println!("peak RSS: {:.1} MiB", rss as f64 / (1 << 20) as f64);
+        println!("peak RSS: {} MiB", mib(Some(rss as f64)));
     }
-    Ok(())
 }
 
-/// The memory figure per part: the resident set on CPU, the CUDA allocator's
-/// allocated bytes on a GPU (no figure if the allocator cannot be read).
-fn memory_probe(device: Device) -> impl Fn() -> Option<u64> {
-    move || match device {
-        Device::Cuda(i) => vrtspike::dist::cuda_memory_stats(i)
-            .ok()
-            .flatten()
-            .map(|s| s.allocated_current),
-        _ => resident_bytes(),
+/// The memory of `device`: the resident set on CPU (sampled every millisecond for
+/// its peaks), the CUDA allocator's allocated bytes on a GPU.
+fn memory_probe(device: Device) -> Arc<dyn MemoryProbe> {
+    match device {
+        Device::Cuda(i) => Arc::new(CudaProbe(i)),
+        _ => Arc::new(RssProbe::start(Duration::from_millis(1))),
+    }
+}
+
+/// The CUDA caching allocator's allocated bytes of one device (no figure if the
+/// allocator cannot be read).
+struct CudaProbe(usize);
+
+impl MemoryProbe for CudaProbe {
+    fn current(&self) -> Option<u64> {
+        let stats = vrtspike::dist::cuda_memory_stats(self.0).ok().flatten()?;
+        Some(stats.allocated_current)
+    }
+
+    fn take_peak(&self) -> Option<u64> {
+        let stats = vrtspike::dist::cuda_memory_stats(self.0).ok().flatten()?;
+        vrtspike::dist::reset_cuda_peak(self.0).ok()?;
+        Some(stats.allocated_peak)
     }
 }

@@ -1,5 +1,5 @@
 //! The CUDA caching allocator's figures (allocated/reserved, current and peak)
-//! and `emptyCache`, which tch lacks. Without CUDA support in the build or a
+//! with their reset, and `emptyCache`, which tch lacks. Without CUDA support in the build or a
 //! visible device they are `None` and a no-op, never an error.
 
 use std::ffi::c_int;
@@ -42,6 +42,18 @@ pub fn cuda_memory_stats(device: usize) -> Result<Option<CudaMemoryStats>, DistE
         reserved_current: bytes(raw.reserved_current),
         reserved_peak: bytes(raw.reserved_peak),
     }))
+}
+
+/// Starts the peak figures of CUDA device `device` anew from the current ones (a
+/// profile's peak per part); a no-op on a CPU-only run.
+pub fn reset_cuda_peak(device: usize) -> Result<(), DistError> {
+    let Ok(device) = c_int::try_from(device) else {
+        return Ok(());
+    };
+    // SAFETY: a plain int argument; the shim checks the index and catches every
+    // C++ exception.
+    let status = unsafe { ffi::vs_cuda_reset_peak(device) };
+    ffi::take_error(status).map_err(DistError::Cuda)
 }
 
 /// Returns the caching allocator's unused blocks to the driver (before

@@ -64,6 +64,7 @@ extern "C" {
         available: *mut c_int,
     ) -> *mut c_char;
     pub(crate) fn vs_cuda_empty_cache() -> *mut c_char;
+    pub(crate) fn vs_cuda_reset_peak(device: c_int) -> *mut c_char;
     pub(crate) fn vs_autocast_cuda_bf16(on: c_int) -> c_int;
 }
 

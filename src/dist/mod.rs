@@ -8,7 +8,9 @@ mod error;
 mod ffi;
 mod group;
 
-pub use cuda_mem::{cuda_memory_stats, empty_cuda_cache, set_cuda_autocast_bf16, CudaMemoryStats};
+pub use cuda_mem::{
+    cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, set_cuda_autocast_bf16, CudaMemoryStats,
+};
 pub use ddp::{plan_buckets, Ddp, DdpOptions, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::DistError;
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};

@@ -193,19 +193,39 @@ pub trait Restorer: Send {
     fn size_multiple(&self) -> i64 {
         1
     }
-    /// As [`Restorer::forward`], calling `mark(part)` after each timed part (named like
-    /// the prefixes of [`Restorer::parts`]); by default one mark, `forward`.
+    /// As [`Restorer::forward`], telling `marks` as each timed part ends (named like
+    /// the prefixes of [`Restorer::parts`]); by default one part, `forward`.
     fn forward_marked(
         &self,
         blur: &Tensor,
         voxels: Option<&Tensor>,
         train: bool,
-        mark: &mut dyn FnMut(&str),
+        marks: &mut dyn PartMarks,
     ) -> Result<Tensor, ModelError> {
         let out = self.forward(blur, voxels, train)?;
-        mark("forward");
+        marks.output("forward", out)
+    }
+}
+
+/// Told by a forward pass as each of its parts ends (a profiler times and measures
+/// the parts with it).
+pub trait PartMarks {
+    /// `part` has ended.
+    fn part(&mut self, part: &str);
+    /// `part` has ended with `out`, the tensor the pass goes on with; returns the
+    /// tensor to go on with instead (the same values: a profiler hooks the backward
+    /// pass there).
+    fn output(&mut self, part: &str, out: Tensor) -> Result<Tensor, ModelError> {
+        self.part(part);
         Ok(out)
     }
+}
+
+/// Marks that do nothing: a plain forward pass.
+pub struct NoMarks;
+
+impl PartMarks for NoMarks {
+    fn part(&mut self, _: &str) {}
 }
 
 impl Restorer for Vrt {
@@ -234,9 +254,9 @@ impl Restorer for Vrt {
         blur: &Tensor,
         voxels: Option<&Tensor>,
         train: bool,
-        mark: &mut dyn FnMut(&str),
+        marks: &mut dyn PartMarks,
     ) -> Result<Tensor, ModelError> {
-        Vrt::forward_marked(self, blur, voxels, train, mark)
+        Vrt::forward_marked(self, blur, voxels, train, marks)
     }
 }
 

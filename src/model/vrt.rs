@@ -448,32 +448,33 @@ impl Vrt {
         voxels: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        self.forward_marked(x, voxels, train, &mut |_| {})
+        self.forward_marked(x, voxels, train, &mut super::NoMarks)
     }
 
-    /// As [`Vrt::forward`], calling `mark(part)` after each part (flows, conv_first,
-    /// spike encoder, stages 1-8, reconstruction) so a profiler can time them.
+    /// As [`Vrt::forward`], telling `marks` as each part ends (flows, conv_first, spike
+    /// encoder, stages 1-8, reconstruction) so a profiler can time them; the parts on
+    /// the main path (all but the flows and the spike encoder) pass their output.
     pub fn forward_marked(
         &self,
         x: &Tensor,
         voxels: Option<&Tensor>,
         train: bool,
-        mark: &mut dyn FnMut(&str),
+        marks: &mut dyn super::PartMarks,
     ) -> Result<Tensor, ModelError> {
         self.check(x, voxels)?;
         let (backward, forward) = self.flows(x).at_stage("SpyNet flows")?;
-        mark("spynet");
+        marks.part("spynet");
         let feat = self
             .aligned_input(x, &backward[0], &forward[0])
             .and_then(|input| self.conv_first.f_forward(&input.f_transpose(1, 2)?))
             .at_stage("conv_first")?;
-        mark("conv_first");
+        let feat = marks.output("conv_first", feat)?;
         let spike_feats = match (&self.spike, voxels) {
             (Some(branch), Some(v)) => {
                 let feats = branch
                     .encode(v, &x.size(), train)
                     .at_stage("spike encoder")?;
-                mark("spike_encoder");
+                marks.part("spike_encoder");
                 Some(feats)
             }
             _ => None,
@@ -492,24 +493,16 @@ impl Vrt {
             out.at_stage(&name)
         };
         let skip = |y: Tensor, x: &Tensor, name: &str| y.f_add(x).at_stage(name);
-        let x1 = fuse(0, stage(0, &feat, 0)?)?;
-        mark("stage1");
-        let x2 = fuse(1, stage(1, &x1, 1)?)?;
-        mark("stage2");
-        let x3 = fuse(2, stage(2, &x2, 2)?)?;
-        mark("stage3");
-        let x4 = fuse(3, stage(3, &x3, 3)?)?;
-        mark("stage4");
-        let y = stage(4, &x4, 2)?;
-        mark("stage5");
-        let y = stage(5, &skip(y, &x3, "stage 6")?, 1)?;
-        mark("stage6");
-        let y = stage(6, &skip(y, &x2, "stage 7")?, 0)?;
-        mark("stage7");
-        let y = self.stage8(&skip(y, &x1, "stage 8")?, train)?;
-        mark("stage8");
+        let x1 = marks.output("stage1", fuse(0, stage(0, &feat, 0)?)?)?;
+        let x2 = marks.output("stage2", fuse(1, stage(1, &x1, 1)?)?)?;
+        let x3 = marks.output("stage3", fuse(2, stage(2, &x2, 2)?)?)?;
+        let x4 = marks.output("stage4", fuse(3, stage(3, &x3, 3)?)?)?;
+        let y = marks.output("stage5", stage(4, &x4, 2)?)?;
+        let y = marks.output("stage6", stage(5, &skip(y, &x3, "stage 6")?, 1)?)?;
+        let y = marks.output("stage7", stage(6, &skip(y, &x2, "stage 7")?, 0)?)?;
+        let y = marks.output("stage8", self.stage8(&skip(y, &x1, "stage 8")?, train)?)?;
         let out = self.reconstruct(&y, &feat, x).at_stage("reconstruction")?;
-        mark("reconstruction");
+        let out = marks.output("reconstruction", out)?;
         Ok(out)
     }
 

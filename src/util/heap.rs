@@ -6,14 +6,17 @@
 //! glibc raises it after every large free, up to 32 MiB, so within the first forward
 //! and backward pass nearly every activation moves onto the heap; freed activations
 //! then stay resident, scattered between live ones, and the next pass adds to them.
-//! Pinning the threshold keeps activation-sized blocks in their own mappings, so the
-//! resident set follows the live tensors: the VRT GoPro model at 6x64x64, forward and
-//! backward on 2 CPU threads, peaks at 13.8 GB instead of 19.9 GB (README, "Model
-//! memory"). The price is a page fault per page of every new large tensor.
+//! Pinning the threshold keeps the large activations in their own mappings, so the
+//! resident set follows the live tensors; the price is a page fault per page of every
+//! new mapped tensor, which libtorch's transparent huge pages (`THP_MEM_ALLOC_ENABLE`,
+//! turned on here unless set) make one fault per 2 MiB. The VRT GoPro model at
+//! 6x64x64, forward and backward on 2 CPU threads: glibc's rule 19.6 GB in 36.6 s;
+//! pinned at 8 MiB with huge pages 14.1 GB in 36.7-37.8 s; at 1-2 MiB 13.8 GB but
+//! 40-46 s; at 16 MiB 16.9 GB (README, "Model memory").
 //!
-//! `VRTSPIKE_MMAP_THRESHOLD` sets the threshold (`1M`, `256K`, ... or `glibc` for
+//! `VRTSPIKE_MMAP_THRESHOLD` sets the threshold (`8M`, `1M`, ... or `glibc` for
 //! glibc's own dynamic rule); glibc's `MALLOC_MMAP_THRESHOLD_`, when set, is left to
-//! glibc and wins.
+//! glibc and wins. `THP_MEM_ALLOC_ENABLE=0` turns the huge pages off.
 
 use super::bytes::parse_size;
 
@@ -23,9 +26,9 @@ pub const THRESHOLD_ENV: &str = "VRTSPIKE_MMAP_THRESHOLD";
 /// glibc's own tunable; when set, this module changes nothing.
 const GLIBC_ENV: &str = "MALLOC_MMAP_THRESHOLD_";
 
-/// The threshold used when nothing is set: above the small tensors of a step
-/// (biases, norms, indices) and below any activation.
-pub const DEFAULT_THRESHOLD: u64 = 1 << 20;
+/// The threshold used when nothing is set: the small and middle tensors of a step
+/// reuse heap space at no fault cost, the activations that make the peak are mapped.
+pub const DEFAULT_THRESHOLD: u64 = 8 << 20;
 
 /// glibc's largest mmap threshold (`HEAP_MAX_SIZE / 2` on 64-bit).
 const MAX_THRESHOLD: u64 = 32 << 20;
@@ -80,13 +83,43 @@ pub fn policy_for(
     Ok(HeapPolicy::Pinned(bytes))
 }
 
-/// Reads the policy from the environment and applies it to this process; call it
-/// before any tensor is allocated.
-pub fn apply_from_env() -> Result<HeapPolicy, HeapPolicyError> {
+/// libtorch's switch for transparent huge pages in its CPU allocator.
+pub const HUGE_PAGES_ENV: &str = "THP_MEM_ALLOC_ENABLE";
+
+/// Whether libtorch's CPU allocator asks for huge pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HugePages {
+    /// Turned on here (the variable was unset).
+    On,
+    /// The variable was set; libtorch reads it as given.
+    AsSet,
+}
+
+/// The heap of a process that runs the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heap {
+    /// Where large blocks go.
+    pub policy: HeapPolicy,
+    /// Huge pages for tensors.
+    pub huge_pages: HugePages,
+}
+
+/// Reads the policy from the environment and applies it to this process, and turns
+/// on libtorch's huge pages unless `THP_MEM_ALLOC_ENABLE` is set; call it first in
+/// `main`, before any tensor is allocated (libtorch reads the variable once, at its
+/// first allocation) and before any thread starts.
+pub fn apply_from_env() -> Result<Heap, HeapPolicyError> {
     let threshold = std::env::var(THRESHOLD_ENV).ok();
     let tunable = std::env::var_os(GLIBC_ENV).is_some();
-    let policy = policy_for(threshold.as_deref(), tunable)?;
-    Ok(apply(policy))
+    let policy = apply(policy_for(threshold.as_deref(), tunable)?);
+    let huge_pages = match std::env::var_os(HUGE_PAGES_ENV) {
+        Some(_) => HugePages::AsSet,
+        None => {
+            std::env::set_var(HUGE_PAGES_ENV, "1");
+            HugePages::On
+        }
+    };
+    Ok(Heap { policy, huge_pages })
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -195,19 +228,9 @@ mod tests {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn a_pinned_threshold_keeps_large_blocks_in_their_own_mapping() {
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new(exe)
-            .args(["--exact", "util::heap::tests::pinned_threshold_probe"])
-            .args(["--ignored", "--test-threads=1", "--nocapture"])
-            .env_remove(GLIBC_ENV)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stdout}{stderr}");
-        assert!(
-            stdout.contains("1 passed"),
-            "the probe did not run: {stdout}"
-        );
+        let probe = "util::heap::tests::pinned_threshold_probe";
+        if let Err(e) = crate::util::alone::run_ignored_test_alone(probe, &[GLIBC_ENV]) {
+            panic!("{e}");
+        }
     }
 }

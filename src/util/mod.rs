@@ -1,8 +1,11 @@
 //! Small helpers shared by every part of the trainer: logging set-up, the heap policy
 //! of processes that run the model, the machine's memory figures, byte-size parsing
-//! and printing, and the seeded generator of shuffles, crops and synthetic data.
-//! Imports nothing of the crate.
+//! and printing, the seeded generator of shuffles, crops and synthetic data, and (in
+//! test builds) running one unit test alone in a fresh process. Imports nothing of
+//! the crate.
 
+#[cfg(test)]
+pub(crate) mod alone;
 pub mod bytes;
 pub mod heap;
 pub mod logging;

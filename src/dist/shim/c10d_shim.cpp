@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "vs_errors.h"
+
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -39,28 +41,8 @@ constexpr int kOpAvg = 1;
 constexpr int kOpMin = 2;
 constexpr int kOpMax = 3;
 
-char* owned_copy(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, text.c_str(), text.size() + 1);
-  }
-  return out;
-}
-
-// Runs `body`, turning any exception into an owned error string.
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return owned_copy(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return owned_copy(e.what());
-  } catch (...) {
-    return owned_copy("unknown C++ exception");
-  }
-}
+using vs_shim::guarded;
+using vs_shim::owned_copy;
 
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
@@ -375,6 +357,20 @@ char* vs_cuda_memory_stats(int device, vs_cuda_mem_stats* out, int* available) {
     out->reserved_current = stats.reserved_bytes[agg].current;
     out->reserved_peak = stats.reserved_bytes[agg].peak;
     *available = 1;
+#else
+    (void)device;
+#endif
+  });
+}
+
+// Starts the peak figures of CUDA device `device` anew from the current ones (a
+// profile's peak per part); a no-op without CUDA or without the device.
+char* vs_cuda_reset_peak(int device) {
+  return guarded([&] {
+#ifdef VS_WITH_NCCL
+    if (device >= 0 && device < static_cast<int>(c10::cuda::device_count())) {
+      c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    }
 #else
     (void)device;
 #endif

@@ -19,6 +19,9 @@ pub(super) type CallFn = extern "C" fn(
 /// `vs_ckpt_drop_fn`: releases closure `ctx`; the shim calls it exactly once.
 pub(super) type DropFn = extern "C" fn(ctx: *mut c_void);
 
+/// `vs_hook_fn`: a backward hook's callback on closure `ctx`; must not unwind.
+pub(super) type HookFn = extern "C" fn(ctx: *mut c_void);
+
 /// `phase` of a [`CallFn`] call in the forward pass.
 pub(super) const PHASE_FORWARD: c_int = 0;
 
@@ -36,6 +39,13 @@ extern "C" {
         n_inputs: usize,
         outputs: *mut *mut *mut c_void,
         n_outputs: *mut usize,
+    ) -> *mut c_char;
+    pub(super) fn vs_backward_hook(
+        call: HookFn,
+        drop: DropFn,
+        ctx: *mut c_void,
+        input: *const c_void,
+        output: *mut *mut c_void,
     ) -> *mut c_char;
 }
 

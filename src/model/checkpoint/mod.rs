@@ -10,8 +10,14 @@
 //! gradient with respect to chosen inputs), and tensors the closure captures must be
 //! leaves (parameters, buffers), never results of the outer graph: pass those as
 //! inputs.
+//!
+//! [`on_backward`] (in `hook`) uses the same shim for a backward hook: profiles time
+//! each part of the backward pass with it.
 
 mod ffi;
+mod hook;
+
+pub use hook::on_backward;
 
 use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
@@ -84,12 +90,12 @@ where
     let mut n_outputs = 0usize;
     FORWARD_ERROR.with(|slot| slot.borrow_mut().take());
     // SAFETY: `ctx` is a leaked Box<Context> whose ownership passes to the shim, which
-    // releases it through `drop_context` exactly once; `ptrs` point to live tensors
+    // releases it through `drop_boxed` exactly once; `ptrs` point to live tensors
     // borrowed for this call; the out-pointers are valid for writes.
     let status = unsafe {
         ffi::vs_checkpoint(
             call_context,
-            drop_context,
+            drop_boxed::<Context>,
             ctx as *mut c_void,
             ptrs.as_ptr(),
             ptrs.len(),
@@ -135,7 +141,7 @@ extern "C" fn call_context(
 ) -> c_int {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: `ctx` is the Box<Context> leaked by `checkpoint`, alive until the
-        // shim calls `drop_context`, which it does only after its last call here.
+        // shim calls `drop_boxed`, which it does only after its last call here.
         let context = unsafe { &*(ctx as *const Context) };
         let tensors: Vec<Tensor> = (0..n)
             // SAFETY: the shim passes `n` pointers to tensors alive during this call;
@@ -189,12 +195,13 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// The shim's release call-back: drops the closure of `ctx`.
-extern "C" fn drop_context(ctx: *mut c_void) {
+/// The shim's release call-back for a `Box<T>` leaked as `ctx` (a checkpoint's
+/// [`Context`], a hook's closure): drops it, never unwinding into C++.
+extern "C" fn drop_boxed<T>(ctx: *mut c_void) {
     let _ = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `ctx` is the Box<Context> leaked by `checkpoint`; the shim calls
-        // this exactly once, after its last use.
-        drop(unsafe { Box::from_raw(ctx as *mut Context) });
+        // SAFETY: `ctx` is a Box<T> leaked by `checkpoint` or `on_backward` for the
+        // shim, which calls this exactly once, after its last use.
+        drop(unsafe { Box::from_raw(ctx as *mut T) });
     }));
 }
 

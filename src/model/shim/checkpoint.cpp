@@ -1,10 +1,12 @@
-// Activation checkpointing shim: a custom autograd function that runs a Rust
+// Autograd shim, two custom functions. Activation checkpointing: one that runs a Rust
 // callback without grad in the forward pass (keeping only its inputs) and runs
 // it again with grad in the backward pass, with the RNG state (CPU and the
 // CUDA devices of the inputs) and the autocast state of the forward restored,
 // then back-propagates through the recomputed outputs (accumulating into the
 // parameters the callback used, as PyTorch's reentrant checkpoint does) and
-// returns the inputs' gradients. Rust side: src/model/checkpoint/.
+// returns the inputs' gradients. A backward hook: an identity whose backward pass
+// calls a Rust callback when the gradient of its output is complete (profiles time
+// and measure each part of the backward pass with it). Rust side: src/model/checkpoint/.
 //
 // No C++ exception crosses this boundary: entry points return an owned error
 // string (NULL on success) freed with vs_ckpt_string_free. A failing callback
@@ -21,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "vs_errors.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -36,6 +40,8 @@ typedef int (*vs_ckpt_call_fn)(void* ctx, int phase, at::Tensor* const* inputs,
                                size_t n, void* result);
 // Releases the closure `ctx`; called exactly once.
 typedef void (*vs_ckpt_drop_fn)(void* ctx);
+// A backward hook's callback; must not throw or unwind.
+typedef void (*vs_hook_fn)(void* ctx);
 }
 
 namespace {
@@ -43,13 +49,8 @@ namespace {
 constexpr int kPhaseForward = 0;
 constexpr int kPhaseBackward = 1;
 
-char* owned_copy(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, text.c_str(), text.size() + 1);
-  }
-  return out;
-}
+using vs_shim::guarded;
+using vs_shim::owned_copy;
 
 // What one call of the callback produced.
 struct CallResult {
@@ -158,19 +159,35 @@ class ForwardStateScope {
   AutocastState saved_autocast_;
 };
 
-// One checkpointed call: the Rust closure (released when the autograd node
-// that owns this goes away) and the forward's RNG and autocast state.
-class CallState : public torch::CustomClassHolder {
+// A Rust closure the shim owns: `ctx`, the function that calls it and the one
+// that releases it, exactly once, when this goes away (with the autograd node
+// that holds it).
+template <typename CallFn>
+class RustClosure : public torch::CustomClassHolder {
  public:
-  CallState(vs_ckpt_call_fn call, vs_ckpt_drop_fn drop, void* ctx)
-      : call_(call), drop_(drop), ctx_(ctx) {}
-  ~CallState() override {
+  RustClosure(CallFn call, vs_ckpt_drop_fn drop, void* ctx)
+      : call_(call), ctx_(ctx), drop_(drop) {}
+  ~RustClosure() override {
     if (drop_ != nullptr) {
       drop_(ctx_);
     }
   }
-  CallState(const CallState&) = delete;
-  CallState& operator=(const CallState&) = delete;
+  RustClosure(const RustClosure&) = delete;
+  RustClosure& operator=(const RustClosure&) = delete;
+
+ protected:
+  CallFn call_;
+  void* ctx_;
+
+ private:
+  vs_ckpt_drop_fn drop_;
+};
+
+// One checkpointed call: the Rust closure and the forward's RNG and autocast
+// state.
+class CallState : public RustClosure<vs_ckpt_call_fn> {
+ public:
+  using RustClosure::RustClosure;
 
   // Runs the closure on the first `real_inputs` of `inputs`; throws on failure.
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs, int phase) {
@@ -199,11 +216,6 @@ class CallState : public torch::CustomClassHolder {
   std::vector<at::Device> devices;
   RngStates rng;
   AutocastState autocast;
-
- private:
-  vs_ckpt_call_fn call_;
-  vs_ckpt_drop_fn drop_;
-  void* ctx_;
 };
 
 using torch::autograd::AutogradContext;
@@ -285,6 +297,46 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   }
 };
 
+
+// One backward hook: the Rust callback.
+class HookState : public RustClosure<vs_hook_fn> {
+ public:
+  using RustClosure::RustClosure;
+
+  void fire() { call_(ctx_); }
+};
+
+// The identity in the forward pass; its backward calls the hook and passes the
+// gradient through unchanged. The output shares the input's storage and version
+// counter but is not a view of it (a view made in a custom function could not be
+// changed in place), so in-place changes downstream behave as without the hook.
+struct BackwardHook : public torch::autograd::Function<BackwardHook> {
+  static at::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<HookState> state,
+                            const at::Tensor& input) {
+    ctx->saved_data["state"] =
+        c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(state));
+    return input.detach();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto state =
+        c10::static_intrusive_pointer_cast<HookState>(ctx->saved_data["state"].toCapsule());
+    state->fire();
+    return {at::Tensor(), grads[0]};
+  }
+};
+
+// A `State` that owns `ctx`; null (with `ctx` released) if it cannot be made.
+template <typename State, typename CallFn>
+c10::intrusive_ptr<State> adopt(CallFn call, vs_ckpt_drop_fn drop, void* ctx) {
+  try {
+    return c10::make_intrusive<State>(call, drop, ctx);
+  } catch (...) {
+    drop(ctx);
+    return {};
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -322,14 +374,11 @@ char* vs_checkpoint(vs_ckpt_call_fn call, vs_ckpt_drop_fn drop, void* ctx,
                     size_t* n_outputs) {
   *outputs = nullptr;
   *n_outputs = 0;
-  c10::intrusive_ptr<CallState> state;
-  try {
-    state = c10::make_intrusive<CallState>(call, drop, ctx);
-  } catch (...) {
-    drop(ctx);
+  auto state = adopt<CallState>(call, drop, ctx);
+  if (!state) {
     return owned_copy("checkpoint: out of memory");
   }
-  try {
+  return guarded([&] {
     std::vector<at::Tensor> in;
     in.reserve(n_inputs + 1);
     bool any_grad = false;
@@ -346,21 +395,27 @@ char* vs_checkpoint(vs_ckpt_call_fn call, vs_ckpt_drop_fn drop, void* ctx,
     auto outs = CheckpointFunction::apply(std::move(state), at::TensorList(in));
     auto* array = static_cast<at::Tensor**>(std::malloc(sizeof(at::Tensor*) * outs.size()));
     if (array == nullptr) {
-      return owned_copy("checkpoint: out of memory");
+      throw std::runtime_error("checkpoint: out of memory");
     }
     for (size_t i = 0; i < outs.size(); ++i) {
       array[i] = new at::Tensor(std::move(outs[i]));
     }
     *outputs = array;
     *n_outputs = outs.size();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return owned_copy(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return owned_copy(e.what());
-  } catch (...) {
-    return owned_copy("checkpoint: unknown C++ exception");
+  });
+}
+
+// `*output` = the identity of `input` whose backward pass calls `call(ctx)`. Takes
+// ownership of `ctx` (released through `drop`, also on failure).
+char* vs_backward_hook(vs_hook_fn call, vs_ckpt_drop_fn drop, void* ctx, const at::Tensor* input,
+                       at::Tensor** output) {
+  *output = nullptr;
+  auto state = adopt<HookState>(call, drop, ctx);
+  if (!state) {
+    return owned_copy("backward hook: out of memory");
   }
+  return guarded(
+      [&] { *output = new at::Tensor(BackwardHook::apply(std::move(state), *input)); });
 }
 
 }  // extern "C"
