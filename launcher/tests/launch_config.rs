@@ -8,7 +8,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{launcher, run_with_limit, texts, vrtspike, Job};
+use common::{launcher_command, run_with_limit, texts, vrtspike, Job};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -95,22 +95,13 @@ fn a_bad_override_is_refused_naming_the_key() {
 /// The launcher on `job` without the tests' small `--cache-size` (the plan must see
 /// the config's cap).
 fn launch_without_cache_size(job: &Job, extra: &[&str]) -> Command {
-    let mut command = Command::new(launcher());
+    let mut command = launcher_command(&job.config, &job.run_dir);
     command
-        .arg("--config")
-        .arg(&job.config)
-        .arg("--run-dir")
-        .arg(&job.run_dir)
         .arg("--rank-cmd")
         .arg(&job.rank_cmd)
         .args(["--gpus", "0", "--max-restarts", "0"])
         .args(extra)
-        .env("VRTSPIKE", vrtspike())
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env("RUST_LOG", "info");
-    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
-        command.env_remove(name);
-    }
+        .env("VRTSPIKE", vrtspike());
     command
 }
 

@@ -8,11 +8,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::{
-    launcher, read_json, run_with_limit, synth_tiny, texts, write_tiny_config, TinyTrain,
+    launcher_command, read_json, run_with_limit, synth_tiny, texts, write_tiny_config, TinyTrain,
 };
 use vrtspike_contract::failure::{FailureClass, RankFailure, EXIT_OUT_OF_MEMORY};
 use vrtspike_contract::rundir::RunLayout;
@@ -21,21 +21,11 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 /// Launches one CPU rank on `config` with the out-of-memory hook at `phase`.
 fn launch(config: &Path, run: &Path, phase: &str) -> Command {
-    let mut command = Command::new(launcher());
+    let mut command = launcher_command(config, run);
     command
-        .arg("--config")
-        .arg(config)
-        .arg("--run-dir")
-        .arg(run)
         .args(["--gpus", "0", "--ranks", "1", "--max-restarts", "3"])
         .args(["--restart-delay-s", "0", "--cache-size", "64M"])
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env("VRTSPIKE_TEST_OOM", phase)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
-        command.env_remove(name);
-    }
+        .env("VRTSPIKE_TEST_OOM", phase);
     command
 }
 

@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{
-    launcher, read_json, run_with_limit, signal, synth_tiny, texts, wait_until, write_tiny_config,
-    TinyTrain,
+    launcher_command, read_json, run_with_limit, signal, synth_tiny, texts, wait_until,
+    write_tiny_config, TinyTrain,
 };
 use nix::sys::signal::Signal;
 use vrtspike_contract::rundir::RunLayout;
@@ -33,20 +33,10 @@ fn write_config(dir: &Path, data: &Path) -> PathBuf {
 }
 
 fn launch(config: &Path, run: &Path) -> Command {
-    let mut command = Command::new(launcher());
+    let mut command = launcher_command(config, run);
     command
-        .arg("--config")
-        .arg(config)
-        .arg("--run-dir")
-        .arg(run)
         .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
-        .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
-        command.env_remove(name);
-    }
+        .args(["--cache-size", "64M", "--preempt-timeout-s", "60"]);
     command
 }
 

@@ -576,9 +576,7 @@ mod tests {
 
     #[test]
     fn an_allocation_failure_is_an_error_naming_the_stage() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
-        let mut cfg = crate::config::Config::load(&path).unwrap().model;
+        let mut cfg = crate::config::tiny_vrt_spike().model;
         cfg.spike.enabled = false;
         let vs = nn::VarStore::new(Device::Cpu);
         let net = Vrt::new(&vs.root(), &cfg).unwrap();

@@ -221,8 +221,7 @@ mod tests {
     use tch::{Kind, Tensor};
 
     fn config() -> Config {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        Config::load(&root.join("configs/tiny/vrt_spike_tiny.yaml")).unwrap()
+        crate::config::tiny_vrt_spike()
     }
 
     /// A real allocation failure of the CPU allocator.

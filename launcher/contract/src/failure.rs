@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::json_file::{self, JsonFileError};
+
 /// The exit code of a rank that ran out of memory (ENOMEM's number).
 pub const EXIT_OUT_OF_MEMORY: i32 = 12;
 
@@ -65,27 +67,24 @@ pub struct FailureRecordError {
     pub message: String,
 }
 
+impl From<JsonFileError> for FailureRecordError {
+    fn from(e: JsonFileError) -> FailureRecordError {
+        FailureRecordError {
+            path: e.path,
+            message: e.message,
+        }
+    }
+}
+
 impl RankFailure {
     /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<(), FailureRecordError> {
-        let error = |path: &Path, e: &dyn std::fmt::Display| FailureRecordError {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
-        let text = serde_json::to_string_pretty(self).map_err(|e| error(path, &e))?;
-        let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
-        std::fs::write(&tmp, text + "\n").map_err(|e| error(&tmp, &e))?;
-        std::fs::rename(&tmp, path).map_err(|e| error(path, &e))
+        Ok(json_file::write_atomic(self, path)?)
     }
 
     /// Reads the record at `path`.
     pub fn read(path: &Path) -> Result<RankFailure, FailureRecordError> {
-        let error = |e: &dyn std::fmt::Display| FailureRecordError {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
-        let bytes = std::fs::read(path).map_err(|e| error(&e))?;
-        serde_json::from_slice(&bytes).map_err(|e| error(&e))
+        Ok(json_file::read(path)?)
     }
 
     /// The record at `path` if it is the one process `pid` wrote (none, unreadable

@@ -10,6 +10,7 @@
 pub mod env;
 pub mod failure;
 pub mod heartbeat;
+mod json_file;
 pub mod pss;
 pub mod ready;
 pub mod rundir;

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::json_file::{self, JsonFileError};
+
 /// How a rank's training attempt ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -94,27 +96,24 @@ pub struct SummaryError {
     pub message: String,
 }
 
+impl From<JsonFileError> for SummaryError {
+    fn from(e: JsonFileError) -> SummaryError {
+        SummaryError {
+            path: e.path,
+            message: e.message,
+        }
+    }
+}
+
 impl RunSummary {
     /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<(), SummaryError> {
-        let error = |path: &Path, e: &dyn std::fmt::Display| SummaryError {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
-        let text = serde_json::to_string_pretty(self).map_err(|e| error(path, &e))?;
-        let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
-        std::fs::write(&tmp, text + "\n").map_err(|e| error(&tmp, &e))?;
-        std::fs::rename(&tmp, path).map_err(|e| error(path, &e))
+        Ok(json_file::write_atomic(self, path)?)
     }
 
     /// Reads the summary at `path`.
     pub fn read(path: &Path) -> Result<RunSummary, SummaryError> {
-        let error = |e: &dyn std::fmt::Display| SummaryError {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
-        let bytes = std::fs::read(path).map_err(|e| error(&e))?;
-        serde_json::from_slice(&bytes).map_err(|e| error(&e))
+        Ok(json_file::read(path)?)
     }
 }
 

@@ -17,6 +17,25 @@ pub fn launcher() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_vrtspike-launch"))
 }
 
+/// The launcher on `config` into `run_dir`, with the environment the tests need: no
+/// GPU, info logs, no stdin, and no SLURM variables (tests that want SLURM fake it;
+/// a real one around the tests must not leak in).
+pub fn launcher_command(config: &Path, run_dir: &Path) -> Command {
+    let mut command = Command::new(launcher());
+    command
+        .arg("--config")
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
+        command.env_remove(name);
+    }
+    command
+}
+
 /// The `vrtspike` binary beside the launcher (it runs the cache server).
 pub fn vrtspike() -> PathBuf {
     let exe = launcher().with_file_name("vrtspike");
@@ -79,24 +98,13 @@ impl Job {
     /// [`Job::command`] with another config path.
     pub fn command_with_config(&self, config: &Path, extra: &[&str]) -> Command {
         let _ = vrtspike();
-        let mut command = Command::new(launcher());
+        let mut command = launcher_command(config, &self.run_dir);
         command
-            .arg("--config")
-            .arg(config)
-            .arg("--run-dir")
-            .arg(&self.run_dir)
             .arg("--rank-cmd")
             .arg(&self.rank_cmd)
             .args(["--cache-size", "16M", "--restart-delay-s", "0"])
             .args(extra)
-            .env("VRTSPIKE", vrtspike())
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null());
-        // Tests that want SLURM fake it; a real one around the tests must not leak in.
-        for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("SLURM_")) {
-            command.env_remove(name);
-        }
+            .env("VRTSPIKE", vrtspike());
         command
     }
 

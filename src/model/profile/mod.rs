@@ -398,21 +398,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_backward_pass_is_split_between_the_main_path_parts() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
-        let cfg = crate::config::Config::load(&path).unwrap().model;
-        let options = ProfileOptions {
+    /// One timed forward + backward pass of 2 frames of `size` x `size` pixels.
+    fn options(size: i64) -> ProfileOptions {
+        ProfileOptions {
             batch: 1,
             frames: 2,
-            size: 32,
+            size,
             spike_scale: 0.5,
             iters: 1,
             backward: true,
             bf16: false,
-        };
-        let p = profile(&cfg, Device::Cpu, &options, Arc::new(NoMemory)).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_backward_pass_is_split_between_the_main_path_parts() {
+        let cfg = crate::config::tiny_vrt_spike().model;
+        let p = profile(&cfg, Device::Cpu, &options(32), Arc::new(NoMemory)).unwrap();
         let names: Vec<&str> = p.parts.iter().map(|r| r.part.as_str()).collect();
         assert_eq!(names[..3], ["spynet", "conv_first", "spike_encoder"]);
         assert_eq!(names.last(), Some(&"reconstruction"));
@@ -434,21 +436,10 @@ mod tests {
 
     #[test]
     fn peaks_come_from_the_probe_on_every_part() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
-        let mut cfg = crate::config::Config::load(&path).unwrap().model;
+        let mut cfg = crate::config::tiny_vrt_spike().model;
         cfg.spike.enabled = false;
-        let options = ProfileOptions {
-            batch: 1,
-            frames: 2,
-            size: 16,
-            spike_scale: 0.5,
-            iters: 1,
-            backward: true,
-            bf16: false,
-        };
         let probe = Arc::new(RssProbe::start(std::time::Duration::from_millis(1)));
-        let p = profile(&cfg, Device::Cpu, &options, probe).unwrap();
+        let p = profile(&cfg, Device::Cpu, &options(16), probe).unwrap();
         for row in &p.parts {
             assert!(
                 row.forward_peak_bytes.is_some_and(|b| b > 0),
