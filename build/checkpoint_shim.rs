@@ -1,4 +1,5 @@
-// Builds the activation-checkpointing shim (src/model/shim/checkpoint.cpp)
+// Builds the model's shim (src/model/shim/: checkpoint.cpp, the activation
+// checkpointing and backward hook; sdp.cpp, the attention-kernel switches)
 // with the `cc` crate against the same torch headers as the c10d shim
 // (build/shim.rs, whose `shim_find_torch` and `shim_compile_cached` it uses).
 // It needs no CUDA headers: CUDA generators are reached through ATen's hooks.
@@ -6,8 +7,10 @@
 
 /// Compiles and links the checkpoint shim; panics (failing the build) if torch is missing.
 fn build_checkpoint_shim() {
-    const SOURCE: &str = "src/model/shim/checkpoint.cpp";
-    println!("cargo:rerun-if-changed={SOURCE}");
+    const SOURCES: [&str; 2] = ["src/model/shim/checkpoint.cpp", "src/model/shim/sdp.cpp"];
+    for source in SOURCES {
+        println!("cargo:rerun-if-changed={source}");
+    }
     println!("cargo:rerun-if-changed=build/checkpoint_shim.rs");
     let torch = match shim_find_torch() {
         Some(torch) => torch,
@@ -21,7 +24,7 @@ fn build_checkpoint_shim() {
         .cpp(true)
         .pic(true)
         .warnings(false)
-        .file(SOURCE)
+        .files(SOURCES)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
@@ -30,10 +33,10 @@ fn build_checkpoint_shim() {
     shim_with_common_header(&mut build);
     let started = std::time::Instant::now();
     let flags = format!("{}\n{}", torch.root.display(), torch.cxx11_abi);
-    if shim_compile_cached(build, "vs_checkpoint", "checkpoint-shim", SOURCE, &flags) {
+    if shim_compile_cached(build, "vs_checkpoint", "checkpoint-shim", &SOURCES, &flags) {
         // Not a cargo directive: kept in the build script's `output` file.
         println!(
-            "checkpoint shim compiled in {:.1}s",
+            "model shim compiled in {:.1}s",
             started.elapsed().as_secs_f64()
         );
     }

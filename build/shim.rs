@@ -2,12 +2,18 @@
 // against the headers of the torch wheel that tch links, so Rust can reach
 // libtorch's distributed engine. Included by build.rs (not a crate).
 //
-// The NCCL backend and the CUDA allocator calls are compiled in only when
-// complete CUDA headers and NCCL's `nccl.h` are found; otherwise the shim is
-// Gloo-only and the CUDA entry points are no-ops. The compiled archive is
-// reused while the source and flags are unchanged (cc caches nothing).
-// Set VRTSPIKE_NO_NCCL to force a Gloo-only shim, or VRTSPIKE_CUDA_INCLUDE
-// (colon-separated) / VRTSPIKE_NCCL_INCLUDE to point at the headers.
+// Against a CUDA libtorch the NCCL backend and the CUDA allocator calls are
+// always compiled in: the CUDA and NCCL headers come from the venv (`make
+// setup`), and a build that cannot find them fails naming what is missing.
+// VRTSPIKE_NO_NCCL builds a Gloo-only shim on purpose (with a warning); a
+// CPU-only libtorch gets one too. The compiled archive is reused while the
+// source and flags are unchanged (cc caches nothing). VRTSPIKE_CUDA_INCLUDE
+// (colon-separated) / VRTSPIKE_NCCL_INCLUDE point at headers elsewhere.
+//
+// Every linked target also loads `libtorch_cuda.so` and `libc10_cuda.so` when
+// the libtorch has them (`link_torch_cuda`): nothing in the binary calls them,
+// so the linker's `--as-needed` would drop them and libtorch would never
+// register its CUDA backend.
 
 /// What the shim is built against.
 struct ShimTorch {
@@ -40,15 +46,50 @@ fn shim_find_torch() -> Option<ShimTorch> {
     Some(ShimTorch { root: root.into(), cxx11_abi })
 }
 
-/// Include folders for the NCCL build, or None when the headers are incomplete.
+/// What the c10d shim is built with on the CUDA side.
+enum ShimCuda {
+    /// The CUDA and NCCL headers were found: NCCL and the CUDA allocator calls go in.
+    Nccl(Vec<std::path::PathBuf>),
+    /// `VRTSPIKE_NO_NCCL` asked for a Gloo-only shim.
+    Disabled,
+    /// The libtorch being linked has no CUDA (`libtorch_cuda.so` absent): Gloo only.
+    CpuTorch,
+}
+
+/// Decides the shim's CUDA side. A CUDA libtorch without the headers fails the build
+/// with what to do, unless `VRTSPIKE_NO_NCCL` asks for a Gloo-only shim: NCCL is never
+/// dropped silently.
+fn shim_cuda(torch: &ShimTorch) -> ShimCuda {
+    if std::env::var_os("VRTSPIKE_NO_NCCL").is_some() {
+        println!("cargo:warning=VRTSPIKE_NO_NCCL is set: the c10d shim is built without NCCL (Gloo only; `vrtspike info` says so)");
+        return ShimCuda::Disabled;
+    }
+    if !torch_has_cuda(&torch.root) {
+        println!("cargo:warning=the linked libtorch has no CUDA ({} lacks libtorch_cuda.so): the c10d shim is built without NCCL", torch.root.join("lib").display());
+        return ShimCuda::CpuTorch;
+    }
+    match shim_cuda_includes(&torch.root) {
+        Ok(dirs) => ShimCuda::Nccl(dirs),
+        Err(missing) => panic!(
+            "c10d shim: the linked libtorch has CUDA, but {missing}. Run `make setup` \
+             (it installs cuda-toolkit[cccl,crt] and nvidia-nccl-cu13 into the venv), point \
+             VRTSPIKE_CUDA_INCLUDE / VRTSPIKE_NCCL_INCLUDE at the headers, or build without \
+             NCCL on purpose with VRTSPIKE_NO_NCCL=1 (`make build NCCL=0`)"
+        ),
+    }
+}
+
+/// Whether the libtorch under `torch_root` was built with CUDA.
+fn torch_has_cuda(torch_root: &std::path::Path) -> bool {
+    torch_root.join("lib").join("libtorch_cuda.so").is_file()
+}
+
+/// Include folders for the NCCL build, or what is missing.
 /// Looks at `$VRTSPIKE_CUDA_INCLUDE` (colon-separated), `$CUDA_HOME/include`,
 /// the wheel's `nvidia/cu13/include` (+ its `cccl`), `/usr/local/cuda/include`,
 /// and for NCCL `$VRTSPIKE_NCCL_INCLUDE` or the wheel's `nvidia/nccl/include`.
-fn shim_cuda_includes(torch_root: &std::path::Path) -> Option<Vec<std::path::PathBuf>> {
+fn shim_cuda_includes(torch_root: &std::path::Path) -> Result<Vec<std::path::PathBuf>, String> {
     use std::path::PathBuf;
-    if std::env::var_os("VRTSPIKE_NO_NCCL").is_some() {
-        return None;
-    }
     let nvidia = torch_root.parent().map(|site| site.join("nvidia"));
     let mut candidates: Vec<PathBuf> = Vec::new();
     if let Ok(list) = std::env::var("VRTSPIKE_CUDA_INCLUDE") {
@@ -61,6 +102,11 @@ fn shim_cuda_includes(torch_root: &std::path::Path) -> Option<Vec<std::path::Pat
         candidates.push(nvidia.join("cu13").join("include"));
     }
     candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    let looked = candidates
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut dirs: Vec<PathBuf> = Vec::new();
     for dir in candidates.into_iter().filter(|d| d.is_dir()) {
         let cccl = dir.join("cccl");
@@ -70,18 +116,35 @@ fn shim_cuda_includes(torch_root: &std::path::Path) -> Option<Vec<std::path::Pat
         }
     }
     let has = |file: &str| dirs.iter().any(|d| d.join(file).is_file());
-    if !(has("cuda_runtime.h") && has("crt/host_config.h") && has("cuda/std/cstdint")) {
-        return None;
+    for (file, package) in [
+        ("cuda_runtime.h", "cuda-toolkit[cudart]"),
+        ("crt/host_config.h", "cuda-toolkit[crt]"),
+        ("cuda/std/cstdint", "cuda-toolkit[cccl]"),
+    ] {
+        if !has(file) {
+            return Err(format!("no {file} (from {package}) under {looked}"));
+        }
     }
     let nccl = match std::env::var("VRTSPIKE_NCCL_INCLUDE") {
         Ok(dir) => PathBuf::from(dir),
-        Err(_) => nvidia?.join("nccl").join("include"),
+        Err(_) => nvidia
+            .map(|n| n.join("nccl").join("include"))
+            .unwrap_or_default(),
     };
     if !nccl.join("nccl.h").is_file() {
-        return None;
+        return Err(format!("no nccl.h (from nvidia-nccl-cu13) in {}", nccl.display()));
     }
     dirs.insert(0, nccl);
-    Some(dirs)
+    Ok(dirs)
+}
+
+/// Links `libtorch_cuda.so` and `libc10_cuda.so` as NEEDED into every target of
+/// the package (binaries, tests, examples, benches), whatever the linker's
+/// `--as-needed` would decide, and tells the crate (`VRTSPIKE_LINKED_TORCH_CUDA`)
+/// so a test can check they are mapped at run time.
+fn link_torch_cuda() {
+    println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,-lc10_cuda,--pop-state");
+    println!("cargo:rustc-env=VRTSPIKE_LINKED_TORCH_CUDA=1");
 }
 
 /// The header both shims include (`vs_errors.h`): its folder goes on their include
@@ -116,7 +179,14 @@ fn build_c10d_shim() {
     };
     let include = torch.root.join("include");
     let lib_dir = torch.root.join("lib");
-    let cuda = shim_cuda_includes(&torch.root);
+    let shim_cuda = shim_cuda(&torch);
+    let (cuda, nccl_state) = match &shim_cuda {
+        ShimCuda::Nccl(dirs) => (Some(dirs.clone()), "compiled"),
+        ShimCuda::Disabled => (None, "disabled"),
+        ShimCuda::CpuTorch => (None, "cpu-torch"),
+    };
+    // Read by `dist::runtime` to say why NCCL is absent.
+    println!("cargo:rustc-env=VRTSPIKE_SHIM_NCCL={nccl_state}");
 
     let mut build = cc::Build::new();
     build
@@ -143,7 +213,7 @@ fn build_c10d_shim() {
         build,
         "c10d_shim",
         "c10d-shim",
-        SOURCE,
+        &[SOURCE],
         &format!("{}\n{}\n{:?}", torch.root.display(), torch.cxx11_abi, cuda),
     );
     if compiled {
@@ -159,18 +229,31 @@ fn build_c10d_shim() {
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
     }
+    if torch_has_cuda(&torch.root) {
+        link_torch_cuda();
+    }
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
 }
 
-/// Links the static library `lib` built from `source` by `build`, reusing an
-/// archive compiled earlier from the same source and `flags` (cc caches
+/// Links the static library `lib` built from `sources` by `build`, reusing an
+/// archive compiled earlier from the same sources and `flags` (cc caches
 /// nothing). The archive is kept under `<profile>/<cache>/<hash>/` beside the
 /// profile's build folders so `cargo build` and `cargo test` (distinct
 /// build-script runs) share it. Returns whether it compiled.
-fn shim_compile_cached(build: cc::Build, lib: &str, cache: &str, source: &str, flags: &str) -> bool {
+fn shim_compile_cached(
+    build: cc::Build,
+    lib: &str,
+    cache: &str,
+    sources: &[&str],
+    flags: &str,
+) -> bool {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default());
-    let source_text = std::fs::read_to_string(source).unwrap_or_default();
+    let source_text: String = sources
+        .iter()
+        .map(|source| std::fs::read_to_string(source).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n");
     let header_text = std::fs::read_to_string(SHIM_ERRORS_HEADER).unwrap_or_default();
     let stamp = format!("{flags}\n{source_text}\n{header_text}");
     let key = {

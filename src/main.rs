@@ -25,8 +25,8 @@ enum Command {
     Bench(cli::bench::BenchCommand),
     /// A cache server driven by a short synthetic load, then its stats (`make cache-demo`).
     Demo(cli::demo::DemoArgs),
-    /// Versions and devices this binary sees (libtorch, CUDA).
-    Info,
+    /// Versions and devices this binary sees (libtorch, CUDA, NCCL, cuDNN, NVML).
+    Info(cli::info::InfoArgs),
     /// Config tools: the resolved config with the origin of every key.
     #[command(subcommand)]
     Config(cli::config::ConfigCommand),
@@ -68,7 +68,7 @@ fn main() -> Result<()> {
         Command::Cache(cmd) => cli::cache::run(cmd),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
-        Command::Info => cli::info::run(),
+        Command::Info(args) => cli::info::run(args),
         Command::Config(cmd) => cli::config::run(cmd),
         Command::Plan(args) => cli::plan::run(args),
         Command::Model(cmd) => cli::model::run(cmd),
@@ -101,7 +101,7 @@ impl Command {
     fn only_prints(&self) -> bool {
         matches!(
             self,
-            Command::Info | Command::Config(_) | Command::Analyze(_) | Command::Model(_)
+            Command::Info(_) | Command::Config(_) | Command::Analyze(_) | Command::Model(_)
         ) || matches!(self, Command::Plan(args) if !args.measures())
     }
 }

@@ -20,6 +20,40 @@ pub(crate) struct RawCudaMemStats {
     pub reserved_peak: i64,
 }
 
+/// `struct vs_cuda_runtime`: what the linked libtorch offers on the CUDA side.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct RawCudaRuntime {
+    pub hooks_registered: c_int,
+    pub cuda_built: std::ffi::c_long,
+    pub cudnn_built: std::ffi::c_long,
+    pub cudnn_loaded: std::ffi::c_long,
+    pub device_count: c_int,
+}
+
+/// `struct vs_cuda_device`: one CUDA device's properties.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawCudaDevice {
+    pub name: [c_char; 256],
+    pub total_memory: u64,
+    pub major: c_int,
+    pub minor: c_int,
+    pub multiprocessors: c_int,
+}
+
+impl Default for RawCudaDevice {
+    fn default() -> Self {
+        Self {
+            name: [0; 256],
+            total_memory: 0,
+            major: 0,
+            minor: 0,
+            multiprocessors: 0,
+        }
+    }
+}
+
 /// Backend codes understood by `vs_group_new`.
 pub(crate) const BACKEND_GLOO: c_int = 0;
 pub(crate) const BACKEND_NCCL: c_int = 1;
@@ -33,6 +67,10 @@ pub(crate) const OP_MAX: c_int = 3;
 extern "C" {
     pub(crate) fn vs_string_free(text: *mut c_char);
     pub(crate) fn vs_nccl_compiled() -> c_int;
+    pub(crate) fn vs_torch_version() -> *mut c_char;
+    pub(crate) fn vs_cuda_runtime_info(out: *mut RawCudaRuntime);
+    pub(crate) fn vs_nccl_version(out: *mut *mut c_char) -> *mut c_char;
+    pub(crate) fn vs_cuda_device_info(device: c_int, out: *mut RawCudaDevice) -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn vs_group_new(
         backend: c_int,
@@ -73,14 +111,20 @@ pub(crate) fn take_error(status: *mut c_char) -> Result<(), String> {
     if status.is_null() {
         return Ok(());
     }
-    // SAFETY: a non-null status is a NUL-terminated string the shim malloc'd
-    // for us; we copy it out, then hand it back to the shim's `free` once.
-    let message = unsafe { CStr::from_ptr(status) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: `status` came from the shim's malloc and is freed exactly once.
-    unsafe { vs_string_free(status) };
-    Err(message)
+    Err(take_string(status))
+}
+
+/// Takes ownership of a string the shim malloc'd (null gives an empty string).
+pub(crate) fn take_string(text: *mut c_char) -> String {
+    if text.is_null() {
+        return String::new();
+    }
+    // SAFETY: a non-null `text` is a NUL-terminated string the shim malloc'd for
+    // us; it is copied out before being freed.
+    let owned = unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned();
+    // SAFETY: `text` came from the shim's malloc and is freed exactly once.
+    unsafe { vs_string_free(text) };
+    owned
 }
 
 /// Whether this build compiled the NCCL backend and the CUDA allocator calls.

@@ -1,7 +1,7 @@
 //! VRT's temporal mutual self attention: window attention (self attention with a 3-D
 //! relative position bias, plus mutual attention between the two frames of a window),
 //! the TMSA block, the TMSA group (alternating cyclic shifts) and stage 8's RTMSA.
-//! Attention goes through `scaled_dot_product_attention` so GPUs get fused kernels.
+//! Attention goes through [`super::sdp::f_sdpa`] so GPUs get fused kernels.
 //! Each block's attention and MLP can be activation-checkpointed ([`Checkpointing`]).
 
 use std::sync::Arc;
@@ -9,24 +9,13 @@ use std::sync::Arc;
 use tch::{nn, TchError, Tensor};
 
 use super::checkpoint::{checkpoint_one, Checkpointing};
+use super::sdp::f_sdpa;
 use super::layers::{f_drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
 use super::window::{
     effective_window, relative_position_index, sine_position_encoding, window_partition,
     window_reverse, MaskCache,
 };
 use super::{AtStage, ModelError};
-
-/// Attention (B, nH, L, hd) x (B, nH, S, hd) with an optional additive mask that
-/// broadcasts to (B, nH, L, S); scale hd^-0.5.
-pub fn f_sdpa(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-) -> Result<Tensor, TchError> {
-    let mask = mask.map(|m| m.f_to_kind(q.kind())).transpose()?;
-    Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
-}
 
 /// Queries, keys and values, each (B_, nH, N, hd).
 type Heads = (Tensor, Tensor, Tensor);
@@ -439,33 +428,6 @@ impl Rtmsa {
 mod tests {
     use super::*;
     use tch::{Device, Kind};
-
-    fn manual_attention(q: &Tensor, k: &Tensor, v: &Tensor, add: Option<&Tensor>) -> Tensor {
-        let scale = (q.size()[3] as f64).powf(-0.5);
-        let mut attn = (q * scale).matmul(&k.transpose(-2, -1));
-        if let Some(add) = add {
-            attn += add;
-        }
-        attn.softmax(-1, Kind::Float).matmul(v)
-    }
-
-    #[test]
-    fn sdpa_matches_explicit_softmax_with_masks() {
-        let opts = (Kind::Float, Device::Cpu);
-        let (q, k, v) = (
-            Tensor::randn([6, 2, 8, 4], opts),
-            Tensor::randn([6, 2, 8, 4], opts),
-            Tensor::randn([6, 2, 8, 4], opts),
-        );
-        let mask = Tensor::randn([3, 1, 8, 8], opts).repeat([2, 2, 1, 1]);
-        let got = f_sdpa(&q, &k, &v, Some(&mask)).unwrap();
-        assert!(got.allclose(
-            &manual_attention(&q, &k, &v, Some(&mask)),
-            1e-5,
-            1e-5,
-            false
-        ));
-    }
 
     #[test]
     fn window_attention_mask_broadcasts_per_window() {

@@ -10,6 +10,7 @@ pub mod deform;
 pub mod flow;
 pub mod layers;
 pub mod profile;
+pub mod sdp;
 pub mod spike;
 pub mod summary;
 pub mod unet;

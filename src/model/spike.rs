@@ -9,7 +9,7 @@
 
 use tch::{nn, TchError, Tensor};
 
-use super::attention::f_sdpa;
+use super::sdp::f_sdpa;
 use super::checkpoint::{checkpoint_one, Checkpointing};
 use super::layers::{f_leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
 use super::{AtStage, ModelError};

@@ -17,6 +17,11 @@
 //! `VRTSPIKE_MMAP_THRESHOLD` sets the threshold (`8M`, `1M`, ... or `glibc` for
 //! glibc's own dynamic rule); glibc's `MALLOC_MMAP_THRESHOLD_`, when set, is left to
 //! glibc and wins. `THP_MEM_ALLOC_ENABLE=0` turns the huge pages off.
+//!
+//! On a GPU the same processes get `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`
+//! unless it is set (the user's own fix for fragmentation of the CUDA caching
+//! allocator: segments grow in place instead of leaving stranded blocks), whoever
+//! started them (`vrtspike-launch` sets it too; torchrun and srun do not).
 
 use super::bytes::parse_size;
 
@@ -86,13 +91,20 @@ pub fn policy_for(
 /// libtorch's switch for transparent huge pages in its CPU allocator.
 pub const HUGE_PAGES_ENV: &str = "THP_MEM_ALLOC_ENABLE";
 
-/// Whether libtorch's CPU allocator asks for huge pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HugePages {
-    /// Turned on here (the variable was unset).
-    On,
-    /// The variable was set; libtorch reads it as given.
-    AsSet,
+/// The CUDA caching allocator's settings, read by libtorch at its first CUDA allocation.
+pub const CUDA_ALLOC_CONF_ENV: &str = "PYTORCH_CUDA_ALLOC_CONF";
+
+/// The CUDA caching allocator's default here: segments that grow in place.
+pub const CUDA_ALLOC_CONF_DEFAULT: &str = "expandable_segments:True";
+
+/// An environment variable libtorch reads once, and whether its value is this
+/// module's default or the user's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvDefault {
+    /// It was unset: set here to this module's default.
+    SetHere,
+    /// It was set; libtorch reads it as given.
+    AsSet(String),
 }
 
 /// The heap of a process that runs the model.
@@ -100,26 +112,37 @@ pub enum HugePages {
 pub struct Heap {
     /// Where large blocks go.
     pub policy: HeapPolicy,
-    /// Huge pages for tensors.
-    pub huge_pages: HugePages,
+    /// Huge pages for CPU tensors (`THP_MEM_ALLOC_ENABLE`).
+    pub huge_pages: EnvDefault,
+    /// The CUDA caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`).
+    pub cuda_alloc: EnvDefault,
 }
 
-/// Reads the policy from the environment and applies it to this process, and turns
-/// on libtorch's huge pages unless `THP_MEM_ALLOC_ENABLE` is set; call it first in
-/// `main`, before any tensor is allocated (libtorch reads the variable once, at its
-/// first allocation) and before any thread starts.
+/// Reads the policy from the environment and applies it to this process, turns on
+/// libtorch's huge pages unless `THP_MEM_ALLOC_ENABLE` is set, and gives the CUDA
+/// caching allocator expandable segments unless `PYTORCH_CUDA_ALLOC_CONF` is set; call
+/// it first in `main`, before any tensor is allocated (libtorch reads the variables
+/// once, at its first allocation) and before any thread starts.
 pub fn apply_from_env() -> Result<Heap, HeapPolicyError> {
     let threshold = std::env::var(THRESHOLD_ENV).ok();
     let tunable = std::env::var_os(GLIBC_ENV).is_some();
     let policy = apply(policy_for(threshold.as_deref(), tunable)?);
-    let huge_pages = match std::env::var_os(HUGE_PAGES_ENV) {
-        Some(_) => HugePages::AsSet,
+    Ok(Heap {
+        policy,
+        huge_pages: default_env(HUGE_PAGES_ENV, "1"),
+        cuda_alloc: default_env(CUDA_ALLOC_CONF_ENV, CUDA_ALLOC_CONF_DEFAULT),
+    })
+}
+
+/// Sets `name` to `value` unless it is set (to anything, empty included).
+fn default_env(name: &str, value: &str) -> EnvDefault {
+    match std::env::var_os(name) {
+        Some(set) => EnvDefault::AsSet(set.to_string_lossy().into_owned()),
         None => {
-            std::env::set_var(HUGE_PAGES_ENV, "1");
-            HugePages::On
+            std::env::set_var(name, value);
+            EnvDefault::SetHere
         }
-    };
-    Ok(Heap { policy, huge_pages })
+    }
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -167,6 +190,37 @@ mod tests {
             policy_for(Some(" glibc "), false).unwrap(),
             HeapPolicy::GlibcDynamic
         );
+    }
+
+    /// The environment is process-wide: the check runs alone in a fresh process.
+    #[test]
+    #[ignore = "run in a fresh process by unset_variables_get_the_defaults_and_set_ones_are_kept"]
+    fn env_defaults_probe() {
+        std::env::remove_var(CUDA_ALLOC_CONF_ENV);
+        std::env::set_var(HUGE_PAGES_ENV, "0");
+        let heap = apply_from_env().expect("policy");
+        assert_eq!(heap.cuda_alloc, EnvDefault::SetHere);
+        assert_eq!(
+            std::env::var(CUDA_ALLOC_CONF_ENV).as_deref(),
+            Ok(CUDA_ALLOC_CONF_DEFAULT)
+        );
+        assert_eq!(heap.huge_pages, EnvDefault::AsSet("0".into()));
+        assert_eq!(std::env::var(HUGE_PAGES_ENV).as_deref(), Ok("0"));
+        // A second call sees the first one's value as set, and keeps it.
+        std::env::set_var(CUDA_ALLOC_CONF_ENV, "max_split_size_mb:128");
+        let again = apply_from_env().expect("policy");
+        assert_eq!(
+            again.cuda_alloc,
+            EnvDefault::AsSet("max_split_size_mb:128".into())
+        );
+    }
+
+    #[test]
+    fn unset_variables_get_the_defaults_and_set_ones_are_kept() {
+        let probe = "util::heap::tests::env_defaults_probe";
+        if let Err(e) = crate::util::alone::run_ignored_test_alone(probe, &[GLIBC_ENV]) {
+            panic!("{e}");
+        }
     }
 
     #[test]

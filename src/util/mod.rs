@@ -1,5 +1,6 @@
 //! Small helpers shared by every part of the trainer: logging set-up, the heap policy
-//! of processes that run the model, the machine's memory figures, byte-size parsing
+//! of processes that run the model, the libraries mapped into this process, the
+//! machine's memory figures, byte-size parsing
 //! and printing, the seeded generator of shuffles, crops and synthetic data, and (in
 //! test builds) running one unit test alone in a fresh process. Imports nothing of
 //! the crate.
@@ -9,5 +10,6 @@ pub(crate) mod alone;
 pub mod bytes;
 pub mod heap;
 pub mod logging;
+pub mod maps;
 pub mod meminfo;
 pub mod rng;

@@ -19,13 +19,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #ifdef VS_WITH_NCCL
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -62,6 +66,26 @@ struct vs_group {
   // Collectives this rank has entered; posted to the store before each one so
   // that a failed rank can tell which peers never reached it.
   uint64_t seq = 0;
+};
+
+// What the linked libtorch offers on the CUDA side (mirrors `RawCudaRuntime`).
+// Versions are 0 where unknown: libtorch's CUDA hooks answer only once
+// libtorch_cuda.so is loaded and registered them.
+struct vs_cuda_runtime {
+  int hooks_registered;  // 1 when libtorch_cuda's hooks answer
+  long cuda_built;       // CUDART_VERSION libtorch was built with (13000 = 13.0)
+  long cudnn_built;      // cuDNN version libtorch was built with (91900 = 9.19.0)
+  long cudnn_loaded;     // cuDNN version of the library loaded now
+  int device_count;      // CUDA devices visible now
+};
+
+// One CUDA device (mirrors `RawCudaDevice`).
+struct vs_cuda_device {
+  char name[256];
+  uint64_t total_memory;
+  int major;
+  int minor;
+  int multiprocessors;
 };
 
 // CUDA caching allocator figures for one device, in bytes.
@@ -145,6 +169,71 @@ int vs_nccl_compiled() {
 #else
   return 0;
 #endif
+}
+
+// The libtorch version this shim was compiled against ("2.11.0"); owned.
+char* vs_torch_version() { return owned_copy(TORCH_VERSION); }
+
+// Fills `out` from libtorch's CUDA hooks; never fails (a hook that throws,
+// because libtorch_cuda is not loaded or no driver is present, leaves 0).
+void vs_cuda_runtime_info(vs_cuda_runtime* out) {
+  std::memset(out, 0, sizeof(*out));
+  const auto& hooks = at::detail::getCUDAHooks();
+  try {
+    out->cuda_built = hooks.versionCUDART();
+    out->hooks_registered = 1;
+  } catch (...) {
+    return;
+  }
+  try {
+    if (hooks.compiledWithCuDNN()) out->cudnn_built = hooks.versionCuDNN();
+  } catch (...) {
+  }
+  try {
+    if (hooks.compiledWithCuDNN()) out->cudnn_loaded = hooks.versionRuntimeCuDNN();
+  } catch (...) {
+  }
+  try {
+    out->device_count = hooks.getNumGPUs();
+  } catch (...) {
+  }
+}
+
+// The NCCL library version loaded at run time ("2.28.9"), into an owned
+// string; an error when the shim has no NCCL or the library cannot answer.
+char* vs_nccl_version(char** out) {
+  *out = nullptr;
+  return guarded([&] {
+#ifdef VS_WITH_NCCL
+    *out = owned_copy(c10d::getNcclVersion());
+#else
+    throw std::runtime_error("this build of the c10d shim has no NCCL");
+#endif
+  });
+}
+
+// Properties of CUDA device `device`.
+char* vs_cuda_device_info(int device, vs_cuda_device* out) {
+  std::memset(out, 0, sizeof(*out));
+  return guarded([&] {
+#ifdef VS_WITH_NCCL
+    if (device < 0 || device >= static_cast<int>(c10::cuda::device_count())) {
+      throw std::invalid_argument("no CUDA device " + std::to_string(device) +
+                                  " (" + std::to_string(c10::cuda::device_count()) +
+                                  " visible)");
+    }
+    const cudaDeviceProp* props =
+        at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    std::strncpy(out->name, props->name, sizeof(out->name) - 1);
+    out->total_memory = props->totalGlobalMem;
+    out->major = props->major;
+    out->minor = props->minor;
+    out->multiprocessors = props->multiProcessorCount;
+#else
+    (void)device;
+    throw std::runtime_error("this build of the c10d shim has no CUDA support");
+#endif
+  });
 }
 
 // Connects to (rank 0: serves) the TCPStore at master_addr:port, checks that

@@ -1,0 +1,38 @@
+// Attention-kernel choices of libtorch that tch does not reach (Rust side:
+// src/model/sdp.rs): whether scaled_dot_product_attention may use cuDNN's
+// attention kernel, and the dtype CUDA autocast computes in. Process-wide
+// switches of at::globalContext(), as torch.backends.cuda.enable_cudnn_sdp is.
+// No C++ exception crosses this boundary.
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+
+extern "C" {
+
+// Lets SDPA choose cuDNN's attention kernel (`on` != 0) or not; returns whether
+// it could before, or -1 if libtorch refused.
+int vs_sdp_use_cudnn(int on) {
+  try {
+    const bool was = at::globalContext().userEnabledCuDNNSDP();
+    at::globalContext().setSDPUseCuDNN(on != 0);
+    return was ? 1 : 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// The dtype CUDA autocast computes in on this thread: 0 when autocast is off,
+// 1 float16, 2 bfloat16, 3 another; -1 if libtorch refused.
+int vs_cuda_autocast_kind() {
+  try {
+    if (!at::autocast::is_autocast_enabled(at::kCUDA)) return 0;
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    if (dtype == at::kHalf) return 1;
+    if (dtype == at::kBFloat16) return 2;
+    return 3;
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // extern "C"
