@@ -1,5 +1,5 @@
 // Builds the model's shim (src/model/shim/: checkpoint.cpp, the activation
-// checkpointing and backward hook; sdp.cpp, the attention-kernel switches)
+// checkpointing and backward hook; kernels.cpp, the attention-kernel and autocast switches)
 // with the `cc` crate against the same torch headers as the c10d shim
 // (build/shim.rs, whose `shim_find_torch` and `shim_compile_cached` it uses).
 // It needs no CUDA headers: CUDA generators are reached through ATen's hooks.
@@ -7,7 +7,7 @@
 
 /// Compiles and links the checkpoint shim; panics (failing the build) if torch is missing.
 fn build_checkpoint_shim() {
-    const SOURCES: [&str; 2] = ["src/model/shim/checkpoint.cpp", "src/model/shim/sdp.cpp"];
+    const SOURCES: [&str; 2] = ["src/model/shim/checkpoint.cpp", "src/model/shim/kernels.cpp"];
     for source in SOURCES {
         println!("cargo:rerun-if-changed={source}");
     }

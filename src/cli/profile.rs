@@ -2,14 +2,18 @@
 //! model config (the timing is `vrtspike::model::profile`), as a table or JSON.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use serde::Serialize;
 
 use tch::Device;
-use vrtspike::model::profile::{profile, MemoryProbe, Profile, ProfileOptions, RssProbe};
+use vrtspike::model::profile::{
+    profile, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
+};
 
 use super::model::load_model_config;
 use super::{group_digits, parse_device};
@@ -41,9 +45,13 @@ pub struct ProfileArgs {
     /// Forward only (no backward pass).
     #[arg(long)]
     pub no_backward: bool,
-    /// Run in bfloat16 (weights and inputs cast; the trainer's AMP is close to this).
-    #[arg(long)]
+    /// Run the forward pass under CUDA autocast in bfloat16, as training with
+    /// `TRAIN.AMP_ENABLED` does (CUDA only).
+    #[arg(long, conflicts_with = "cast_bf16")]
     pub bf16: bool,
+    /// Cast weights and inputs to bfloat16 instead (any device).
+    #[arg(long)]
+    pub cast_bf16: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -63,17 +71,47 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         spike_scale: args.spike_scale,
         iters: args.iters,
         backward: !args.no_backward,
-        bf16: args.bf16,
+        precision: match (args.bf16, args.cast_bf16) {
+            (true, _) => Precision::AutocastBf16,
+            (false, true) => Precision::CastBf16,
+            (false, false) => Precision::Fp32,
+        },
     };
-    let probe = memory_probe(device);
+    let (probe, cuda) = memory_probe(device);
     let profile = profile(&cfg, device, &options, probe)
         .with_context(|| format!("profiling the model of {}", args.config.display()))?;
+    let report = Report {
+        cuda_peak: cuda.map(|probe| probe.run_peak()),
+        profile,
+    };
     if args.json {
-        println!("{}", serde_json::to_string(&profile)?);
+        println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&profile);
+        print_table(&report.profile);
+        if let Some(peak) = &report.cuda_peak {
+            println!(
+                "CUDA peak over the run: allocated {} MiB, reserved {} MiB",
+                mib(Some(peak.allocated_bytes as f64)),
+                mib(Some(peak.reserved_bytes as f64))
+            );
+        }
     }
     Ok(())
+}
+
+/// The profile, with the CUDA allocator's peaks over the whole run on a GPU.
+#[derive(Serialize)]
+struct Report {
+    #[serde(flatten)]
+    profile: Profile,
+    cuda_peak: Option<CudaPeak>,
+}
+
+/// The CUDA caching allocator's largest figures over a run (warm-up included).
+#[derive(Serialize)]
+struct CudaPeak {
+    allocated_bytes: u64,
+    reserved_bytes: u64,
 }
 
 /// Bytes as MiB with one decimal, `-` for no figure.
@@ -131,27 +169,51 @@ fn print_table(profile: &Profile) {
 }
 
 /// The memory of `device`: the resident set on CPU (sampled every millisecond for
-/// its peaks), the CUDA allocator's allocated bytes on a GPU.
-fn memory_probe(device: Device) -> Arc<dyn MemoryProbe> {
+/// its peaks), the CUDA allocator's allocated bytes on a GPU (and that probe again,
+/// for the run's peaks).
+fn memory_probe(device: Device) -> (Arc<dyn MemoryProbe>, Option<Arc<CudaProbe>>) {
     match device {
-        Device::Cuda(i) => Arc::new(CudaProbe(i)),
-        _ => Arc::new(RssProbe::start(Duration::from_millis(1))),
+        Device::Cuda(i) => {
+            let probe = Arc::new(CudaProbe {
+                device: i,
+                allocated: AtomicU64::new(0),
+                reserved: AtomicU64::new(0),
+            });
+            (probe.clone(), Some(probe))
+        }
+        _ => (Arc::new(RssProbe::start(Duration::from_millis(1))), None),
     }
 }
 
 /// The CUDA caching allocator's allocated bytes of one device (no figure if the
-/// allocator cannot be read).
-struct CudaProbe(usize);
+/// allocator cannot be read); it keeps the largest allocated and reserved figures
+/// it saw, since the profile resets the allocator's peaks part by part.
+struct CudaProbe {
+    device: usize,
+    allocated: AtomicU64,
+    reserved: AtomicU64,
+}
+
+impl CudaProbe {
+    fn run_peak(&self) -> CudaPeak {
+        CudaPeak {
+            allocated_bytes: self.allocated.load(Ordering::Relaxed),
+            reserved_bytes: self.reserved.load(Ordering::Relaxed),
+        }
+    }
+}
 
 impl MemoryProbe for CudaProbe {
     fn current(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.0).ok().flatten()?;
+        let stats = vrtspike::dist::cuda_memory_stats(self.device).ok().flatten()?;
         Some(stats.allocated_current)
     }
 
     fn take_peak(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.0).ok().flatten()?;
-        vrtspike::dist::reset_cuda_peak(self.0).ok()?;
+        let stats = vrtspike::dist::cuda_memory_stats(self.device).ok().flatten()?;
+        vrtspike::dist::reset_cuda_peak(self.device).ok()?;
+        self.allocated.fetch_max(stats.allocated_peak, Ordering::Relaxed);
+        self.reserved.fetch_max(stats.reserved_peak, Ordering::Relaxed);
         Some(stats.allocated_peak)
     }
 }

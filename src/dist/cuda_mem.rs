@@ -64,14 +64,6 @@ pub fn empty_cuda_cache() -> Result<(), DistError> {
     ffi::take_error(status).map_err(DistError::Cuda)
 }
 
-/// Makes CUDA autocast (`tch::autocast`) compute in bfloat16 (`true`) or float16
-/// (`false`, libtorch's default); returns whether it used bfloat16 before.
-pub fn set_cuda_autocast_bf16(on: bool) -> bool {
-    // SAFETY: a plain int argument; the shim catches every C++ exception.
-    let was = unsafe { ffi::vs_autocast_cuda_bf16(c_int::from(on)) };
-    was == 1
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

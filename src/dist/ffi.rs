@@ -103,7 +103,6 @@ extern "C" {
     ) -> *mut c_char;
     pub(crate) fn vs_cuda_empty_cache() -> *mut c_char;
     pub(crate) fn vs_cuda_reset_peak(device: c_int) -> *mut c_char;
-    pub(crate) fn vs_autocast_cuda_bf16(on: c_int) -> c_int;
 }
 
 /// Converts a shim status into `Err(message)`, freeing the shim's string.

@@ -11,7 +11,7 @@ mod group;
 mod runtime;
 
 pub use cuda_mem::{
-    cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, set_cuda_autocast_bf16, CudaMemoryStats,
+    cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats,
 };
 pub use ddp::{plan_buckets, Ddp, DdpOptions, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::DistError;

@@ -5,6 +5,7 @@
 //! layers, `eval` or `train`).
 
 pub mod attention;
+pub mod precision;
 pub mod checkpoint;
 pub mod deform;
 pub mod flow;

@@ -35,7 +35,6 @@ const SDP_MATH: i64 = 0;
 
 extern "C" {
     fn vs_sdp_use_cudnn(on: c_int) -> c_int;
-    fn vs_cuda_autocast_kind() -> c_int;
 }
 
 /// Attention (B, nH, L, hd) x (B, nH, S, hd) with an optional additive mask that
@@ -104,12 +103,7 @@ fn prefer_memory_efficient_kernel() {
 /// The dtype SDPA computes in on this thread: the CUDA autocast dtype when autocast
 /// is on (SDPA is on its lower-precision list), else the inputs' own.
 fn compute_kind(input: Kind) -> Kind {
-    // SAFETY: no arguments; the shim catches every C++ exception.
-    match unsafe { vs_cuda_autocast_kind() } {
-        1 => Kind::Half,
-        2 => Kind::BFloat16,
-        _ => input,
-    }
+    super::precision::current_cuda_autocast().map_or(input, |dtype| dtype.kind())
 }
 
 /// Warns once per input shape when SDPA would choose its math kernel for these

@@ -5,6 +5,7 @@
 use tch::Tensor;
 
 use crate::config::{AmpDtype, TrainConfig};
+use crate::model::precision::{cuda_autocast, AutocastDtype};
 
 /// The precision a run trains in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,13 +33,8 @@ impl AmpMode {
     pub fn run<T>(self, f: impl FnOnce() -> T) -> T {
         match self {
             AmpMode::Off => f(),
-            AmpMode::Fp16 => tch::autocast(true, f),
-            AmpMode::Bf16 => {
-                let previous = crate::dist::set_cuda_autocast_bf16(true);
-                let out = tch::autocast(true, f);
-                crate::dist::set_cuda_autocast_bf16(previous);
-                out
-            }
+            AmpMode::Fp16 => cuda_autocast(AutocastDtype::Fp16, f),
+            AmpMode::Bf16 => cuda_autocast(AutocastDtype::Bf16, f),
         }
     }
 

@@ -18,7 +18,6 @@
 #include "vs_errors.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -476,18 +475,6 @@ char* vs_cuda_empty_cache() {
     }
 #endif
   });
-}
-
-// Makes CUDA autocast use bfloat16 (`on`) or float16; returns whether it used
-// bfloat16 before, or -1 if libtorch refused.
-int vs_autocast_cuda_bf16(int on) {
-  try {
-    const bool was = at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16;
-    at::autocast::set_autocast_dtype(at::kCUDA, on ? at::kBFloat16 : at::kHalf);
-    return was ? 1 : 0;
-  } catch (...) {
-    return -1;
-  }
 }
 
 }  // extern "C"

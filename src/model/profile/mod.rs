@@ -17,6 +17,7 @@ use serde::Serialize;
 use tch::{nn, Device, Kind, Tensor};
 
 use super::checkpoint::on_backward;
+use super::precision::{cuda_autocast, AutocastDtype};
 use super::{build, summarize, AtStage, ModelError, PartMarks, Restorer};
 use crate::config::ModelConfig;
 pub use memory::{lifetime_peak_rss, resident_bytes, MemoryProbe, RssProbe};
@@ -36,8 +37,20 @@ pub struct ProfileOptions {
     pub iters: usize,
     /// Time the backward pass too.
     pub backward: bool,
-    /// Run in bfloat16 (weights and inputs cast).
-    pub bf16: bool,
+    /// The precision the model runs in.
+    pub precision: Precision,
+}
+
+/// The precision a profile runs the model in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// float32 weights and inputs.
+    Fp32,
+    /// float32 weights and inputs, the forward pass under CUDA autocast in bfloat16
+    /// (what training with `TRAIN.AMP_ENABLED` runs, and the reference's `--bf16`).
+    AutocastBf16,
+    /// Weights and inputs cast to bfloat16.
+    CastBf16,
 }
 
 /// One part of the model in a profile. Memory figures are from the last timed
@@ -232,11 +245,17 @@ fn iterate(
     vs: &nn::VarStore,
     (x, voxels): (&Tensor, Option<&Tensor>),
     (device, probe): (Device, &Arc<dyn MemoryProbe>),
-    backward: bool,
+    options: &ProfileOptions,
 ) -> Result<Iteration, ModelError> {
+    let backward = options.backward;
     let mut recorder = Recorder::start(device, Arc::clone(probe), backward);
     let start = recorder.last;
-    let run = |marks: &mut Recorder| net.forward_marked(x, voxels, backward, marks);
+    let run = |marks: &mut Recorder| match options.precision {
+        Precision::AutocastBf16 => cuda_autocast(AutocastDtype::Bf16, || {
+            net.forward_marked(x, voxels, backward, marks)
+        }),
+        Precision::Fp32 | Precision::CastBf16 => net.forward_marked(x, voxels, backward, marks),
+    };
     let out = if backward {
         run(&mut recorder)
     } else {
@@ -326,14 +345,18 @@ pub fn profile(
     }
     let mut vs = nn::VarStore::new(device);
     let net = build(&vs.root(), cfg)?;
-    let kind = if options.bf16 {
-        Kind::BFloat16
-    } else {
-        Kind::Float
-    };
-    if options.bf16 {
-        vs.bfloat16();
+    if options.precision == Precision::AutocastBf16 && !device.is_cuda() {
+        return Err(ModelError::Config(
+            "bfloat16 autocast runs on CUDA only (cast the weights instead on CPU)".into(),
+        ));
     }
+    let kind = match options.precision {
+        Precision::CastBf16 => {
+            vs.bfloat16();
+            Kind::BFloat16
+        }
+        Precision::Fp32 | Precision::AutocastBf16 => Kind::Float,
+    };
     let summary = summarize(&vs, net.arch(), &net.parts());
     let (n, d, side) = (options.batch, options.frames, options.size);
     let x = Tensor::f_rand([n, d, cfg.in_chans, side, side], (kind, device)).at_stage("input")?;
@@ -348,7 +371,7 @@ pub fn profile(
     let mut totals = Totals::default();
     for iter in 0..=options.iters {
         let input = (&x, voxels.as_ref());
-        let it = iterate(net.as_ref(), &vs, input, (device, &probe), options.backward)?;
+        let it = iterate(net.as_ref(), &vs, input, (device, &probe), options)?;
         if iter > 0 {
             totals.add(it);
         }
@@ -373,7 +396,10 @@ pub fn profile(
             _ => "cpu".into(),
         },
         input: x.size(),
-        dtype: format!("{kind:?}"),
+        dtype: match options.precision {
+            Precision::AutocastBf16 => "Float (bfloat16 autocast)".to_string(),
+            Precision::Fp32 | Precision::CastBf16 => format!("{kind:?}"),
+        },
         parts: totals.rows,
         forward_ms,
         backward_ms: options.backward.then_some(totals.backward_ms / iters),
@@ -407,7 +433,7 @@ mod tests {
             spike_scale: 0.5,
             iters: 1,
             backward: true,
-            bf16: false,
+            precision: Precision::Fp32,
         }
     }
 

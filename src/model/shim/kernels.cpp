@@ -1,0 +1,62 @@
+// Kernel and precision switches of libtorch that tch does not reach: whether
+// scaled_dot_product_attention may use cuDNN's attention kernel (a process-wide
+// switch of at::globalContext(), as torch.backends.cuda.enable_cudnn_sdp is;
+// Rust side src/model/sdp.rs), the dtype CUDA autocast computes in (per
+// thread) and TF32 (src/model/precision.rs). No C++ exception crosses this boundary.
+
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+
+extern "C" {
+
+// Lets SDPA choose cuDNN's attention kernel (`on` != 0) or not; returns whether
+// it could before, or -1 if libtorch refused.
+int vs_sdp_use_cudnn(int on) {
+  try {
+    const bool was = at::globalContext().userEnabledCuDNNSDP();
+    at::globalContext().setSDPUseCuDNN(on != 0);
+    return was ? 1 : 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// The dtype CUDA autocast computes in on this thread: 0 when autocast is off,
+// 1 float16, 2 bfloat16, 3 another; -1 if libtorch refused.
+int vs_cuda_autocast_kind() {
+  try {
+    if (!at::autocast::is_autocast_enabled(at::kCUDA)) return 0;
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    if (dtype == at::kHalf) return 1;
+    if (dtype == at::kBFloat16) return 2;
+    return 3;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Makes CUDA autocast compute in bfloat16 (`on`) or float16; returns whether it
+// used bfloat16 before, or -1 if libtorch refused.
+int vs_cuda_autocast_bf16(int on) {
+  try {
+    const bool was = at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16;
+    at::autocast::set_autocast_dtype(at::kCUDA, on ? at::kBFloat16 : at::kHalf);
+    return was ? 1 : 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Allows or forbids TF32 in cuBLAS matrix products and cuDNN convolutions for
+// the process; returns 0, or -1 if libtorch refused.
+int vs_allow_tf32(int on) {
+  try {
+    at::globalContext().setAllowTF32CuBLAS(on != 0);
+    at::globalContext().setAllowTF32CuDNN(on != 0);
+    return 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,106 @@
+//! The tiny VRT-Spike under bf16 autocast on CUDA, and the fp16 loss scaler skipping
+//! an inf step.
+
+use tch::{nn, Device, Kind, Tensor};
+use vrtspike::config::{Config, ModelConfig};
+use vrtspike::model;
+use vrtspike::train::amp::{AmpMode, GradScaler};
+use vrtspike::train::optim::AdamW;
+use vrtspike::train::step::{apply_update, StepResult, UpdateOptions};
+
+use super::{cuda, root};
+
+fn tiny() -> ModelConfig {
+    let path = root().join("configs/tiny/vrt_spike_tiny.yaml");
+    let mut cfg = Config::load(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .model;
+    // No stochastic depth: both passes must run the same blocks.
+    cfg.drop_path_rate = 0.0;
+    cfg
+}
+
+/// Loss and every trainable gradient of one forward/backward pass in `amp`.
+fn pass(vs: &nn::VarStore, net: &dyn model::Restorer, amp: AmpMode) -> (f64, Vec<(String, Tensor)>) {
+    let device = vs.device();
+    tch::manual_seed(3);
+    let blur = Tensor::rand([1, 3, 3, 64, 64], (Kind::Float, Device::Cpu)).to_device(device);
+    let voxels = Tensor::rand([1, 3, 4, 32, 32], (Kind::Float, Device::Cpu)).to_device(device);
+    for t in vs.trainable_variables() {
+        let mut g = t.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+    let out = amp
+        .run(|| net.forward(&blur, Some(&voxels), true))
+        .expect("forward");
+    let loss = (out.to_kind(Kind::Float) - &blur).abs().mean(Kind::Float);
+    loss.backward();
+    let grads = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(name, t)| (name, t.grad().copy()))
+        .collect();
+    (loss.double_value(&[]), grads)
+}
+
+#[test]
+fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
+    let device = cuda();
+    let vs = nn::VarStore::new(device);
+    let net = model::build(&vs.root(), &tiny()).expect("build");
+    let (loss32, grads32) = pass(&vs, net.as_ref(), AmpMode::Off);
+    let (loss16, grads16) = pass(&vs, net.as_ref(), AmpMode::Bf16);
+    let rel = (loss16 - loss32).abs() / loss32.abs().max(1e-12);
+    assert!(rel < 2e-2, "bf16 loss {loss16} vs fp32 {loss32}: relative {rel}");
+    let mut compared = 0;
+    for ((name, g32), (_, g16)) in grads32.iter().zip(&grads16) {
+        assert!(g16.defined(), "{name}: no gradient under bf16");
+        assert_eq!(g16.kind(), Kind::Float, "{name}: gradients stay float32");
+        let finite = g16.isfinite().all().int64_value(&[]) == 1;
+        assert!(finite, "{name}: non-finite gradient under bf16");
+        let norm = g32.norm().double_value(&[]);
+        if norm > 1e-6 {
+            let diff = (g16 - g32).norm().double_value(&[]) / norm;
+            assert!(diff < 0.25, "{name}: bf16 gradient off by {diff} (relative)");
+            compared += 1;
+        }
+    }
+    assert!(compared > 50, "only {compared} gradients compared");
+}
+
+#[test]
+fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
+    let device = cuda();
+    let w = Tensor::from_slice(&[0.5f32, -0.25, 1.0])
+        .to_device(device)
+        .set_requires_grad(true);
+    let mut opt = AdamW::new(vec![w.shallow_clone()], [0.9, 0.99], 1e-8, 0.0);
+    let mut scaler = GradScaler::new(true);
+    let start_scale = scaler.scale;
+    let before = w.detach().copy();
+    // The product runs in float16 under autocast; its loss is finite, but the scaled
+    // gradient reaching it (65536) overflows float16 (max 65504): inf gradients.
+    let input = Tensor::ones([3, 1], (Kind::Float, device));
+    let product = || w.unsqueeze(0).matmul(&input).sum(Kind::Float);
+    let loss = AmpMode::Fp16.run(product);
+    assert!(loss.double_value(&[]).is_finite());
+    scaler.scale_loss(&loss).backward();
+    let options = UpdateOptions {
+        step: 0,
+        lr: 0.1,
+        max_grad_norm: Some(1.0),
+    };
+    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    assert_eq!(result, StepResult::Skipped { nonfinite_loss: false });
+    assert!(w.equal(&before), "an inf step touched the weights");
+    assert_eq!(scaler.scale, start_scale * scaler.backoff_factor);
+    // At the backed-off scale (32768) the same step fits float16 and is applied.
+    let loss = AmpMode::Fp16.run(product);
+    scaler.scale_loss(&loss).backward();
+    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    assert!(matches!(result, StepResult::Applied { .. }), "{result:?}");
+    assert!(!w.equal(&before), "a finite step changed nothing");
+}
