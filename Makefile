@@ -5,7 +5,10 @@
 #   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
-#   make build  release binaries in target/release
+#   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose)
+#   make test-gpu  the GPU test suite (needs a CUDA device; fails without one)
+#   make gpu-bundle  one folder under 64 MiB that runs on a GPU host with its own torch
+#   make gpu-bundle-check  proves that folder self-sufficient here (root; venv hidden)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST))))
@@ -25,7 +28,8 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike clean
+.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike clean \
+	test-gpu gpu-bundle gpu-bundle-check
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -43,18 +47,35 @@ $(STAMPS)/venv: requirements.txt
 	@mkdir -p $(STAMPS)
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	@if ! $(VENV)/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
-	    || ! $(VENV)/bin/python -c "import numpy, PIL, tensorboard" 2>/dev/null; then \
-	  echo "installing torch==$(TORCH_VERSION), tensorboard and the baseline's packages into $(VENV)"; \
+	    || ! $(VENV)/bin/python -c "import numpy, PIL, tensorboard" 2>/dev/null \
+	    || ! $(VENV)/bin/python -c "$$CUDA_HEADERS_CHECK" 2>/dev/null; then \
+	  echo "installing torch==$(TORCH_VERSION), the CUDA/NCCL headers, tensorboard and the baseline's packages into $(VENV)"; \
 	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
 	fi
 	@touch $@
+
+# The c10d shim compiles NCCL against these headers (requirements.txt installs them).
+define CUDA_HEADERS_CHECK
+import os, sys, torch
+site = os.path.dirname(os.path.dirname(torch.__file__))
+need = ["nvidia/cu13/include/cuda_runtime.h", "nvidia/cu13/include/crt/host_config.h",
+        "nvidia/cu13/include/cccl/cuda/std/cstdint", "nvidia/nccl/include/nccl.h"]
+sys.exit(any(not os.path.isfile(os.path.join(site, p)) for p in need))
+endef
+export CUDA_HEADERS_CHECK
+
+# NCCL=0 builds the c10d shim without NCCL on purpose (the build says so).
+NCCL ?= 1
+ifeq ($(NCCL),0)
+export VRTSPIKE_NO_NCCL := 1
+endif
 
 build: setup
 	cargo build --release --workspace
 
 lint: setup
 	cargo fmt --all --check
-	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets --test gpu -- -D warnings
 
 test: setup lint
 	cargo test --workspace
@@ -115,6 +136,25 @@ bench-spike: build
 	@cd $(ROOT) && [ -f $(DEMO_DATA)/dataset.yaml ] || $(BIN) synth --out $(DEMO_DATA) --seqs 12 --test-seqs 4 --frames 12
 	cd $(ROOT) && $(VENV)/bin/python scripts/spike_study.py --launch $(LAUNCH) \
 	  --config $(SPIKE_STUDY_CONFIG) --out runs/spike-study-$$(date -u +%Y%m%d-%H%M%S)
+
+# The GPU suite (tests/gpu, `test = false`: not in `make test`): on a machine without
+# a CUDA device every test fails, by design.
+test-gpu: setup
+	cargo test --release --test gpu -- --test-threads 1
+
+# The GPU-host bundle: stripped binaries, the GPU suite's binary, the libraries the
+# host lacks, configs, run-on-gpu.sh and scripts/gpu_run.sh; VRT_REF (a checkout or
+# git directory of the public JingyunLiang/VRT) adds the PyTorch reference's models/.
+GPU_BUNDLE := $(ROOT)/gpu-bundle
+VRT_REF ?=
+
+gpu-bundle: build
+	@gpu_tests=$$(cargo test --release --test gpu --no-run --message-format=json \
+	  | $(VENV)/bin/python -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"][-1])') \
+	  && bash $(ROOT)/scripts/gpu_bundle.sh $(GPU_BUNDLE) "$$gpu_tests" $(VRT_REF)
+
+gpu-bundle-check: gpu-bundle
+	bash $(ROOT)/scripts/gpu_bundle_check.sh $(GPU_BUNDLE) $(VENV)
 
 clean:
 	cargo clean

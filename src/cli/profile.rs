@@ -15,7 +15,7 @@ use vrtspike::model::profile::{
     profile, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
 };
 
-use super::model::load_model_config;
+use vrtspike::config::Config;
 use super::{group_digits, parse_device};
 
 /// `vrtspike profile`
@@ -24,6 +24,10 @@ pub struct ProfileArgs {
     /// Run config (its `MODEL` section is used).
     #[arg(long)]
     pub config: PathBuf,
+    /// Override a key, `KEY.PATH=VALUE` (YAML value); repeatable, applied in order
+    /// (`--set MODEL.USE_CHECKPOINT_ATTN=true`).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -63,7 +67,10 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
-    let cfg = load_model_config(&args.config)?;
+    let cfg = Config::load(&args.config)
+        .and_then(|c| c.with_overrides(&args.set))
+        .with_context(|| format!("reading {}", args.config.display()))?
+        .model;
     let options = ProfileOptions {
         batch: args.batch,
         frames: args.frames,

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# The GPU run, from inside the GPU bundle (`make gpu-bundle`): everything issue 19
+# measures on one GPU host, each part under its own time limit so one hang cannot
+# eat the call, one JSON per part and its log in OUT_DIR.
+#
+#   gpu-bundle/scripts/gpu_run.sh OUT_DIR [PART...]        # parts: info tests profile reference train
+#   gpu-bundle/scripts/gpu_run.sh --smoke OUT_DIR [PART...] # the plumbing, on CPU, tiny
+#
+# Parts (default: all; on one H100 run `info tests profile reference` in one call and
+# `info train` in a second if one call must stay under 9 minutes):
+#   info       vrtspike info --json, nvidia-smi                            info.json
+#   tests      the GPU test suite (make test-gpu's binary)                 tests.json, logs/tests.log
+#   profile    vrtspike profile --device cuda --bf16, 6 frames x 256: the
+#              baseline VRT-Spike and the VRT GoPro config, each without and
+#              with activation checkpointing                               profile-*.json
+#   reference  the public VRT in PyTorch eager (baselines/vrt_reference_step.py
+#              on vrt_ref/), same shape and precision, without and with
+#              checkpointing                                               reference-*.json
+#   train      vrtspike-launch --gpus 1, the baseline on a `vrtspike synth
+#              --gopro` set for TRAIN_STEPS steps (default 200), then a
+#              full-frame 720x1280 validation by tiles                     train-*.json
+# parts.jsonl has one line per part (rc, seconds, limit); summary.txt the table.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+run="$here/run-on-gpu.sh"
+smoke=0
+if [[ "${1:-}" == "--smoke" ]]; then
+  smoke=1
+  shift
+fi
+out=${1:?usage: gpu_run.sh [--smoke] OUT_DIR [PART...]}
+shift
+parts=("$@")
+[[ ${#parts[@]} -gt 0 ]] || parts=(info tests profile reference train)
+mkdir -p "$out/logs"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/vrtspike-gpu-run.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+if (( smoke )); then
+  device=cpu; frames=3; size=32; iters=1; precision=--cast-bf16
+  baseline=configs/tiny/vrt_spike_tiny.yaml; gopro=configs/tiny/vrt_spike_tiny.yaml
+  train_steps=${TRAIN_STEPS:-3}
+else
+  device=cuda; frames=6; size=256; iters=3; precision=--bf16
+  baseline=configs/deblur/vrt_spike_baseline.yaml; gopro=configs/deblur/vrt_gopro_deblur.yaml
+  train_steps=${TRAIN_STEPS:-200}
+fi
+ckpt=(--set MODEL.USE_CHECKPOINT_ATTN=true --set MODEL.USE_CHECKPOINT_FFN=true)
+
+# part NAME LIMIT_S JSON_OUT COMMAND...: runs COMMAND under `timeout` with its stdout
+# in JSON_OUT (or the log when JSON_OUT is -) and stderr in logs/NAME.log.
+part() {
+  local name=$1 limit=$2 json=$3
+  shift 3
+  local stdout="$out/logs/$name.out"
+  [[ "$json" != "-" ]] && stdout="$out/$json"
+  local start end rc
+  start=$(date +%s.%N)
+  (cd "$here" && timeout --kill-after=15 "$limit" "$@") > "$stdout" 2> "$out/logs/$name.log"
+  rc=$?
+  end=$(date +%s.%N)
+  local seconds
+  seconds=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
+  local verdict=ok
+  (( rc == 124 || rc == 137 )) && verdict="TIMED OUT after ${limit}s"
+  (( rc != 0 && rc != 124 && rc != 137 )) && verdict="failed (exit $rc)"
+  printf '{"part": "%s", "rc": %d, "seconds": %s, "limit_s": %d}\n' "$name" "$rc" "$seconds" "$limit" >> "$out/parts.jsonl"
+  printf '%-28s %8ss  %s\n' "$name" "$seconds" "$verdict" | tee -a "$out/summary.txt"
+  return 0
+}
+
+part_info() {
+  part info 60 info.json "$run" vrtspike info --json
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit \
+      --format=csv > "$out/nvidia-smi.csv" 2>> "$out/logs/info.log"
+  fi
+}
+
+part_tests() {
+  if (( smoke )); then
+    echo "tests: skipped in --smoke (they need a GPU)" | tee -a "$out/summary.txt"
+    return
+  fi
+  part tests 240 - "$run" gpu-tests --test-threads 1 --nocapture
+  # The harness's own lines, as JSON: passed/failed counts and the failures' names.
+  python3 - "$out/logs/tests.out" "$out/logs/tests.log" > "$out/tests.json" <<'EOF'
+import json, re, sys
+text = open(sys.argv[1]).read() + open(sys.argv[2]).read()
+results = re.findall(r"^test (\S+) \.\.\. (ok|FAILED|ignored)", text, re.M)
+summary = re.search(r"test result: (\w+)\. (\d+) passed; (\d+) failed", text)
+print(json.dumps({
+    "passed": [n for n, r in results if r == "ok"],
+    "failed": [n for n, r in results if r == "FAILED"],
+    "result": summary.group(1) if summary else "no summary (crashed or timed out)",
+    "figures": re.findall(r"^(NCCL world 1.*|SDPA's choice.*)$", text, re.M),
+}, indent=1))
+EOF
+}
+
+part_profile() {
+  local common=(--device "$device" --frames "$frames" --size "$size" --iters "$iters" "$precision" --json)
+  part profile-baseline 150 profile-baseline.json "$run" vrtspike profile --config "$baseline" "${common[@]}"
+  part profile-baseline-ckpt 150 profile-baseline-ckpt.json "$run" vrtspike profile --config "$baseline" "${common[@]}" "${ckpt[@]}"
+  part profile-gopro 150 profile-gopro.json "$run" vrtspike profile --config "$gopro" "${common[@]}"
+  part profile-gopro-ckpt 150 profile-gopro-ckpt.json "$run" vrtspike profile --config "$gopro" "${common[@]}" "${ckpt[@]}"
+}
+
+# The reference imports `distutils.version`, gone from Python 3.12's standard library
+# (setuptools usually puts it back); without it, a stand-in with LooseVersion.
+reference_pythonpath() {
+  local python=$1
+  if (( ! smoke )) && "$python" -c 'from distutils.version import LooseVersion' 2> /dev/null; then
+    return
+  fi
+  mkdir -p "$work/pyshim/distutils"
+  : > "$work/pyshim/distutils/__init__.py"
+  cat > "$work/pyshim/distutils/version.py" <<'EOF'
+import re
+class LooseVersion:
+    def __init__(self, text):
+        self.version = [int(p) if p.isdigit() else p for p in re.findall(r"\d+|[a-z]+", str(text))]
+    def _key(self, other):
+        return other.version if isinstance(other, LooseVersion) else LooseVersion(other).version
+    def __lt__(self, other): return self.version < self._key(other)
+    def __le__(self, other): return self.version <= self._key(other)
+    def __gt__(self, other): return self.version > self._key(other)
+    def __ge__(self, other): return self.version >= self._key(other)
+    def __eq__(self, other): return self.version == self._key(other)
+EOF
+  echo "$work/pyshim"
+}
+
+part_reference() {
+  if [[ ! -f "$here/vrt_ref/models/network_vrt.py" || ! -f "$here/baselines/vrt_reference_step.py" ]]; then
+    echo "reference: skipped (the bundle has no vrt_ref/ or baselines/: make gpu-bundle VRT_REF=...)" | tee -a "$out/summary.txt"
+    return
+  fi
+  local python
+  python=$("$run" sh -c 'echo "$VRTSPIKE_TORCH_PYTHON"')
+  local shim pythonpath
+  shim=$(reference_pythonpath "$python")
+  pythonpath="${shim:+$shim:}${PYTHONPATH:-}"
+  local args=(--ref vrt_ref --device "$device" --frames "$frames" --size "$size" --iters "$iters")
+  (( smoke )) || args+=(--bf16)
+  if (( smoke )); then
+    # The smoke's python may lack torchvision and einops: check the plumbing only
+    # (torch found, the reference parses, the distutils stand-in works).
+    part reference-import 120 - env PYTHONPATH="$pythonpath" "$python" -c '
+import ast, torch
+from distutils.version import LooseVersion
+ast.parse(open("vrt_ref/models/network_vrt.py").read())
+assert LooseVersion("0.26.0+cu130") >= LooseVersion("0.9.0") and LooseVersion("1.10") > "1.9"
+print("reference plumbing ok, torch", torch.__version__)'
+    return
+  fi
+  part reference 150 reference.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}"
+  part reference-ckpt 150 reference-ckpt.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}" --ckpt
+}
+
+part_train() {
+  local data="$work/data" rundir="$work/run"
+  local synth=(--seqs 2 --test-seqs 1 --frames 12 --gopro)
+  local sets=(--set "DATA.ROOT=$data" --set TRAIN.AMP_ENABLED=true --set "TRAIN.TOTAL_STEPS=$train_steps"
+    --set TRAIN.WARMUP_STEPS=10 --set "LOG.VAL_EVERY_STEPS=$train_steps" --set "LOG.CKPT_EVERY_STEPS=$train_steps"
+    --set LOG.LOG_EVERY_STEPS=10 --set LOG.MEM_EVERY_STEPS=10 --set DATA.VAL_CROP_SIZE=null
+    --set DATA.VAL_TILE=256 --set DATA.CACHE_SIZE_GB=2)
+  local launch=(--gpus 1)
+  if (( smoke )); then
+    synth=(--seqs 2 --test-seqs 1 --frames 6)
+    sets=(--set "DATA.ROOT=$data" --set "TRAIN.TOTAL_STEPS=$train_steps" --set TRAIN.WARMUP_STEPS=0 --set "LOG.VAL_EVERY_STEPS=$train_steps"
+      --set "LOG.CKPT_EVERY_STEPS=$train_steps" --set DATA.CACHE_SIZE_GB=0.25)
+    launch=(--gpus 0 --ranks 1)
+  fi
+  local config=$baseline
+  (( smoke )) && config=configs/demo/unet_spike_demo.yaml
+  part train-synth 120 - "$run" vrtspike synth --out "$data" "${synth[@]}"
+  part train 420 - "$run" vrtspike-launch "${launch[@]}" --config "$config" --run-dir "$rundir" "${sets[@]}"
+  cp "$rundir/summary.json" "$out/train-summary.json" 2>> "$out/logs/train.log"
+  part train-analyze 60 train-analyze.json "$run" vrtspike analyze "$rundir" --json
+  tar czf "$out/logs/train-run.tgz" -C "$work" --exclude='run/checkpoints' run 2>> "$out/logs/train.log"
+}
+
+echo "gpu_run.sh: parts ${parts[*]}$( (( smoke )) && echo ' (smoke, CPU)')" | tee "$out/summary.txt"
+: > "$out/parts.jsonl"
+for name in "${parts[@]}"; do
+  case "$name" in
+    info|tests|profile|reference|train) "part_$name" ;;
+    *) echo "gpu_run.sh: unknown part $name (info tests profile reference train)" >&2; exit 2 ;;
+  esac
+done
