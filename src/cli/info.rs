@@ -54,7 +54,9 @@ fn print_lines(info: &Info) {
     println!(
         "libtorch: {} (built for CUDA {})",
         t.torch_version,
-        t.cuda_built.as_deref().unwrap_or("-: no CUDA backend registered")
+        t.cuda_built
+            .as_deref()
+            .unwrap_or("-: no CUDA backend registered")
     );
     match &t.torch_cuda {
         TorchCudaLib::Loaded { path } => println!("libtorch_cuda: loaded ({})", path.display()),
@@ -65,10 +67,16 @@ fn print_lines(info: &Info) {
     }
     println!(
         "CUDA backend registered: {}",
-        if t.cuda_backend_registered { "yes" } else { "no" }
+        if t.cuda_backend_registered {
+            "yes"
+        } else {
+            "no"
+        }
     );
     match &t.nccl {
-        Nccl::Compiled { runtime: Ok(v) } => println!("NCCL: compiled into the c10d shim; library {v}"),
+        Nccl::Compiled { runtime: Ok(v) } => {
+            println!("NCCL: compiled into the c10d shim; library {v}")
+        }
         Nccl::Compiled { runtime: Err(e) } => {
             println!("NCCL: compiled into the c10d shim; library version unknown ({e})")
         }

@@ -15,8 +15,8 @@ use vrtspike::model::profile::{
     profile, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
 };
 
-use vrtspike::config::Config;
 use super::{group_digits, parse_device};
+use vrtspike::config::Config;
 
 /// `vrtspike profile`
 #[derive(Debug, Args)]
@@ -212,15 +212,21 @@ impl CudaProbe {
 
 impl MemoryProbe for CudaProbe {
     fn current(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.device).ok().flatten()?;
+        let stats = vrtspike::dist::cuda_memory_stats(self.device)
+            .ok()
+            .flatten()?;
         Some(stats.allocated_current)
     }
 
     fn take_peak(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.device).ok().flatten()?;
+        let stats = vrtspike::dist::cuda_memory_stats(self.device)
+            .ok()
+            .flatten()?;
         vrtspike::dist::reset_cuda_peak(self.device).ok()?;
-        self.allocated.fetch_max(stats.allocated_peak, Ordering::Relaxed);
-        self.reserved.fetch_max(stats.reserved_peak, Ordering::Relaxed);
+        self.allocated
+            .fetch_max(stats.allocated_peak, Ordering::Relaxed);
+        self.reserved
+            .fetch_max(stats.reserved_peak, Ordering::Relaxed);
         Some(stats.allocated_peak)
     }
 }

@@ -120,7 +120,9 @@ pub(crate) fn take_string(text: *mut c_char) -> String {
     }
     // SAFETY: a non-null `text` is a NUL-terminated string the shim malloc'd for
     // us; it is copied out before being freed.
-    let owned = unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned();
+    let owned = unsafe { CStr::from_ptr(text) }
+        .to_string_lossy()
+        .into_owned();
     // SAFETY: `text` came from the shim's malloc and is freed exactly once.
     unsafe { vs_string_free(text) };
     owned

@@ -10,10 +10,8 @@ mod ffi;
 mod group;
 mod runtime;
 
-pub use cuda_mem::{
-    cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats,
-};
+pub use cuda_mem::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats};
 pub use ddp::{plan_buckets, Ddp, DdpOptions, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::DistError;
-pub use runtime::{torch_runtime, CudaDevice, Nccl, TorchCudaLib, TorchRuntime, LINKED_TORCH_CUDA};
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};
+pub use runtime::{torch_runtime, CudaDevice, Nccl, TorchCudaLib, TorchRuntime, LINKED_TORCH_CUDA};

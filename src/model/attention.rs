@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tch::{nn, TchError, Tensor};
 
 use super::checkpoint::{checkpoint_one, Checkpointing};
-use super::sdp::f_sdpa;
 use super::layers::{f_drop_path, trunc_normal, LayerNorm, Linear, MlpGeglu};
+use super::sdp::f_sdpa;
 use super::window::{
     effective_window, relative_position_index, sine_position_encoding, window_partition,
     window_reverse, MaskCache,

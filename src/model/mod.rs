@@ -5,11 +5,11 @@
 //! layers, `eval` or `train`).
 
 pub mod attention;
-pub mod precision;
 pub mod checkpoint;
 pub mod deform;
 pub mod flow;
 pub mod layers;
+pub mod precision;
 pub mod profile;
 pub mod sdp;
 pub mod spike;

@@ -77,8 +77,7 @@ pub fn f_sdpa_aligned(
     if q.device().is_cuda() {
         report_math_fallback(&q, &k, &v, mask, scale)?;
     }
-    let out =
-        Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, scale, false)?;
+    let out = Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, scale, false)?;
     if pad == 0 {
         Ok(out)
     } else {
@@ -95,7 +94,9 @@ fn prefer_memory_efficient_kernel() {
         if was < 0 {
             tracing::warn!("attention: libtorch refused to switch cuDNN's attention kernel off");
         } else {
-            tracing::debug!("attention: cuDNN's kernel off; SDPA prefers the memory-efficient kernel");
+            tracing::debug!(
+                "attention: cuDNN's kernel off; SDPA prefers the memory-efficient kernel"
+            );
         }
     });
 }
@@ -139,7 +140,11 @@ fn report_math_fallback(
     };
     let mask_probe = match mask {
         Some(m) if m.size().first().is_some_and(|&n| n > 1) => Some(probe(m)?),
-        Some(m) => Some(m.f_to_kind(kind)?.f_detach()?.f_set_requires_grad(m.requires_grad())?),
+        Some(m) => Some(
+            m.f_to_kind(kind)?
+                .f_detach()?
+                .f_set_requires_grad(m.requires_grad())?,
+        ),
         None => None,
     };
     let choice = Tensor::f_internal_fused_sdp_choice(
@@ -199,7 +204,11 @@ mod tests {
     fn padding_the_head_dimension_changes_nothing_but_the_kernel() {
         let opts = (Kind::Double, Device::Cpu);
         let leaf = |shape: [i64; 4]| Tensor::randn(shape, opts).set_requires_grad(true);
-        let (q, k, v) = (leaf([4, 3, 16, 20]), leaf([4, 3, 16, 20]), leaf([4, 3, 16, 20]));
+        let (q, k, v) = (
+            leaf([4, 3, 16, 20]),
+            leaf([4, 3, 16, 20]),
+            leaf([4, 3, 16, 20]),
+        );
         let bias = leaf([1, 3, 16, 16]);
         let grads = |out: Tensor| -> Vec<Tensor> {
             let weights = Tensor::linspace(-1.0, 1.0, out.numel() as i64, opts).view_as(&out);
@@ -210,11 +219,25 @@ mod tests {
         let padded = f_sdpa_aligned(&q, &k, &v, Some(&bias), CUDA_HEAD_DIM_ALIGN).unwrap();
         assert_eq!(padded.size(), vec![4, 3, 16, 20]);
         assert!(padded.allclose(&plain, 1e-12, 1e-12, false));
-        assert!(plain.allclose(&manual_attention(&q, &k, &v, Some(&bias)), 1e-10, 1e-10, false));
+        assert!(plain.allclose(
+            &manual_attention(&q, &k, &v, Some(&bias)),
+            1e-10,
+            1e-10,
+            false
+        ));
         let (g_plain, g_padded) = (grads(plain), grads(padded));
-        for (name, (a, b)) in ["q", "k", "v", "bias"].iter().zip(g_plain.iter().zip(&g_padded)) {
-            assert!(a.allclose(b, 1e-12, 1e-12, false), "gradient of {name} differs");
-            assert!(a.abs().sum(Kind::Double).double_value(&[]) > 0.0, "{name} got no gradient");
+        for (name, (a, b)) in ["q", "k", "v", "bias"]
+            .iter()
+            .zip(g_plain.iter().zip(&g_padded))
+        {
+            assert!(
+                a.allclose(b, 1e-12, 1e-12, false),
+                "gradient of {name} differs"
+            );
+            assert!(
+                a.abs().sum(Kind::Double).double_value(&[]) > 0.0,
+                "{name} got no gradient"
+            );
         }
     }
 }

@@ -9,9 +9,9 @@
 
 use tch::{nn, TchError, Tensor};
 
-use super::sdp::f_sdpa;
 use super::checkpoint::{checkpoint_one, Checkpointing};
 use super::layers::{f_leaky_relu, Conv, LayerNorm, Linear, MlpGeglu};
+use super::sdp::f_sdpa;
 use super::{AtStage, ModelError};
 use crate::config::{ChunkShape, Chunking, FuseConfig, ModelConfig};
 

@@ -37,9 +37,15 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
     let k = leaf(&[windows, heads, tokens, head_dim], 1.0);
     let v = leaf(&[windows, heads, tokens, head_dim], 1.0);
     let bias = leaf(&[1, heads, tokens, tokens], 0.5);
-    let shift = Tensor::randint(2, [windows, 1, tokens, tokens], (Kind::Double, Device::Cpu)) * -100.0;
+    let shift =
+        Tensor::randint(2, [windows, 1, tokens, tokens], (Kind::Double, Device::Cpu)) * -100.0;
 
-    let on_gpu = |t: &Tensor| t.detach().to_kind(Kind::Float).to_device(device).set_requires_grad(true);
+    let on_gpu = |t: &Tensor| {
+        t.detach()
+            .to_kind(Kind::Float)
+            .to_device(device)
+            .set_requires_grad(true)
+    };
     let (gq, gk, gv, gbias) = (on_gpu(&q), on_gpu(&k), on_gpu(&v), on_gpu(&bias));
     let gshift = shift.to_kind(Kind::Float).to_device(device);
     let out = cuda_autocast(AutocastDtype::Bf16, || {
@@ -47,7 +53,11 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
         f_sdpa(&gq, &gk, &gv, Some(&mask)).expect("attention")
     });
     let expected = reference(&q, &k, &v, &(&bias + &shift));
-    assert!(relative(&out, &expected) < 2e-2, "output off by {}", relative(&out, &expected));
+    assert!(
+        relative(&out, &expected) < 2e-2,
+        "output off by {}",
+        relative(&out, &expected)
+    );
 
     let weights = Tensor::randn(expected.size(), (Kind::Double, Device::Cpu));
     (&out.to_kind(Kind::Float) * weights.to_kind(Kind::Float).to_device(device))
@@ -61,7 +71,11 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
         ("bias", &gbias, &bias),
     ] {
         let (got, want) = (got.grad(), want.grad());
-        assert_eq!(got.isfinite().all().int64_value(&[]), 1, "{name}: NaN/inf gradient");
+        assert_eq!(
+            got.isfinite().all().int64_value(&[]),
+            1,
+            "{name}: NaN/inf gradient"
+        );
         let err = relative(&got, &want);
         assert!(err < 5e-2, "{name}: gradient off by {err} (relative)");
     }
@@ -74,7 +88,11 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
             .constant_pad_nd([0, CUDA_HEAD_DIM_ALIGN - head_dim % CUDA_HEAD_DIM_ALIGN])
             .set_requires_grad(grad)
     };
-    let mask = (&bias + &shift).detach().to_kind(Kind::BFloat16).to_device(device).set_requires_grad(true);
+    let mask = (&bias + &shift)
+        .detach()
+        .to_kind(Kind::BFloat16)
+        .to_device(device)
+        .set_requires_grad(true);
     let choice = Tensor::internal_fused_sdp_choice(
         &padded(&q, true),
         &padded(&k, true),
@@ -85,8 +103,25 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
         (head_dim as f64).powf(-0.5),
         false,
     );
-    assert_eq!(choice, SDP_EFFICIENT, "SDPA chose kernel {choice}, not the memory-efficient one");
-    let raw = |t: &Tensor| t.detach().to_kind(Kind::BFloat16).to_device(device).set_requires_grad(true);
-    let unpadded = Tensor::internal_fused_sdp_choice(&raw(&q), &raw(&k), &raw(&v), Some(&mask), 0.0, false, None, false);
+    assert_eq!(
+        choice, SDP_EFFICIENT,
+        "SDPA chose kernel {choice}, not the memory-efficient one"
+    );
+    let raw = |t: &Tensor| {
+        t.detach()
+            .to_kind(Kind::BFloat16)
+            .to_device(device)
+            .set_requires_grad(true)
+    };
+    let unpadded = Tensor::internal_fused_sdp_choice(
+        &raw(&q),
+        &raw(&k),
+        &raw(&v),
+        Some(&mask),
+        0.0,
+        false,
+        None,
+        false,
+    );
     eprintln!("SDPA's choice at head dim {head_dim}: {unpadded}; padded to a multiple of {CUDA_HEAD_DIM_ALIGN}: {choice} (0 math, 2 memory-efficient)");
 }

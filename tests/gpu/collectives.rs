@@ -20,7 +20,8 @@ fn group(backend: Backend, prefix: &str) -> ProcessGroup {
         prefix: prefix.into(),
         device_index: 0,
     };
-    ProcessGroup::new(&options).unwrap_or_else(|e| panic!("{} group of world 1: {e}", backend.name()))
+    ProcessGroup::new(&options)
+        .unwrap_or_else(|e| panic!("{} group of world 1: {e}", backend.name()))
 }
 
 #[test]
@@ -32,10 +33,16 @@ fn nccl_world_one_all_reduce_broadcast_barrier() {
     let mut t = Tensor::from_slice(&values).to_device(device);
     for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
         g.all_reduce(&mut t, op).expect("all_reduce");
-        assert_eq!(Vec::<f32>::try_from(t.to_device(Device::Cpu)).expect("values"), values);
+        assert_eq!(
+            Vec::<f32>::try_from(t.to_device(Device::Cpu)).expect("values"),
+            values
+        );
     }
     g.broadcast(&mut t, 0).expect("broadcast");
-    assert_eq!(Vec::<f32>::try_from(t.to_device(Device::Cpu)).expect("values"), values);
+    assert_eq!(
+        Vec::<f32>::try_from(t.to_device(Device::Cpu)).expect("values"),
+        values
+    );
     g.barrier().expect("barrier");
 
     // The all-reduce of a VRT-Spike baseline's gradients (18.4 M float32 = 73.7 MB),
@@ -68,7 +75,9 @@ fn the_nccl_backend_refuses_a_device_it_does_not_have() {
         prefix: "nccl-bad-device".into(),
         device_index: 4096,
     };
-    let err = ProcessGroup::new(&options).err().expect("device 4096 does not exist");
+    let err = ProcessGroup::new(&options)
+        .err()
+        .expect("device 4096 does not exist");
     assert!(err.to_string().contains("4096"), "{err}");
 }
 
@@ -98,7 +107,10 @@ fn ddp_step(device: Device, group: &mut ProcessGroup) -> Vec<(String, Tensor)> {
     let x = Tensor::randn([4, 3, 24, 24], (Kind::Float, Device::Cpu)).to_device(device);
     let y = Tensor::randn([4, 3, 24, 24], (Kind::Float, Device::Cpu)).to_device(device);
     opt.zero_grad();
-    model.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+    model
+        .forward(&x)
+        .mse_loss(&y, tch::Reduction::Mean)
+        .backward();
     ddp.sync_gradients(group).expect("sync");
     opt.step();
     let mut named: Vec<(String, Tensor)> = vs
@@ -122,6 +134,9 @@ fn a_ddp_step_on_cuda_equals_the_same_step_on_the_cpu() {
     for ((name, a), (other, b)) in on_cpu.iter().zip(&on_gpu) {
         assert_eq!(name, other);
         let diff = max_abs_diff(a, b);
-        assert!(diff < 1e-5, "{name}: CUDA and CPU differ by {diff} after one step");
+        assert!(
+            diff < 1e-5,
+            "{name}: CUDA and CPU differ by {diff} after one step"
+        );
     }
 }

@@ -67,5 +67,8 @@ pub fn max_abs_diff(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
 /// compare at float32 precision.
 pub fn strict_fp32() {
     tch::Cuda::cudnn_set_benchmark(false);
-    assert!(vrtspike::model::precision::set_tf32(false), "libtorch refused to turn TF32 off");
+    assert!(
+        vrtspike::model::precision::set_tf32(false),
+        "libtorch refused to turn TF32 off"
+    );
 }

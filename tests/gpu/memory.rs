@@ -2,8 +2,8 @@
 //! the loader's batch path, and an allocation past the card as a clean error.
 
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
 use vrtspike::dataset::record::Rect;
+use vrtspike::dist::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
 use vrtspike::pipeline::loader::Batch;
 use vrtspike::pipeline::sample::Sample;
 use vrtspike::pipeline::transform::Dihedral;
@@ -17,7 +17,9 @@ fn allocator_figures_follow_allocations_and_empty_cache_returns_blocks() {
     let device = cuda();
     empty_cuda_cache().expect("empty cache");
     reset_cuda_peak(0).expect("reset peak");
-    let before = cuda_memory_stats(0).expect("stats").expect("a CUDA device has stats");
+    let before = cuda_memory_stats(0)
+        .expect("stats")
+        .expect("a CUDA device has stats");
     let block = Tensor::ones([64 * MIB as i64], (Kind::Float, device)); // 256 MiB
     let held = cuda_memory_stats(0).expect("stats").expect("stats");
     assert!(held.allocated_current >= before.allocated_current + 256 * MIB);
@@ -26,8 +28,14 @@ fn allocator_figures_follow_allocations_and_empty_cache_returns_blocks() {
     drop(block);
     let freed = cuda_memory_stats(0).expect("stats").expect("stats");
     assert!(freed.allocated_current + 256 * MIB <= held.allocated_current);
-    assert!(freed.allocated_peak >= before.allocated_current + 256 * MIB, "the peak stays");
-    assert!(freed.reserved_current >= 256 * MIB, "the cache keeps the block");
+    assert!(
+        freed.allocated_peak >= before.allocated_current + 256 * MIB,
+        "the peak stays"
+    );
+    assert!(
+        freed.reserved_current >= 256 * MIB,
+        "the cache keeps the block"
+    );
     empty_cuda_cache().expect("empty cache");
     let emptied = cuda_memory_stats(0).expect("stats").expect("stats");
     assert!(
@@ -60,7 +68,12 @@ fn a_batch_reaches_the_gpu_through_pinned_memory_unchanged() {
             voxel: values(2 * 4 * 8 * 8, 3),
             sequence: format!("SEQ{seed}"),
             frames: vec!["000000".into(), "000001".into()],
-            crop: Rect { y: 0, x: 0, h: 16, w: 16 },
+            crop: Rect {
+                y: 0,
+                x: 0,
+                h: 16,
+                w: 16,
+            },
             transform: Dihedral {
                 transpose: false,
                 vflip: false,
@@ -75,7 +88,11 @@ fn a_batch_reaches_the_gpu_through_pinned_memory_unchanged() {
     };
     let (blur, sharp, voxel) = batch.to_tensors(device).expect("to CUDA");
     let (cpu_blur, cpu_sharp, cpu_voxel) = batch.to_tensors(Device::Cpu).expect("on the CPU");
-    for (gpu, cpu) in [(&blur, &cpu_blur), (&sharp, &cpu_sharp), (&voxel, &cpu_voxel)] {
+    for (gpu, cpu) in [
+        (&blur, &cpu_blur),
+        (&sharp, &cpu_sharp),
+        (&voxel, &cpu_voxel),
+    ] {
         assert_eq!(gpu.device(), device);
         assert_eq!(gpu.size(), cpu.size());
         assert_eq!(max_abs_diff(gpu, cpu), 0.0);
@@ -95,8 +112,12 @@ fn an_allocation_past_the_card_is_a_named_error_and_the_process_goes_on() {
         .map(|d| d.total_memory as i64)
         .expect("device 0");
     // Twice the card, in float32 elements.
-    let err = Tensor::f_empty([total / 2], (Kind::Float, device)).expect_err("bigger than the card");
-    assert!(vrtspike::model::is_out_of_memory(&err), "not read as out of memory: {err}");
+    let err =
+        Tensor::f_empty([total / 2], (Kind::Float, device)).expect_err("bigger than the card");
+    assert!(
+        vrtspike::model::is_out_of_memory(&err),
+        "not read as out of memory: {err}"
+    );
     // The allocator is usable afterwards.
     let small = Tensor::ones([1024], (Kind::Float, device));
     assert_eq!(small.sum(Kind::Float).double_value(&[]), 1024.0);

@@ -21,7 +21,11 @@ fn tiny() -> ModelConfig {
 }
 
 /// Loss and every trainable gradient of one forward/backward pass in `amp`.
-fn pass(vs: &nn::VarStore, net: &dyn model::Restorer, amp: AmpMode) -> (f64, Vec<(String, Tensor)>) {
+fn pass(
+    vs: &nn::VarStore,
+    net: &dyn model::Restorer,
+    amp: AmpMode,
+) -> (f64, Vec<(String, Tensor)>) {
     let device = vs.device();
     tch::manual_seed(3);
     let blur = Tensor::rand([1, 3, 3, 64, 64], (Kind::Float, Device::Cpu)).to_device(device);
@@ -54,7 +58,10 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
     let (loss32, grads32) = pass(&vs, net.as_ref(), AmpMode::Off);
     let (loss16, grads16) = pass(&vs, net.as_ref(), AmpMode::Bf16);
     let rel = (loss16 - loss32).abs() / loss32.abs().max(1e-12);
-    assert!(rel < 2e-2, "bf16 loss {loss16} vs fp32 {loss32}: relative {rel}");
+    assert!(
+        rel < 2e-2,
+        "bf16 loss {loss16} vs fp32 {loss32}: relative {rel}"
+    );
     let mut compared = 0;
     for ((name, g32), (_, g16)) in grads32.iter().zip(&grads16) {
         assert!(g16.defined(), "{name}: no gradient under bf16");
@@ -64,7 +71,10 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
         let norm = g32.norm().double_value(&[]);
         if norm > 1e-6 {
             let diff = (g16 - g32).norm().double_value(&[]) / norm;
-            assert!(diff < 0.25, "{name}: bf16 gradient off by {diff} (relative)");
+            assert!(
+                diff < 0.25,
+                "{name}: bf16 gradient off by {diff} (relative)"
+            );
             compared += 1;
         }
     }
@@ -94,7 +104,12 @@ fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
         max_grad_norm: Some(1.0),
     };
     let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
-    assert_eq!(result, StepResult::Skipped { nonfinite_loss: false });
+    assert_eq!(
+        result,
+        StepResult::Skipped {
+            nonfinite_loss: false
+        }
+    );
     assert!(w.equal(&before), "an inf step touched the weights");
     assert_eq!(scaler.scale, start_scale * scaler.backoff_factor);
     // At the backed-off scale (32768) the same step fits float16 and is applied.

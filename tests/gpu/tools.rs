@@ -19,7 +19,10 @@ fn run_json(args: &[&str]) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!("vrtspike {args:?}: not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+        panic!(
+            "vrtspike {args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
     })
 }
 
@@ -34,7 +37,11 @@ fn info_sees_cuda_nccl_and_the_device() {
     let devices = info["devices"]["Ok"].as_array().expect("a device list");
     assert!(!devices.is_empty(), "{info:#}");
     assert!(devices[0]["total_memory"].as_u64().unwrap_or(0) > 1 << 30);
-    assert!(info["nvml_driver"]["Ok"].is_string(), "NVML: {}", info["nvml_driver"]);
+    assert!(
+        info["nvml_driver"]["Ok"].is_string(),
+        "NVML: {}",
+        info["nvml_driver"]
+    );
 }
 
 #[test]
@@ -60,10 +67,16 @@ fn profile_on_cuda_measures_every_part() {
     assert!(parts.len() >= 10, "{profile:#}");
     for part in parts {
         assert!(part["forward_ms"].as_f64().unwrap_or(-1.0) >= 0.0, "{part}");
-        assert!(part["forward_peak_bytes"].as_u64().is_some(), "no CUDA peak: {part}");
+        assert!(
+            part["forward_peak_bytes"].as_u64().is_some(),
+            "no CUDA peak: {part}"
+        );
     }
     assert!(profile["backward_ms"].as_f64().unwrap_or(0.0) > 0.0);
     let peak = &profile["cuda_peak"];
     let allocated = peak["allocated_bytes"].as_u64().unwrap_or(0);
-    assert!(allocated > 0 && peak["reserved_bytes"].as_u64().unwrap_or(0) >= allocated, "{peak}");
+    assert!(
+        allocated > 0 && peak["reserved_bytes"].as_u64().unwrap_or(0) >= allocated,
+        "{peak}"
+    );
 }
