@@ -1,15 +1,25 @@
 //! CUDA precision switches that tch does not reach, through the model's shim
-//! (`shim/kernels.cpp`): autocast in a chosen dtype (tch's `autocast` turns libtorch's
-//! CUDA autocast on in its default float16; bfloat16, what the user's trainer and the
-//! reference's `--bf16` run, needs the dtype switched and switched back afterwards;
-//! training, `train::amp`, and the profiler run the model under it), and TF32 for
+//! (`shim/kernels.cpp`): autocast in a chosen dtype (tch's `autocast` knows only
+//! float16, does nothing where no GPU is visible and leaves autocast on if its closure
+//! panics; bfloat16 is what the user's trainer and the reference's `--bf16` run;
+//! training, `train::amp`, and the profiler run the model under [`cuda_autocast`], whose
+//! guard restores the state before it on every exit), and TF32 for
 //! matrix products and convolutions (on by default in cuDNN; tests that compare CUDA
 //! with CPU turn it off).
 
 use std::ffi::c_int;
 
+/// `struct vs_autocast_prev`: CUDA autocast's state before an enter.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct RawAutocastPrev {
+    enabled: c_int,
+    bf16: c_int,
+}
+
 extern "C" {
-    fn vs_cuda_autocast_bf16(on: c_int) -> c_int;
+    fn vs_cuda_autocast_enter(bf16: c_int, prev: *mut RawAutocastPrev) -> c_int;
+    fn vs_cuda_autocast_exit(prev: *const RawAutocastPrev) -> c_int;
     fn vs_cuda_autocast_kind() -> c_int;
     fn vs_allow_tf32(on: c_int) -> c_int;
 }
@@ -31,17 +41,42 @@ pub enum AutocastDtype {
     Fp16,
 }
 
-/// Runs `f` with CUDA autocast on in `dtype`, then restores the previous state
-/// (autocast nesting and dtype).
+/// Runs `f` with CUDA autocast on in `dtype`, then restores the state before it
+/// (enabled, dtype, nesting; the cast cache is cleared when the outermost level
+/// ends), also when `f` panics.
 pub fn cuda_autocast<T>(dtype: AutocastDtype, f: impl FnOnce() -> T) -> T {
-    // SAFETY: a plain int argument; the shim catches every C++ exception.
-    let was_bf16 = unsafe { vs_cuda_autocast_bf16(c_int::from(dtype == AutocastDtype::Bf16)) };
-    let out = tch::autocast(true, f);
-    if was_bf16 >= 0 {
-        // SAFETY: as above.
-        unsafe { vs_cuda_autocast_bf16(was_bf16) };
+    let _guard = AutocastGuard::enter(dtype);
+    f()
+}
+
+/// One level of CUDA autocast, left on drop.
+struct AutocastGuard {
+    prev: Option<RawAutocastPrev>,
+}
+
+impl AutocastGuard {
+    fn enter(dtype: AutocastDtype) -> AutocastGuard {
+        let mut prev = RawAutocastPrev::default();
+        let bf16 = c_int::from(dtype == AutocastDtype::Bf16);
+        // SAFETY: `prev` is a valid out-pointer; the shim catches every C++ exception.
+        let status = unsafe { vs_cuda_autocast_enter(bf16, &mut prev) };
+        if status != 0 {
+            tracing::warn!("libtorch refused to turn CUDA autocast on: running in float32");
+        }
+        AutocastGuard {
+            prev: (status == 0).then_some(prev),
+        }
     }
-    out
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = &self.prev {
+            // SAFETY: `prev` was filled by the matching enter; the shim catches
+            // every C++ exception.
+            unsafe { vs_cuda_autocast_exit(prev) };
+        }
+    }
 }
 
 /// The dtype CUDA autocast computes in on this thread, or `None` when it is off (or
@@ -86,5 +121,8 @@ mod tests {
             "the inner dtype ends with the inner call"
         );
         assert_eq!(kind(), None, "autocast is off again");
+        let panicked = std::panic::catch_unwind(|| cuda_autocast(Bf16, || panic!("inside")));
+        assert!(panicked.is_err());
+        assert_eq!(kind(), None, "a panic inside leaves autocast off");
     }
 }

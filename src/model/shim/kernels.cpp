@@ -35,13 +35,36 @@ int vs_cuda_autocast_kind() {
   }
 }
 
-// Makes CUDA autocast compute in bfloat16 (`on`) or float16; returns whether it
-// used bfloat16 before, or -1 if libtorch refused.
-int vs_cuda_autocast_bf16(int on) {
+// CUDA autocast's state before an enter, restored by the matching exit.
+struct vs_autocast_prev {
+  int enabled;
+  int bf16;
+};
+
+// Turns CUDA autocast on in bfloat16 (`bf16`) or float16, one nesting level
+// deeper, saving the state before into `prev`; returns 0, or -1 if libtorch
+// refused (then nothing changed).
+int vs_cuda_autocast_enter(int bf16, vs_autocast_prev* prev) {
   try {
-    const bool was = at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16;
-    at::autocast::set_autocast_dtype(at::kCUDA, on ? at::kBFloat16 : at::kHalf);
-    return was ? 1 : 0;
+    prev->enabled = at::autocast::is_autocast_enabled(at::kCUDA) ? 1 : 0;
+    prev->bf16 = at::autocast::get_autocast_dtype(at::kCUDA) == at::kBFloat16 ? 1 : 0;
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, bf16 ? at::kBFloat16 : at::kHalf);
+    at::autocast::increment_nesting();
+    return 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Leaves the nesting level `prev` was saved at: the outermost exit clears
+// autocast's cast cache; the state before the enter comes back.
+int vs_cuda_autocast_exit(const vs_autocast_prev* prev) {
+  try {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCUDA, prev->enabled != 0);
+    at::autocast::set_autocast_dtype(at::kCUDA, prev->bf16 ? at::kBFloat16 : at::kHalf);
+    return 0;
   } catch (...) {
     return -1;
   }
