@@ -155,6 +155,10 @@ pub struct StatsReport {
     pub cap_bytes: u64,
     /// Bytes of slots holding or being filled with records.
     pub bytes_used: u64,
+    /// Bytes of the records themselves in those slots (committed and being filled):
+    /// `bytes_used` less what rounding and larger slots leave unused.
+    #[serde(default)]
+    pub bytes_live: u64,
     /// Bytes of slots carved from the store so far.
     pub bytes_carved: u64,
     /// Bytes of memory reserved under the store: the carved slots and the metadata

@@ -238,9 +238,16 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms",
-            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms
+            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
+            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
+            report.bypass_last_epoch, report.bypass_total
         );
+        if let Some(store) = &report.store {
+            println!(
+                "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
+                store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
+            );
+        }
     }
     Ok(())
 }

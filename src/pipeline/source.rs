@@ -57,9 +57,8 @@ pub struct CacheCounters {
     pub hits: AtomicU64,
     /// Records decoded from disk into the cache.
     pub misses: AtomicU64,
-    /// Misses decoded into a worker's own buffer because the node had no memory
-    /// left for a new slot.
-    pub uncached: AtomicU64,
+    /// Reads the cache could not take, decoded into a worker's own buffer.
+    pub bypass: AtomicU64,
 }
 
 /// Reads through the node cache with one worker's own connection.
@@ -136,7 +135,7 @@ impl RecordSource for CacheSource {
                 match fill(index, seq, frame, ticket)? {
                     Some(lease) => lease,
                     None => {
-                        self.counters.uncached.fetch_add(1, Ordering::Relaxed);
+                        self.counters.bypass.fetch_add(1, Ordering::Relaxed);
                         return self.fallback.with_record(index, seq, frame, read);
                     }
                 }

@@ -10,6 +10,7 @@ use super::Store;
 #[derive(Debug, Default)]
 struct Usage {
     bytes_used: u64,
+    bytes_live: u64,
     pinned_bytes: u64,
     leases_held: usize,
     /// Slots pinned per connection bit.
@@ -57,6 +58,7 @@ impl Store {
             uptime_s: self.stats.uptime_s(),
             cap_bytes: self.arena.cap(),
             bytes_used: usage.bytes_used,
+            bytes_live: usage.bytes_live,
             bytes_carved: self.arena.carved_bytes(),
             reserved_bytes: self.reservations.reserved_bytes(),
             reserve_refusals: self.reservations.refusals(),
@@ -87,9 +89,13 @@ impl Store {
         for &slot in class.slots {
             match self.arena.slot_use(slot) {
                 SlotUse::Free => {}
-                SlotUse::Filling { .. } => cs.filling += 1,
-                SlotUse::Ready { .. } => {
+                SlotUse::Filling { len } => {
+                    cs.filling += 1;
+                    usage.bytes_live += len;
+                }
+                SlotUse::Ready { len, .. } => {
                     cs.ready += 1;
+                    usage.bytes_live += len;
                     let pins = self.table.pin_count(slot) as usize;
                     if pins > 0 {
                         cs.pinned += 1;
