@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
-use crate::cache::store::slot_size_for;
+use crate::cache::store::extent_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
 use crate::testkit::process::{spawn_cache_server, ChildGuard};
 use crate::testkit::record::{
@@ -335,7 +335,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         channels: 3,
     };
     let record_bytes = shape.record_bytes() as u64;
-    let slots = opts.cap_bytes / slot_size_for(record_bytes);
+    let slots = opts.cap_bytes / extent_for(record_bytes).unwrap_or(u64::MAX);
     if slots == 0 {
         return Err(BenchError::Options(format!(
             "a cap of {} bytes holds no {record_bytes}-byte record",

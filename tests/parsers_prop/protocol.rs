@@ -49,15 +49,18 @@ fn valid_frames() -> Vec<Vec<u8>> {
             store_id: 2,
             store_len: 3,
             arena_bytes: 4,
-            pin_bit: 5,
+            pin_page: 5,
+            fill_wait_ms: 120_000,
             store_fd_follows: true,
         },
         Reply::Error(RequestError::StoreFull {
             key: key.clone(),
             len: 1,
-            slots: 2,
-            slot_bytes: 3,
+            pinned_bytes: 2,
+            filling_bytes: 3,
+            cap: 4,
         }),
+        Reply::Error(RequestError::TooManyLeases { max: 64 }),
         Reply::Error(RequestError::Protocol("out of order".into())),
     ];
     let mut frames: Vec<Vec<u8>> = requests
