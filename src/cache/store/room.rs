@@ -8,7 +8,8 @@
 //! least recently used unpinned record is the victim, and the range around it grows
 //! into free neighbours, then the end of the carved part, then the older of its
 //! evictable neighbours, until the record fits. Of the first few victims' plans the
-//! one that evicts fewest records is carried out.
+//! one that evicts fewest records is carried out (the first that evicts its victim
+//! alone ends the search).
 
 use super::arena::{Arena, SlotIdx, Span};
 
@@ -64,11 +65,18 @@ pub fn by_eviction(
     evictable: &dyn Evictable,
     may_grow: bool,
 ) -> Vec<Plan> {
-    let mut plans: Vec<Plan> = victims
+    let mut plans: Vec<Plan> = Vec::new();
+    let candidates = victims
         .filter(|&v| evictable.evictable(v).is_some())
-        .filter_map(|v| around(arena, v, extent, evictable, may_grow))
-        .take(CANDIDATES)
-        .collect();
+        .filter_map(|v| around(arena, v, extent, evictable, may_grow));
+    for plan in candidates {
+        // The oldest victim that goes alone: no plan can be cheaper.
+        let alone = plan.evict.len() == 1;
+        plans.push(plan);
+        if alone || plans.len() == CANDIDATES {
+            break;
+        }
+    }
     // A stable sort keeps the older victim first among equals.
     plans.sort_by_key(|plan| plan.evict.len());
     plans
@@ -225,6 +233,10 @@ mod tests {
         assert_eq!(without_eviction(&arena, 12 * P), None, "past the cap");
     }
 
+    fn victims_again(s: &[SlotIdx]) -> impl Iterator<Item = SlotIdx> {
+        vec![s[1], s[2], s[0], s[3]].into_iter()
+    }
+
     #[test]
     fn a_larger_record_evicts_the_victim_and_its_older_neighbour() {
         // Records of 2, 2, 2, 2 pages filling an 8-page cap; the victim is slot 1.
@@ -242,6 +254,7 @@ mod tests {
             }
         );
         assert!(plans.iter().all(|p| p.evict.len() == 2));
+        assert_eq!(plans.len(), 4, "every victim's plan is weighed");
         // A record that fits the victim's extent evicts it alone.
         let plans = by_eviction(&arena, 2 * P, [s[1]].into_iter(), &uses, true);
         assert_eq!(
