@@ -105,48 +105,50 @@ fn record_lens(index: &DatasetIndex, seq: usize) -> Vec<u64> {
         .collect()
 }
 
+/// A loader of `data` with `workers` threads in `sampler`'s order, through the
+/// cache at `cache` if given.
+fn loader(
+    data: &(Arc<DatasetIndex>, Arc<ClipIndex>),
+    sampler: DistributedSampler,
+    workers: usize,
+    cache: Option<&str>,
+) -> Loader {
+    let (index, clips) = (data.0.clone(), data.1.clone());
+    Loader::new(index, clips, sampler, options(workers, cache)).unwrap()
+}
+
+/// Fails unless `got` holds the samples of `expected`, batch by batch.
+fn assert_same(expected: &[Batch], got: &[Batch], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: batches");
+    for (a, b) in expected.iter().zip(got) {
+        assert_eq!(a.samples, b.samples, "{what}");
+    }
+}
+
 #[test]
 fn records_of_three_sizes_are_all_served_through_a_cache_a_third_of_their_size() {
     let dir = tempfile::tempdir().unwrap();
-    let (index, clips) = mixed(dir.path());
-    let lens: Vec<Vec<u64>> = (0..5).map(|seq| record_lens(&index, seq)).collect();
+    let data = mixed(dir.path());
+    let (index, clips) = (&data.0, &data.1);
+    let lens: Vec<Vec<u64>> = (0..5).map(|seq| record_lens(index, seq)).collect();
     let mut sizes: Vec<u64> = lens.iter().flatten().copied().collect();
     sizes.sort_unstable();
     sizes.dedup();
     assert_eq!(sizes.len(), 3, "record sizes {sizes:?}");
     let largest = sizes[2];
     assert!(lens[..4].iter().flatten().all(|&l| l < largest));
-    let data: u64 = lens.iter().flatten().sum();
-    let cap = data / 3;
+    let cap = lens.iter().flatten().sum::<u64>() / 3;
     // Read in order, the store is full long before the largest size comes.
     assert!(lens[..2].iter().flatten().sum::<u64>() > cap);
 
-    let mut disk = Loader::new(
-        index.clone(),
-        clips.clone(),
-        in_order(&clips),
-        options(2, None),
-    )
-    .unwrap();
+    let mut disk = loader(&data, in_order(clips), 2, None);
     let reference: Vec<Vec<Batch>> = (0..2).map(|e| epoch(&mut disk, e)).collect();
     let address = format!("vrtspike-test-loader-sizes-{}", std::process::id());
     let _server = spawn_server(ServerConfig::new(address.clone(), cap)).unwrap();
-    let mut cached = Loader::new(
-        index,
-        clips.clone(),
-        in_order(&clips),
-        options(2, Some(&address)),
-    )
-    .unwrap();
+    let mut cached = loader(&data, in_order(clips), 2, Some(&address));
     for (e, expected) in reference.iter().enumerate() {
         let got = epoch(&mut cached, e as u64);
-        assert_eq!(got.len(), expected.len());
-        for (a, b) in expected.iter().zip(&got) {
-            assert_eq!(
-                a.samples, b.samples,
-                "epoch {e}: a sample differs from disk"
-            );
-        }
+        assert_same(expected, &got, &format!("epoch {e}: through the cache"));
     }
     let s = cached.stats();
     assert_eq!(s.cache_bypass, 0, "{s:?}");
@@ -173,15 +175,8 @@ fn records_of_three_sizes_are_all_served_through_a_cache_a_third_of_their_size()
 #[test]
 fn reads_the_cache_cannot_take_are_served_from_disk_as_bypasses() {
     let dir = tempfile::tempdir().unwrap();
-    let (index, clips) = mixed(dir.path());
-    let mut disk = Loader::new(
-        index.clone(),
-        clips.clone(),
-        in_order(&clips),
-        options(2, None),
-    )
-    .unwrap();
-    let reference = epoch(&mut disk, 0);
+    let data = mixed(dir.path());
+    let reference = epoch(&mut loader(&data, in_order(&data.1), 2, None), 0);
     // Room for one record, and another client pins a record that takes most of it.
     let address = format!("vrtspike-test-loader-pinned-{}", std::process::id());
     let _server = spawn_server(ServerConfig::new(address.clone(), 256 << 10)).unwrap();
@@ -192,18 +187,9 @@ fn reads_the_cache_cannot_take_are_served_from_disk_as_bypasses() {
             Ok::<(), std::convert::Infallible>(())
         })
         .unwrap();
-    let mut cached = Loader::new(
-        index,
-        clips.clone(),
-        in_order(&clips),
-        options(2, Some(&address)),
-    )
-    .unwrap();
+    let mut cached = loader(&data, in_order(&data.1), 2, Some(&address));
     let got = epoch(&mut cached, 0);
-    assert_eq!(got.len(), reference.len());
-    for (a, b) in reference.iter().zip(&got) {
-        assert_eq!(a.samples, b.samples, "a bypassed read gave another sample");
-    }
+    assert_same(&reference, &got, "a bypassed read gave another sample");
     let s = cached.stats();
     assert_eq!(s.cache_hits, 0, "{s:?}");
     assert_eq!(s.cache_bypass, s.cache_misses, "{s:?}");
@@ -285,34 +271,16 @@ fn disk_and_cache_give_identical_ordered_batches() {
 #[test]
 fn a_node_without_memory_for_slots_still_serves_every_sample() {
     let dir = tempfile::tempdir().unwrap();
-    let (index, clips) = tiny(dir.path());
-    let mut disk = Loader::new(
-        index.clone(),
-        clips.clone(),
-        sampler(&clips),
-        options(2, None),
-    )
-    .unwrap();
-    let reference = epoch(&mut disk, 3);
+    let data = tiny(dir.path());
+    let reference = epoch(&mut loader(&data, sampler(&data.1), 2, None), 3);
     let address = format!("vrtspike-test-loader-oom-{}", std::process::id());
     let mut config = ServerConfig::new(address.clone(), 64 << 20);
-    // Headroom no machine has: every slot reservation is refused for memory.
+    // Headroom no machine has: every reservation is refused for memory.
     config.reserve_headroom = u64::MAX / 4;
     let _server = spawn_server(config).unwrap();
-    let mut cached = Loader::new(
-        index,
-        clips.clone(),
-        sampler(&clips),
-        options(2, Some(&address)),
-    )
-    .unwrap();
+    let mut cached = loader(&data, sampler(&data.1), 2, Some(&address));
     let got = epoch(&mut cached, 3);
-    for (a, b) in reference.iter().zip(&got) {
-        assert_eq!(
-            a.samples, b.samples,
-            "uncached records give the same samples"
-        );
-    }
+    assert_same(&reference, &got, "uncached records give the same samples");
     let s = cached.stats();
     assert_eq!(s.cache_hits, 0, "{s:?}");
     assert_eq!(s.cache_bypass, s.cache_misses, "{s:?}");

@@ -19,7 +19,7 @@ pub enum CacheCommand {
     /// Print a running server's statistics.
     Stats(StatsArgs),
     /// Ask a running server to stop.
-    Shutdown(ShutdownArgs),
+    Shutdown(ClientArgs),
     /// Pin cached records and hold them until killed or the server goes away
     /// (to see eviction work around pinned records).
     Pin(PinArgs),
@@ -73,16 +73,29 @@ impl TrustArgs {
     }
 }
 
-/// `cache shutdown`.
+/// A short-lived client: where, whom it trusts, how long it waits.
 #[derive(Args)]
-pub struct ShutdownArgs {
+pub struct ClientArgs {
     #[command(flatten)]
     address: AddressArgs,
     #[command(flatten)]
     trust: TrustArgs,
-    /// Seconds to wait for the server to connect and to answer.
+    /// Seconds to wait for the server to connect and for each answer; then fail
+    /// (a hung server never hangs the caller, the launcher at exit among them).
     #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
     timeout: f64,
+}
+
+impl ClientArgs {
+    /// Connects as `name`: the address and the client.
+    fn connect(&self, name: &str) -> Result<(String, CacheClient)> {
+        let address = self.address.resolve();
+        let timeout = Duration::from_secs_f64(self.timeout);
+        let options = self.trust.options(Some(timeout))?;
+        let client = CacheClient::connect_with(&address, name, &options)
+            .with_context(|| format!("{name} at {address} (--timeout {} s)", self.timeout))?;
+        Ok((address, client))
+    }
 }
 
 /// A positive number of seconds.
@@ -134,13 +147,7 @@ pub struct ServeArgs {
 #[derive(Args)]
 pub struct StatsArgs {
     #[command(flatten)]
-    address: AddressArgs,
-    #[command(flatten)]
-    trust: TrustArgs,
-    /// Seconds to wait for the server to connect and for each answer; then fail
-    /// (a hung server never hangs the caller, the launcher at exit among them).
-    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
-    timeout: f64,
+    client: ClientArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -155,11 +162,7 @@ pub fn run(command: CacheCommand) -> Result<()> {
         CacheCommand::Serve(args) => serve(args),
         CacheCommand::Stats(args) => stats(args),
         CacheCommand::Shutdown(args) => {
-            let address = args.address.resolve();
-            let options = args
-                .trust
-                .options(Some(Duration::from_secs_f64(args.timeout)))?;
-            let client = CacheClient::connect_with(&address, "vrtspike cache shutdown", &options)?;
+            let (address, client) = args.connect("vrtspike cache shutdown")?;
             client.shutdown_server()?;
             println!("cache server at {address} stopped");
             Ok(())
@@ -219,12 +222,7 @@ fn serve(args: ServeArgs) -> Result<()> {
 }
 
 fn stats(args: StatsArgs) -> Result<()> {
-    let address = args.address.resolve();
-    let options = args
-        .trust
-        .options(Some(Duration::from_secs_f64(args.timeout)))?;
-    let client = CacheClient::connect_with(&address, "vrtspike cache stats", &options)
-        .with_context(|| format!("cache stats of {address} (--timeout {} s)", args.timeout))?;
+    let (_, client) = args.client.connect("vrtspike cache stats")?;
     loop {
         let report = client.stats()?;
         if args.json {

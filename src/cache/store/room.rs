@@ -233,6 +233,7 @@ mod tests {
         assert_eq!(without_eviction(&arena, 12 * P), None, "past the cap");
     }
 
+    /// The four records of the test below, least recently used first.
     fn victims_again(s: &[SlotIdx]) -> impl Iterator<Item = SlotIdx> {
         vec![s[1], s[2], s[0], s[3]].into_iter()
     }
@@ -242,8 +243,7 @@ mod tests {
         // Records of 2, 2, 2, 2 pages filling an 8-page cap; the victim is slot 1.
         let (arena, s) = packed(8, &[2, 2, 2, 2]);
         let uses = Uses(HashMap::from([(s[0], 5), (s[1], 1), (s[2], 3), (s[3], 9)]));
-        let victims = [s[1], s[2], s[0], s[3]].into_iter();
-        let plans = by_eviction(&arena, 3 * P, victims, &uses, true);
+        let plans = by_eviction(&arena, 3 * P, victims_again(&s), &uses, true);
         // Around s[1]: its neighbours s[0] (used 5) and s[2] (used 3): s[2] goes.
         assert_eq!(
             plans[0],
@@ -255,8 +255,9 @@ mod tests {
         );
         assert!(plans.iter().all(|p| p.evict.len() == 2));
         assert_eq!(plans.len(), 4, "every victim's plan is weighed");
-        // A record that fits the victim's extent evicts it alone.
-        let plans = by_eviction(&arena, 2 * P, [s[1]].into_iter(), &uses, true);
+        // A record that fits the oldest victim's extent evicts it alone, and no
+        // other plan is looked for.
+        let plans = by_eviction(&arena, 2 * P, victims_again(&s), &uses, true);
         assert_eq!(
             plans,
             vec![Plan {
