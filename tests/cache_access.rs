@@ -1,6 +1,10 @@
 //! Who gets into the cache server: only its own user (or one let in with
-//! `--allow-uid`), refused at accept with a named error on both sides; a flood of
-//! connects that never say hello does not keep a real client out; the one-shot
+//! `--allow-uid`), refused at accept with a named error on both sides; and whom a
+//! client trusts: only a server of its own user (or one it trusts with
+//! `--allow-uid`), checked before it reads a byte. A flood of connects that never
+//! say hello, or handshakes that never connect to their channel, do not keep a real
+//! client out; a silent server does not hang `cache stats`; a get that waits for
+//! another's fill longer than its reply timeout keeps its connection; the one-shot
 //! handshake directories do not outlive their handshake, nor a killed server.
 
 mod common;
@@ -15,7 +19,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{fill_pattern, has_pattern, unique_address, wait_until, ServerProc};
-use vrtspike::cache::{spawn_server, CacheClient, CacheError, Lookup, ServerConfig};
+use vrtspike::cache::admission::HandshakeLimits;
+use vrtspike::cache::{spawn_server, CacheClient, CacheError, ClientOptions, Lookup, ServerConfig};
 use vrtspike::testkit::process::wait_for_child_server;
 
 const NOBODY: u32 = 65534;
@@ -84,10 +89,10 @@ fn logged_server(tag: &str, extra: &[&str]) -> (Child, String, tempfile::NamedTe
     (child, address, log)
 }
 
-/// `vrtspike cache stats` run as `nobody`.
+/// `vrtspike cache stats` run as `nobody`, trusting root's server.
 fn stats_as_nobody(address: &str) -> std::process::Output {
     Command::new(common::exe())
-        .args(["cache", "stats", "--address", address])
+        .args(["cache", "stats", "--address", address, "--allow-uid", "0"])
         .uid(NOBODY)
         .gid(NOBODY)
         .env("RUST_BACKTRACE", "0")
@@ -215,4 +220,258 @@ fn handshake_directories_go_after_the_handshake_and_after_a_killed_server() {
     assert!(dir.exists(), "nothing to clean up: the test proves nothing");
     let _next = ServerProc::start("hsdir-next", &["--cap", "1M"]);
     assert!(!dir.exists(), "a killed server's handshake files were kept");
+}
+
+/// `vrtspike cache serve` run as `nobody`, letting `extra` uids in.
+fn server_as_nobody(tag: &str, extra: &[&str]) -> (Child, String) {
+    let address = unique_address(tag);
+    let child = Command::new(common::exe())
+        .args(["cache", "serve", "--address", &address, "--cap", "1M"])
+        .args(extra)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env("TMPDIR", "/tmp")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (child, address)
+}
+
+#[test]
+fn a_client_refuses_a_server_of_another_user_naming_its_uid_and_pid() {
+    if my_uid() != 0 {
+        eprintln!("skipped: running a server as nobody needs root");
+        return;
+    }
+    // Another user's server at the address, letting us in: still refused by us.
+    let me = my_uid().to_string();
+    let (mut server, address) = server_as_nobody("foreign", &["--allow-uid", &me]);
+    let pid = server.id() as i32;
+    let err = loop {
+        match CacheClient::connect(&address, "wary") {
+            Err(CacheError::Connect { .. }) => std::thread::sleep(Duration::from_millis(20)),
+            other => break other.expect_err("connected to another user's server"),
+        }
+    };
+    let CacheError::ForeignServer {
+        server_uid,
+        server_pid,
+        ..
+    } = err
+    else {
+        panic!("expected ForeignServer, got {err}");
+    };
+    assert_eq!((server_uid, server_pid), (NOBODY, pid));
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("uid {NOBODY} (pid {pid})")),
+        "{text}"
+    );
+    // Trusted on purpose, on both sides: served.
+    let options = ClientOptions::default().trusting(&[NOBODY]);
+    let client = CacheClient::connect_with(&address, "trusting", &options).unwrap();
+    fill_pattern(&client, "k", 1000);
+    // The command line says the same.
+    let out = Command::new(common::exe())
+        .args(["cache", "stats", "--address", &address])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("runs as uid {NOBODY} (pid {pid})")),
+        "{stderr}"
+    );
+    let allow = NOBODY.to_string();
+    let out = Command::new(common::exe())
+        .args([
+            "cache",
+            "stats",
+            "--address",
+            &address,
+            "--allow-uid",
+            &allow,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
+
+/// A fake server run as `nobody` at `address`: it greets at once with a channel
+/// name, then reports how many bytes the client sent before closing.
+fn fake_foreign_server(address: &str) -> Option<Child> {
+    let script = "import socket, sys\n\
+         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
+         s.bind('\\0' + sys.argv[1]); s.listen(1)\n\
+         print('ready', flush=True)\n\
+         c, _ = s.accept()\n\
+         name = b'channel /tmp/not-a-channel'\n\
+         got = b''\n\
+         try:\n\
+         \x20   c.sendall(len(name).to_bytes(4, 'little') + name)\n\
+         \x20   c.settimeout(5)\n\
+         \x20   while True:\n\
+         \x20       b = c.recv(64)\n\
+         \x20       if not b: break\n\
+         \x20       got += b\n\
+         except OSError: pass\n\
+         print('received', len(got), flush=True)\n";
+    let mut child = Command::new("python3")
+        .args(["-c", script, address])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .ok()?;
+    let mut ready = [0u8; 6];
+    child.stdout.as_mut()?.read_exact(&mut ready).ok()?;
+    (&ready == b"ready\n").then_some(child)
+}
+
+#[test]
+fn a_foreign_server_gets_not_a_byte_and_its_greeting_is_not_read() {
+    if my_uid() != 0 {
+        eprintln!("skipped: running a fake server as nobody needs root");
+        return;
+    }
+    let address = unique_address("fake");
+    let Some(mut fake) = fake_foreign_server(&address) else {
+        eprintln!("skipped: no python3 for the fake server");
+        return;
+    };
+    let err = CacheClient::connect(&address, "wary").unwrap_err();
+    // Had the client read the greeting, it would have failed on its channel name.
+    assert!(
+        matches!(
+            err,
+            CacheError::ForeignServer {
+                server_uid: NOBODY,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mut said = String::new();
+    fake.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(
+        said.trim(),
+        "received 0",
+        "the client wrote to a foreign server"
+    );
+    fake.wait().unwrap();
+}
+
+#[test]
+fn a_client_that_acknowledges_but_never_connects_loses_its_handshake_slot() {
+    let address = unique_address("no-connect");
+    let mut config = ServerConfig::new(address.clone(), 1 << 20);
+    config.handshake_timeout = Duration::from_secs(1);
+    config.handshake_limits = HandshakeLimits {
+        total: 2,
+        per_peer: 2,
+    };
+    let _server = spawn_server(config).unwrap();
+    let addr = SocketAddr::from_abstract_name(address.as_bytes()).unwrap();
+    // Two handshakes that say hello, read the channel's name, acknowledge it, and
+    // never connect to the channel: they take every handshake slot.
+    let stuck: Vec<UnixStream> = (0..2)
+        .map(|_| {
+            let mut raw = UnixStream::connect_addr(&addr).unwrap();
+            raw.write_all(b"H").unwrap();
+            let mut len = [0u8; 4];
+            raw.read_exact(&mut len).unwrap();
+            let mut name = vec![0u8; u32::from_le_bytes(len) as usize];
+            raw.read_exact(&mut name).unwrap();
+            raw.write_all(&[1]).unwrap();
+            raw
+        })
+        .collect();
+    // A real client is busy-retried until the server gives those slots up.
+    let started = Instant::now();
+    let client = CacheClient::connect(&address, "real").unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(6),
+        "the stuck handshakes held their slots for {waited:?}"
+    );
+    fill_pattern(&client, "k", 1000);
+    drop(stuck);
+}
+
+#[test]
+fn stats_of_a_server_that_never_answers_time_out() {
+    // A listener of our own user that accepts and never says a word.
+    let address = unique_address("mute");
+    let addr = SocketAddr::from_abstract_name(address.as_bytes()).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    let holder = std::thread::spawn(move || {
+        let held: Vec<UnixStream> = listener.incoming().take(1).flatten().collect();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(held);
+    });
+    let started = Instant::now();
+    let out = Command::new(common::exe())
+        .args(["cache", "stats", "--address", &address, "--timeout", "1"])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    assert!(!out.status.success());
+    assert!(
+        took < Duration::from_secs(5),
+        "cache stats hung for {took:?}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no greeting within 1.0 s"), "{stderr}");
+    assert!(stderr.contains("--timeout 1"), "{stderr}");
+    holder.join().unwrap();
+}
+
+#[test]
+fn a_fill_wait_longer_than_the_reply_timeout_keeps_the_connection() {
+    let address = unique_address("fill-wait");
+    let mut config = ServerConfig::new(address.clone(), 1 << 20);
+    config.fill_wait_timeout = Duration::from_secs(5);
+    let _server = spawn_server(config).unwrap();
+    let filler = CacheClient::connect(&address, "filler").unwrap();
+    let Lookup::Miss(mut ticket) = filler.get("k").unwrap() else {
+        panic!("expected a miss");
+    };
+    let waiter = std::thread::spawn({
+        let address = address.clone();
+        move || {
+            let impatient = ClientOptions::default().waiting(Duration::from_secs(1));
+            let client = CacheClient::connect_with(&address, "waiter", &impatient).unwrap();
+            let started = Instant::now();
+            let lease = match client.get("k").unwrap() {
+                Lookup::Hit(lease) => lease,
+                Lookup::Miss(_) => panic!("the waiter was told to fill"),
+            };
+            assert!(lease.waited_for_fill());
+            assert_eq!(&lease[..4], b"done");
+            started.elapsed()
+        }
+    });
+    std::thread::sleep(Duration::from_millis(2500));
+    ticket.reserve(4).unwrap();
+    ticket.write_at(0, b"done").unwrap();
+    drop(ticket.commit().unwrap());
+    let waited = waiter.join().unwrap();
+    assert!(
+        waited > Duration::from_secs(2),
+        "the get did not wait past its reply timeout ({waited:?}): the test proves nothing"
+    );
 }

@@ -16,7 +16,7 @@ const REC: usize = 64 * 1024;
 #[test]
 fn eviction_never_takes_a_pinned_slot_and_the_cap_holds() {
     // 8 slots of 64 KiB; 3 of them pinned by another process.
-    let server = ServerProc::start("evict", &["--cap", "512K", "--slot-bytes", "64K"]);
+    let server = ServerProc::start("evict", &["--cap", "512K"]);
     let client = server.client("test");
     let pinned: Vec<String> = (0..3).map(|i| format!("pinned/{i}")).collect();
     for key in &pinned {
@@ -52,7 +52,7 @@ fn eviction_never_takes_a_pinned_slot_and_the_cap_holds() {
 
 #[test]
 fn a_killed_clients_leases_come_back() {
-    let server = ServerProc::start("killed", &["--cap", "256K", "--slot-bytes", "64K"]);
+    let server = ServerProc::start("killed", &["--cap", "256K"]);
     let client = server.client("test");
     let keys: Vec<String> = (0..4).map(|i| format!("k/{i}")).collect();
     for key in &keys {
@@ -142,7 +142,7 @@ fn an_abandoned_fill_passes_to_a_waiter() {
 
 #[test]
 fn bad_requests_get_errors_and_the_server_keeps_serving() {
-    let mut server = ServerProc::start("bad", &["--cap", "256K", "--slot-bytes", "64K"]);
+    let mut server = ServerProc::start("bad", &["--cap", "256K"]);
     let client = server.client("bad");
     let other = server.client("other");
     let refused = |reply: Reply| match reply {
@@ -193,6 +193,21 @@ fn bad_requests_get_errors_and_the_server_keeps_serving() {
     );
     assert!(matches!(e, RequestError::RecordTooLarge { .. }), "{e}");
     assert!(e.to_string().contains("big"), "{e}");
+    // Extreme values from a peer are refusals too, never a panic of the server.
+    let e = refused(
+        client
+            .call(Request::Reserve {
+                ticket,
+                len: u64::MAX,
+            })
+            .unwrap(),
+    );
+    assert!(
+        matches!(e, RequestError::RecordTooLarge { len: u64::MAX, .. }),
+        "{e}"
+    );
+    let e = refused(client.call(Request::Release { lease: u64::MAX }).unwrap());
+    assert_eq!(e, RequestError::LeaseNotHeld { lease: u64::MAX });
     assert!(matches!(
         client.call(Request::Abort { ticket }).unwrap(),
         Reply::Done
@@ -270,9 +285,12 @@ fn start_up_errors_name_the_sizes() {
     let err = serve_error(&["--cap", "1024T"]);
     assert!(err.contains("needs 1024.00 TiB"), "{err}");
     assert!(err.contains("MemTotal"), "{err}");
-    // A cap that holds no slot.
+    // A cap that holds no record of the size given.
+    let err = serve_error(&["--cap", "1M", "--record-bytes", "8M"]);
+    assert!(err.contains("holds no record of 8388608 bytes"), "{err}");
+    // The flag of the slot classes is gone, not silently ignored.
     let err = serve_error(&["--cap", "1M", "--slot-bytes", "8M"]);
-    assert!(err.contains("holds no slot of 8388608 bytes"), "{err}");
+    assert!(err.contains("--slot-bytes"), "{err}");
     // No size at all.
     let err = serve_error(&[]);
     assert!(err.contains("--cap"), "{err}");
@@ -296,7 +314,7 @@ fn start_up_errors_name_the_sizes() {
 
 #[test]
 fn hits_come_from_shared_memory_without_a_message_and_are_counted() {
-    let server = ServerProc::start("shared-hits", &["--cap", "1M", "--slot-bytes", "64K"]);
+    let server = ServerProc::start("shared-hits", &["--cap", "1M"]);
     let reader = server.client("reader");
     let observer = server.client("observer");
     fill_pattern(&reader, "k", REC);
@@ -363,7 +381,7 @@ fn hits_come_from_shared_memory_without_a_message_and_are_counted() {
 #[test]
 fn memory_is_reserved_as_slots_are_carved_not_at_start() {
     // An 8 GiB cap: the store takes only the memory of what is filled.
-    let server = ServerProc::start("reserve", &["--cap", "8G", "--slot-bytes", "64K"]);
+    let server = ServerProc::start("reserve", &["--cap", "8G", "--record-bytes", "64K"]);
     let client = server.client("test");
     let start = client.stats().unwrap();
     assert!(
@@ -385,17 +403,7 @@ fn memory_is_reserved_as_slots_are_carved_not_at_start() {
 #[test]
 fn a_slot_the_node_has_no_memory_for_is_a_named_refusal() {
     // Headroom beyond any machine: every new slot is refused, the server lives on.
-    let mut server = ServerProc::start(
-        "nomem",
-        &[
-            "--cap",
-            "1M",
-            "--slot-bytes",
-            "64K",
-            "--reserve-headroom",
-            "1000T",
-        ],
-    );
+    let mut server = ServerProc::start("nomem", &["--cap", "1M", "--reserve-headroom", "1000T"]);
     let client = server.client("test");
     let Lookup::Miss(mut ticket) = client.get("k").unwrap() else {
         panic!("expected a miss");

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 
 use common::ServerProc;
 use vrtspike::bench::cache::{WorkerOptions, WorkerReport};
-use vrtspike::cache::store::slot_size_for;
+use vrtspike::cache::store::extent_for;
 use vrtspike::testkit::record::FrameShape;
 
 #[test]
@@ -17,7 +17,7 @@ fn no_torn_reads_under_concurrent_fill_and_eviction() {
         width: 160,
         channels: 3,
     };
-    let slot = slot_size_for(shape.record_bytes() as u64);
+    let slot = extent_for(shape.record_bytes() as u64).unwrap();
     let slots = 24;
     let cap = (slots * slot).to_string();
     let server = ServerProc::start("stress", &["--cap", &cap]);

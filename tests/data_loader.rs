@@ -1,17 +1,19 @@
 //! The per-rank loader on generated data: batches in sampler order and independent
 //! of the worker count, the same samples from disk and through the cache (with the
-//! hit rate reported), exact mid-epoch resume, and a clear error without a server.
+//! hit rate reported), records of three sizes through a cache a third of their size,
+//! reads the cache cannot take served from disk and counted as bypasses, exact
+//! mid-epoch resume, and a clear error without a server.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use vrtspike::cache::{spawn_server, ServerConfig};
+use vrtspike::cache::{spawn_server, CacheClient, ServerConfig};
 use vrtspike::config::Augment;
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
 use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
 use vrtspike::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
-use vrtspike::synth::{self, SynthOptions};
+use vrtspike::synth::{self, BlurLengths, SynthOptions};
 
 fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
     let options = SynthOptions {
@@ -63,6 +65,142 @@ fn sampler(clips: &ClipIndex) -> DistributedSampler {
         remainder: Remainder::Pad,
     };
     DistributedSampler::new(clips.clips.len(), options).unwrap()
+}
+
+/// Sequences of 7, 11, 7, 11 and 13 sharp frames a blur at 128x192: records of three
+/// sizes (about 190, 215 and 227 KB), the largest in the last sequence only; clips of
+/// 2 frames.
+fn mixed(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
+    let options = SynthOptions {
+        train_seqs: 5,
+        test_seqs: 0,
+        frames: 6,
+        height: 128,
+        width: 192,
+        seed: 2,
+    };
+    let blur = BlurLengths::cycle(vec![7, 11, 7, 11, 13]).unwrap();
+    synth::generate_folder_with(dir, &options, &blur, &|_| {}).unwrap();
+    let index = DatasetIndex::open_folder(dir, "train", IndexOptions::default()).unwrap();
+    let clips = ClipIndex::new(&index, ClipWindows::sliding(2));
+    (Arc::new(index), Arc::new(clips))
+}
+
+/// Clips in order, sequence after sequence.
+fn in_order(clips: &ClipIndex) -> DistributedSampler {
+    let options = SamplerOptions {
+        world: 1,
+        rank: 0,
+        shuffle: false,
+        seed: 11,
+        remainder: Remainder::Pad,
+    };
+    DistributedSampler::new(clips.clips.len(), options).unwrap()
+}
+
+/// The byte length of every record of sequence `seq`.
+fn record_lens(index: &DatasetIndex, seq: usize) -> Vec<u64> {
+    (0..index.sequences[seq].frames.len())
+        .map(|f| index.record_layout(seq, f).byte_len() as u64)
+        .collect()
+}
+
+/// A loader of `data` with `workers` threads in `sampler`'s order, through the
+/// cache at `cache` if given.
+fn loader(
+    data: &(Arc<DatasetIndex>, Arc<ClipIndex>),
+    sampler: DistributedSampler,
+    workers: usize,
+    cache: Option<&str>,
+) -> Loader {
+    let (index, clips) = (data.0.clone(), data.1.clone());
+    Loader::new(index, clips, sampler, options(workers, cache)).unwrap()
+}
+
+/// Fails unless `got` holds the samples of `expected`, batch by batch.
+fn assert_same(expected: &[Batch], got: &[Batch], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: batches");
+    for (a, b) in expected.iter().zip(got) {
+        assert_eq!(a.samples, b.samples, "{what}");
+    }
+}
+
+#[test]
+fn records_of_three_sizes_are_all_served_through_a_cache_a_third_of_their_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed(dir.path());
+    let (index, clips) = (&data.0, &data.1);
+    let lens: Vec<Vec<u64>> = (0..5).map(|seq| record_lens(index, seq)).collect();
+    let mut sizes: Vec<u64> = lens.iter().flatten().copied().collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    assert_eq!(sizes.len(), 3, "record sizes {sizes:?}");
+    let largest = sizes[2];
+    assert!(lens[..4].iter().flatten().all(|&l| l < largest));
+    let cap = lens.iter().flatten().sum::<u64>() / 3;
+    // Read in order, the store is full long before the largest size comes.
+    assert!(lens[..2].iter().flatten().sum::<u64>() > cap);
+
+    let mut disk = loader(&data, in_order(clips), 2, None);
+    let reference: Vec<Vec<Batch>> = (0..2).map(|e| epoch(&mut disk, e)).collect();
+    let address = format!("vrtspike-test-loader-sizes-{}", std::process::id());
+    let _server = spawn_server(ServerConfig::new(address.clone(), cap)).unwrap();
+    let mut cached = loader(&data, in_order(clips), 2, Some(&address));
+    for (e, expected) in reference.iter().enumerate() {
+        let got = epoch(&mut cached, e as u64);
+        assert_same(expected, &got, &format!("epoch {e}: through the cache"));
+    }
+    let s = cached.stats();
+    assert_eq!(s.cache_bypass, 0, "{s:?}");
+    assert_eq!(s.samples, 2 * 25);
+    let server = CacheClient::connect(&address, "check")
+        .unwrap()
+        .stats()
+        .unwrap();
+    assert!(server.bytes_carved <= server.cap_bytes, "{server:?}");
+    assert_eq!(
+        server.full_refusals + server.reserve_refusals,
+        0,
+        "{server:?}"
+    );
+    assert!(server.evictions > 0, "{server:?}");
+    assert!(
+        server.bytes_live as f64 > 0.75 * server.cap_bytes as f64,
+        "live records fill only {} of {} bytes",
+        server.bytes_live,
+        server.cap_bytes
+    );
+}
+
+#[test]
+fn reads_the_cache_cannot_take_are_served_from_disk_as_bypasses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed(dir.path());
+    let reference = epoch(&mut loader(&data, in_order(&data.1), 2, None), 0);
+    // Room for one record, and another client pins a record that takes most of it.
+    let address = format!("vrtspike-test-loader-pinned-{}", std::process::id());
+    let _server = spawn_server(ServerConfig::new(address.clone(), 256 << 10)).unwrap();
+    let holder = CacheClient::connect(&address, "holder").unwrap();
+    let pinned = holder
+        .get_or_fill("pinned", 200 << 10, |slot| {
+            slot.fill(7);
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap();
+    let mut cached = loader(&data, in_order(&data.1), 2, Some(&address));
+    let got = epoch(&mut cached, 0);
+    assert_same(&reference, &got, "a bypassed read gave another sample");
+    let s = cached.stats();
+    assert_eq!(s.cache_hits, 0, "{s:?}");
+    assert_eq!(s.cache_bypass, s.cache_misses, "{s:?}");
+    assert_eq!(
+        s.cache_bypass, 50,
+        "every read of 25 clips of 2 frames: {s:?}"
+    );
+    let server = holder.stats().unwrap();
+    assert_eq!(server.full_refusals, 50, "{server:?}");
+    assert_eq!(server.records, 1);
+    drop(pinned);
 }
 
 #[test]
@@ -133,37 +271,19 @@ fn disk_and_cache_give_identical_ordered_batches() {
 #[test]
 fn a_node_without_memory_for_slots_still_serves_every_sample() {
     let dir = tempfile::tempdir().unwrap();
-    let (index, clips) = tiny(dir.path());
-    let mut disk = Loader::new(
-        index.clone(),
-        clips.clone(),
-        sampler(&clips),
-        options(2, None),
-    )
-    .unwrap();
-    let reference = epoch(&mut disk, 3);
+    let data = tiny(dir.path());
+    let reference = epoch(&mut loader(&data, sampler(&data.1), 2, None), 3);
     let address = format!("vrtspike-test-loader-oom-{}", std::process::id());
     let mut config = ServerConfig::new(address.clone(), 64 << 20);
-    // Headroom no machine has: every slot reservation is refused for memory.
+    // Headroom no machine has: every reservation is refused for memory.
     config.reserve_headroom = u64::MAX / 4;
     let _server = spawn_server(config).unwrap();
-    let mut cached = Loader::new(
-        index,
-        clips.clone(),
-        sampler(&clips),
-        options(2, Some(&address)),
-    )
-    .unwrap();
+    let mut cached = loader(&data, sampler(&data.1), 2, Some(&address));
     let got = epoch(&mut cached, 3);
-    for (a, b) in reference.iter().zip(&got) {
-        assert_eq!(
-            a.samples, b.samples,
-            "uncached records give the same samples"
-        );
-    }
+    assert_same(&reference, &got, "uncached records give the same samples");
     let s = cached.stats();
     assert_eq!(s.cache_hits, 0, "{s:?}");
-    assert_eq!(s.cache_uncached, s.cache_misses, "{s:?}");
+    assert_eq!(s.cache_bypass, s.cache_misses, "{s:?}");
     assert!(s.cache_misses >= 40, "{s:?}");
 }
 

@@ -151,8 +151,10 @@ pub fn wanted(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<bo
     }
 }
 
-/// The address of this node's server for this launch: unique per node and
-/// launcher, so several jobs (or loopback "nodes") on one machine never share one.
+/// The address of this node's server for this launch: the user's, and unique per
+/// node and launcher, so several jobs (or loopback "nodes", or users) on one machine
+/// never share one (the contract's one default).
 pub fn address(node_rank: u32) -> String {
-    format!("vrtspike-cache-n{node_rank}-{}", std::process::id())
+    let job = format!("n{node_rank}-{}", std::process::id());
+    vrtspike_contract::cache_addr::own_cache_address(&job)
 }

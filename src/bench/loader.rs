@@ -1,6 +1,8 @@
 //! `vrtspike bench loader`: R loader processes (as R ranks would be) against one
 //! cache server on generated or real data, timed per epoch; prints one JSON object
-//! with samples/s of the last epoch (all ranks), the hit rate and data_time.
+//! with samples/s of the last epoch (all ranks), the hit rate, data_time, the reads
+//! that bypassed the cache, and the store's figures at the end (bytes reserved
+//! against bytes of live records: its fragmentation).
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -10,6 +12,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cache::StatsReport;
 use crate::config::Augment;
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 use crate::pipeline::loader::{Loader, LoaderOptions};
@@ -83,6 +86,12 @@ pub struct LoaderWorkerReport {
     pub hits_last_epoch: u64,
     /// Misses of the last epoch.
     pub misses_last_epoch: u64,
+    /// Reads of the last epoch that the cache could not take (decoded from disk).
+    #[serde(default)]
+    pub bypass_last_epoch: u64,
+    /// Reads of all epochs that the cache could not take.
+    #[serde(default)]
+    pub bypass_total: u64,
     /// Mean consumer wait per batch in the last epoch, ms.
     pub data_time_ms_last_epoch: f64,
 }
@@ -124,6 +133,8 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         samples_last_epoch: 0,
         hits_last_epoch: 0,
         misses_last_epoch: 0,
+        bypass_last_epoch: 0,
+        bypass_total: 0,
         data_time_ms_last_epoch: 0.0,
     };
     for epoch in 0..o.epochs {
@@ -138,6 +149,8 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         report.samples_last_epoch = after.samples - before.samples;
         report.hits_last_epoch = after.cache_hits - before.cache_hits;
         report.misses_last_epoch = after.cache_misses - before.cache_misses;
+        report.bypass_last_epoch = after.cache_bypass - before.cache_bypass;
+        report.bypass_total = after.cache_bypass;
         let batches = (after.batches - before.batches).max(1);
         report.data_time_ms_last_epoch =
             (after.data_time_s - before.data_time_s) * 1000.0 / batches as f64;
@@ -170,8 +183,51 @@ pub struct LoaderBenchReport {
     pub hit_rate: f64,
     /// Mean consumer wait per batch in the last epoch, ms (mean over ranks).
     pub data_time_ms: f64,
+    /// Reads that the cache could not take, decoded from disk: last epoch, all ranks.
+    pub bypass_last_epoch: u64,
+    /// The same over all epochs.
+    pub bypass_total: u64,
+    /// The store at the end (with a cache).
+    pub store: Option<StoreFigures>,
     /// Seconds per epoch, per rank.
     pub epoch_s: Vec<Vec<f64>>,
+}
+
+/// The cache store's figures at the end of the benchmark: how much of the memory
+/// it reserved holds live records (its fragmentation), and what it refused.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreFigures {
+    /// Byte cap.
+    pub cap_bytes: u64,
+    /// Bytes of the store carved for records (their memory is reserved).
+    pub carved_bytes: u64,
+    /// Bytes of records committed or being filled.
+    pub live_bytes: u64,
+    /// `live_bytes / carved_bytes`: 1 means no fragmentation.
+    pub live_share: f64,
+    /// Records held.
+    pub records: usize,
+    /// Records evicted.
+    pub evictions: u64,
+    /// Requests the server refused (every kind).
+    pub refused_requests: u64,
+    /// Hit rate over the whole run, all clients.
+    pub hit_rate: f64,
+}
+
+impl StoreFigures {
+    fn of(report: &StatsReport) -> StoreFigures {
+        StoreFigures {
+            cap_bytes: report.cap_bytes,
+            carved_bytes: report.bytes_carved,
+            live_bytes: report.bytes_live,
+            live_share: report.bytes_live as f64 / report.bytes_carved.max(1) as f64,
+            records: report.records,
+            evictions: report.evictions,
+            refused_requests: report.totals.errors,
+            hit_rate: report.hit_rate,
+        }
+    }
 }
 
 fn process_error(what: String, e: impl std::fmt::Display) -> LoaderBenchError {
@@ -188,14 +244,14 @@ pub fn run(
     template: &LoaderWorkerOptions,
     cache_gb: Option<f64>,
 ) -> Result<LoaderBenchReport> {
-    let mut _server = None;
+    let mut server = None;
     let mut template = template.clone();
     if let Some(gb) = cache_gb {
         let address = crate::cache::default_address(&format!("loaderbench-{}", std::process::id()));
         let cap = (gb * (1u64 << 30) as f64) as u64;
-        let (server, _client) = spawn_cache_server(exe, &address, cap, None)
+        let started = spawn_cache_server(exe, &address, cap, None)
             .map_err(|e| process_error("cache server".into(), e))?;
-        _server = Some(server);
+        server = Some(started);
         template.address = Some(address);
     }
     let mut children = Vec::new();
@@ -233,6 +289,14 @@ pub fn run(
         .iter()
         .filter_map(|r| r.epoch_s.last().copied())
         .fold(0.0, f64::max);
+    let store = match &server {
+        Some((_, client)) => {
+            Some(StoreFigures::of(&client.stats().map_err(|e| {
+                process_error("cache server stats".into(), e)
+            })?))
+        }
+        None => None,
+    };
     let samples: u64 = reports.iter().map(|r| r.samples_last_epoch).sum();
     let hits: u64 = reports.iter().map(|r| r.hits_last_epoch).sum();
     let reads: u64 = hits + reports.iter().map(|r| r.misses_last_epoch).sum::<u64>();
@@ -260,6 +324,9 @@ pub fn run(
             .map(|r| r.data_time_ms_last_epoch)
             .sum::<f64>()
             / reports.len().max(1) as f64,
+        bypass_last_epoch: reports.iter().map(|r| r.bypass_last_epoch).sum(),
+        bypass_total: reports.iter().map(|r| r.bypass_total).sum(),
+        store,
         epoch_s: reports.into_iter().map(|r| r.epoch_s).collect(),
     })
 }

@@ -1,11 +1,16 @@
 //! A client connection to the node's cache server. Reads are zero-copy: a hit is a
-//! lease on a slot of the store, which this process maps once and shares between all
-//! its connections; a miss is a ticket to fill a reserved slot in place. A hit on a
-//! cached record sends no message: the client finds it in the shared index and sets
-//! its own pin bit (see [`table`](super::table)); releasing clears the bit.
+//! lease on a record of the store, which this process maps once, read-only, and
+//! shares between all its connections; a miss is a ticket to fill a reserved extent
+//! in place, mapped writable for that fill alone. A hit on a cached record sends no
+//! message: the client finds it in the shared index and takes a lease in its own
+//! page of pins (see [`pins`](super::pins)); dropping the lease releases exactly it.
+//!
+//! Before it reads a byte from the server, a client checks who the server is
+//! (`SO_PEERCRED`): a server of a uid it does not trust (its own, plus any
+//! `--allow-uid` / [`ALLOW_UIDS_ENV`]) is refused with an error naming that uid and
+//! pid, since anyone can bind an abstract socket name first.
 
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::cell::Cell;
 use std::io::Write;
 use std::ops::Deref;
 use std::os::unix::net::UnixStream;
@@ -16,19 +21,104 @@ use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use ipc_channel::{IpcError, TryRecvError};
 use tracing::warn;
 
-use super::admission::peer_of;
+use super::admission::{peer_of, Peer};
 use super::fdpass;
+use super::pins::LeaseWord;
 use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestError, TicketId};
 use super::rendezvous::{self, Greeting};
 use super::server::{read_frame, socket_addr};
-use super::shm::{self, Mapping, StoreFd};
+use super::shm::{self, FillMap, Mapping, OwnPage, StoreFd};
 use super::stats::StatsReport;
-use super::table::{self, SlotCode, Table, MAX_CONNECTIONS, MAX_KEY_BYTES};
+use super::table::{self, SlotCode, Table, MAX_KEY_BYTES};
 use super::{CacheError, FillError};
 
+/// Variable naming more uids whose cache servers a client trusts besides its own
+/// (comma-separated), as `--allow-uid` does on the command line.
+pub const ALLOW_UIDS_ENV: &str = "VRTSPIKE_CACHE_ALLOW_UIDS";
+
 /// How long a client waits for any one reply before it gives up on the server.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a client has to connect and finish the handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a client connects: whom it trusts, and how long it waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// Uids whose servers this client talks to (its own is always one).
+    pub trusted_uids: Vec<u32>,
+    /// Longest wait for a reply (a get waits the server's fill wait on top).
+    pub reply_timeout: Duration,
+    /// Longest time to connect and finish the handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            trusted_uids: vec![nix::unistd::geteuid().as_raw()],
+            reply_timeout: REPLY_TIMEOUT,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
+impl ClientOptions {
+    /// The defaults, trusting also the uids of [`ALLOW_UIDS_ENV`].
+    pub fn from_env() -> Result<ClientOptions, CacheError> {
+        let mut options = ClientOptions::default();
+        if let Ok(list) = std::env::var(ALLOW_UIDS_ENV) {
+            options.trusted_uids.extend(parse_uids(&list)?);
+        }
+        Ok(options)
+    }
+
+    /// Also trusts `uids`.
+    pub fn trusting(mut self, uids: &[u32]) -> ClientOptions {
+        self.trusted_uids.extend_from_slice(uids);
+        self
+    }
+
+    /// Waits at most `timeout` to connect and at most `timeout` for each reply.
+    pub fn waiting(mut self, timeout: Duration) -> ClientOptions {
+        self.reply_timeout = timeout;
+        self.handshake_timeout = timeout;
+        self
+    }
+}
+
+/// Uids from a comma-separated list; an error names the entry that is not one.
+pub fn parse_uids(list: &str) -> Result<Vec<u32>, CacheError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<u32>().map_err(|_| {
+                CacheError::Protocol(format!("{ALLOW_UIDS_ENV}={list:?}: {s:?} is not a user id"))
+            })
+        })
+        .collect()
+}
+
+/// Refuses a server whose process runs as a uid this client does not trust.
+pub fn check_server(address: &str, server: Peer, trusted: &[u32]) -> Result<(), CacheError> {
+    if trusted.contains(&server.uid) {
+        return Ok(());
+    }
+    Err(CacheError::ForeignServer {
+        address: address.to_string(),
+        server_uid: server.uid,
+        server_pid: server.pid,
+        uid: nix::unistd::geteuid().as_raw(),
+    })
+}
+
+/// Whether a socket read gave up at its timeout.
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
 
 /// One connection to the cache server. Send but not Sync: open one per thread.
 pub struct CacheClient {
@@ -37,20 +127,24 @@ pub struct CacheClient {
     requests: IpcSender<Request>,
     replies: IpcReceiver<Reply>,
     mapping: Arc<Mapping>,
-    /// The store's slot table and index, in the shared mapping.
+    /// The store's descriptors and index, in the read-only mapping.
     table: Table,
     /// Bytes of the record arena; every lease lies inside it.
     arena_bytes: u64,
-    /// This connection's pin bit.
-    pin_bit: usize,
-    /// Leases this connection holds per slot; the pin bit is set while above 0.
-    held: RefCell<HashMap<usize, u32>>,
+    /// This connection's page of pins, mapped writable.
+    own: OwnPage,
     /// Hits this connection served from the shared index, with no message.
     shared_hits: Cell<u64>,
     /// Aborts sent whose acknowledgement has not been read yet.
     pending_acks: Cell<usize>,
     /// Set when a reply was lost (timeout): the channel is out of step for good.
     broken: Cell<bool>,
+    reply_timeout: Duration,
+    /// How long the server lets a get wait for another client's fill.
+    fill_wait: Duration,
+    /// Held open for the connection's life: the server frees this connection's
+    /// page of pins only once it closes (the client, and its leases, are gone).
+    _rendezvous: UnixStream,
 }
 
 /// A lookup's result: a lease on the cached record, or the ticket to fill it.
@@ -62,16 +156,26 @@ pub enum Lookup<'c> {
 }
 
 impl CacheClient {
-    /// Connects to the server at `address`; `name` labels this client in stats.
-    /// A server busy with other handshakes is asked again for up to 10 s.
+    /// Connects to the server at `address` with the [`ClientOptions::from_env`];
+    /// `name` labels this client in stats. A server busy with other handshakes is
+    /// asked again for up to 10 s.
     pub fn connect(address: &str, name: &str) -> Result<CacheClient, CacheError> {
+        CacheClient::connect_with(address, name, &ClientOptions::from_env()?)
+    }
+
+    /// Connects to the server at `address` as `options` say.
+    pub fn connect_with(
+        address: &str,
+        name: &str,
+        options: &ClientOptions,
+    ) -> Result<CacheClient, CacheError> {
         let started = Instant::now();
         let mut pause = Duration::from_millis(10);
         loop {
-            if let Some((stream, oneshot)) = Self::rendezvous(address)? {
-                return Self::handshake(address, name, stream, oneshot);
+            if let Some((stream, oneshot)) = Self::rendezvous(address, options)? {
+                return Self::handshake(address, name, stream, oneshot, options);
             }
-            if started.elapsed() >= HANDSHAKE_TIMEOUT {
+            if started.elapsed() >= options.handshake_timeout {
                 return Err(CacheError::Busy {
                     address: address.to_string(),
                     waited_s: started.elapsed().as_secs(),
@@ -82,25 +186,30 @@ impl CacheClient {
         }
     }
 
-    /// Connects and says hello: the socket and the one-shot channel's name, or
-    /// `None` when the server is busy.
-    fn rendezvous(address: &str) -> Result<Option<(UnixStream, String)>, CacheError> {
+    /// Connects, checks the server's credentials before anything else, and says
+    /// hello: the socket and the one-shot channel's name, or `None` when the server
+    /// is busy.
+    fn rendezvous(
+        address: &str,
+        options: &ClientOptions,
+    ) -> Result<Option<(UnixStream, String)>, CacheError> {
         let connect_err = |source| CacheError::Connect {
             address: address.to_string(),
             source,
         };
         let mut stream = UnixStream::connect_addr(&socket_addr(address)?).map_err(connect_err)?;
-        stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(connect_err)?;
         let server = peer_of(&stream).map_err(connect_err)?;
+        check_server(address, server, &options.trusted_uids)?;
+        stream
+            .set_read_timeout(Some(options.handshake_timeout))
+            .map_err(connect_err)?;
         let uid = nix::unistd::geteuid().as_raw();
         let not_allowed = || CacheError::NotAllowed {
             address: address.to_string(),
             server_uid: server.uid,
             uid,
         };
-        // A server of another user that closes on us has refused us.
+        // A server of another (trusted) user that closes on us has refused us.
         let refused = |message: String| match server.uid == uid {
             true => CacheError::Handshake {
                 address: address.to_string(),
@@ -113,6 +222,15 @@ impl CacheClient {
         let frame = read_frame(&mut stream);
         let greeting = match (frame, said_hello) {
             (Ok(frame), _) => Greeting::decode(&frame),
+            (Err(e), _) if is_timeout(&e) => {
+                return Err(CacheError::Handshake {
+                    address: address.to_string(),
+                    message: format!(
+                        "the server sent no greeting within {:.1} s",
+                        options.handshake_timeout.as_secs_f64()
+                    ),
+                })
+            }
             (Err(e), Ok(())) | (Err(_), Err(e)) => {
                 return Err(refused(format!("the server closed the connection: {e}")))
             }
@@ -131,6 +249,7 @@ impl CacheClient {
         name: &str,
         mut stream: UnixStream,
         oneshot: String,
+        options: &ClientOptions,
     ) -> Result<CacheClient, CacheError> {
         let handshake_err = |message: String| CacheError::Handshake {
             address: address.to_string(),
@@ -153,37 +272,36 @@ impl CacheClient {
             .write_all(&[1])
             .map_err(|e| handshake_err(e.to_string()))?;
         let welcome = replies
-            .try_recv_timeout(HANDSHAKE_TIMEOUT)
+            .try_recv_timeout(options.handshake_timeout)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
         let welcome = Welcome::from_reply(welcome).map_err(handshake_err)?;
-        let Welcome {
-            client,
-            arena_bytes,
-            pin_bit,
-            ..
-        } = welcome;
         let mapping = welcome.map(address, &stream).map_err(|e| match e {
             MapError::Handshake(message) => handshake_err(message),
             MapError::Cache(e) => e,
         })?;
-        let pin_bit = pin_bit as usize;
-        if pin_bit >= MAX_CONNECTIONS {
-            return Err(handshake_err(format!("pin bit {pin_bit} out of range")));
+        let table = mapping.table(welcome.arena_bytes)?;
+        let own = mapping.own_page(&table.layout(), welcome.pin_page as usize)?;
+        if own.page().owner() != welcome.client {
+            return Err(handshake_err(format!(
+                "pin page {} is not this connection's",
+                welcome.pin_page
+            )));
         }
-        let table = mapping.table(arena_bytes)?;
         Ok(CacheClient {
             address: address.to_string(),
-            id: client,
+            id: welcome.client,
             requests,
             replies,
             mapping,
             table,
-            arena_bytes,
-            pin_bit,
-            held: RefCell::new(HashMap::new()),
+            arena_bytes: welcome.arena_bytes,
+            own,
             shared_hits: Cell::new(0),
             pending_acks: Cell::new(0),
             broken: Cell::new(false),
+            reply_timeout: options.reply_timeout,
+            fill_wait: Duration::from_millis(welcome.fill_wait_ms),
+            _rendezvous: stream,
         })
     }
 
@@ -203,8 +321,13 @@ impl CacheClient {
         &self.address
     }
 
-    fn recv(&self, request: &'static str) -> Result<Reply, CacheError> {
-        match self.replies.try_recv_timeout(REPLY_TIMEOUT) {
+    /// The request channel, for the fault injection of [`crate::testkit`].
+    pub(crate) fn request_channel(&self) -> &IpcSender<Request> {
+        &self.requests
+    }
+
+    fn recv(&self, request: &'static str, timeout: Duration) -> Result<Reply, CacheError> {
+        match self.replies.try_recv_timeout(timeout) {
             Ok(reply) => Ok(reply),
             Err(TryRecvError::IpcError(IpcError::Disconnected)) => Err(CacheError::ServerGone {
                 address: self.address.clone(),
@@ -213,7 +336,7 @@ impl CacheClient {
                 self.broken.set(true);
                 Err(CacheError::Timeout {
                     request,
-                    waited_s: REPLY_TIMEOUT.as_secs(),
+                    waited_s: timeout.as_secs(),
                 })
             }
             Err(TryRecvError::IpcError(e)) => Err(CacheError::Ipc {
@@ -245,29 +368,25 @@ impl CacheClient {
     }
 
     /// Sends a raw request and returns its reply: the protocol as it is, for tools
-    /// and tests. `Reply::Error` comes back as a reply, not as `Err`.
-    ///
-    /// A `Release` that succeeds clears this connection's pin on the lease's slot
-    /// altogether, as if every lease it holds there were released.
+    /// and tests. `Reply::Error` comes back as a reply, not as `Err`. A `Release`
+    /// releases exactly the lease it names; the `Lease`'s own drop then finds it
+    /// released and does nothing.
     pub fn call(&self, request: Request) -> Result<Reply, CacheError> {
         let kind = request.kind();
-        let released = match request {
-            Request::Release { lease } => Some(table::decode_lease(lease).0),
-            _ => None,
+        // A get may wait the server's fill wait for another client's fill first.
+        let timeout = match request {
+            Request::Get { .. } => self.reply_timeout.saturating_add(self.fill_wait),
+            _ => self.reply_timeout,
         };
         self.send(request)?;
         while self.pending_acks.get() > 0 {
-            let ack = self.recv("abort")?;
+            let ack = self.recv("abort", self.reply_timeout)?;
             self.pending_acks.set(self.pending_acks.get() - 1);
             if let Reply::Error(error) = ack {
                 warn!("cache abort refused: {error}");
             }
         }
-        let reply = self.recv(kind)?;
-        if let (Some(slot), Reply::Done) = (released, &reply) {
-            self.held.borrow_mut().remove(&slot);
-        }
-        Ok(reply)
+        self.recv(kind, timeout)
     }
 
     /// Like [`call`](Self::call), with `Reply::Error` turned into `Err`.
@@ -286,27 +405,27 @@ impl CacheClient {
         CacheError::Protocol(format!("unexpected reply to {kind}: {reply:?}"))
     }
 
-    /// A lease on a grant whose pin bit the server has set.
+    /// A lease on a grant whose entry the server wrote in this connection's page.
     fn lease(&self, grant: LeaseGrant) -> Result<Lease<'_>, CacheError> {
-        let slot = table::decode_lease(grant.lease).0;
-        *self.held.borrow_mut().entry(slot).or_insert(0) += 1;
+        let word = LeaseWord(grant.lease);
         match self.range(grant.offset, grant.len) {
             Ok(ptr) => Ok(Lease {
                 client: self,
-                grant,
-                slot,
+                word,
+                offset: grant.offset,
+                len: grant.len,
                 ptr,
                 waited: false,
             }),
             Err(e) => {
-                self.drop_hold(slot);
+                self.own.page().release(word);
                 Err(e)
             }
         }
     }
 
     /// A record's bytes in the arena.
-    fn range(&self, offset: u64, len: u64) -> Result<*mut u8, CacheError> {
+    fn range(&self, offset: u64, len: u64) -> Result<*const u8, CacheError> {
         if offset
             .checked_add(len)
             .is_none_or(|end| end > self.arena_bytes)
@@ -320,60 +439,38 @@ impl CacheClient {
         self.mapping.range(offset, len)
     }
 
-    /// One lease fewer on `slot`; the pin bit is cleared with the last.
-    fn drop_hold(&self, slot: usize) {
-        let mut held = self.held.borrow_mut();
-        let Some(count) = held.get_mut(&slot) else {
-            return; // released through the raw protocol already
-        };
-        *count -= 1;
-        if *count == 0 {
-            held.remove(&slot);
-            self.table.unpin(slot, self.pin_bit);
-        }
-    }
-
-    /// A lease on `key` straight from the shared index, with no message: pin, then
-    /// check that the slot is Ready and holds `key`; `None` sends the caller to the
-    /// server (a miss, a fill in flight, an eviction racing with us).
+    /// A lease on `key` straight from the shared index, with no message: take a
+    /// lease in this connection's page, then check that the slot is Ready and holds
+    /// `key`; `None` sends the caller to the server (a miss, a fill in flight, an
+    /// eviction racing with us, no lease left).
     fn hit_in_shared_memory(&self, key: &str) -> Option<Lease<'_>> {
         if key.len() > MAX_KEY_BYTES {
             return None;
         }
-        let bit = self.pin_bit;
+        let page = self.own.page();
         for slot in self.table.candidates(table::key_hash(key)) {
-            let holding = self.held.borrow().contains_key(&slot);
-            if !holding {
-                self.table.pin(slot, bit);
-            }
+            let word = page.take(slot).ok()?;
             let state = self.table.state(slot);
             let usable = state.is_some_and(|s| s.code == SlotCode::Ready)
-                && self.table.connection_owner(bit) == self.id
+                && page.owner() == self.id
                 && self.table.key_is(slot, key);
-            let grant = state.filter(|_| usable).map(|s| LeaseGrant {
-                lease: table::lease_id(slot, s.generation),
-                offset: self.table.offset(slot),
-                len: self.table.record_len(slot),
-            });
-            let ptr = grant.and_then(|g| self.range(g.offset, g.len).ok());
-            match (grant, ptr) {
-                (Some(grant), Some(ptr)) => {
-                    *self.held.borrow_mut().entry(slot).or_insert(0) += 1;
-                    self.table.touch(slot);
-                    self.table.count_hit(bit);
+            let (offset, len) = (self.table.offset(slot), self.table.record_len(slot));
+            match usable.then(|| self.range(offset, len).ok()).flatten() {
+                Some(ptr) => {
+                    page.record_read(slot);
+                    page.count_hit();
                     self.shared_hits.set(self.shared_hits.get() + 1);
                     return Some(Lease {
                         client: self,
-                        grant,
-                        slot,
+                        word,
+                        offset,
+                        len,
                         ptr,
                         waited: false,
                     });
                 }
-                _ => {
-                    if !holding {
-                        self.table.unpin(slot, bit);
-                    }
+                None => {
+                    page.release(word);
                 }
             }
         }
@@ -399,7 +496,7 @@ impl CacheClient {
                 client: self,
                 ticket,
                 key: key.to_string(),
-                slot: None,
+                fill: None,
                 finished: false,
             })),
             other => Err(Self::unexpected("get", other)),
@@ -407,7 +504,7 @@ impl CacheClient {
     }
 
     /// A lease on `key`, filling it on a miss: `fill` writes the record's `len` bytes
-    /// straight into the reserved slot. A failed fill is abandoned (other waiters
+    /// straight into the reserved extent. A failed fill is abandoned (other waiters
     /// retry) and its error returned.
     pub fn get_or_fill<E>(
         &self,
@@ -476,7 +573,8 @@ struct Welcome {
     store_id: u64,
     store_len: u64,
     arena_bytes: u64,
-    pin_bit: u32,
+    pin_page: u32,
+    fill_wait_ms: u64,
     store_fd_follows: bool,
 }
 
@@ -500,14 +598,16 @@ impl Welcome {
                 store_id,
                 store_len,
                 arena_bytes,
-                pin_bit,
+                pin_page,
+                fill_wait_ms,
                 store_fd_follows,
             } => Ok(Welcome {
                 client,
                 store_id,
                 store_len,
                 arena_bytes,
-                pin_bit,
+                pin_page,
+                fill_wait_ms,
                 store_fd_follows,
             }),
             Reply::Error(error) => Err(error.to_string()),
@@ -542,17 +642,19 @@ impl Welcome {
 /// A pinned record: derefs to its bytes in shared memory, released when dropped.
 pub struct Lease<'c> {
     client: &'c CacheClient,
-    grant: LeaseGrant,
-    slot: usize,
-    ptr: *mut u8,
-    /// Whether the get waited for another client's fill of the key.
+    word: LeaseWord,
+    offset: u64,
+    len: u64,
+    ptr: *const u8,
+    /// Whether the get that returned this lease found the key being filled by another
+    /// client and waited for that fill.
     waited: bool,
 }
 
 impl Lease<'_> {
     /// The lease's id.
     pub fn id(&self) -> LeaseId {
-        self.grant.lease
+        self.word.0
     }
 
     /// Whether the get that returned this lease found the key being filled by another
@@ -563,7 +665,7 @@ impl Lease<'_> {
 
     /// The record's offset in the store (for diagnostics).
     pub fn offset(&self) -> u64 {
-        self.grant.offset
+        self.offset
     }
 }
 
@@ -571,17 +673,20 @@ impl Deref for Lease<'_> {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies inside the arena of the mapping (checked by
-        // `CacheClient::range`), which outlives the client this lease borrows; the
-        // record is committed and this connection's pin bit is set on its slot, so the
-        // server hands the slot to no writer until the last lease on it is dropped.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.grant.len as usize) }
+        // SAFETY: `ptr..ptr+len` lies inside the arena of the read-only mapping
+        // (checked by `CacheClient::range`), which outlives the client this lease
+        // borrows; the record is committed and this lease's entry in the
+        // connection's page pins it, so the server hands its extent to no writer
+        // until the entry is released (at the lease's drop, or when the client is
+        // gone: never while this borrow lives).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        self.client.drop_hold(self.slot);
+        // A no-op if this exact lease was released already (through the protocol).
+        self.client.own.page().release(self.word);
     }
 }
 
@@ -591,7 +696,8 @@ pub struct FillTicket<'c> {
     client: &'c CacheClient,
     ticket: TicketId,
     key: String,
-    slot: Option<(*mut u8, u64)>,
+    /// The reserved extent, mapped writable until the commit.
+    fill: Option<FillMap>,
     finished: bool,
 }
 
@@ -601,57 +707,55 @@ impl<'c> FillTicket<'c> {
         &self.key
     }
 
-    /// Reserves a slot for a record of exactly `len` bytes.
+    /// Reserves room for a record of exactly `len` bytes and maps it writable.
     pub fn reserve(&mut self, len: u64) -> Result<(), CacheError> {
         match self.client.request(Request::Reserve {
             ticket: self.ticket,
             len,
         })? {
             Reply::Reserved { offset, len, .. } => {
-                let ptr = self.client.range(offset, len)?;
-                self.slot = Some((ptr, len));
+                let client = self.client;
+                self.fill = Some(client.mapping.fill_map(offset, len, client.arena_bytes)?);
                 Ok(())
             }
             other => Err(CacheClient::unexpected("reserve", other)),
         }
     }
 
-    fn slot(&self) -> Result<(*mut u8, u64), CacheError> {
-        self.slot.ok_or_else(|| CacheError::NotReserved {
-            key: self.key.clone(),
-        })
-    }
-
-    /// The reserved slot's bytes, to write the record into.
+    /// The reserved record's bytes, to write the record into.
     pub fn slot_mut(&mut self) -> Result<&mut [u8], CacheError> {
-        let (ptr, len) = self.slot()?;
-        // SAFETY: the range is inside the mapping (checked at reserve) and reserved
-        // for this ticket alone until commit or abort; `&mut self` keeps this the
-        // only live slice of it in this process.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) })
+        match &mut self.fill {
+            Some(fill) => Ok(fill.bytes_mut()),
+            None => Err(CacheError::NotReserved {
+                key: self.key.clone(),
+            }),
+        }
     }
 
-    /// Writes `bytes` at `offset` in the slot; a write past the reserved length is
+    /// Writes `bytes` at `offset` in the record; a write past the reserved length is
     /// refused and writes nothing.
     pub fn write_at(&mut self, offset: u64, bytes: &[u8]) -> Result<(), CacheError> {
-        let (_, len) = self.slot()?;
+        let key = self.key.clone();
+        let slot = self.slot_mut()?;
+        let slot_len = slot.len() as u64;
         let end = offset.checked_add(bytes.len() as u64);
-        if end.is_none_or(|end| end > len) {
+        if end.is_none_or(|end| end > slot_len) {
             return Err(CacheError::WriteOutOfSlot {
-                key: self.key.clone(),
+                key,
                 offset,
                 len: bytes.len() as u64,
-                slot_len: len,
+                slot_len,
             });
         }
-        let slot = self.slot_mut()?;
         slot[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
 
-    /// Publishes the record and returns a lease on it.
+    /// Publishes the record and returns a lease on it. The writable mapping of its
+    /// extent goes first: a committed record is read-only to every client.
     pub fn commit(mut self) -> Result<Lease<'c>, CacheError> {
         self.finished = true;
+        self.fill = None;
         match self.client.request(Request::Commit {
             ticket: self.ticket,
         })? {
@@ -663,6 +767,7 @@ impl<'c> FillTicket<'c> {
     /// Abandons the fill now.
     pub fn abort(mut self) -> Result<(), CacheError> {
         self.finished = true;
+        self.fill = None;
         self.client
             .request(Request::Abort {
                 ticket: self.ticket,
@@ -673,6 +778,7 @@ impl<'c> FillTicket<'c> {
 
 impl Drop for FillTicket<'_> {
     fn drop(&mut self) {
+        self.fill = None;
         if !self.finished {
             self.client.abort_later(self.ticket);
         }
@@ -696,5 +802,77 @@ impl CacheError {
             CacheError::Refused { error, .. } => Some(error),
             _ => None,
         }
+    }
+
+    /// Whether the cache could not take or give this record but is otherwise
+    /// working: a refusal other than a protocol error (no room, no memory, too
+    /// large, a fill that did not finish in time, no lease left), after which the
+    /// caller reads the record from disk.
+    pub fn is_bypassable(&self) -> bool {
+        match self {
+            CacheError::Refused { error, .. } => !matches!(error, RequestError::Protocol(_)),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_of_an_untrusted_uid_is_refused_naming_its_uid_and_pid() {
+        let me = nix::unistd::geteuid().as_raw();
+        let mine = Peer { uid: me, pid: 7 };
+        check_server("addr", mine, &[me]).unwrap();
+        let other = Peer {
+            uid: me.wrapping_add(1000),
+            pid: 4321,
+        };
+        let err = check_server("addr", other, &[me]).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, CacheError::ForeignServer { server_uid, server_pid: 4321, .. } if server_uid == other.uid),
+            "{err:?}"
+        );
+        assert!(text.contains(&format!("uid {}", other.uid)), "{text}");
+        assert!(text.contains("pid 4321"), "{text}");
+        assert!(text.contains("--allow-uid"), "{text}");
+        check_server("addr", other, &[me, other.uid]).unwrap();
+    }
+
+    #[test]
+    fn trusted_uids_come_from_a_list_and_a_bad_entry_is_named() {
+        assert_eq!(parse_uids("1000, 1001,").unwrap(), vec![1000, 1001]);
+        assert!(parse_uids("").unwrap().is_empty());
+        let err = parse_uids("1000,bob").unwrap_err().to_string();
+        assert!(
+            err.contains("\"bob\"") && err.contains(ALLOW_UIDS_ENV),
+            "{err}"
+        );
+        let options = ClientOptions::default()
+            .trusting(&[5])
+            .waiting(Duration::from_secs(2));
+        assert_eq!(options.trusted_uids.len(), 2);
+        assert_eq!(options.reply_timeout, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn only_refusals_other_than_protocol_errors_are_bypassed() {
+        let refused = |error| CacheError::Refused {
+            request: "reserve",
+            error,
+        };
+        let full = RequestError::StoreFull {
+            key: "k".into(),
+            len: 1,
+            pinned_bytes: 1,
+            filling_bytes: 0,
+            cap: 1,
+        };
+        assert!(refused(full).is_bypassable());
+        assert!(refused(RequestError::TooManyLeases { max: 64 }).is_bypassable());
+        assert!(!refused(RequestError::Protocol("bug".into())).is_bypassable());
+        assert!(!CacheError::Broken.is_bypassable());
     }
 }

@@ -2,15 +2,19 @@
 //! dataset, in compact records in one shared-memory store with a byte cap and LRU
 //! eviction; every loader thread of every rank reads records zero-copy under a lease.
 //!
-//! [`store`] is the bookkeeping, [`shm`] the memory, [`table`] the slot table and
-//! index in shared memory (hits pin there, without a message), [`server`] and
-//! [`client`] the two ends of the control channel whose messages are in [`protocol`].
+//! [`store`] is the bookkeeping, [`shm`] the memory, [`table`] the record
+//! descriptors and index in shared memory (read-only to clients, who find hits there
+//! without a message), [`pins`] each connection's own page of leases, [`server`]
+//! and [`client`] the two ends of the control channel whose messages are in
+//! [`protocol`]; [`address`] the default addresses.
 
+pub mod address;
 pub mod admission;
 pub mod client;
 pub mod fdpass;
 pub mod handshake_dir;
 pub mod ids;
+pub mod pins;
 pub mod protocol;
 pub mod rendezvous;
 pub mod server;
@@ -19,9 +23,10 @@ pub mod stats;
 pub mod store;
 pub mod table;
 
-pub use client::{CacheClient, FillTicket, Lease, Lookup};
+pub use address::default_address;
+pub use client::{CacheClient, ClientOptions, FillTicket, Lease, Lookup};
 pub use protocol::RequestError;
-pub use server::{default_address, spawn_server, Server, ServerConfig, ServerHandle};
+pub use server::{spawn_server, Server, ServerConfig, ServerHandle};
 pub use stats::StatsReport;
 
 use crate::util::bytes::human;
@@ -49,6 +54,19 @@ pub enum CacheError {
         address: String,
         /// The server's user.
         server_uid: u32,
+        /// This process's user.
+        uid: u32,
+    },
+    /// The server's process runs as a user this client does not trust: anyone can
+    /// bind an abstract socket name first, so nothing is read from it.
+    #[error("refused: the cache server at {address:?} runs as uid {server_uid} (pid {server_pid}), not as this process's uid {uid}, so another user may hold the address; nothing was read from it. If that server is meant to serve you, trust it with --allow-uid {server_uid} (or VRTSPIKE_CACHE_ALLOW_UIDS={server_uid}) and start it with --allow-uid {uid}")]
+    ForeignServer {
+        /// The address.
+        address: String,
+        /// The server's user.
+        server_uid: u32,
+        /// The server's process.
+        server_pid: i32,
         /// This process's user.
         uid: u32,
     },
@@ -158,13 +176,13 @@ pub enum CacheError {
         /// The error.
         source: std::io::Error,
     },
-    /// The cap cannot hold even one slot.
-    #[error("cache cap of {cap} bytes holds no slot of {slot_bytes} bytes; raise DATA.CACHE_SIZE_GB / --cap")]
+    /// The cap cannot hold even one record of the given size.
+    #[error("cache cap of {cap} bytes holds no record of {record_bytes} bytes; raise DATA.CACHE_SIZE_GB / --cap")]
     StoreTooSmall {
         /// The cap.
         cap: u64,
-        /// The slot that does not fit.
-        slot_bytes: u64,
+        /// The record that does not fit.
+        record_bytes: u64,
     },
     /// The address is taken.
     #[error("cache address {address:?} is in use: another cache server of this run is running")]

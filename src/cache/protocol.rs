@@ -55,7 +55,8 @@ pub enum Request {
         /// The ticket to abandon.
         ticket: TicketId,
     },
-    /// Unpin a record.
+    /// Release a lease (a lease's own drop does this in shared memory; this is the
+    /// protocol's form, for tools and tests). Releases exactly that lease.
     Release {
         /// The lease to release.
         lease: LeaseId,
@@ -131,8 +132,12 @@ pub enum Reply {
         store_len: u64,
         /// Bytes of the record arena (the cap); the metadata follows, page-aligned.
         arena_bytes: u64,
-        /// This connection's pin bit in the shared slot table.
-        pin_bit: u32,
+        /// This connection's page of pins in the store (the only part of it the
+        /// client maps writable, besides the record it fills).
+        pin_page: u32,
+        /// How long a get waits for another client's fill of the same key, in
+        /// milliseconds (the client waits that long for the answer, and more).
+        fill_wait_ms: u64,
         /// Whether the store's memfd follows on the rendezvous socket (as
         /// SCM_RIGHTS); not when the process maps the store already.
         store_fd_follows: bool,
@@ -210,17 +215,15 @@ pub enum RequestError {
         /// Leases holding it.
         pins: u32,
     },
-    /// No slot class can hold the record.
-    #[error(
-        "record {key:?} of {len} bytes is larger than the largest slot ({largest_slot} bytes)"
-    )]
+    /// The record is larger than the whole store.
+    #[error("record {key:?} of {len} bytes is larger than the whole cache ({cap} bytes); raise DATA.CACHE_SIZE_GB")]
     RecordTooLarge {
         /// The record's key.
         key: String,
         /// Its length.
         len: u64,
-        /// The largest slot the store has or could have.
-        largest_slot: u64,
+        /// Bytes records may use (the cap in whole pages).
+        cap: u64,
     },
     /// A zero-length record.
     #[error("record {key:?}: a record must be at least 1 byte")]
@@ -228,17 +231,20 @@ pub enum RequestError {
         /// The record's key.
         key: String,
     },
-    /// Every slot of the needed size is pinned or being filled.
-    #[error("no slot for {key:?} ({len} bytes): all {slots} slots of {slot_bytes} bytes are pinned or being filled; release leases or raise DATA.CACHE_SIZE_GB")]
+    /// No stretch of the store can be freed for the record now: what would have to
+    /// go is pinned by readers or being filled.
+    #[error("no room for {key:?} ({len} bytes) now: of the cache's {cap} bytes, {pinned_bytes} are pinned by readers and {filling_bytes} are being filled, and no stretch of the rest holds it; the record is read from disk instead (raise DATA.CACHE_SIZE_GB for fewer of these)")]
     StoreFull {
         /// The record's key.
         key: String,
         /// Its length.
         len: u64,
-        /// Slots of that class.
-        slots: usize,
-        /// Their size.
-        slot_bytes: u64,
+        /// Bytes of records pinned now.
+        pinned_bytes: u64,
+        /// Bytes of records being filled now.
+        filling_bytes: u64,
+        /// Bytes records may use.
+        cap: u64,
     },
     /// The machine has no memory for a new slot and no record can be evicted to
     /// make room: the caller reads the record from disk instead.
@@ -278,6 +284,12 @@ pub enum RequestError {
     /// Every connection slot of the server is taken.
     #[error("the cache server serves at most {max} connections at once; close some clients")]
     TooManyConnections {
+        /// The limit.
+        max: usize,
+    },
+    /// The connection holds as many leases as it can.
+    #[error("this connection holds {max} leases already, the most one connection can; drop some, or open another connection")]
+    TooManyLeases {
         /// The limit.
         max: usize,
     },

@@ -1,9 +1,11 @@
 //! The cache server: one per node. It listens on an abstract Unix socket (nothing on
 //! disk, gone with the process), hands each client the store's memfd and typed
 //! channels, and serves each connection on its own thread over one locked store.
-//! Hits on cached records never reach it: clients pin them in the shared slot table
-//! themselves. Concurrent misses on a key wait for the first fill; a client that
-//! disconnects or dies gets its pin bit cleared everywhere and its fills abandoned.
+//! Hits on cached records never reach it: clients pin them in their own pin pages
+//! themselves. Concurrent misses on a key wait for the first fill. When a
+//! connection ends its fills are abandoned; its leases keep pinning until the
+//! client's rendezvous socket closes too (the client, and every lease it handed out,
+//! is gone then), and only then is its pin page cleared and reused.
 //!
 //! A panic in a request is caught on its connection's thread. It may have left the
 //! store half-updated (the lock it held is poisoned), so the server does not go on
@@ -22,7 +24,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
+use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
 use ipc_channel::IpcError;
 use tracing::{debug, error, info, warn};
 
@@ -34,7 +36,7 @@ use super::rendezvous::{self, Greeting};
 use super::shm::Segment;
 use super::store::reserve::Reservations;
 use super::store::{GetOutcome, Store};
-use super::table::{slot_size_for, Layout, SLOT_ALIGN};
+use super::table::{extent_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
 use crate::util::meminfo;
@@ -45,7 +47,7 @@ pub const DEFAULT_RESERVE_HEADROOM: u64 = 512 << 20;
 /// How a server is set up.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Abstract socket name clients connect to (see [`default_address`]).
+    /// Abstract socket name clients connect to (see [`default_address`](super::default_address)).
     pub address: String,
     /// Byte cap: the size of the store. Its memory is reserved as slots are carved,
     /// never more than this.
@@ -53,8 +55,10 @@ pub struct ServerConfig {
     /// Bytes of memory a new slot must leave free on the node (MemAvailable, or the
     /// cgroup's room); a slot that would eat into them is refused.
     pub reserve_headroom: u64,
-    /// Slot sizes; empty: one class per record size, made on its first fill.
-    pub slot_bytes: Vec<u64>,
+    /// The typical smallest record: the store has a descriptor per this many bytes
+    /// of the cap (`None`: one per 64 KiB, at least 1024). Records of any size up
+    /// to the cap are stored either way.
+    pub record_bytes: Option<u64>,
     /// How long a get waits for another client's fill of the same key.
     pub fill_wait_timeout: Duration,
     /// How long a connecting client has to finish the handshake.
@@ -73,7 +77,7 @@ impl ServerConfig {
             address: address.into(),
             cap_bytes,
             reserve_headroom: DEFAULT_RESERVE_HEADROOM,
-            slot_bytes: Vec::new(),
+            record_bytes: None,
             fill_wait_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
@@ -90,25 +94,20 @@ impl ServerConfig {
         if self.cap_bytes < SLOT_ALIGN {
             return Err(CacheError::StoreTooSmall {
                 cap: self.cap_bytes,
-                slot_bytes: SLOT_ALIGN,
+                record_bytes: SLOT_ALIGN,
             });
         }
-        if let Some(&largest) = self.slot_bytes.iter().max() {
-            let slot = slot_size_for(largest);
-            if slot > self.cap_bytes {
+        if let Some(record) = self.record_bytes {
+            let extent = extent_for(record).unwrap_or(u64::MAX);
+            if record == 0 || extent > self.cap_bytes {
                 return Err(CacheError::StoreTooSmall {
                     cap: self.cap_bytes,
-                    slot_bytes: slot,
+                    record_bytes: record,
                 });
             }
         }
         Ok(())
     }
-}
-
-/// The address for a run: `vrtspike-cache-<run id>`.
-pub fn default_address(run_id: &str) -> String {
-    format!("vrtspike-cache-{run_id}")
 }
 
 pub(crate) fn socket_addr(address: &str) -> Result<SocketAddr, CacheError> {
@@ -223,22 +222,22 @@ impl Server {
         })?;
         let handshake_dir = handshake_dir::prepare()?;
         let gate = Gate::new(config.allowed_uids.clone(), config.handshake_limits);
-        let layout = Layout::for_store(config.cap_bytes, &config.slot_bytes);
+        let layout = Layout::for_store(config.cap_bytes, config.record_bytes);
         check_cap_fits(layout.total_bytes())?;
         let segment = Arc::new(Segment::create(layout.total_bytes())?);
         let headroom = config.reserve_headroom;
-        let table = segment.create_table(layout)?;
+        let (table, pins) = segment.create_table(layout)?;
         let reserver = Box::new(segment.reserver(headroom));
-        let reservations = Reservations::new(reserver, layout.meta_bytes());
+        let meta_bytes = layout.total_bytes() - layout.meta_offset();
+        let reservations = Reservations::new(reserver, meta_bytes);
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let cap = config.cap_bytes;
-        let store = Store::new(store_id, cap, &config.slot_bytes, table, reservations);
+        let store = Store::new(store_id, config.cap_bytes, table, pins, reservations);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),
-            metadata = %human(layout.meta_bytes()),
-            slot_entries = layout.slots,
+            metadata = %human(meta_bytes),
+            record_descriptors = layout.slots,
             "cache server ready"
         );
         Ok(Server {
@@ -403,14 +402,15 @@ pub(crate) fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
 }
 
 /// The rendezvous part of a handshake: the client's hello byte, a one-shot channel
-/// named to it, its acknowledgement (the one-shot socket's files are removed
-/// then), and the first message on the channel.
+/// named to it, its acknowledgement, and the first message on the channel (the
+/// one-shot socket's files are removed then).
 fn open_channel(
     shared: &Shared,
     stream: &mut UnixStream,
-) -> Result<(ipc_channel::ipc::IpcReceiver<Request>, Request), String> {
+) -> Result<(IpcReceiver<Request>, Request), String> {
+    let timeout = shared.config.handshake_timeout;
     stream
-        .set_read_timeout(Some(shared.config.handshake_timeout))
+        .set_read_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
     let mut hello = [0u8; 1];
     stream
@@ -433,8 +433,46 @@ fn open_channel(
     stream
         .read_exact(&mut ack)
         .map_err(|e| format!("client did not finish the handshake: {e}"))?;
+    let accepted = accept_within(oneshot, &name, timeout);
     handshake_files.remove();
-    oneshot.accept().map_err(|e| format!("accept: {e:?}"))
+    accepted
+}
+
+/// Accepts the client's connection to the one-shot channel `name` within
+/// `timeout`. The channel's accept has no timeout, and a client that acknowledged
+/// without connecting would hold its handshake slot for good: when the time is up,
+/// a watchdog connects itself, so the accept returns with a message that is not the
+/// client's hello, and the handshake fails.
+fn accept_within(
+    oneshot: IpcOneShotServer<Request>,
+    name: &str,
+    timeout: Duration,
+) -> Result<(IpcReceiver<Request>, Request), String> {
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let wake_name = name.to_string();
+    let watchdog = std::thread::Builder::new()
+        .name("cache-accept-watch".into())
+        .spawn(move || {
+            if wait.recv_timeout(timeout) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                return false;
+            }
+            match IpcSender::<Request>::connect(wake_name) {
+                Ok(wake) => wake.send(Request::Stats).is_ok(),
+                Err(_) => false,
+            }
+        })
+        .map_err(|e| format!("cannot start the accept watchdog: {e}"))?;
+    let accepted = oneshot.accept();
+    let _ = done.send(());
+    let woken = watchdog.join().unwrap_or(false);
+    match accepted {
+        Ok((_, Request::Stats)) if woken => Err(format!(
+            "the client acknowledged the channel but did not connect to it within {} s",
+            timeout.as_secs_f64()
+        )),
+        Ok(pair) => Ok(pair),
+        Err(e) => Err(format!("accept: {e:?}")),
+    }
 }
 
 /// Handshake: after the client's hello byte, a fresh one-shot ipc server, its name
@@ -442,16 +480,9 @@ fn open_channel(
 /// acknowledges here, and the one-shot socket's directory is removed at once.
 fn handshake(
     shared: &Shared,
-    mut stream: UnixStream,
-) -> Result<
-    (
-        ipc_channel::ipc::IpcReceiver<Request>,
-        IpcSender<Reply>,
-        ClientId,
-    ),
-    String,
-> {
-    let (requests, hello) = open_channel(shared, &mut stream)?;
+    stream: &mut UnixStream,
+) -> Result<(IpcReceiver<Request>, IpcSender<Reply>, ClientId), String> {
+    let (requests, hello) = open_channel(shared, stream)?;
     let Request::Hello {
         name,
         pid,
@@ -464,7 +495,7 @@ fn handshake(
     let connected = shared
         .store()
         .and_then(|mut store| store.connect(name.clone(), pid));
-    let (client, pin_bit) = match connected {
+    let (client, pin_page) = match connected {
         Ok(parts) => parts,
         Err(error) => {
             let message = format!("client {name:?} (pid {pid}) refused: {error}");
@@ -478,18 +509,21 @@ fn handshake(
         store_id: shared.store_id,
         store_len: shared.segment.len(),
         arena_bytes: shared.config.cap_bytes,
-        pin_bit: pin_bit as u32,
+        pin_page: pin_page as u32,
+        fill_wait_ms: u64::try_from(shared.config.fill_wait_timeout.as_millis())
+            .unwrap_or(u64::MAX),
         store_fd_follows,
     };
     let sent = reply.send(welcome).map_err(|e| format!("welcome: {e:?}"));
     let sent = sent.and_then(|()| match store_fd_follows {
-        true => fdpass::send_fd(&stream, shared.segment.fd())
+        true => fdpass::send_fd(stream, shared.segment.fd())
             .map_err(|e| format!("sending the store's memfd: {e}")),
         false => Ok(()),
     });
     if let Err(message) = sent {
         if let Ok(mut store) = shared.store() {
             store.disconnect(client);
+            store.forget(client);
         }
         return Err(message);
     }
@@ -497,11 +531,11 @@ fn handshake(
     Ok((requests, reply, client))
 }
 
-fn serve_connection(shared: &Shared, stream: UnixStream, slot: HandshakeSlot) {
+fn serve_connection(shared: &Shared, mut stream: UnixStream, slot: HandshakeSlot) {
     if shared.shutdown.load(Ordering::SeqCst) {
         return;
     }
-    let handshake = handshake(shared, stream);
+    let handshake = handshake(shared, &mut stream);
     drop(slot);
     let (requests, reply, client) = match handshake {
         Ok(parts) => parts,
@@ -531,6 +565,8 @@ fn serve_connection(shared: &Shared, stream: UnixStream, slot: HandshakeSlot) {
             request_shutdown(shared);
         }
     }
+    // The client's requests go nowhere from now on (it sees the server gone).
+    drop((requests, reply));
     let Ok(mut store) = shared.store() else {
         debug!(client, "client gone; no clean-up in a poisoned store");
         return;
@@ -539,10 +575,28 @@ fn serve_connection(shared: &Shared, stream: UnixStream, slot: HandshakeSlot) {
     drop(store);
     if abandoned > 0 {
         shared.fill_done.notify_all();
-        info!(client, abandoned, "client gone; its fills were abandoned");
+        info!(
+            client,
+            abandoned, "connection ended; its fills were abandoned"
+        );
     } else {
-        debug!(client, "client gone");
+        debug!(client, "connection ended");
     }
+    wait_until_closed(&mut stream);
+    if let Ok(mut store) = shared.store() {
+        store.forget(client);
+        debug!(client, "client gone; its leases are released");
+    }
+}
+
+/// Waits until the client closes its end of the rendezvous socket (it holds it for
+/// its connection's whole life): its leases may pin until then.
+fn wait_until_closed(stream: &mut UnixStream) {
+    if stream.set_read_timeout(None).is_err() {
+        return;
+    }
+    let mut buf = [0u8; 64];
+    while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
 }
 
 fn handle(shared: &Shared, client: ClientId, request: Request) -> Reply {

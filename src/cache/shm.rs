@@ -1,9 +1,16 @@
 //! The store's shared memory: one sealed memfd, sized to the cap at start without
-//! touching a page, whose pages are reserved (`fallocate`) only as slots are carved,
-//! after checking that the machine has them. Its size is sealed before any client
-//! gets the fd, so no process can shrink it under the others; the server passes the
-//! fd over the rendezvous socket ([`fdpass`](super::fdpass)) and each process maps
-//! it once, `MAP_SHARED`.
+//! touching a page, whose pages are reserved (`fallocate`) only as records are
+//! carved, after checking that the machine has them. Its size is sealed before any
+//! client gets the fd, so no process can shrink it under the others; the server
+//! passes the fd over the rendezvous socket ([`fdpass`](super::fdpass)).
+//!
+//! The server maps the whole memfd read-write. A client process maps it once,
+//! read-only ([`Mapping`]), shared by all its connections: records, descriptors,
+//! index and the other connections' pins. Writable are only what a connection owns:
+//! its own page of pins ([`OwnPage`], one mapping per connection) and, while it
+//! fills one, the extent of the record it fills ([`FillMap`], mapped at reserve and
+//! unmapped before the commit). A stray write of a faulty client elsewhere in the
+//! store faults in that client instead of corrupting what others read.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -19,8 +26,9 @@ use nix::sys::stat::fstat;
 use nix::unistd::ftruncate;
 use tracing::warn;
 
+use super::pins::{PinPage, PinPages, PAGE_WORDS};
 use super::store::reserve::{PageReserver, ReserveRefusal};
-use super::table::{Layout, Table};
+use super::table::{Layout, Table, TableWriter, MAX_CONNECTIONS, PAGE};
 use super::CacheError;
 use crate::util::meminfo::{self, Available};
 
@@ -34,24 +42,55 @@ fn os_error(op: &'static str, errno: nix::errno::Errno) -> CacheError {
     }
 }
 
-/// A `MAP_SHARED` read-write mapping of a whole memfd, unmapped on drop.
+/// How a range of the memfd is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Read-only.
+    Read,
+    /// Read-write.
+    Write,
+    /// Read-write, the pages faulted in at once (a record about to be written whole).
+    WritePopulated,
+}
+
+/// A `MAP_SHARED` mapping of a range of a memfd, unmapped on drop.
 struct Region {
     base: NonNull<c_void>,
     len: usize,
 }
 
 impl Region {
-    fn map(fd: BorrowedFd<'_>, len: u64) -> Result<Region, CacheError> {
+    /// Maps `len` bytes of `fd` from `offset` (page-aligned).
+    fn map(
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Region, CacheError> {
         let size = usize::try_from(len)
             .ok()
             .and_then(NonZeroUsize::new)
-            .ok_or_else(|| CacheError::Protocol(format!("cannot map a store of {len} bytes")))?;
-        let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
+            .ok_or_else(|| CacheError::Protocol(format!("cannot map {len} bytes of the store")))?;
+        let at = i64::try_from(offset)
+            .ok()
+            .filter(|_| offset % PAGE == 0)
+            .ok_or_else(|| CacheError::Protocol(format!("cannot map the store at {offset}")))?;
+        let (prot, flags) = match access {
+            Access::Read => (ProtFlags::PROT_READ, MapFlags::MAP_SHARED),
+            Access::Write => (
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+            ),
+            Access::WritePopulated => (
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+            ),
+        };
         // SAFETY: a fresh mapping at an address the kernel picks, of a memfd whose
-        // size is sealed at `len` or more (checked by the callers); nothing else
-        // aliases it in this process until we hand out its pointer.
-        let base = unsafe { mmap(None, size, prot, MapFlags::MAP_SHARED, fd, 0) }
-            .map_err(|e| os_error("mmap", e))?;
+        // size is sealed at `offset + len` or more (checked by the callers); nothing
+        // else aliases it in this process until we hand out its pointer.
+        let base =
+            unsafe { mmap(None, size, prot, flags, fd, at) }.map_err(|e| os_error("mmap", e))?;
         Ok(Region {
             base,
             len: size.get(),
@@ -73,6 +112,19 @@ impl Drop for Region {
     }
 }
 
+/// The system's page size, which the layout's page must be (the pins and records
+/// are mapped page by page).
+fn check_page_size() -> Result<(), CacheError> {
+    let size = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .map_err(|e| os_error("sysconf(PAGE_SIZE)", e))?;
+    match size {
+        Some(size) if size as u64 == PAGE => Ok(()),
+        other => Err(CacheError::Protocol(format!(
+            "the cache needs pages of {PAGE} bytes; this system's are {other:?}"
+        ))),
+    }
+}
+
 /// The server's segment: the sealed memfd and the server's mapping of it.
 pub struct Segment {
     fd: OwnedFd,
@@ -88,6 +140,7 @@ unsafe impl Sync for Segment {}
 impl Segment {
     /// A sealed memfd of `len` bytes, none of them reserved yet.
     pub fn create(len: u64) -> Result<Segment, CacheError> {
+        check_page_size()?;
         let flags = MFdFlags::MFD_ALLOW_SEALING | MFdFlags::MFD_CLOEXEC;
         let fd = memfd_create(c"vrtspike-cache", flags).map_err(|e| os_error("memfd_create", e))?;
         let size = i64::try_from(len).map_err(|_| CacheError::ShmTooSmall {
@@ -99,14 +152,17 @@ impl Segment {
         ftruncate(&fd, size).map_err(|e| os_error("ftruncate", e))?;
         let seals = SIZE_SEALS | SealFlag::F_SEAL_SEAL;
         fcntl(&fd, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| os_error("F_ADD_SEALS", e))?;
-        let region = Region::map(fd.as_fd(), len)?;
+        let region = Region::map(fd.as_fd(), 0, len, Access::Write)?;
         Ok(Segment { fd, region })
     }
 
-    /// Reserves the metadata region of `layout` (after checking that the machine has
-    /// it; no headroom is kept for this small, one-off region) and writes a fresh
-    /// slot table there.
-    pub fn create_table(self: &Arc<Self>, layout: Layout) -> Result<Table, CacheError> {
+    /// Reserves the metadata and the pin pages of `layout` (after checking that the
+    /// machine has them; no headroom is kept for this small, one-off region), writes
+    /// a fresh table there and returns it with the pin pages.
+    pub fn create_table(
+        self: &Arc<Self>,
+        layout: Layout,
+    ) -> Result<(TableWriter, PinPages), CacheError> {
         if layout.total_bytes() > self.len() {
             return Err(CacheError::Protocol(format!(
                 "segment of {} bytes cannot hold the layout {layout:?}",
@@ -114,21 +170,30 @@ impl Segment {
             )));
         }
         let mut reserver = self.reserver(0);
+        let meta_len = layout.total_bytes() - layout.meta_offset();
         reserver
-            .reserve(layout.meta_offset(), layout.meta_bytes())
+            .reserve(layout.meta_offset(), meta_len)
             .map_err(|r| CacheError::ShmTooSmall {
                 requested: r.needed,
                 available: r.available,
                 limit: r.limit,
             })?;
-        // SAFETY: the metadata lies inside the segment (checked above), starts at a
-        // page-aligned offset of a page-aligned mapping, is reserved and zeroed (a new
-        // memfd) and touched only through atomics; the Arc keeps the mapping alive.
+        let backing = Arc::clone(self) as Arc<dyn super::table::Backing>;
+        // SAFETY: the metadata and the pin pages lie inside the segment (checked
+        // above), start at page-aligned offsets of a page-aligned read-write mapping,
+        // are reserved and zeroed (a new memfd) and touched only through atomics; the
+        // Arc keeps the mapping alive.
         Ok(unsafe {
-            Table::create(
-                self.region.ptr().add(layout.meta_offset() as usize),
-                layout,
-                Arc::clone(self) as Arc<dyn super::table::Backing>,
+            (
+                TableWriter::create(
+                    self.region.ptr().add(layout.meta_offset() as usize),
+                    layout,
+                    backing.clone(),
+                ),
+                PinPages::over(
+                    self.region.ptr().add(layout.pins_offset() as usize),
+                    backing,
+                ),
             )
         })
     }
@@ -219,25 +284,25 @@ impl PageReserver for MemfdReserver {
     }
 }
 
-/// A client process's mapping of a store, shared by all its connections.
+/// A client process's read-only mapping of a store, shared by all its connections,
+/// and the memfd, from which each connection maps what it may write.
 pub struct Mapping {
     store_id: u64,
     region: Region,
-    // Keeps the memfd open while mapped (not needed by the kernel, but it names
-    // the store in /proc/<pid>/fd for an operator).
-    _fd: OwnedFd,
+    fd: OwnedFd,
 }
 
-// SAFETY: the mapping is a fixed MAP_SHARED region that lives as long as `region`;
-// threads only touch the ranges of slots they hold a lease or a reserved fill on,
-// which the server never hands to two writers or to a writer and a reader at once,
-// and the metadata region only through atomics (see `table`).
+// SAFETY: the mapping is a fixed, read-only MAP_SHARED region that lives as long as
+// `region`; threads only read the ranges of records they hold a lease on, which the
+// server never hands to a writer meanwhile, and the metadata only through atomics
+// (see `table`).
 unsafe impl Send for Mapping {}
 // SAFETY: as above; shared references only hand out raw ranges under that protocol.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps a store's memfd after checking that its size is sealed at `store_len`.
+    /// Maps a store's memfd read-only after checking that its size is sealed at
+    /// `store_len`.
     fn new(store_id: u64, fd: OwnedFd, store_len: u64) -> Result<Mapping, CacheError> {
         let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| os_error("F_GET_SEALS", e))?;
         let seals = SealFlag::from_bits_truncate(seals);
@@ -252,11 +317,11 @@ impl Mapping {
                 "the store's memfd has {size} bytes, the server said {store_len}"
             )));
         }
-        let region = Region::map(fd.as_fd(), store_len)?;
+        let region = Region::map(fd.as_fd(), 0, store_len, Access::Read)?;
         Ok(Mapping {
             store_id,
             region,
-            _fd: fd,
+            fd,
         })
     }
 
@@ -275,7 +340,7 @@ impl Mapping {
         self.region.len == 0
     }
 
-    /// The store's slot table, whose metadata follows an arena of `arena_bytes`.
+    /// The store's table (read-only), whose metadata follows an arena of `arena_bytes`.
     pub fn table(self: &Arc<Self>, arena_bytes: u64) -> Result<Table, CacheError> {
         let meta_offset = super::table::meta_offset_after(arena_bytes);
         if meta_offset >= self.len() as u64 {
@@ -286,8 +351,9 @@ impl Mapping {
         }
         // SAFETY: `meta_offset` is inside the mapping (checked above) and page-aligned
         // in a page-aligned mapping; the server reserved it and created atomics there,
-        // and every process touches them only as atomics; the Arc keeps the mapping
-        // alive. `attach` checks the header's sizes against the mapping's length.
+        // and every process touches them only as atomics (this one only loads); the
+        // Arc keeps the mapping alive. `attach` checks the header's sizes against the
+        // mapping's length.
         let table = unsafe {
             Table::attach(
                 self.region.ptr().add(meta_offset as usize),
@@ -299,13 +365,14 @@ impl Mapping {
         Ok(table)
     }
 
-    /// The start of `[offset, offset + len)`, checked against the mapping's bounds.
-    pub fn range(&self, offset: u64, len: u64) -> Result<*mut u8, CacheError> {
+    /// The start of `[offset, offset + len)` for reading, checked against the
+    /// mapping's bounds.
+    pub fn range(&self, offset: u64, len: u64) -> Result<*const u8, CacheError> {
         let end = offset.checked_add(len);
         match end {
             Some(end) if end <= self.len() as u64 => {
                 // SAFETY: offset + len is within the mapping, checked just above.
-                Ok(unsafe { self.region.ptr().add(offset as usize) })
+                Ok(unsafe { self.region.ptr().add(offset as usize) }.cast_const())
             }
             _ => Err(CacheError::BadGrant {
                 offset,
@@ -313,6 +380,100 @@ impl Mapping {
                 store_len: self.len() as u64,
             }),
         }
+    }
+
+    /// Connection page `page` of a store laid out as `layout`, mapped writable for
+    /// this connection alone.
+    pub fn own_page(&self, layout: &Layout, page: usize) -> Result<OwnPage, CacheError> {
+        if page >= MAX_CONNECTIONS {
+            return Err(CacheError::Protocol(format!(
+                "pin page {page} out of range (at most {MAX_CONNECTIONS})"
+            )));
+        }
+        let offset = layout.pins_offset() + page as u64 * PAGE;
+        if offset + PAGE > self.len() as u64 {
+            return Err(CacheError::BadGrant {
+                offset,
+                len: PAGE,
+                store_len: self.len() as u64,
+            });
+        }
+        let region = Region::map(self.fd.as_fd(), offset, PAGE, Access::Write)?;
+        Ok(OwnPage { region })
+    }
+
+    /// The extent `[offset, offset + len)` of the arena (`arena_bytes` long), mapped
+    /// writable for a fill: whole pages, faulted in at once.
+    pub fn fill_map(&self, offset: u64, len: u64, arena_bytes: u64) -> Result<FillMap, CacheError> {
+        let bad = || CacheError::BadGrant {
+            offset,
+            len,
+            store_len: arena_bytes,
+        };
+        let pages = super::table::extent_for(len).ok_or_else(bad)?;
+        let inside = offset
+            .checked_add(pages)
+            .is_some_and(|end| end <= arena_bytes.next_multiple_of(PAGE));
+        if len == 0 || offset % PAGE != 0 || !inside {
+            return Err(bad());
+        }
+        let region = Region::map(self.fd.as_fd(), offset, pages, Access::WritePopulated)?;
+        Ok(FillMap { region, len })
+    }
+}
+
+/// A connection's own page of pins, mapped writable.
+pub struct OwnPage {
+    region: Region,
+}
+
+// SAFETY: a fixed MAP_SHARED page that lives as long as `region`, touched only
+// through atomics.
+unsafe impl Send for OwnPage {}
+// SAFETY: as above.
+unsafe impl Sync for OwnPage {}
+
+impl OwnPage {
+    /// The page's words.
+    pub fn page(&self) -> PinPage<'_> {
+        // SAFETY: the region is one page of PAGE_WORDS aligned words (a page-aligned
+        // mapping), alive while `self` is, and only atomics touch it in any process.
+        let words = unsafe {
+            std::slice::from_raw_parts(
+                self.region.ptr().cast::<std::sync::atomic::AtomicU64>(),
+                PAGE_WORDS,
+            )
+        };
+        PinPage::new(words)
+    }
+}
+
+/// The extent of a record being filled, mapped writable until the fill ends.
+pub struct FillMap {
+    region: Region,
+    len: u64,
+}
+
+// SAFETY: a fixed MAP_SHARED range reserved for this fill alone (the server hands it
+// to no reader or other writer until the commit), alive as long as `region`.
+unsafe impl Send for FillMap {}
+
+impl FillMap {
+    /// The record's bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes of the mapping (it has `len` rounded up to pages),
+        // reserved for this fill alone; `&mut self` keeps this the only live slice.
+        unsafe { std::slice::from_raw_parts_mut(self.region.ptr(), self.len as usize) }
+    }
+
+    /// The record's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the record is empty (never: a record has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -424,6 +585,7 @@ mod tests {
         let dup = || segment.fd().try_clone_to_owned().unwrap();
         let mapping = Mapping::new(7, dup(), MB).unwrap();
         assert_eq!(mapping.len() as u64, MB);
+        assert!(mapping.range(MB - 10, 11).is_err());
         assert!(matches!(
             Mapping::new(7, dup(), 2 * MB),
             Err(CacheError::Protocol(_))
@@ -432,5 +594,62 @@ mod tests {
         ftruncate(&unsealed, MB as i64).unwrap();
         let err = Mapping::new(7, unsealed, MB).err().unwrap();
         assert!(err.to_string().contains("not sealed"), "{err}");
+    }
+
+    /// The permissions of the mapping that holds `addr`, as /proc/self/maps shows.
+    fn perms_at(addr: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for line in maps.lines() {
+            let mut parts = line.split_whitespace();
+            let (range, perms) = (parts.next().unwrap(), parts.next().unwrap());
+            let (a, b) = range.split_once('-').unwrap();
+            let a = usize::from_str_radix(a, 16).unwrap();
+            let b = usize::from_str_radix(b, 16).unwrap();
+            if (a..b).contains(&addr) {
+                return perms.to_string();
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    #[test]
+    fn a_client_maps_the_store_read_only_and_only_its_own_page_and_fill_writable() {
+        let layout = Layout::for_store(MB, None);
+        let segment = Arc::new(Segment::create(layout.total_bytes()).unwrap());
+        let (_table, pins) = segment.create_table(layout).unwrap();
+        let fd = segment.fd().try_clone_to_owned().unwrap();
+        let mapping = Mapping::new(9, fd, layout.total_bytes()).unwrap();
+        let addr = |offset: u64| mapping.range(offset, 8).unwrap() as usize;
+        assert_eq!(perms_at(addr(0)), "r--s", "records");
+        assert_eq!(
+            perms_at(addr(layout.meta_offset())),
+            "r--s",
+            "descriptors, index"
+        );
+        assert_eq!(perms_at(addr(layout.pins_offset())), "r--s", "others' pins");
+        let own = mapping.own_page(&layout, 3).unwrap();
+        assert_eq!(perms_at(own.region.ptr() as usize), "rw-s");
+        let lease = own.page().take(7).unwrap();
+        assert!(pins.page(3).pins(7), "the server sees the client's lease");
+        assert!(!pins.page(2).pins(7));
+        assert!(pins.page(3).release(lease));
+        let mut fill = mapping.fill_map(2 * PAGE, 5000, MB).unwrap();
+        assert_eq!(perms_at(fill.region.ptr() as usize), "rw-s");
+        assert_eq!(fill.bytes_mut().len(), 5000);
+        fill.bytes_mut()[4999] = 42;
+        let written = mapping.range(2 * PAGE + 4999, 1).unwrap();
+        // SAFETY: one byte inside the read-only mapping (checked by `range`), which
+        // lives on; the fill mapping wrote it above and nothing writes it now.
+        assert_eq!(unsafe { *written }, 42);
+        assert!(
+            mapping.fill_map(PAGE + 1, 10, MB).is_err(),
+            "not page-aligned"
+        );
+        assert!(
+            mapping.fill_map(MB - PAGE, PAGE + 1, MB).is_err(),
+            "past the arena"
+        );
+        assert!(mapping.fill_map(0, 0, MB).is_err(), "empty");
+        assert!(mapping.own_page(&layout, MAX_CONNECTIONS).is_err());
     }
 }

@@ -64,21 +64,6 @@ pub struct ClientStats {
     pub fills_in_flight: usize,
 }
 
-/// One slot class (all slots of one size).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ClassStats {
-    /// Bytes per slot.
-    pub slot_bytes: u64,
-    /// Slots carved from the store so far.
-    pub slots: usize,
-    /// Slots holding a committed record.
-    pub ready: usize,
-    /// Slots with at least one lease.
-    pub pinned: usize,
-    /// Slots being filled.
-    pub filling: usize,
-}
-
 /// Fill latency (miss to commit) over the recent fills, in milliseconds.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct LatencyMs {
@@ -153,41 +138,63 @@ pub struct StatsReport {
     pub uptime_s: f64,
     /// Byte cap (the store's size).
     pub cap_bytes: u64,
-    /// Bytes of slots holding or being filled with records.
+    /// Bytes of extents holding or being filled with records (whole pages).
     pub bytes_used: u64,
-    /// Bytes of slots carved from the store so far.
+    /// Bytes of the records themselves (committed and being filled): `bytes_used`
+    /// less the rounding of each to whole pages.
+    #[serde(default)]
+    pub bytes_live: u64,
+    /// Bytes carved from the store so far (their memory is reserved).
     pub bytes_carved: u64,
+    /// Carved bytes that hold no record: the fragmentation, with `free_extents`.
+    #[serde(default)]
+    pub free_bytes: u64,
+    /// Free extents of the carved bytes.
+    #[serde(default)]
+    pub free_extents: usize,
+    /// The largest free extent.
+    #[serde(default)]
+    pub largest_free: u64,
     /// Bytes of memory reserved under the store: the carved slots and the metadata
     /// (the store takes memory as slots are carved, up to the cap).
     #[serde(default)]
     pub reserved_bytes: u64,
-    /// New slots refused because the machine had no memory to reserve for them.
+    /// Carvings refused because the machine had no memory to reserve for them.
     #[serde(default)]
     pub reserve_refusals: u64,
-    /// Bytes of shared metadata (slot table, index) beyond the cap.
+    /// Records refused because no room could be freed (everything that would have
+    /// to go was pinned or being filled): their readers bypass the cache.
+    #[serde(default)]
+    pub full_refusals: u64,
+    /// Bytes of shared metadata (descriptors, index, pin pages) beyond the cap.
     #[serde(default)]
     pub metadata_bytes: u64,
-    /// Entries of the slot table (the most records the store can hold).
+    /// Record descriptors (the most records the store can hold at once).
     #[serde(default)]
     pub slot_entries: usize,
-    /// Bytes of slots with at least one lease.
+    /// Bytes of records with at least one lease.
     pub pinned_bytes: u64,
+    /// Bytes of records being filled.
+    #[serde(default)]
+    pub filling_bytes: u64,
     /// Committed records.
     pub records: usize,
     /// Records evicted to make room.
     pub evictions: u64,
     /// Fills in flight.
     pub fills_in_flight: usize,
-    /// Leases held, all clients.
+    /// Leases held, all clients (retired connections' included).
     pub leases_held: usize,
+    /// Connections that ended while their client still runs: their leases pin
+    /// until it closes its connection.
+    #[serde(default)]
+    pub retired_connections: usize,
     /// Totals over all clients, past and present.
     pub totals: Counters,
     /// hits / (hits + misses) over all clients.
     pub hit_rate: f64,
     /// Fill latency, recent fills.
     pub fill_latency_ms: LatencyMs,
-    /// Per slot class.
-    pub classes: Vec<ClassStats>,
     /// Connected clients.
     pub clients: Vec<ClientStats>,
 }
@@ -211,16 +218,25 @@ impl fmt::Display for StatsReport {
             gib(self.pinned_bytes),
             self.records
         )?;
-        if self.reserve_refusals > 0 {
+        writeln!(
+            f,
+            "records {:.3} GiB in {:.3} GiB of extents; free {:.3} GiB in {} extents (largest {:.3} GiB)",
+            gib(self.bytes_live),
+            gib(self.bytes_used),
+            gib(self.free_bytes),
+            self.free_extents,
+            gib(self.largest_free)
+        )?;
+        if self.reserve_refusals + self.full_refusals > 0 {
             writeln!(
                 f,
-                "reservations refused (no memory for a new slot): {}",
-                self.reserve_refusals
+                "refused: {} for no memory on the node, {} for no room (pinned or filling)",
+                self.reserve_refusals, self.full_refusals
             )?;
         }
         writeln!(
             f,
-            "metadata {:.1} MiB for {} slot entries  requests {}",
+            "metadata {:.1} MiB for {} record descriptors  requests {}",
             self.metadata_bytes as f64 / (1u64 << 20) as f64,
             self.slot_entries,
             t.requests
@@ -241,11 +257,11 @@ impl fmt::Display for StatsReport {
             "fills {} (abandoned {}, in flight {})  fill latency ms: mean {:.2} p50 {:.2} p99 {:.2} max {:.2}",
             t.fills, t.fills_abandoned, self.fills_in_flight, l.mean, l.p50, l.p99, l.max
         )?;
-        for c in &self.classes {
+        if self.retired_connections > 0 {
             writeln!(
                 f,
-                "slot class {} B: {} slots, {} ready, {} pinned, {} filling",
-                c.slot_bytes, c.slots, c.ready, c.pinned, c.filling
+                "retired connections (their clients still hold leases): {}",
+                self.retired_connections
             )?;
         }
         if !self.clients.is_empty() {

@@ -1,42 +1,48 @@
-//! The store's metadata in shared memory: a header, one word block per connection
-//! (owner, hit counter), a slot table (state, pin bits, length, key) and a hash index,
-//! all atomics, so clients find and pin cached records without a message to the server.
+//! The store's metadata in shared memory: a header, one descriptor per record (state,
+//! offset, length, key) and a hash index of the committed records, all atomics, so
+//! clients find cached records without a message to the server.
 //!
-//! The server alone changes slot states and the index (under its store mutex);
-//! clients only set and clear their own pin bit and bump their own counters. A hit
-//! pins (read-modify-write) *then* loads the state, while eviction stores EVICTING
-//! *then* loads the pins, all `SeqCst`: one of the two always sees the other.
+//! The server alone writes here ([`TableWriter`], under its store mutex); clients
+//! map this region read-only and only load from it ([`Table`]). Every load is
+//! `Relaxed`, the only atomic access that works on read-only memory, with explicit
+//! fences where order matters: a client reads a slot's state and then, after an
+//! acquire fence, the record's key, offset and length, which the server wrote before
+//! publishing the state with a release store. The pins that keep a record from
+//! eviction live elsewhere, in each connection's own page ([`pins`](super::pins)).
 //!
 //! The lowest layer of the cache: it knows nothing of the store that drives it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ops::Deref;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// "VRTCACHE", little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VRTCACHE");
 /// Layout version; a client refuses a store of another version.
-pub const VERSION: u64 = 1;
-/// Connections a server can serve at once (one pin bit each).
+pub const VERSION: u64 = 2;
+/// Connections a server can serve at once (one page of pins each).
 pub const MAX_CONNECTIONS: usize = 512;
 /// Longest key a record can have.
 pub const MAX_KEY_BYTES: usize = 160;
-/// Fewest slot entries a table has.
+/// Fewest record descriptors a table has.
 pub const MIN_SLOTS: u64 = 1024;
-/// Most slot entries a table has (512 MiB of slot table).
+/// Most record descriptors a table has (at most 2^21: a lease word names one in 24 bits).
 pub const MAX_SLOTS: u64 = 1 << 21;
-/// Store bytes per slot entry when no slot size is given.
+/// Store bytes per descriptor when no record size is given.
 pub const BYTES_PER_SLOT_ENTRY: u64 = 64 << 10;
 
-const PAGE: u64 = 4096;
-/// Slots are page multiples, so records start page-aligned.
+/// The unit of the store's layout: records start on it, and each connection's pins
+/// fill one (so a client can map its own pins, and nothing else, writable).
+pub const PAGE: u64 = 4096;
+/// Records start page-aligned and take whole pages.
 pub const SLOT_ALIGN: u64 = PAGE;
 
-/// `len` rounded up to the slot alignment: the size of the slot a record of `len`
-/// bytes needs.
-pub fn slot_size_for(len: u64) -> u64 {
-    len.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+/// The bytes a record of `len` bytes takes in the store (whole pages); `None` when
+/// that does not fit in a u64 (only a peer's nonsense length does that).
+pub fn extent_for(len: u64) -> Option<u64> {
+    len.checked_next_multiple_of(SLOT_ALIGN)
 }
-const PIN_WORDS: usize = MAX_CONNECTIONS / 64;
+
 const KEY_WORDS: usize = MAX_KEY_BYTES / 8;
 
 // Header words.
@@ -46,25 +52,16 @@ const H_ARENA: usize = 2;
 const H_SLOTS: usize = 3;
 const H_INDEX: usize = 4;
 const H_CONNS: usize = 5;
-/// The coarse clock, alone on its cache line.
-const H_CLOCK: usize = 8;
 const HEADER_WORDS: usize = (PAGE / 8) as usize;
 
-// Per-connection words (one cache line each).
-const CONN_WORDS: usize = 8;
-const C_OWNER: usize = 0;
-const C_HITS: usize = 1;
-
-// Slot words (256 bytes each).
-const SLOT_WORDS: usize = 32;
+// Descriptor words (192 bytes, three cache lines).
+const SLOT_WORDS: usize = 24;
 const S_STATE: usize = 0;
-const S_PINS: usize = 1;
 /// Record length in the low 48 bits, key length in the high 16.
-const S_LEN: usize = S_PINS + PIN_WORDS;
-const S_OFFSET: usize = S_LEN + 1;
-const S_LAST_ACCESS: usize = S_OFFSET + 1;
-const S_KEY: usize = S_LAST_ACCESS + 1;
-const _: () = assert!(S_KEY + KEY_WORDS == SLOT_WORDS);
+const S_LEN: usize = 1;
+const S_OFFSET: usize = 2;
+const S_KEY: usize = 3;
+const _: () = assert!(S_KEY + KEY_WORDS <= SLOT_WORDS);
 
 const LEN_MASK: u64 = (1 << 48) - 1;
 
@@ -80,7 +77,7 @@ pub enum SlotCode {
     Filling = 1,
     /// Holds a committed record.
     Ready = 2,
-    /// The server is checking whether it can take it (see the module doc).
+    /// The server is checking whether it can take it (see [`TableWriter::mark_evicting`]).
     Evicting = 3,
 }
 
@@ -109,16 +106,6 @@ impl SlotState {
     fn word(self) -> u64 {
         (u64::from(self.generation) << 32) | self.code as u64
     }
-}
-
-/// A lease id names a slot and the generation of the record it pinned.
-pub fn lease_id(slot: usize, generation: u32) -> u64 {
-    (u64::from(generation) << 32) | slot as u64
-}
-
-/// The slot and generation a lease id names.
-pub fn decode_lease(lease: u64) -> (usize, u32) {
-    ((lease & 0xffff_ffff) as usize, (lease >> 32) as u32)
 }
 
 /// The key's hash, the same in every process (FNV-1a, then a 64-bit finalizer).
@@ -151,24 +138,25 @@ pub fn meta_offset_after(arena_bytes: u64) -> u64 {
     arena_bytes.div_ceil(PAGE) * PAGE
 }
 
-/// Sizes of the metadata region, which follows the record arena in the memfd.
+/// Sizes of the store's memfd: the record arena at offset 0, then the metadata
+/// (header, descriptors, index), then one page of pins per connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     /// Bytes of the record arena (the byte cap), at offset 0.
     pub arena_bytes: u64,
-    /// Slot entries.
+    /// Record descriptors (the most records the store holds at once).
     pub slots: usize,
     /// Index entries (a power of two, at least twice the slots).
     pub index_entries: usize,
 }
 
 impl Layout {
-    /// The layout for a store of `cap` bytes: with slot sizes given, one entry per
-    /// slot of the smallest size that fits; else `max(1024, cap / 64 KiB)` entries,
-    /// at most [`MAX_SLOTS`].
-    pub fn for_store(cap: u64, slot_bytes: &[u64]) -> Layout {
-        let slots = match slot_bytes.iter().filter(|&&b| b > 0).min() {
-            Some(&smallest) => (cap / slot_size_for(smallest)).max(1),
+    /// The layout for a store of `cap` bytes: with a typical smallest record size
+    /// given, `cap / record` descriptors; else `max(1024, cap / 64 KiB)`; at most
+    /// [`MAX_SLOTS`].
+    pub fn for_store(cap: u64, record_bytes: Option<u64>) -> Layout {
+        let slots = match record_bytes.filter(|&b| b > 0).and_then(extent_for) {
+            Some(record) => (cap / record).max(1),
             None => (cap / BYTES_PER_SLOT_ENTRY).max(MIN_SLOTS),
         }
         .min(MAX_SLOTS) as usize;
@@ -188,12 +176,8 @@ impl Layout {
         meta_offset_after(self.arena_bytes)
     }
 
-    fn conns_word(&self) -> usize {
-        HEADER_WORDS
-    }
-
     fn slots_word(&self) -> usize {
-        HEADER_WORDS + MAX_CONNECTIONS * CONN_WORDS
+        HEADER_WORDS
     }
 
     fn index_word(&self) -> usize {
@@ -204,14 +188,24 @@ impl Layout {
         self.index_word() + self.index_entries
     }
 
-    /// Bytes of metadata (not counted in the byte cap).
+    /// Bytes of the metadata (not counted in the byte cap).
     pub fn meta_bytes(&self) -> u64 {
         (self.words() as u64 * 8).div_ceil(PAGE) * PAGE
     }
 
-    /// Bytes of the whole memfd: arena, then metadata.
-    pub fn total_bytes(&self) -> u64 {
+    /// Where the connections' pin pages start (page-aligned).
+    pub fn pins_offset(&self) -> u64 {
         self.meta_offset() + self.meta_bytes()
+    }
+
+    /// Bytes of all connections' pin pages.
+    pub fn pins_bytes(&self) -> u64 {
+        MAX_CONNECTIONS as u64 * PAGE
+    }
+
+    /// Bytes of the whole memfd: arena, metadata, pin pages.
+    pub fn total_bytes(&self) -> u64 {
+        self.pins_offset() + self.pins_bytes()
     }
 }
 
@@ -235,8 +229,8 @@ pub enum TableError {
 pub trait Backing: Send + Sync {}
 impl<T: Send + Sync> Backing for T {}
 
-/// The metadata region, seen as atomics. Cheap to share: every operation is on
-/// atomics and takes `&self`.
+/// The metadata, seen as atomics: the read side, all `Relaxed` loads (see the
+/// module doc), which is all a client can do with its read-only mapping.
 pub struct Table {
     base: *const AtomicU64,
     layout: Layout,
@@ -253,37 +247,9 @@ unsafe impl Sync for Table {}
 struct HeapWords(#[allow(dead_code)] Box<[AtomicU64]>);
 
 impl Table {
-    /// A fresh table on the heap, for tests and tools.
-    pub fn on_heap(arena_bytes: u64, slots: usize) -> Table {
-        let layout = Layout::new(arena_bytes, slots);
-        let words: Box<[AtomicU64]> = (0..layout.words()).map(|_| AtomicU64::new(0)).collect();
-        let base = words.as_ptr();
-        let table = Table {
-            base,
-            layout,
-            _backing: Arc::new(HeapWords(words)),
-        };
-        table.init_header();
-        table
-    }
-
-    /// Creates a fresh table over zeroed memory at `base` and writes its header.
-    ///
-    /// # Safety
-    /// `base` must be 8-byte aligned, point at `layout.meta_bytes()` zeroed bytes that
-    /// only atomics touch, and stay valid while `backing` lives.
-    pub unsafe fn create(base: *const u8, layout: Layout, backing: Arc<dyn Backing>) -> Table {
-        let table = Table {
-            base: base.cast(),
-            layout,
-            _backing: backing,
-        };
-        table.init_header();
-        table
-    }
-
     /// Attaches to a table the server created in a mapping of `mapped_len` bytes whose
-    /// metadata starts at `base` (`meta_offset` bytes into the mapping).
+    /// metadata starts at `base` (`meta_offset` bytes into the mapping). The mapping
+    /// may be read-only: nothing here writes.
     ///
     /// # Safety
     /// `base` must be 8-byte aligned, point `meta_offset` bytes into a mapping of
@@ -303,9 +269,12 @@ impl Table {
         }
         let words: *const AtomicU64 = base.cast();
         // SAFETY: the header page lies inside the mapping (checked above) and the
-        // caller guarantees alignment and lifetime.
-        let header = |i: usize| unsafe { (*words.add(i)).load(Ordering::Acquire) };
-        let (magic, version) = (header(H_MAGIC), header(H_VERSION));
+        // caller guarantees alignment and lifetime; a relaxed load works on
+        // read-only memory.
+        let header = |i: usize| unsafe { (*words.add(i)).load(Ordering::Relaxed) };
+        let magic = header(H_MAGIC);
+        fence(Ordering::Acquire);
+        let version = header(H_VERSION);
         if magic != MAGIC || version != VERSION {
             return Err(TableError::Format { magic, version });
         }
@@ -336,20 +305,6 @@ impl Table {
         })
     }
 
-    fn init_header(&self) {
-        self.w(H_ARENA)
-            .store(self.layout.arena_bytes, Ordering::Relaxed);
-        self.w(H_SLOTS)
-            .store(self.layout.slots as u64, Ordering::Relaxed);
-        self.w(H_INDEX)
-            .store(self.layout.index_entries as u64, Ordering::Relaxed);
-        self.w(H_CONNS)
-            .store(MAX_CONNECTIONS as u64, Ordering::Relaxed);
-        self.w(H_CLOCK).store(1, Ordering::Relaxed);
-        self.w(H_VERSION).store(VERSION, Ordering::Relaxed);
-        self.w(H_MAGIC).store(MAGIC, Ordering::Release);
-    }
-
     /// The word at `i` of the region.
     fn w(&self, i: usize) -> &AtomicU64 {
         assert!(i < self.layout.words(), "table word {i} out of range");
@@ -358,12 +313,12 @@ impl Table {
         unsafe { &*self.base.add(i) }
     }
 
-    fn slot_word(&self, slot: usize, field: usize) -> &AtomicU64 {
-        self.w(self.layout.slots_word() + slot * SLOT_WORDS + field)
+    fn load(&self, i: usize) -> u64 {
+        self.w(i).load(Ordering::Relaxed)
     }
 
-    fn conn_word(&self, conn: usize, field: usize) -> &AtomicU64 {
-        self.w(self.layout.conns_word() + conn * CONN_WORDS + field)
+    fn slot_word(&self, slot: usize, field: usize) -> usize {
+        self.layout.slots_word() + slot * SLOT_WORDS + field
     }
 
     /// The table's sizes.
@@ -371,102 +326,30 @@ impl Table {
         self.layout
     }
 
-    /// Slot entries.
+    /// Record descriptors.
     pub fn slots(&self) -> usize {
         self.layout.slots
     }
 
-    // ---- clock ----
-
-    /// The coarse clock (for LRU second chances).
-    pub fn clock(&self) -> u64 {
-        self.w(H_CLOCK).load(Ordering::Relaxed)
-    }
-
-    /// Advances the clock (server); returns the new value. A record entering the
-    /// LRU now is stamped with it, so only accesses after a later tick look newer.
-    pub fn tick(&self) -> u64 {
-        self.w(H_CLOCK).fetch_add(1, Ordering::SeqCst) + 1
-    }
-
-    // ---- connections ----
-
-    /// Gives connection bit `conn` to client `owner` with a zero hit counter (server).
-    pub fn claim_connection(&self, conn: usize, owner: u64) {
-        self.conn_word(conn, C_HITS).store(0, Ordering::SeqCst);
-        self.conn_word(conn, C_OWNER).store(owner, Ordering::SeqCst);
-    }
-
-    /// Takes bit `conn` back (server): no owner, its pin bit cleared in the first
-    /// `carved` slots; returns the hits it counted.
-    pub fn release_connection(&self, conn: usize, carved: usize) -> u64 {
-        self.conn_word(conn, C_OWNER).store(0, Ordering::SeqCst);
-        let (word, bit) = (conn / 64, 1u64 << (conn % 64));
-        for slot in 0..carved.min(self.layout.slots) {
-            self.slot_word(slot, S_PINS + word)
-                .fetch_and(!bit, Ordering::SeqCst);
-        }
-        self.conn_word(conn, C_HITS).swap(0, Ordering::SeqCst)
-    }
-
-    /// The client that owns bit `conn` (0: none).
-    pub fn connection_owner(&self, conn: usize) -> u64 {
-        self.conn_word(conn, C_OWNER).load(Ordering::SeqCst)
-    }
-
-    /// Hits counted in shared memory by connection `conn`.
-    pub fn connection_hits(&self, conn: usize) -> u64 {
-        self.conn_word(conn, C_HITS).load(Ordering::Relaxed)
-    }
-
-    /// Counts one hit of connection `conn` (only that connection's thread calls it).
-    pub fn count_hit(&self, conn: usize) {
-        self.conn_word(conn, C_HITS).fetch_add(1, Ordering::Relaxed);
-    }
-
-    // ---- slots ----
-
-    /// A slot's state.
+    /// A slot's state. Loads made after it see what the server wrote before it
+    /// published this state (acquire).
     pub fn state(&self, slot: usize) -> Option<SlotState> {
-        let word = self.slot_word(slot, S_STATE).load(Ordering::SeqCst);
+        let word = self.load(self.slot_word(slot, S_STATE));
+        fence(Ordering::Acquire);
         Some(SlotState {
             generation: (word >> 32) as u32,
             code: SlotCode::from_word(word)?,
         })
     }
 
-    /// Sets a slot's state (server).
-    pub fn set_state(&self, slot: usize, state: SlotState) {
-        self.slot_word(slot, S_STATE)
-            .store(state.word(), Ordering::SeqCst);
-    }
-
-    /// Sets the fixed offset of a newly carved slot (server).
-    pub fn set_offset(&self, slot: usize, offset: u64) {
-        self.slot_word(slot, S_OFFSET)
-            .store(offset, Ordering::Relaxed);
-    }
-
-    /// The slot's offset in the arena.
+    /// The record's offset in the arena.
     pub fn offset(&self, slot: usize) -> u64 {
-        self.slot_word(slot, S_OFFSET).load(Ordering::Relaxed)
+        self.load(self.slot_word(slot, S_OFFSET))
     }
 
     /// The committed record's length.
     pub fn record_len(&self, slot: usize) -> u64 {
-        self.slot_word(slot, S_LEN).load(Ordering::Relaxed) & LEN_MASK
-    }
-
-    /// Writes a record's key and length before it is published (server).
-    pub fn write_record(&self, slot: usize, key: &str, len: u64) {
-        let packed = pack_key(key.as_bytes());
-        for (i, &word) in packed.iter().enumerate() {
-            self.slot_word(slot, S_KEY + i)
-                .store(word, Ordering::Relaxed);
-        }
-        let key_len = key.len().min(MAX_KEY_BYTES) as u64;
-        self.slot_word(slot, S_LEN)
-            .store((len & LEN_MASK) | (key_len << 48), Ordering::Relaxed);
+        self.load(self.slot_word(slot, S_LEN)) & LEN_MASK
     }
 
     /// Whether the slot's key is `key` (meaningful while the slot is pinned and Ready).
@@ -475,141 +358,17 @@ impl Table {
         if bytes.len() > MAX_KEY_BYTES {
             return false;
         }
-        let stored_len = self.slot_word(slot, S_LEN).load(Ordering::Relaxed) >> 48;
+        let stored_len = self.load(self.slot_word(slot, S_LEN)) >> 48;
         if stored_len != bytes.len() as u64 {
             return false;
         }
         let packed = pack_key(bytes);
         (0..bytes.len().div_ceil(8))
-            .all(|i| self.slot_word(slot, S_KEY + i).load(Ordering::Relaxed) == packed[i])
+            .all(|i| self.load(self.slot_word(slot, S_KEY + i)) == packed[i])
     }
 
-    /// The clock value of the slot's last access.
-    pub fn last_access(&self, slot: usize) -> u64 {
-        self.slot_word(slot, S_LAST_ACCESS).load(Ordering::Relaxed)
-    }
-
-    /// Marks the slot accessed now.
-    pub fn touch(&self, slot: usize) {
-        let now = self.clock();
-        let word = self.slot_word(slot, S_LAST_ACCESS);
-        if word.load(Ordering::Relaxed) < now {
-            word.store(now, Ordering::Relaxed);
-        }
-    }
-
-    /// Sets connection `conn`'s pin bit on `slot`.
-    pub fn pin(&self, slot: usize, conn: usize) {
-        self.slot_word(slot, S_PINS + conn / 64)
-            .fetch_or(1 << (conn % 64), Ordering::SeqCst);
-    }
-
-    /// Clears connection `conn`'s pin bit on `slot`; returns whether it was set.
-    pub fn unpin(&self, slot: usize, conn: usize) -> bool {
-        let bit = 1u64 << (conn % 64);
-        self.slot_word(slot, S_PINS + conn / 64)
-            .fetch_and(!bit, Ordering::SeqCst)
-            & bit
-            != 0
-    }
-
-    /// Whether connection `conn` pins `slot`.
-    pub fn is_pinned_by(&self, slot: usize, conn: usize) -> bool {
-        self.slot_word(slot, S_PINS + conn / 64)
-            .load(Ordering::SeqCst)
-            & (1 << (conn % 64))
-            != 0
-    }
-
-    /// Connections that pin `slot`.
-    pub fn pin_count(&self, slot: usize) -> u32 {
-        (0..PIN_WORDS)
-            .map(|i| {
-                self.slot_word(slot, S_PINS + i)
-                    .load(Ordering::SeqCst)
-                    .count_ones()
-            })
-            .sum()
-    }
-
-    /// Tries to take a Ready slot from its record (server, under the store lock):
-    /// marks it Evicting, then looks at the pins; if any is set, the slot goes back to
-    /// Ready and this returns false. On true the slot stays Evicting for the caller.
-    pub fn try_evict(&self, slot: usize) -> bool {
-        let Some(state) = self.state(slot) else {
-            return false;
-        };
-        if state.code != SlotCode::Ready {
-            return false;
-        }
-        self.set_state(
-            slot,
-            SlotState {
-                code: SlotCode::Evicting,
-                ..state
-            },
-        );
-        if self.pin_count(slot) == 0 {
-            return true;
-        }
-        self.set_state(slot, state);
-        false
-    }
-
-    // ---- index ----
-
-    fn index_entry(&self, i: usize) -> &AtomicU64 {
-        self.w(self.layout.index_word() + i)
-    }
-
-    fn entry_for(hash: u64, slot: usize) -> u64 {
-        ((hash >> 32) << 32) | (slot as u64 + 1)
-    }
-
-    /// Adds `hash -> slot` (server); returns whether it took a tombstone's place.
-    pub fn index_insert(&self, hash: u64, slot: usize) -> bool {
-        let mask = self.layout.index_entries - 1;
-        let mut i = hash as usize & mask;
-        for _ in 0..self.layout.index_entries {
-            let entry = self.index_entry(i);
-            let current = entry.load(Ordering::Relaxed);
-            if current == 0 || current == TOMBSTONE {
-                entry.store(Self::entry_for(hash, slot), Ordering::Release);
-                return current == TOMBSTONE;
-            }
-            i = (i + 1) & mask;
-        }
-        // Unreachable while entries outnumber slots twice over; a full index only
-        // costs clients their fast path for this key.
-        false
-    }
-
-    /// Removes `hash -> slot` (server); returns whether it left a tombstone.
-    pub fn index_remove(&self, hash: u64, slot: usize) -> bool {
-        let mask = self.layout.index_entries - 1;
-        let wanted = Self::entry_for(hash, slot);
-        let mut i = hash as usize & mask;
-        for _ in 0..self.layout.index_entries {
-            let entry = self.index_entry(i);
-            match entry.load(Ordering::Relaxed) {
-                0 => return false,
-                e if e == wanted => {
-                    let next = self.index_entry((i + 1) & mask).load(Ordering::Relaxed);
-                    let tomb = next != 0;
-                    entry.store(if tomb { TOMBSTONE } else { 0 }, Ordering::Release);
-                    return tomb;
-                }
-                _ => i = (i + 1) & mask,
-            }
-        }
-        false
-    }
-
-    /// Empties the index (server, before re-inserting the live records).
-    pub fn index_clear(&self) {
-        for i in 0..self.layout.index_entries {
-            self.index_entry(i).store(0, Ordering::Release);
-        }
+    fn index_entry(&self, i: usize) -> usize {
+        self.layout.index_word() + i
     }
 
     /// Index entries.
@@ -624,7 +383,7 @@ impl Table {
         let tag = hash >> 32;
         let start = hash as usize & mask;
         (0..self.layout.index_entries)
-            .map(move |n| self.index_entry((start + n) & mask).load(Ordering::Acquire))
+            .map(move |n| self.load(self.index_entry((start + n) & mask)))
             .take_while(|&e| e != 0)
             .filter(move |&e| e != TOMBSTONE && e >> 32 == tag)
             .map(|e| (e & 0xffff_ffff) as usize - 1)
@@ -632,14 +391,179 @@ impl Table {
     }
 }
 
+/// The write side of the table, the server's alone: it derefs to the read side.
+pub struct TableWriter {
+    table: Table,
+}
+
+impl Deref for TableWriter {
+    type Target = Table;
+
+    fn deref(&self) -> &Table {
+        &self.table
+    }
+}
+
+impl TableWriter {
+    /// A fresh table on the heap, for tests and tools.
+    pub fn on_heap(arena_bytes: u64, slots: usize) -> TableWriter {
+        let layout = Layout::new(arena_bytes, slots);
+        let words: Box<[AtomicU64]> = (0..layout.words()).map(|_| AtomicU64::new(0)).collect();
+        let base = words.as_ptr();
+        let writer = TableWriter {
+            table: Table {
+                base,
+                layout,
+                _backing: Arc::new(HeapWords(words)),
+            },
+        };
+        writer.init_header();
+        writer
+    }
+
+    /// Creates a fresh table over zeroed memory at `base` and writes its header.
+    ///
+    /// # Safety
+    /// `base` must be 8-byte aligned, point at `layout.meta_bytes()` zeroed, writable
+    /// bytes that only atomics touch, and stay valid while `backing` lives.
+    pub unsafe fn create(
+        base: *const u8,
+        layout: Layout,
+        backing: Arc<dyn Backing>,
+    ) -> TableWriter {
+        let writer = TableWriter {
+            table: Table {
+                base: base.cast(),
+                layout,
+                _backing: backing,
+            },
+        };
+        writer.init_header();
+        writer
+    }
+
+    fn store(&self, i: usize, value: u64, order: Ordering) {
+        self.table.w(i).store(value, order);
+    }
+
+    fn init_header(&self) {
+        let layout = self.table.layout;
+        self.store(H_ARENA, layout.arena_bytes, Ordering::Relaxed);
+        self.store(H_SLOTS, layout.slots as u64, Ordering::Relaxed);
+        self.store(H_INDEX, layout.index_entries as u64, Ordering::Relaxed);
+        self.store(H_CONNS, MAX_CONNECTIONS as u64, Ordering::Relaxed);
+        self.store(H_VERSION, VERSION, Ordering::Relaxed);
+        self.store(H_MAGIC, MAGIC, Ordering::Release);
+    }
+
+    /// Sets a slot's state (release: what was written before is seen by whoever
+    /// reads this state).
+    pub fn set_state(&self, slot: usize, state: SlotState) {
+        let i = self.table.slot_word(slot, S_STATE);
+        self.store(i, state.word(), Ordering::SeqCst);
+    }
+
+    /// Writes a record's key, place and length before it is published.
+    pub fn write_record(&self, slot: usize, key: &str, offset: u64, len: u64) {
+        let packed = pack_key(key.as_bytes());
+        for (i, &word) in packed.iter().enumerate() {
+            self.store(
+                self.table.slot_word(slot, S_KEY + i),
+                word,
+                Ordering::Relaxed,
+            );
+        }
+        let key_len = key.len().min(MAX_KEY_BYTES) as u64;
+        let len_word = (len & LEN_MASK) | (key_len << 48);
+        self.store(
+            self.table.slot_word(slot, S_LEN),
+            len_word,
+            Ordering::Relaxed,
+        );
+        self.store(
+            self.table.slot_word(slot, S_OFFSET),
+            offset,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Marks a Ready slot Evicting and returns the state it had (`None`, and no
+    /// change, if it was not Ready). Then a sequentially consistent fence: the
+    /// caller checks the pins next, and a client pins (then fences) before it reads
+    /// the state, so either the client sees Evicting or the caller sees the pin.
+    pub fn mark_evicting(&self, slot: usize) -> Option<SlotState> {
+        let state = self.table.state(slot)?;
+        if state.code != SlotCode::Ready {
+            return None;
+        }
+        self.set_state(
+            slot,
+            SlotState {
+                code: SlotCode::Evicting,
+                ..state
+            },
+        );
+        fence(Ordering::SeqCst);
+        Some(state)
+    }
+
+    fn entry_for(hash: u64, slot: usize) -> u64 {
+        ((hash >> 32) << 32) | (slot as u64 + 1)
+    }
+
+    /// Adds `hash -> slot`; returns whether it took a tombstone's place.
+    pub fn index_insert(&self, hash: u64, slot: usize) -> bool {
+        let mask = self.table.layout.index_entries - 1;
+        let mut i = hash as usize & mask;
+        for _ in 0..self.table.layout.index_entries {
+            let at = self.table.index_entry(i);
+            let current = self.table.load(at);
+            if current == 0 || current == TOMBSTONE {
+                self.store(at, Self::entry_for(hash, slot), Ordering::Release);
+                return current == TOMBSTONE;
+            }
+            i = (i + 1) & mask;
+        }
+        // Unreachable while entries outnumber slots twice over; a full index only
+        // costs clients their fast path for this key.
+        false
+    }
+
+    /// Removes `hash -> slot`; returns whether it left a tombstone.
+    pub fn index_remove(&self, hash: u64, slot: usize) -> bool {
+        let mask = self.table.layout.index_entries - 1;
+        let wanted = Self::entry_for(hash, slot);
+        let mut i = hash as usize & mask;
+        for _ in 0..self.table.layout.index_entries {
+            let at = self.table.index_entry(i);
+            match self.table.load(at) {
+                0 => return false,
+                e if e == wanted => {
+                    let next = self.table.load(self.table.index_entry((i + 1) & mask));
+                    let tomb = next != 0;
+                    self.store(at, if tomb { TOMBSTONE } else { 0 }, Ordering::Release);
+                    return tomb;
+                }
+                _ => i = (i + 1) & mask,
+            }
+        }
+        false
+    }
+
+    /// Empties the index (before re-inserting the live records).
+    pub fn index_clear(&self) {
+        for i in 0..self.table.layout.index_entries {
+            self.store(self.table.index_entry(i), 0, Ordering::Release);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
-    use std::time::{Duration, Instant};
 
-    fn ready(table: &Table, slot: usize, key: &str) {
-        table.write_record(slot, key, 100);
+    fn ready(table: &TableWriter, slot: usize, key: &str) {
+        table.write_record(slot, key, 4096 * slot as u64, 100);
         table.set_state(
             slot,
             SlotState {
@@ -651,23 +575,36 @@ mod tests {
 
     #[test]
     fn layout_sizes() {
-        let l = Layout::for_store(1 << 30, &[]);
+        let l = Layout::for_store(1 << 30, None);
         assert_eq!(l.slots, 16384);
         assert_eq!(l.index_entries, 32768);
         assert_eq!(l.meta_offset(), 1 << 30);
         assert_eq!(l.meta_bytes() % PAGE, 0);
-        assert!(l.meta_bytes() >= 16384 * 256 + 32768 * 8);
-        assert_eq!(Layout::for_store(1 << 20, &[]).slots, MIN_SLOTS as usize);
-        assert_eq!(Layout::for_store(512 << 10, &[64 << 10]).slots, 8);
+        assert!(l.meta_bytes() >= 16384 * 192 + 32768 * 8);
+        assert_eq!(l.pins_offset(), l.meta_offset() + l.meta_bytes());
+        assert_eq!(l.total_bytes(), l.pins_offset() + 512 * PAGE);
+        assert_eq!(Layout::for_store(1 << 20, None).slots, MIN_SLOTS as usize);
+        assert_eq!(Layout::for_store(512 << 10, Some(64 << 10)).slots, 8);
+        assert_eq!(Layout::for_store(512 << 10, Some(u64::MAX)).slots, 1024);
         assert_eq!(
-            Layout::for_store(u64::MAX / 2, &[]).slots,
+            Layout::for_store(u64::MAX / 2, None).slots,
             MAX_SLOTS as usize
         );
     }
 
     #[test]
+    fn extents_are_whole_pages_and_never_overflow() {
+        assert_eq!(extent_for(1), Some(PAGE));
+        assert_eq!(extent_for(PAGE), Some(PAGE));
+        assert_eq!(extent_for(PAGE + 1), Some(2 * PAGE));
+        assert_eq!(extent_for(u64::MAX), None);
+        assert_eq!(extent_for(u64::MAX - 100), None);
+        assert_eq!(extent_for(u64::MAX - PAGE), Some(u64::MAX - (PAGE - 1)));
+    }
+
+    #[test]
     fn index_insert_lookup_remove_and_tombstones() {
-        let table = Table::on_heap(1 << 20, 8); // 16 entries
+        let table = TableWriter::on_heap(1 << 20, 8); // 16 entries
         let (a, b) = (key_hash("a"), key_hash("b"));
         assert!(!table.index_insert(a, 3));
         assert!(!table.index_insert(b, 5));
@@ -695,7 +632,7 @@ mod tests {
 
     #[test]
     fn index_probe_wraps_around_the_end() {
-        let table = Table::on_heap(1 << 20, 4); // 8 entries
+        let table = TableWriter::on_heap(1 << 20, 4); // 8 entries
         let last = 7u64; // home bucket 7, the last entry
         let hashes: Vec<u64> = (1..=3).map(|t| (t << 32) | last).collect();
         for (slot, &h) in hashes.iter().enumerate() {
@@ -709,103 +646,65 @@ mod tests {
     }
 
     #[test]
-    fn keys_and_pins() {
-        let table = Table::on_heap(1 << 20, 4);
+    fn records_and_eviction_marks() {
+        let table = TableWriter::on_heap(1 << 20, 4);
         ready(&table, 2, "seq/000123");
         assert!(table.key_is(2, "seq/000123"));
         assert!(!table.key_is(2, "seq/000124"));
         assert!(!table.key_is(2, "seq/00012"));
+        assert_eq!((table.offset(2), table.record_len(2)), (8192, 100));
         let long = "x".repeat(MAX_KEY_BYTES);
-        table.write_record(1, &long, 5);
+        table.write_record(1, &long, 0, 5);
         assert!(table.key_is(1, &long));
         assert_eq!(table.record_len(1), 5);
-        table.pin(2, 0);
-        table.pin(2, 511);
-        assert_eq!(table.pin_count(2), 2);
-        assert!(!table.try_evict(2), "a pinned slot is not taken");
-        assert_eq!(table.state(2).map(|s| s.code), Some(SlotCode::Ready));
-        assert!(table.unpin(2, 0));
-        assert!(!table.unpin(2, 0), "a double unpin finds no bit");
-        table.claim_connection(511, 42);
-        table.count_hit(511);
-        assert_eq!(table.connection_owner(511), 42);
-        assert_eq!(table.release_connection(511, 4), 1);
-        assert_eq!(table.pin_count(2), 0);
-        assert!(table.try_evict(2));
+        let before = table.mark_evicting(2).unwrap();
+        assert_eq!(before.code, SlotCode::Ready);
         assert_eq!(table.state(2).map(|s| s.code), Some(SlotCode::Evicting));
-        let (slot, generation) = decode_lease(lease_id(77, 9));
-        assert_eq!((slot, generation), (77, 9));
-    }
-
-    /// One thread pins, checks the state and unpins; the other marks the slot
-    /// Evicting, checks the pins and, when it wins, "overwrites" the record (a marker
-    /// word) and restores it. A reader that holds the record must never see it
-    /// overwritten: that would be a torn read through a broken pin protocol.
-    #[test]
-    fn pin_and_evict_race_never_both_win() {
-        const VALID: u64 = 1;
-        const OVERWRITTEN: u64 = 2;
-        let table = Table::on_heap(1 << 20, 1);
-        ready(&table, 0, "k");
-        let record = AtomicU64::new(VALID);
-        let stop = AtomicBool::new(false);
-        let spin = |n: u32| {
-            for _ in 0..n {
-                std::hint::spin_loop();
-            }
-        };
-        let (reads, evictions, torn) = std::thread::scope(|s| {
-            let reader = s.spawn(|| {
-                let (mut reads, mut torn) = (0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    table.pin(0, 3);
-                    if table.state(0).map(|st| st.code) == Some(SlotCode::Ready) {
-                        reads += 1;
-                        let first = record.load(Ordering::SeqCst);
-                        spin(20);
-                        let last = record.load(Ordering::SeqCst);
-                        if first != VALID || last != VALID {
-                            torn += 1;
-                        }
-                    }
-                    table.unpin(0, 3);
-                }
-                (reads, torn)
-            });
-            let evictor = s.spawn(|| {
-                let mut evictions = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    if table.try_evict(0) {
-                        evictions += 1;
-                        record.store(OVERWRITTEN, Ordering::SeqCst);
-                        spin(20);
-                        record.store(VALID, Ordering::SeqCst);
-                        table.set_state(
-                            0,
-                            SlotState {
-                                generation: 1,
-                                code: SlotCode::Ready,
-                            },
-                        );
-                    }
-                }
-                evictions
-            });
-            let started = Instant::now();
-            while started.elapsed() < Duration::from_millis(500) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            stop.store(true, Ordering::Relaxed);
-            let (reads, torn) = reader.join().unwrap();
-            (reads, evictor.join().unwrap(), torn)
-        });
-        assert_eq!(
-            torn, 0,
-            "a pinned reader saw its record taken ({reads} reads)"
+        assert!(
+            table.mark_evicting(2).is_none(),
+            "only a Ready slot is marked"
         );
         assert!(
-            reads > 1000 && evictions > 1000,
-            "the race was not exercised: {reads} reads, {evictions} evictions"
+            table.mark_evicting(3).is_none(),
+            "a free slot is not marked"
         );
+        table.set_state(2, before);
+        assert_eq!(table.state(2), Some(before));
+    }
+
+    /// The header is what a client checks before it trusts the sizes.
+    #[test]
+    fn a_client_attaches_only_to_a_table_of_its_version_that_fits() {
+        let layout = Layout::for_store(1 << 20, None);
+        let mut memory = vec![0u64; (layout.total_bytes() / 8) as usize];
+        let base = memory.as_mut_ptr().cast::<u8>();
+        let meta = layout.meta_offset();
+        let backing: Arc<dyn Backing> = Arc::new(());
+        // SAFETY: `memory` is aligned, zeroed, large enough and outlives the tables
+        // below (dropped at the end of the test); only atomics touch it.
+        let writer =
+            unsafe { TableWriter::create(base.add(meta as usize), layout, backing.clone()) };
+        writer.index_insert(key_hash("k"), 3);
+        let attach = |len: u64| {
+            // SAFETY: as above; `len` never exceeds `memory`.
+            unsafe { Table::attach(base.add(meta as usize), meta, len, backing.clone()) }
+        };
+        let reader = attach(layout.total_bytes()).unwrap();
+        assert_eq!(reader.layout(), layout);
+        assert_eq!(
+            reader.candidates(key_hash("k")).collect::<Vec<_>>(),
+            vec![3]
+        );
+        assert!(matches!(
+            attach(layout.total_bytes() - PAGE),
+            Err(TableError::Size(_))
+        ));
+        writer.store(H_VERSION, 1, Ordering::Relaxed);
+        assert!(matches!(
+            attach(layout.total_bytes()),
+            Err(TableError::Format { version: 1, .. })
+        ));
+        drop((reader, writer));
+        drop(memory);
     }
 }

@@ -143,8 +143,8 @@ fn print_cache(r: &BenchReport) {
         r.waits, r.wait_p50_us, r.wait_p99_us
     );
     println!(
-        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release)  memcpy {:.2} GB/s",
-        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.memcpy_gbps
+        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release; {:.2} at the first touch of the pages)  memcpy {:.2} GB/s",
+        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.crop_read_first_touch_gbps, r.memcpy_gbps
     );
 }
 
@@ -238,9 +238,16 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms",
-            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms
+            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
+            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
+            report.bypass_last_epoch, report.bypass_total
         );
+        if let Some(store) = &report.store {
+            println!(
+                "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
+                store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
+            );
+        }
     }
     Ok(())
 }

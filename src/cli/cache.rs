@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 
-use vrtspike::cache::{self, CacheClient, Server, ServerConfig};
+use vrtspike::cache::{self, CacheClient, ClientOptions, Server, ServerConfig};
 use vrtspike::config::Config;
 use vrtspike::util::bytes::parse_size;
 
@@ -19,7 +19,7 @@ pub enum CacheCommand {
     /// Print a running server's statistics.
     Stats(StatsArgs),
     /// Ask a running server to stop.
-    Shutdown(AddressArgs),
+    Shutdown(ClientArgs),
     /// Pin cached records and hold them until killed or the server goes away
     /// (to see eviction work around pinned records).
     Pin(PinArgs),
@@ -30,6 +30,8 @@ pub enum CacheCommand {
 pub struct PinArgs {
     #[command(flatten)]
     address: AddressArgs,
+    #[command(flatten)]
+    trust: TrustArgs,
     /// Keys of cached records to pin.
     #[arg(required = true)]
     keys: Vec<String>,
@@ -38,17 +40,69 @@ pub struct PinArgs {
 /// Where the server listens.
 #[derive(Args)]
 pub struct AddressArgs {
-    /// Abstract socket name (default: $VRTSPIKE_CACHE_ADDR, else vrtspike-cache-default).
+    /// Abstract socket name (default: $VRTSPIKE_CACHE_ADDR, else
+    /// vrtspike-cache-u<uid>-<job>, the job being slurm<SLURM_JOB_ID> or `default`).
     #[arg(long)]
     pub address: Option<String>,
 }
 
 impl AddressArgs {
     fn resolve(&self) -> String {
-        self.address
-            .clone()
-            .or_else(|| std::env::var(cache::ADDRESS_ENV).ok())
-            .unwrap_or_else(|| cache::default_address("default"))
+        cache::address::resolve(self.address.as_deref())
+    }
+}
+
+/// Whose servers a client talks to.
+#[derive(Args)]
+pub struct TrustArgs {
+    /// Also talk to a server run by this user id (repeatable; the server must let
+    /// this user in with its own --allow-uid). By default a server of another user
+    /// is refused before anything is read from it.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
+}
+
+impl TrustArgs {
+    /// The client options: the environment's, these uids, and `timeout` if given.
+    fn options(&self, timeout: Option<Duration>) -> Result<ClientOptions> {
+        let options = ClientOptions::from_env()?.trusting(&self.allow_uids);
+        Ok(match timeout {
+            Some(timeout) => options.waiting(timeout),
+            None => options,
+        })
+    }
+}
+
+/// A short-lived client: where, whom it trusts, how long it waits.
+#[derive(Args)]
+pub struct ClientArgs {
+    #[command(flatten)]
+    address: AddressArgs,
+    #[command(flatten)]
+    trust: TrustArgs,
+    /// Seconds to wait for the server to connect and for each answer; then fail
+    /// (a hung server never hangs the caller, the launcher at exit among them).
+    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
+    timeout: f64,
+}
+
+impl ClientArgs {
+    /// Connects as `name`: the address and the client.
+    fn connect(&self, name: &str) -> Result<(String, CacheClient)> {
+        let address = self.address.resolve();
+        let timeout = Duration::from_secs_f64(self.timeout);
+        let options = self.trust.options(Some(timeout))?;
+        let client = CacheClient::connect_with(&address, name, &options)
+            .with_context(|| format!("{name} at {address} (--timeout {} s)", self.timeout))?;
+        Ok((address, client))
+    }
+}
+
+/// A positive number of seconds.
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds in (0, 86400]")),
     }
 }
 
@@ -66,10 +120,13 @@ pub struct ServeArgs {
     /// Override a key of --config, `KEY.PATH=VALUE` (as `vrtspike train --set`).
     #[arg(long = "set", value_name = "KEY=VALUE", requires = "config")]
     set: Vec<String>,
-    /// Slot sizes (bytes, or with K/M/G); default: one class per record size.
-    #[arg(long, value_parser = parse_size, value_delimiter = ',')]
-    slot_bytes: Vec<u64>,
-    /// Seconds a get waits for another client's fill of the same key.
+    /// The typical smallest record (bytes, or with K/M/G): the store gets a record
+    /// descriptor per this many bytes of the cap (default 64K, at least 1024).
+    /// Records of any size up to the cap are stored either way.
+    #[arg(long, value_parser = parse_size)]
+    record_bytes: Option<u64>,
+    /// Seconds a get waits for another client's fill of the same key (clients wait
+    /// for the answer that long, and their usual reply timeout on top).
     #[arg(long, default_value_t = 120)]
     fill_wait_s: u64,
     /// Memory each new slot must leave free on the node (MemAvailable, or the
@@ -90,7 +147,7 @@ pub struct ServeArgs {
 #[derive(Args)]
 pub struct StatsArgs {
     #[command(flatten)]
-    address: AddressArgs,
+    client: ClientArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -105,8 +162,7 @@ pub fn run(command: CacheCommand) -> Result<()> {
         CacheCommand::Serve(args) => serve(args),
         CacheCommand::Stats(args) => stats(args),
         CacheCommand::Shutdown(args) => {
-            let address = args.resolve();
-            let client = CacheClient::connect(&address, "vrtspike cache shutdown")?;
+            let (address, client) = args.connect("vrtspike cache shutdown")?;
             client.shutdown_server()?;
             println!("cache server at {address} stopped");
             Ok(())
@@ -117,7 +173,8 @@ pub fn run(command: CacheCommand) -> Result<()> {
 
 fn pin(args: PinArgs) -> Result<()> {
     let address = args.address.resolve();
-    let client = CacheClient::connect(&address, "vrtspike cache pin")?;
+    let client =
+        CacheClient::connect_with(&address, "vrtspike cache pin", &args.trust.options(None)?)?;
     let mut leases = Vec::new();
     for key in &args.keys {
         match client.peek(key)? {
@@ -147,7 +204,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         (None, None) => bail!("give the cache size with --cap SIZE or --config FILE"),
     };
     let mut config = ServerConfig::new(args.address.resolve(), cap);
-    config.slot_bytes = args.slot_bytes;
+    config.record_bytes = args.record_bytes;
     config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
     if let Some(headroom) = args.reserve_headroom {
         config.reserve_headroom = headroom;
@@ -165,8 +222,7 @@ fn serve(args: ServeArgs) -> Result<()> {
 }
 
 fn stats(args: StatsArgs) -> Result<()> {
-    let address = args.address.resolve();
-    let client = CacheClient::connect(&address, "vrtspike cache stats")?;
+    let (_, client) = args.client.connect("vrtspike cache stats")?;
     loop {
         let report = client.stats()?;
         if args.json {

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use vrtspike::synth::{self, SynthOptions};
+use vrtspike::synth::{self, BlurLengths, SynthOptions};
 
 /// `vrtspike synth`: a synthetic dataset in the folder layout.
 #[derive(Debug, Args)]
@@ -40,6 +40,11 @@ pub struct SynthArgs {
     /// of the folder layout.
     #[arg(long)]
     pub h5: bool,
+    /// Sharp frames averaged per blur, per sequence in turn (e.g.
+    /// `7,7,7,7,7,7,7,13`: records of two sizes); default: drawn from 7, 11, 13 by
+    /// the seed, per sequence.
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
+    pub blur_frames: Vec<u32>,
     /// Also write precomputed voxel grids of this many bins beside the spikes
     /// (`spike_vox/*.npy`, read with `DATA.USE_PRECOMPUTED_VOXELS: true`).
     #[arg(long, value_name = "BINS", conflicts_with = "h5")]
@@ -70,10 +75,14 @@ pub fn run(args: SynthArgs) -> Result<()> {
         bar.set_message(name.to_owned());
         bar.inc(1);
     };
+    let blur = match args.blur_frames.is_empty() {
+        true => BlurLengths::Drawn,
+        false => BlurLengths::cycle(args.blur_frames.clone()).context("--blur-frames")?,
+    };
     let meta = if args.h5 {
-        synth::generate_h5(&args.out, &options, &progress)
+        synth::generate_h5_with(&args.out, &options, &blur, &progress)
     } else {
-        synth::generate_folder(&args.out, &options, &progress)
+        synth::generate_folder_with(&args.out, &options, &blur, &progress)
     }
     .with_context(|| format!("writing a synthetic dataset to {}", args.out.display()))?;
     bar.finish_and_clear();

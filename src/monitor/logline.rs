@@ -1,6 +1,7 @@
 //! Rank 0's progress line in the form researchers know from BasicSR/mmagic:
 //! `[epoch:  3, iter:   1,200, lr:(1.000e-04)] [eta: 1 day, 2:03:04, time (data): 0.412 (0.003)] l_pix: 1.2345e-02`,
-//! and the ETA estimate behind it.
+//! with `[cache bypass: N]` before the losses when N reads of the window were taken
+//! from disk because the cache could not take them, and the ETA estimate behind it.
 
 use std::fmt::Write;
 
@@ -19,6 +20,8 @@ pub struct LogLine<'a> {
     pub iter_time_s: f64,
     /// Seconds per step waiting for data.
     pub data_time_s: f64,
+    /// Reads of the window the cache could not take (read from disk instead).
+    pub cache_bypass: u64,
     /// `(name, value)` of each loss (e.g. `l_pix`).
     pub losses: &'a [(&'a str, f64)],
 }
@@ -83,6 +86,14 @@ pub fn format_log_line(line: &LogLine) -> String {
         line.iter_time_s,
         line.data_time_s
     );
+    if line.cache_bypass > 0 {
+        // Writing to a String cannot fail.
+        let _ = write!(
+            out,
+            " [cache bypass: {}]",
+            group_thousands(line.cache_bypass)
+        );
+    }
     for (name, value) in line.losses {
         // Writing to a String cannot fail.
         let _ = write!(out, " {name}: {}", sci(*value, 4));
@@ -104,6 +115,7 @@ mod tests {
             eta_s: Some(93_784.0),
             iter_time_s: 0.41234,
             data_time_s: 0.0031,
+            cache_bypass: 0,
             losses: &losses,
         };
         assert_eq!(
@@ -117,6 +129,16 @@ mod tests {
             ..line
         };
         assert!(format_log_line(&unknown).contains("[eta: ?, time"));
+        let bypassed = LogLine {
+            cache_bypass: 1234,
+            ..line
+        };
+        assert!(
+            format_log_line(&bypassed)
+                .contains("time (data): 0.412 (0.003)] [cache bypass: 1,234] l_pix: 1.2345e-02"),
+            "{}",
+            format_log_line(&bypassed)
+        );
     }
 
     #[test]

@@ -178,6 +178,21 @@ mod tests {
     }
 
     #[test]
+    fn the_cache_bypass_count_is_a_train_scalar() {
+        let t = tags(
+            "train",
+            json!({"step": 5, "cache_bypass": 3, "cache_hit_rate": 0.5}),
+        );
+        assert_eq!(
+            t,
+            vec![
+                ("train/cache_bypass".into(), 3.0),
+                ("train/cache_hit_rate".into(), 0.5)
+            ]
+        );
+    }
+
+    #[test]
     fn memory_tags_follow_the_users_names() {
         let m = tags(
             "memory",

@@ -230,8 +230,9 @@ pub struct LoaderStats {
     pub cache_hits: u64,
     /// Records decoded and filled by this rank's workers.
     pub cache_misses: u64,
-    /// Misses decoded outside the cache because the node had no memory for a slot.
-    pub cache_uncached: u64,
+    /// Reads the cache could not take, decoded from disk into the worker's own
+    /// buffer instead (the sample is served all the same).
+    pub cache_bypass: u64,
     /// hits / (hits + misses) of this rank's reads.
     pub hit_rate: f64,
     /// Clips replaced under `DATA.SKIP_BAD_FRAMES`.
@@ -550,7 +551,7 @@ impl Loader {
         let mut stats = self.stats;
         stats.cache_hits = self.counters.reads.hits.load(Ordering::Relaxed);
         stats.cache_misses = self.counters.reads.misses.load(Ordering::Relaxed);
-        stats.cache_uncached = self.counters.reads.uncached.load(Ordering::Relaxed);
+        stats.cache_bypass = self.counters.reads.bypass.load(Ordering::Relaxed);
         stats.skipped = self.counters.skipped.load(Ordering::Relaxed);
         let reads = stats.cache_hits + stats.cache_misses;
         stats.hit_rate = if reads > 0 {

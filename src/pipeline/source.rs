@@ -1,13 +1,16 @@
 //! Where a sample's records come from: the [`RecordSource`] interface, the disk
 //! ([`DiskSource`], `DATA.USE_RAM_CACHE: false`) and the node cache
 //! ([`CacheSource`]: a hit is a zero-copy lease, a miss is filled by decoding the
-//! frame straight into the reserved slot; when the node has no memory left for a new
-//! slot, the record is decoded into the worker's own buffer instead).
+//! frame straight into the reserved room). When the cache cannot take or give a
+//! record (no room while everything is pinned, no memory on the node, a fill that
+//! did not finish in time: any refusal but a protocol error), the record is decoded
+//! into the worker's own buffer instead and counted as a bypass: never a failed
+//! batch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::cache::{CacheClient, CacheError, FillTicket, Lease, Lookup, RequestError};
+use crate::cache::{CacheClient, CacheError, FillTicket, Lease, Lookup};
 use crate::dataset::index::DatasetIndex;
 use crate::dataset::record::RecordView;
 
@@ -50,16 +53,15 @@ impl RecordSource for DiskSource {
     }
 }
 
-/// Hits and misses of the cache reads of one loader (all its workers).
+/// Hits, misses and bypasses of the cache reads of one loader (all its workers).
 #[derive(Debug, Default)]
 pub struct CacheCounters {
     /// Records found in the cache.
     pub hits: AtomicU64,
     /// Records decoded from disk into the cache.
     pub misses: AtomicU64,
-    /// Misses decoded into a worker's own buffer because the node had no memory
-    /// left for a new slot.
-    pub uncached: AtomicU64,
+    /// Reads the cache could not take, decoded into a worker's own buffer.
+    pub bypass: AtomicU64,
 }
 
 /// Reads through the node cache with one worker's own connection.
@@ -81,19 +83,9 @@ impl CacheSource {
     }
 }
 
-/// Whether the server refused a slot because the node has no memory for it.
-fn out_of_memory(err: &CacheError) -> bool {
-    matches!(
-        err,
-        CacheError::Refused {
-            error: RequestError::OutOfMemory { .. },
-            ..
-        }
-    )
-}
-
-/// Decodes frame `frame` of `seq` into the slot of `ticket` and commits it; `None`
-/// when the node had no memory for the slot (the fill is abandoned, so waiters retry).
+/// Decodes frame `frame` of `seq` into the room reserved for `ticket` and commits
+/// it; `None` when the cache cannot take the record (the fill is abandoned, so
+/// waiters retry).
 fn fill<'c>(
     index: &DatasetIndex,
     seq: usize,
@@ -103,8 +95,8 @@ fn fill<'c>(
     let len = index.record_layout(seq, frame).byte_len();
     match ticket.reserve(len as u64) {
         Ok(()) => {}
-        Err(err) if out_of_memory(&err) => {
-            tracing::debug!(error = %err, "no memory for a cache slot: decoding uncached");
+        Err(err) if err.is_bypassable() => {
+            tracing::debug!(error = %err, "the cache cannot take this record: reading it from disk");
             ticket.abort()?;
             return Ok(None);
         }
@@ -114,7 +106,27 @@ fn fill<'c>(
         ticket.abort()?;
         return Err(err.into());
     }
-    Ok(Some(ticket.commit()?))
+    match ticket.commit() {
+        Ok(lease) => Ok(Some(lease)),
+        Err(err) if err.is_bypassable() => Ok(None),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// A lookup, or `None` when the cache cannot give the record now (a refusal other
+/// than a protocol error: see [`CacheError::is_bypassable`]).
+fn lookup<'c>(
+    client: &'c CacheClient,
+    key: &str,
+) -> std::result::Result<Option<Lookup<'c>>, CacheError> {
+    match client.get(key) {
+        Ok(lookup) => Ok(Some(lookup)),
+        Err(err) if err.is_bypassable() => {
+            tracing::debug!(error = %err, "the cache cannot give this record: reading it from disk");
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
 }
 
 impl RecordSource for CacheSource {
@@ -126,22 +138,23 @@ impl RecordSource for CacheSource {
         read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
     ) -> Result<R> {
         let key = index.record_key(seq, frame);
-        let lease = match self.client.get(&key)? {
-            Lookup::Hit(lease) => {
+        let lease = match lookup(&self.client, &key)? {
+            Some(Lookup::Hit(lease)) => {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                lease
+                Some(lease)
             }
-            Lookup::Miss(ticket) => {
+            Some(Lookup::Miss(ticket)) => {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                match fill(index, seq, frame, ticket)? {
-                    Some(lease) => lease,
-                    None => {
-                        self.counters.uncached.fetch_add(1, Ordering::Relaxed);
-                        return self.fallback.with_record(index, seq, frame, read);
-                    }
-                }
+                fill(index, seq, frame, ticket)?
             }
+            None => None,
         };
-        read(RecordView::parse(&lease, &key)?)
+        match lease {
+            Some(lease) => read(RecordView::parse(&lease, &key)?),
+            None => {
+                self.counters.bypass.fetch_add(1, Ordering::Relaxed);
+                self.fallback.with_record(index, seq, frame, read)
+            }
+        }
     }
 }

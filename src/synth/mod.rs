@@ -29,6 +29,45 @@ pub const STEPS_PER_SUBFRAME: u32 = 8;
 pub const THETA: f32 = 2.0;
 /// Sub-frames per blurred frame, as in GoPro.
 pub const SUBFRAME_CHOICES: [u32; 3] = [7, 11, 13];
+/// Most sub-frames a blurred frame may average.
+pub const MAX_SUBFRAMES: u32 = 64;
+
+/// How many sharp sub-frames each sequence's blurred frames average (so how many
+/// spike steps, and how many bytes, its records have).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum BlurLengths {
+    /// Drawn per sequence from [`SUBFRAME_CHOICES`] by its seed.
+    #[default]
+    Drawn,
+    /// The n-th sequence of each split averages `lengths[n % lengths.len()]`: for
+    /// example `[7, 7, 7, 7, 7, 7, 7, 13]`, seven short blurs and one long.
+    Cycle(Vec<u32>),
+}
+
+impl BlurLengths {
+    /// The lengths given in turn; each must be 1 to [`MAX_SUBFRAMES`].
+    pub fn cycle(lengths: Vec<u32>) -> Result<BlurLengths> {
+        if lengths.is_empty() {
+            return Err(DataError::Request(
+                "blur lengths: give at least one number of sub-frames".into(),
+            ));
+        }
+        if let Some(bad) = lengths.iter().find(|&&n| n == 0 || n > MAX_SUBFRAMES) {
+            return Err(DataError::Request(format!(
+                "blur length {bad}: a blurred frame averages 1 to {MAX_SUBFRAMES} sharp sub-frames"
+            )));
+        }
+        Ok(BlurLengths::Cycle(lengths))
+    }
+
+    /// The sub-frames of the `n`-th sequence of a split; `None`: drawn by its seed.
+    pub fn of_sequence(&self, n: usize) -> Option<u32> {
+        match self {
+            BlurLengths::Drawn => None,
+            BlurLengths::Cycle(lengths) => lengths.get(n % lengths.len().max(1)).copied(),
+        }
+    }
+}
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -216,7 +255,8 @@ fn grey_half(rgb: &[f32], height: usize, width: usize, out: &mut [f32]) {
     debug_assert_eq!(out.len(), (height / 2) * ws);
 }
 
-/// Generates one sequence (index `index` of a split seeded by `seed`).
+/// Generates one sequence (index `index` of a split seeded by `seed`), its blur
+/// length drawn by the seed.
 pub fn generate_sequence(
     name: &str,
     frames: u32,
@@ -224,8 +264,22 @@ pub fn generate_sequence(
     width: u32,
     seed: u64,
 ) -> SyntheticSequence {
+    generate_sequence_of(name, frames, height, width, seed, None)
+}
+
+/// [`generate_sequence`] with `subframes` sharp sub-frames a blur when given (the
+/// scene and motion are those of the seed either way).
+pub fn generate_sequence_of(
+    name: &str,
+    frames: u32,
+    height: u32,
+    width: u32,
+    seed: u64,
+    subframes: Option<u32>,
+) -> SyntheticSequence {
     let mut rng = SplitMix64::new(seed);
-    let subframes = SUBFRAME_CHOICES[rng.below(3) as usize];
+    let drawn = SUBFRAME_CHOICES[rng.below(3) as usize];
+    let subframes = subframes.unwrap_or(drawn);
     let (h, w) = (height as usize, width as usize);
     let (hs, ws) = (h / 2, w / 2);
     let texture = Texture::new(h, w, &mut rng);
@@ -306,6 +360,14 @@ pub fn generate_sequence(
 
 /// The sequences to generate: (split, name, seed), in a fixed order.
 pub fn plan(options: &SynthOptions) -> Vec<(&'static str, String, u64)> {
+    plan_numbered(options)
+        .into_iter()
+        .map(|(split, name, seed, _)| (split, name, seed))
+        .collect()
+}
+
+/// [`plan`] with each sequence's number within its split.
+fn plan_numbered(options: &SynthOptions) -> Vec<(&'static str, String, u64, usize)> {
     let mut out = Vec::new();
     let splits = [
         ("train", options.train_seqs, 1u64, ""),
@@ -319,6 +381,7 @@ pub fn plan(options: &SynthOptions) -> Vec<(&'static str, String, u64)> {
                 split,
                 format!("SYN{:02}_{tag}{i:03}", options.seed % 100),
                 seed,
+                i as usize,
             ));
         }
     }
@@ -332,7 +395,17 @@ pub fn generate_folder(
     options: &SynthOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<DatasetMeta> {
-    generate(out, options, progress, false)
+    generate(out, options, &BlurLengths::Drawn, progress, false)
+}
+
+/// [`generate_folder`] with the blur length of each sequence set by `blur`.
+pub fn generate_folder_with(
+    out: &Path,
+    options: &SynthOptions,
+    blur: &BlurLengths,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<DatasetMeta> {
+    generate(out, options, blur, progress, false)
 }
 
 /// Writes the same data as [`generate_folder`] (same options, same bytes) as HDF5
@@ -342,12 +415,23 @@ pub fn generate_h5(
     options: &SynthOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<DatasetMeta> {
-    generate(out, options, progress, true)
+    generate(out, options, &BlurLengths::Drawn, progress, true)
+}
+
+/// [`generate_h5`] with the blur length of each sequence set by `blur`.
+pub fn generate_h5_with(
+    out: &Path,
+    options: &SynthOptions,
+    blur: &BlurLengths,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<DatasetMeta> {
+    generate(out, options, blur, progress, true)
 }
 
 fn generate(
     out: &Path,
     options: &SynthOptions,
+    blur: &BlurLengths,
     progress: &(dyn Fn(&str) + Sync),
     h5: bool,
 ) -> Result<DatasetMeta> {
@@ -355,8 +439,10 @@ fn generate(
     let (hs, ws) = options.spike_size();
     std::fs::create_dir_all(out).map_err(|e| DataError::io(out, e))?;
     let mut blur_frames = BTreeMap::new();
-    for (split, name, seed) in plan(options) {
-        let seq = generate_sequence(&name, options.frames, options.height, options.width, seed);
+    for (split, name, seed, n) in plan_numbered(options) {
+        let (frames, height, width) = (options.frames, options.height, options.width);
+        let subframes = blur.of_sequence(n);
+        let seq = generate_sequence_of(&name, frames, height, width, seed, subframes);
         let split_dir = out.join(split);
         if h5 {
             std::fs::create_dir_all(&split_dir).map_err(|e| DataError::io(&split_dir, e))?;
@@ -402,6 +488,32 @@ mod tests {
         assert_eq!(again.blur, seq.blur);
         assert_eq!(again.spikes, seq.spikes);
         assert_ne!(generate_sequence("s", 1, 32, 48, 12).sharp[0], seq.sharp[0]);
+    }
+
+    #[test]
+    fn blur_lengths_cycle_per_sequence_and_keep_the_scene() {
+        let lengths = BlurLengths::cycle(vec![7, 7, 13]).unwrap();
+        assert_eq!(
+            (0..5).map(|n| lengths.of_sequence(n)).collect::<Vec<_>>(),
+            vec![Some(7), Some(7), Some(13), Some(7), Some(7)]
+        );
+        assert_eq!(BlurLengths::Drawn.of_sequence(3), None);
+        for bad in [vec![], vec![7, 0], vec![65]] {
+            let err = BlurLengths::cycle(bad.clone()).unwrap_err().to_string();
+            assert!(err.contains("blur length"), "{bad:?}: {err}");
+        }
+        // Forced to 13: 104 spike steps a frame, and the same first sub-frame of the
+        // scene (the middle one differs: it is the sharp target).
+        let drawn = generate_sequence("s", 1, 32, 48, 11);
+        let forced = generate_sequence_of("s", 1, 32, 48, 11, Some(13));
+        assert_eq!((forced.subframes, forced.spikes[0].steps), (13, 104));
+        let short = generate_sequence_of("s", 1, 32, 48, 11, Some(1));
+        assert_eq!(short.blur[0], short.sharp[0], "one sub-frame: no blur");
+        let same = generate_sequence_of("s", 1, 32, 48, 11, Some(drawn.subframes));
+        assert_eq!(
+            same.blur, drawn.blur,
+            "forcing the drawn length changes nothing"
+        );
     }
 
     #[test]

@@ -81,20 +81,21 @@ pub fn wait_for_child_server(
     }
 }
 
-/// Starts `exe cache serve` at `address` with a store of `cap_bytes` (and one slot
-/// size, if given), exiting with this process; returns it with a connection to it.
+/// Starts `exe cache serve` at `address` with a store of `cap_bytes` (sized for
+/// records of `record_bytes`, if given), exiting with this process; returns it with
+/// a connection to it.
 pub fn spawn_cache_server(
     exe: &Path,
     address: &str,
     cap_bytes: u64,
-    slot_bytes: Option<u64>,
+    record_bytes: Option<u64>,
 ) -> Result<(ChildGuard, CacheClient), ServerStartError> {
     let mut command = Command::new(exe);
     command
         .args(["cache", "serve", "--exit-with-parent", "--address", address])
         .args(["--cap", &cap_bytes.to_string()]);
-    if let Some(slot) = slot_bytes {
-        command.args(["--slot-bytes", &slot.to_string()]);
+    if let Some(record) = record_bytes {
+        command.args(["--record-bytes", &record.to_string()]);
     }
     let child =
         command

@@ -23,6 +23,8 @@ pub struct RankTotals {
     pub cache_hits: f64,
     /// Cache misses of every rank.
     pub cache_misses: f64,
+    /// Reads of every rank that the cache could not take (read from disk).
+    pub cache_bypass: f64,
     /// Mean over ranks of the mean wait per batch, in milliseconds.
     pub data_time_ms: f64,
     /// The highest PSS of any rank, in MB.
@@ -38,6 +40,7 @@ pub fn gather(run: &mut Run<'_>) -> Result<RankTotals, TrainError> {
         stats.cache_hits as f64,
         stats.cache_misses as f64,
         stats.data_time_ms,
+        stats.cache_bypass as f64,
     ];
     let sums = run.comm.all_reduce(&local, ReduceOp::Sum)?;
     let peak = run.comm.all_reduce(&[pss], ReduceOp::Max)?;
@@ -45,6 +48,7 @@ pub fn gather(run: &mut Run<'_>) -> Result<RankTotals, TrainError> {
     Ok(RankTotals {
         cache_hits: at(&sums, 0),
         cache_misses: at(&sums, 1),
+        cache_bypass: at(&sums, 3),
         data_time_ms: at(&sums, 2) / run.env.world_size as f64,
         peak_pss_mb: at(&peak, 0),
     })
@@ -82,6 +86,11 @@ pub fn summary(run: &Run<'_>, totals: &RankTotals) -> RunSummary {
         samples_per_s: Some(samples_per_s),
         samples_seen: state.samples_seen,
         cache_hit_rate: (reads > 0.0).then(|| totals.cache_hits / reads),
+        cache_bypass: if totals.cache_bypass.is_finite() {
+            totals.cache_bypass.max(0.0) as u64
+        } else {
+            0
+        },
         data_time_ms: totals.data_time_ms,
         peak_pss_mb: totals.peak_pss_mb,
         skipped_steps: state.skipped_steps,

@@ -74,20 +74,25 @@ pub struct LogTrain {
     cache: CacheProbe,
 }
 
-/// Cumulative timers read at each `train` line (their differences give the window's).
+/// Cumulative timers and counts read at each `train` line (their differences give
+/// the window's).
 #[derive(Debug, Default, Clone, Copy)]
 struct Marks {
     step_seconds: f64,
     sync_seconds: f64,
     data_seconds: f64,
+    /// Reads this rank's loader took from disk because the cache could not take them.
+    cache_bypass: u64,
 }
 
 impl Marks {
     fn now(run: &Run<'_>) -> Marks {
+        let loader = run.data.loader.stats();
         Marks {
             step_seconds: run.attempt.step_seconds,
             sync_seconds: run.comm.sync_seconds(),
-            data_seconds: run.data.loader.stats().data_time_s,
+            data_seconds: loader.data_time_s,
+            cache_bypass: loader.cache_bypass,
         }
     }
 }
@@ -112,6 +117,7 @@ impl PeriodicTask for LogTrain {
         let steps = window.steps;
         let step_ms = per_step_ms(marks.step_seconds - last.step_seconds, steps);
         let data_ms = per_step_ms(marks.data_seconds - last.data_seconds, steps);
+        let cache_bypass = marks.cache_bypass.saturating_sub(last.cache_bypass);
         let comm_ms = per_step_ms(marks.sync_seconds - last.sync_seconds, steps);
         let wall_per_step = window.started.elapsed().as_secs_f64() / steps.max(1) as f64;
         let eta_s = eta_seconds(report.step, run.config.train.total_steps, wall_per_step);
@@ -132,6 +138,7 @@ impl PeriodicTask for LogTrain {
             "grad_norm": if grad_norm.is_finite() { json!(grad_norm) } else { Value::Null },
             "samples_per_s": samples_per_s, "data_time_ms": data_ms, "step_time_ms": step_ms,
             "comm_time_ms": comm_ms, "cache_hit_rate": stats.hit_rate, "cache_evictions": evictions,
+            "cache_bypass": cache_bypass,
             "loss_scale": run.state.scaler.scale, "skipped_steps": run.state.skipped_steps,
         }));
         let losses = [("l_pix", avg_loss), ("l_input", window.mean_input_loss())];
@@ -142,13 +149,18 @@ impl PeriodicTask for LogTrain {
             eta_s,
             iter_time_s: step_ms / 1000.0,
             data_time_s: data_ms / 1000.0,
+            cache_bypass,
             losses: &losses,
         }));
         let eta = eta_s.map_or_else(|| "?".to_string(), format_eta);
+        let bypass = match cache_bypass {
+            0 => String::new(),
+            n => format!(" | bypass {n}"),
+        };
         run.sinks.metrics.progress(
             report.step,
             format!(
-                "eta {eta} | {samples_per_s:.1} samples/s | loss {avg_loss:.4} | data {data_ms:.0} ms | hit {:.0}%",
+                "eta {eta} | {samples_per_s:.1} samples/s | loss {avg_loss:.4} | data {data_ms:.0} ms | hit {:.0}%{bypass}",
                 100.0 * stats.hit_rate
             ),
         );

@@ -1,14 +1,18 @@
 //! The cache protocol's frames as the server and clients decode them (ipc-channel's
 //! postcard messages): random bytes, and valid frames of every request and reply cut
 //! or with bytes changed, decode to a message or to an error; never a panic, and
-//! never an allocation sized by a length field the frame does not back.
+//! never an allocation sized by a length field the frame does not back. And the
+//! decoded requests with any values a peer can put in them (lengths, tickets, lease
+//! ids up to `u64::MAX`, nonsense written into its own pin page) get a reply or an
+//! error naming the value, never a panic of the store, whose sizes stay in bounds.
 
 use ipc_channel::ipc::IpcMessage;
 use proptest::prelude::*;
 
 use vrtspike::cache::protocol::{LeaseGrant, Reply, Request, RequestError};
+use vrtspike::cache::store::{GetOutcome, Store};
 
-use super::{accepted, bounded_by_input, check, largest_allocation, mutated};
+use super::{accepted, bounded_by_input, check, largest_allocation, mutated, names};
 
 /// Valid frames of every request and reply that carries no OS handle.
 fn valid_frames() -> Vec<Vec<u8>> {
@@ -49,15 +53,18 @@ fn valid_frames() -> Vec<Vec<u8>> {
             store_id: 2,
             store_len: 3,
             arena_bytes: 4,
-            pin_bit: 5,
+            pin_page: 5,
+            fill_wait_ms: 120_000,
             store_fd_follows: true,
         },
         Reply::Error(RequestError::StoreFull {
             key: key.clone(),
             len: 1,
-            slots: 2,
-            slot_bytes: 3,
+            pinned_bytes: 2,
+            filling_bytes: 3,
+            cap: 4,
         }),
+        Reply::Error(RequestError::TooManyLeases { max: 64 }),
         Reply::Error(RequestError::Protocol("out of order".into())),
     ];
     let mut frames: Vec<Vec<u8>> = requests
@@ -105,5 +112,163 @@ fn cut_and_changed_frames_decode_or_fail_without_panic() {
     let frames = prop::sample::select(valid_frames()).prop_flat_map(mutated);
     check("protocol mutations", 10_000, frames, |bytes| {
         decode_both(&bytes)
+    });
+}
+
+/// One request of a peer, with any values.
+#[derive(Debug, Clone)]
+enum Op {
+    Get(u8),
+    Peek(u8),
+    /// A ticket the peer holds (by index) or any number; any length.
+    Reserve(Option<u8>, u64, u64),
+    Commit(Option<u8>, u64),
+    Abort(Option<u8>, u64),
+    /// A lease the peer holds (by index) or any number.
+    Release(Option<u8>, u64),
+    Invalidate(u8),
+    /// The peer writes a nonsense read into its own pin page.
+    RecordRead(u64),
+    Disconnect,
+}
+
+fn any_len() -> impl Strategy<Value = u64> {
+    prop_oneof![1u64..300_000, Just(0), Just(u64::MAX), any::<u64>()]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let held = proptest::option::of(any::<u8>());
+    prop_oneof![
+        (0u8..6).prop_map(Op::Get),
+        (0u8..6).prop_map(Op::Peek),
+        (held.clone(), any::<u64>(), any_len()).prop_map(|(h, t, l)| Op::Reserve(h, t, l)),
+        (held.clone(), any::<u64>()).prop_map(|(h, t)| Op::Commit(h, t)),
+        (held.clone(), any::<u64>()).prop_map(|(h, t)| Op::Abort(h, t)),
+        (held, any::<u64>()).prop_map(|(h, l)| Op::Release(h, l)),
+        (0u8..6).prop_map(Op::Invalidate),
+        any::<u64>().prop_map(Op::RecordRead),
+        Just(Op::Disconnect),
+    ]
+}
+
+/// A peer's state: its connection, the tickets and leases it was given.
+struct Peer {
+    client: u64,
+    page: usize,
+    tickets: Vec<u64>,
+    leases: Vec<u64>,
+}
+
+fn pick(held: &[u64], index: Option<u8>, any: u64) -> u64 {
+    match index {
+        Some(i) if !held.is_empty() => held[i as usize % held.len()],
+        _ => any,
+    }
+}
+
+/// Applies `op`; a refusal must name the value it refuses.
+fn apply(store: &mut Store, peer: &mut Peer, op: &Op) -> Result<(), TestCaseError> {
+    let key = |k: &u8| format!("seq/{k:06}");
+    // A connection out of leases is refused by its limit, whatever the request.
+    let refused = |e: RequestError, needle: String| match e {
+        RequestError::TooManyLeases { max } => names(&e.to_string(), &max.to_string()),
+        e => names(&e.to_string(), &needle),
+    };
+    match op {
+        Op::Get(k) => match store.get(peer.client, &key(k)) {
+            Ok(GetOutcome::Hit(grant)) => peer.leases.push(grant.lease),
+            Ok(GetOutcome::Miss(ticket)) => peer.tickets.push(ticket),
+            Ok(GetOutcome::Wait { .. }) => {}
+            Err(e) => refused(e, key(k))?,
+        },
+        Op::Peek(k) => match store.peek(peer.client, &key(k)) {
+            Ok(Some(grant)) => peer.leases.push(grant.lease),
+            Ok(None) => {}
+            Err(e) => refused(e, key(k))?,
+        },
+        Op::Reserve(h, t, len) => {
+            let ticket = pick(&peer.tickets, *h, *t);
+            if let Err(e) = store.reserve(peer.client, ticket, *len) {
+                let needle = match e {
+                    RequestError::TicketNotHeld { .. } => ticket.to_string(),
+                    _ => "seq/".into(),
+                };
+                refused(e, needle)?;
+            }
+        }
+        Op::Commit(h, t) => {
+            let ticket = pick(&peer.tickets, *h, *t);
+            match store.commit(peer.client, ticket) {
+                Ok(grant) => peer.leases.push(grant.lease),
+                Err(RequestError::TicketNotHeld { ticket: named }) => {
+                    names(&named.to_string(), &ticket.to_string())?
+                }
+                Err(e) => refused(e, "seq/".into())?,
+            }
+        }
+        Op::Abort(h, t) => {
+            let ticket = pick(&peer.tickets, *h, *t);
+            if let Err(e) = store.abort(peer.client, ticket) {
+                refused(e, ticket.to_string())?;
+            }
+        }
+        Op::Release(h, l) => {
+            let lease = pick(&peer.leases, *h, *l);
+            if let Err(e) = store.release(peer.client, lease) {
+                refused(e, lease.to_string())?;
+            }
+        }
+        Op::Invalidate(k) => {
+            if let Err(e) = store.invalidate(&key(k)) {
+                refused(e, key(k))?;
+            }
+        }
+        Op::RecordRead(slot) => store.pin_page(peer.page).record_read(*slot as usize),
+        Op::Disconnect => {
+            store.disconnect(peer.client);
+            store.forget(peer.client);
+            let (client, page) = store
+                .connect("again".into(), 2)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            *peer = Peer {
+                client,
+                page,
+                tickets: Vec::new(),
+                leases: Vec::new(),
+            };
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn requests_with_any_values_are_answered_or_refused_by_name_never_a_panic() {
+    let ops = prop::collection::vec(op(), 1..40);
+    check("store requests", 2_000, ops, |ops| {
+        let mut store = Store::on_heap(1, 1 << 20, None);
+        let (client, page) = store.connect("peer".into(), 1).unwrap();
+        let mut peer = Peer {
+            client,
+            page,
+            tickets: Vec::new(),
+            leases: Vec::new(),
+        };
+        for op in &ops {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                apply(&mut store, &mut peer, op)
+            }));
+            match outcome {
+                Ok(result) => result?,
+                Err(_) => return Err(TestCaseError::fail(format!("{op:?} panicked"))),
+            }
+            let s = store.stats(0);
+            if s.bytes_used > s.bytes_carved || s.bytes_carved > s.cap_bytes {
+                return Err(TestCaseError::fail(format!(
+                    "sizes out of bounds after {op:?}: {s:?}"
+                )));
+            }
+        }
+        accepted();
+        Ok(())
     });
 }

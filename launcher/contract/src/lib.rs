@@ -1,12 +1,13 @@
 //! The contract between `vrtspike-launch`, the node's cache server and the
-//! training ranks, written down once: [`env`] (the variables every rank starts
-//! with), [`rundir`] (where things live in a run directory, and which checkpoint is
+//! training ranks, written down once: [`cache_addr`] (the default address of a
+//! job's cache server), [`env`] (the variables every rank starts with), [`rundir`] (where things live in a run directory, and which checkpoint is
 //! the latest), [`summary`] (the figures rank 0 leaves for the launcher), [`ready`]
 //! (how a child says it is ready), [`pss`] (how memory is measured),
 //! [`heartbeat`] (each rank's step and phase, for finding a hung rank) and
 //! [`failure`] (why a rank failed, in its own words, and its exit code).
 //! It links no libtorch, so the launcher stays free of it.
 
+pub mod cache_addr;
 pub mod env;
 pub mod failure;
 pub mod heartbeat;

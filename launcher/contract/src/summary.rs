@@ -57,6 +57,9 @@ pub struct RunSummary {
     /// Cache hits over cache reads of the loaders (all ranks).
     #[serde(default)]
     pub cache_hit_rate: Option<f64>,
+    /// Reads the cache could not take, served from disk instead (all ranks).
+    #[serde(default)]
+    pub cache_bypass: u64,
     /// Mean per-rank loader wait, ms.
     #[serde(default)]
     pub data_time_ms: f64,
@@ -135,6 +138,7 @@ mod tests {
             samples_per_s: Some(12.5),
             samples_seen: 12,
             cache_hit_rate: None,
+            cache_bypass: 7,
             data_time_ms: 1.5,
             peak_pss_mb: 300.0,
             skipped_steps: 0,
@@ -171,6 +175,7 @@ mod tests {
         let summary: RunSummary = serde_json::from_str(short).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(summary.status, TrainStatus::Completed);
         assert_eq!((summary.val_psnr, summary.samples_seen), (None, 0));
+        assert_eq!(summary.cache_bypass, 0);
         let no_status = r#"{"steps": 3, "total_steps": 3, "world_size": 2}"#;
         let err = serde_json::from_str::<RunSummary>(no_status).map_err(|e| e.to_string());
         assert!(err.is_err_and(|e| e.contains("status")));

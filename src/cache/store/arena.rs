@@ -1,20 +1,23 @@
-//! The slot arena: the store's byte range carved, on demand, into fixed-size slots
-//! of one class per slot size, each class with its free list, and what every slot
-//! holds. It knows nothing of keys' whereabouts, pins or LRU order: the facade
-//! asks it for a slot and tells it when a slot changes hands.
+//! The record arena: the store's byte range, carved from its start as records need
+//! it (the carved part has its memory reserved), into extents of whole pages, each
+//! free or holding one record. A record's slot is its descriptor (an entry of the
+//! shared table), which any extent can use. Free extents are merged with free
+//! neighbours at once, so two free extents never touch; a record goes into the
+//! smallest free extent that holds it (best fit). Keys, pins and the LRU are not
+//! its business: the store plans evictions ([`room`](super::room)) and tells it
+//! which extents change hands.
 
-use super::super::protocol::RequestError;
-use super::super::table::slot_size_for;
+use std::collections::{BTreeMap, BTreeSet};
 
-/// A slot's number: its entry in the shared table.
+use super::super::table::SLOT_ALIGN;
+
+/// A slot's number: its descriptor in the shared table.
 pub type SlotIdx = usize;
-/// A slot class's number; stable for the store's life (classes are never removed).
-pub type ClassIdx = usize;
 
 /// What a slot holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SlotUse {
-    /// Nothing.
+    /// Nothing (the descriptor is unused).
     Free,
     /// A record of `len` bytes being written.
     Filling {
@@ -30,10 +33,10 @@ pub enum SlotUse {
     },
 }
 
-/// Where a committed record lies, and which incarnation of its slot it is.
+/// Where a record lies, and which incarnation of its slot it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placed {
-    /// Byte offset of the slot in the store.
+    /// Byte offset of the record in the store.
     pub offset: u64,
     /// The record's length.
     pub len: u64,
@@ -41,159 +44,210 @@ pub struct Placed {
     pub generation: u32,
 }
 
+/// What lies at an offset of the carved part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Span {
+    /// Free bytes.
+    Free {
+        /// Bytes (whole pages).
+        len: u64,
+    },
+    /// One record's extent.
+    Record {
+        /// Its slot.
+        slot: SlotIdx,
+        /// Bytes (whole pages).
+        len: u64,
+    },
+}
+
+impl Span {
+    /// Its bytes.
+    pub fn len(&self) -> u64 {
+        match *self {
+            Span::Free { len } | Span::Record { len, .. } => len,
+        }
+    }
+
+    /// Whether it spans no byte (never, for a span of the arena).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[derive(Debug)]
 struct Slot {
     offset: u64,
-    class: ClassIdx,
+    extent: u64,
     generation: u32,
     used: SlotUse,
 }
 
-/// All slots of one size.
-#[derive(Debug)]
-struct SlotClass {
-    slot_bytes: u64,
-    slots: Vec<SlotIdx>,
-    free: Vec<SlotIdx>,
+/// Where a record of some size fits at the end of the carved part: from `start`,
+/// after carving `grow` more bytes (whose memory must be reserved first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tail {
+    /// Where the record would start.
+    pub start: u64,
+    /// Bytes to carve.
+    pub grow: u64,
 }
 
-/// One class as the stats see it.
-#[derive(Debug, Clone, Copy)]
-pub struct ClassView<'a> {
-    /// Bytes per slot.
-    pub slot_bytes: u64,
-    /// Its slots, in carving order.
-    pub slots: &'a [SlotIdx],
+/// The free part of the carved bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FreeSpace {
+    /// Free bytes.
+    pub bytes: u64,
+    /// Free extents.
+    pub extents: usize,
+    /// The largest one.
+    pub largest: u64,
 }
 
-/// The slots of a store of `cap` bytes.
+/// A slot given up: its record's key if it was committed, and its generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// The key of the committed record it held (`None` for a fill).
+    pub key: Option<String>,
+    /// The slot's generation.
+    pub generation: u32,
+}
+
+/// The extents and slots of a store of `cap` bytes.
 #[derive(Debug)]
-pub struct SlotArena {
+pub struct Arena {
+    /// Bytes records may use: the cap rounded down to whole pages.
     cap: u64,
     carved: u64,
-    /// Most slots the shared table has entries for.
-    max_slots: usize,
-    /// Whether the classes were given up front (no class is added later).
-    fixed_classes: bool,
-    classes: Vec<SlotClass>,
+    /// Every extent of `[0, carved)`, by offset.
+    spans: BTreeMap<u64, Span>,
+    /// The free extents by (length, offset).
+    free_by_len: BTreeSet<(u64, u64)>,
     slots: Vec<Slot>,
+    /// Slots whose descriptor is unused.
+    free_slots: Vec<SlotIdx>,
+    /// Most slots the shared table has descriptors for.
+    max_slots: usize,
 }
 
-impl SlotArena {
-    /// An arena of `cap` bytes with at most `max_slots` slots. With `slot_bytes`
-    /// given, those are its classes for good; without, a class is added for each
-    /// new record size.
-    pub fn new(cap: u64, slot_bytes: &[u64], max_slots: usize) -> SlotArena {
-        let mut sizes: Vec<u64> = slot_bytes.iter().map(|&b| slot_size_for(b)).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        SlotArena {
-            cap,
+impl Arena {
+    /// An arena of `cap` bytes with at most `max_slots` records at once.
+    pub fn new(cap: u64, max_slots: usize) -> Arena {
+        Arena {
+            cap: cap / SLOT_ALIGN * SLOT_ALIGN,
             carved: 0,
-            max_slots,
-            fixed_classes: !sizes.is_empty(),
-            classes: sizes.into_iter().map(SlotClass::new).collect(),
+            spans: BTreeMap::new(),
+            free_by_len: BTreeSet::new(),
             slots: Vec::new(),
+            free_slots: Vec::new(),
+            max_slots,
         }
     }
 
-    /// The byte cap.
+    /// Bytes records may use (whole pages of the cap).
     pub fn cap(&self) -> u64 {
         self.cap
     }
 
-    /// Bytes carved into slots so far.
-    pub fn carved_bytes(&self) -> u64 {
+    /// Bytes carved so far (their memory is reserved).
+    pub fn carved(&self) -> u64 {
         self.carved
     }
 
-    /// Slots carved so far (slot numbers run from 0 to this).
-    pub fn carved_slots(&self) -> usize {
+    /// Slot numbers handed out so far run from 0 to this.
+    pub fn slot_count(&self) -> usize {
         self.slots.len()
     }
 
-    /// The smallest class whose slots hold `len` bytes, adding one if the classes
-    /// are not fixed and the uncarved bytes hold such a slot.
-    pub fn class_for(&mut self, key: &str, len: u64) -> Result<ClassIdx, RequestError> {
-        let fitting = self
-            .classes
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.slot_bytes >= len)
-            .min_by_key(|(_, c)| c.slot_bytes);
-        if let Some((ci, _)) = fitting {
-            return Ok(ci);
+    /// Whether a new record can have a descriptor without one being given up.
+    pub fn has_free_slot(&self) -> bool {
+        !self.free_slots.is_empty() || self.slots.len() < self.max_slots
+    }
+
+    /// The smallest free extent that holds `extent` bytes: its offset.
+    pub fn best_fit(&self, extent: u64) -> Option<u64> {
+        self.free_by_len
+            .range((extent, 0)..)
+            .next()
+            .map(|&(_, offset)| offset)
+    }
+
+    /// Where a record of `extent` bytes fits at the end of the carved part (joining
+    /// a free extent that ends there), if the cap has room.
+    pub fn tail(&self, extent: u64) -> Option<Tail> {
+        let start = match self.span_before(self.carved) {
+            Some((offset, Span::Free { .. })) => offset,
+            _ => self.carved,
+        };
+        let grow = (start + extent).saturating_sub(self.carved);
+        (self.carved + grow <= self.cap).then_some(Tail { start, grow })
+    }
+
+    /// Carves `bytes` more (their memory is reserved by the caller), free.
+    pub fn grow(&mut self, bytes: u64) {
+        if bytes == 0 {
+            return;
         }
-        let needed = slot_size_for(len);
-        let uncarved = self.cap - self.carved;
-        if self.fixed_classes || needed > uncarved {
-            let largest_slot = if self.fixed_classes {
-                self.classes.iter().map(|c| c.slot_bytes).max().unwrap_or(0)
-            } else {
-                uncarved
-            };
-            return Err(RequestError::RecordTooLarge {
-                key: key.to_string(),
-                len,
-                largest_slot,
-            });
+        let offset = self.carved;
+        self.carved += bytes;
+        self.insert_free(offset, bytes);
+    }
+
+    /// The extent that ends at `offset`, with its start.
+    pub fn span_before(&self, offset: u64) -> Option<(u64, Span)> {
+        let (&start, &span) = self.spans.range(..offset).next_back()?;
+        (start + span.len() == offset).then_some((start, span))
+    }
+
+    /// The extent that starts at `offset`.
+    pub fn span_at(&self, offset: u64) -> Option<Span> {
+        self.spans.get(&offset).copied()
+    }
+
+    /// Starts a fill of `len` bytes in an extent of `extent` bytes at `offset`, which
+    /// must lie in one free extent: a slot (a new generation of one) and where it
+    /// lies; `None` (and no change) if the range is not free or no slot is left.
+    pub fn occupy(&mut self, offset: u64, extent: u64, len: u64) -> Option<(SlotIdx, Placed)> {
+        let (&start, &span) = self.spans.range(..=offset).next_back()?;
+        let Span::Free { len: free } = span else {
+            return None;
+        };
+        let end = start + free;
+        if offset + extent > end || !self.has_free_slot() {
+            return None;
         }
-        self.classes.push(SlotClass::new(needed));
-        Ok(self.classes.len() - 1)
-    }
-
-    /// Bytes per slot of class `ci`.
-    pub fn slot_bytes(&self, ci: ClassIdx) -> u64 {
-        self.classes[ci].slot_bytes
-    }
-
-    /// Slots of class `ci` carved so far.
-    pub fn class_len(&self, ci: ClassIdx) -> usize {
-        self.classes[ci].slots.len()
-    }
-
-    /// A free slot of class `ci`, taken off its free list.
-    pub fn take_free(&mut self, ci: ClassIdx) -> Option<SlotIdx> {
-        self.classes[ci].free.pop()
-    }
-
-    /// The offset the next slot of class `ci` would be carved at (its memory is
-    /// reserved there before [`carve`](Self::carve)); `None` when neither the bytes
-    /// nor the table's entries allow one.
-    pub fn next_carve(&self, ci: ClassIdx) -> Option<u64> {
-        let slot_bytes = self.classes[ci].slot_bytes;
-        let room = self.cap - self.carved >= slot_bytes && self.slots.len() < self.max_slots;
-        room.then_some(self.carved)
-    }
-
-    /// A new slot of class `ci` carved from the uncarved bytes, with its offset;
-    /// `None` when neither the bytes nor the table's entries allow one.
-    pub fn carve(&mut self, ci: ClassIdx) -> Option<(SlotIdx, u64)> {
-        let slot_bytes = self.classes[ci].slot_bytes;
-        self.next_carve(ci)?;
-        let (slot, offset) = (self.slots.len(), self.carved);
-        self.slots.push(Slot {
-            offset,
-            class: ci,
-            generation: 0,
-            used: SlotUse::Free,
-        });
-        self.carved += slot_bytes;
-        self.classes[ci].slots.push(slot);
-        Some((slot, offset))
-    }
-
-    /// Starts a fill of `len` bytes in a slot just taken (free, carved or evicted):
-    /// a new generation; returns where it lies.
-    pub fn begin_fill(&mut self, slot: SlotIdx, len: u64) -> Placed {
+        self.remove_free(start, free);
+        if offset > start {
+            self.insert_free_unmerged(start, offset - start);
+        }
+        if end > offset + extent {
+            self.insert_free_unmerged(offset + extent, end - offset - extent);
+        }
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(Slot {
+                    offset,
+                    extent,
+                    generation: 0,
+                    used: SlotUse::Free,
+                });
+                self.slots.len() - 1
+            }
+        };
+        self.spans
+            .insert(offset, Span::Record { slot, len: extent });
         let s = &mut self.slots[slot];
-        s.used = SlotUse::Filling { len };
+        s.offset = offset;
+        s.extent = extent;
         s.generation = s.generation.wrapping_add(1).max(1);
-        Placed {
-            offset: s.offset,
+        s.used = SlotUse::Filling { len };
+        let placed = Placed {
+            offset,
             len,
             generation: s.generation,
-        }
+        };
+        Some((slot, placed))
     }
 
     /// Publishes a filled slot under `key`; `None` (and no change) if the slot is
@@ -224,153 +278,196 @@ impl SlotArena {
         }
     }
 
-    /// Takes a committed record out of its slot for the slot to be reused at once
-    /// (eviction): the slot is Free but not on the free list. Returns the key.
-    pub fn evict(&mut self, slot: SlotIdx) -> Option<String> {
+    /// Gives up what `slot` holds (a record or a fill): its extent goes free,
+    /// merged with free neighbours, and its descriptor back to the unused ones.
+    /// `None` if it holds nothing.
+    pub fn release(&mut self, slot: SlotIdx) -> Option<Released> {
         let s = self.slots.get_mut(slot)?;
-        match std::mem::replace(&mut s.used, SlotUse::Free) {
+        let key = match std::mem::replace(&mut s.used, SlotUse::Free) {
+            SlotUse::Free => return None,
+            SlotUse::Filling { .. } => None,
             SlotUse::Ready { key, .. } => Some(key),
-            other => {
-                s.used = other;
-                None
-            }
-        }
+        };
+        let (offset, extent, generation) = (s.offset, s.extent, s.generation);
+        self.spans.remove(&offset);
+        self.insert_free(offset, extent);
+        self.free_slots.push(slot);
+        Some(Released { key, generation })
     }
 
-    /// Empties a slot and puts it on its class's free list; returns its generation.
-    pub fn free(&mut self, slot: SlotIdx) -> u32 {
-        let s = &mut self.slots[slot];
-        s.used = SlotUse::Free;
-        self.classes[s.class].free.push(slot);
-        s.generation
-    }
-
-    /// The class of `slot`.
-    pub fn class_of(&self, slot: SlotIdx) -> ClassIdx {
-        self.slots[slot].class
-    }
-
-    /// What `slot` holds.
+    /// What `slot` holds (`Free` for a number never handed out).
     pub fn slot_use(&self, slot: SlotIdx) -> &SlotUse {
-        &self.slots[slot].used
+        self.slots.get(slot).map_or(&SlotUse::Free, |s| &s.used)
     }
 
-    /// The classes, smallest slots first.
-    pub fn classes(&self) -> Vec<ClassView<'_>> {
-        let mut views: Vec<ClassView<'_>> = self
-            .classes
+    /// The offset and bytes of the extent of `slot`, while it holds something.
+    pub fn extent_of(&self, slot: SlotIdx) -> Option<(u64, u64)> {
+        let s = self.slots.get(slot)?;
+        (s.used != SlotUse::Free).then_some((s.offset, s.extent))
+    }
+
+    /// The slots that hold a record or a fill, with what they hold and their extent.
+    pub fn in_use(&self) -> impl Iterator<Item = (SlotIdx, &SlotUse, u64)> + '_ {
+        self.slots
             .iter()
-            .map(|c| ClassView {
-                slot_bytes: c.slot_bytes,
-                slots: &c.slots,
-            })
-            .collect();
-        views.sort_by_key(|v| v.slot_bytes);
-        views
+            .enumerate()
+            .filter(|(_, s)| s.used != SlotUse::Free)
+            .map(|(i, s)| (i, &s.used, s.extent))
     }
-}
 
-impl SlotClass {
-    fn new(slot_bytes: u64) -> SlotClass {
-        SlotClass {
-            slot_bytes,
-            slots: Vec::new(),
-            free: Vec::new(),
+    /// The free part of the carved bytes.
+    pub fn free_space(&self) -> FreeSpace {
+        FreeSpace {
+            bytes: self.free_by_len.iter().map(|&(len, _)| len).sum(),
+            extents: self.free_by_len.len(),
+            largest: self.free_by_len.last().map_or(0, |&(len, _)| len),
         }
+    }
+
+    /// Adds a free extent, merged with the free extents on either side.
+    fn insert_free(&mut self, mut offset: u64, mut len: u64) {
+        if let Some((start, Span::Free { len: before })) = self.span_before(offset) {
+            self.remove_free(start, before);
+            offset = start;
+            len += before;
+        }
+        if let Some(Span::Free { len: after }) = self.span_at(offset + len) {
+            self.remove_free(offset + len, after);
+            len += after;
+        }
+        self.insert_free_unmerged(offset, len);
+    }
+
+    fn insert_free_unmerged(&mut self, offset: u64, len: u64) {
+        self.spans.insert(offset, Span::Free { len });
+        self.free_by_len.insert((len, offset));
+    }
+
+    fn remove_free(&mut self, offset: u64, len: u64) {
+        self.spans.remove(&offset);
+        self.free_by_len.remove(&(len, offset));
+    }
+
+    /// Checks the arena's invariants (tests): extents tile the carved part, free
+    /// ones never touch, the length index matches.
+    #[cfg(test)]
+    pub fn check(&self) {
+        let mut at = 0;
+        let mut previous_free = false;
+        for (&offset, span) in &self.spans {
+            assert_eq!(offset, at, "extents must tile the carved bytes");
+            let free = matches!(span, Span::Free { .. });
+            assert!(
+                !(free && previous_free),
+                "two free extents touch at {offset}"
+            );
+            if let Span::Free { len } = *span {
+                assert!(self.free_by_len.contains(&(len, offset)));
+            }
+            previous_free = free;
+            at += span.len();
+        }
+        assert_eq!(at, self.carved);
+        let free_spans = self
+            .spans
+            .values()
+            .filter(|s| matches!(s, Span::Free { .. }));
+        assert_eq!(free_spans.count(), self.free_by_len.len());
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::table::SLOT_ALIGN;
     use super::*;
 
-    const MB: u64 = 1 << 20;
+    const P: u64 = SLOT_ALIGN;
 
     #[test]
-    fn fixed_classes_pick_the_smallest_fit_and_refuse_larger_records() {
-        let mut arena = SlotArena::new(8 * MB, &[MB, 5000, MB], 100);
-        let small = arena.class_for("a", 100).unwrap();
-        assert_eq!(arena.slot_bytes(small), 2 * SLOT_ALIGN);
-        let big = arena.class_for("b", 9000).unwrap();
-        assert_eq!(arena.slot_bytes(big), MB);
-        let err = arena.class_for("huge", MB + 1).unwrap_err();
+    fn records_are_carved_at_the_end_then_placed_in_the_best_free_fit() {
+        let mut arena = Arena::new(10 * P + 100, 100);
+        assert_eq!(arena.cap(), 10 * P, "whole pages of the cap");
         assert_eq!(
-            err,
-            RequestError::RecordTooLarge {
-                key: "huge".into(),
-                len: MB + 1,
-                largest_slot: MB
-            }
+            arena.tail(3 * P),
+            Some(Tail {
+                start: 0,
+                grow: 3 * P
+            })
         );
-        assert_eq!(arena.classes().len(), 2);
+        let place = |arena: &mut Arena, extent: u64| {
+            let tail = arena.tail(extent).unwrap();
+            arena.grow(tail.grow);
+            arena.occupy(tail.start, extent, extent - 10).unwrap().0
+        };
+        let a = place(&mut arena, 3 * P);
+        let b = place(&mut arena, 2 * P);
+        let c = place(&mut arena, 4 * P);
+        arena.check();
+        assert_eq!(arena.carved(), 9 * P);
+        assert_eq!(arena.tail(2 * P), None, "one page left of the cap");
+        assert_eq!(arena.release(a).map(|r| r.key), Some(None), "a fill");
+        assert!(arena.release(a).is_none(), "released already");
+        arena.release(c);
+        arena.check();
+        // Free now: a's 3 pages at 0 and c's 4 at 5P.
+        assert_eq!(arena.best_fit(2 * P), Some(0), "the smaller fit");
+        assert_eq!(arena.best_fit(4 * P), Some(5 * P));
+        assert_eq!(arena.best_fit(6 * P), None);
+        let free = arena.free_space();
+        assert_eq!((free.bytes, free.extents, free.largest), (7 * P, 2, 4 * P));
+        let (d, placed) = arena.occupy(P, 2 * P, 5).unwrap();
+        assert_eq!(placed.offset, P);
+        assert_eq!(arena.span_at(0), Some(Span::Free { len: P }));
+        assert!(arena.occupy(0, 2 * P, 5).is_none(), "not free all the way");
+        arena.check();
+        arena.release(b);
+        arena.release(d);
+        arena.check();
+        assert_eq!(arena.free_space().extents, 1, "everything merged again");
     }
 
     #[test]
-    fn open_classes_are_added_per_size_while_bytes_remain() {
-        let mut arena = SlotArena::new(3 * MB, &[], 100);
-        let b = arena.class_for("b", 10).unwrap();
-        assert_eq!(arena.slot_bytes(b), SLOT_ALIGN);
-        let a = arena.class_for("a", MB + 1).unwrap();
-        assert_eq!(arena.slot_bytes(a), MB + SLOT_ALIGN);
-        assert_ne!(a, b);
-        assert_eq!(arena.class_for("a2", MB).unwrap(), a, "the fit is reused");
-        assert_eq!(arena.class_for("b2", 10).unwrap(), b, "the smallest fit");
+    fn a_free_extent_at_the_end_joins_the_tail() {
+        let mut arena = Arena::new(10 * P, 100);
+        arena.grow(4 * P);
+        let (a, _) = arena.occupy(0, 2 * P, 1).unwrap();
         assert_eq!(
-            arena.class_for("c", 5000).unwrap(),
-            a,
-            "a class that fits is used before a new one is made"
+            arena.tail(5 * P),
+            Some(Tail {
+                start: 2 * P,
+                grow: 3 * P
+            })
         );
-        arena.carve(a).unwrap();
-        arena.carve(a).unwrap();
-        // 3 MiB - 2 * (1 MiB + 4 KiB) left: not enough for a 2 MiB class.
-        let err = arena.class_for("c", 2 * MB).unwrap_err();
-        assert!(
-            matches!(err, RequestError::RecordTooLarge { largest_slot, .. }
-            if largest_slot == 3 * MB - 2 * (MB + SLOT_ALIGN))
+        arena.release(a);
+        assert_eq!(
+            arena.tail(10 * P),
+            Some(Tail {
+                start: 0,
+                grow: 6 * P
+            })
         );
-        let sizes: Vec<u64> = arena.classes().iter().map(|c| c.slot_bytes).collect();
-        assert_eq!(sizes, vec![SLOT_ALIGN, MB + SLOT_ALIGN], "sorted by size");
+        assert_eq!(arena.tail(11 * P), None);
     }
 
     #[test]
-    fn carving_stops_at_the_cap_and_at_the_table_entries() {
-        let mut arena = SlotArena::new(3 * MB, &[MB], 100);
-        let offsets: Vec<u64> = (0..3).map(|_| arena.carve(0).unwrap().1).collect();
-        assert_eq!(offsets, vec![0, MB, 2 * MB]);
-        assert_eq!(arena.next_carve(0), None);
-        assert!(arena.carve(0).is_none(), "past the cap");
-        assert_eq!((arena.carved_bytes(), arena.carved_slots()), (3 * MB, 3));
-        let mut few = SlotArena::new(3 * MB, &[MB], 2);
-        assert_eq!(few.next_carve(0), Some(0));
-        assert!(few.carve(0).is_some() && few.carve(0).is_some());
-        assert_eq!(few.next_carve(0), None);
-        assert!(few.carve(0).is_none(), "past the table's entries");
-    }
-
-    #[test]
-    fn a_slot_goes_free_filling_ready_and_back() {
-        let mut arena = SlotArena::new(MB, &[SLOT_ALIGN], 100);
-        let (slot, offset) = arena.carve(0).unwrap();
-        assert!(arena.take_free(0).is_none());
-        assert!(arena.publish(slot, "k".into()).is_none(), "not filling");
-        let placed = arena.begin_fill(slot, 10);
-        assert_eq!(
-            (placed.offset, placed.len, placed.generation),
-            (offset, 10, 1)
-        );
+    fn a_slot_goes_filling_ready_and_free_with_a_new_generation_each_time() {
+        let mut arena = Arena::new(4 * P, 1);
+        arena.grow(4 * P);
+        let (slot, placed) = arena.occupy(0, P, 10).unwrap();
+        assert_eq!(placed.generation, 1);
+        assert!(!arena.has_free_slot(), "one descriptor only");
+        assert!(arena.occupy(P, P, 10).is_none(), "no descriptor left");
         assert!(arena.ready(slot).is_none());
         assert_eq!(arena.publish(slot, "k".into()), Some(placed));
+        assert!(arena.publish(slot, "k".into()).is_none(), "not filling");
         assert_eq!(arena.ready(slot), Some(placed));
-        assert_eq!(arena.evict(slot).as_deref(), Some("k"));
+        assert_eq!(arena.extent_of(slot), Some((0, P)));
+        let gone = arena.release(slot).unwrap();
+        assert_eq!((gone.key.as_deref(), gone.generation), (Some("k"), 1));
         assert_eq!(arena.slot_use(slot), &SlotUse::Free);
-        assert!(
-            arena.take_free(0).is_none(),
-            "an evicted slot is reused at once"
-        );
-        assert_eq!(arena.begin_fill(slot, 20).generation, 2);
-        assert!(arena.evict(slot).is_none(), "a filling slot is not evicted");
-        assert_eq!(arena.free(slot), 2);
-        assert_eq!(arena.take_free(0), Some(slot));
+        assert_eq!(arena.extent_of(slot), None);
+        let (again, placed) = arena.occupy(2 * P, 2 * P, 10).unwrap();
+        assert_eq!((again, placed.generation), (slot, 2));
+        assert_eq!(arena.in_use().count(), 1);
+        assert_eq!(arena.slot_use(99), &SlotUse::Free);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::super::table::{key_hash, Table};
+use super::super::table::{key_hash, TableWriter};
 use super::arena::SlotIdx;
 
 /// Committed records by key.
@@ -37,7 +37,7 @@ impl RecordIndex {
     }
 
     /// Publishes `key -> slot` here and in `table`.
-    pub fn insert(&mut self, key: String, slot: SlotIdx, table: &Table) {
+    pub fn insert(&mut self, key: String, slot: SlotIdx, table: &TableWriter) {
         if table.index_insert(key_hash(&key), slot) {
             self.tombstones = self.tombstones.saturating_sub(1);
         }
@@ -45,7 +45,7 @@ impl RecordIndex {
     }
 
     /// Withdraws `key` here and in `table`; returns its slot.
-    pub fn remove(&mut self, key: &str, table: &Table) -> Option<SlotIdx> {
+    pub fn remove(&mut self, key: &str, table: &TableWriter) -> Option<SlotIdx> {
         let slot = self.by_key.remove(key)?;
         if table.index_remove(key_hash(key), slot) {
             self.tombstones += 1;
@@ -58,7 +58,7 @@ impl RecordIndex {
 
     /// Rewrites the shared index from the live records (clients that look meanwhile
     /// miss and ask the server).
-    fn rebuild(&mut self, table: &Table) {
+    fn rebuild(&mut self, table: &TableWriter) {
         table.index_clear();
         for (key, &slot) in &self.by_key {
             table.index_insert(key_hash(key), slot);
@@ -89,7 +89,7 @@ mod tests {
 
     #[test]
     fn records_are_found_here_and_in_the_table() {
-        let table = Table::on_heap(1 << 20, 8); // 16 index entries
+        let table = TableWriter::on_heap(1 << 20, 8); // 16 index entries
         let mut index = RecordIndex::new();
         index.insert("a".into(), 3, &table);
         assert_eq!(index.get("a"), Some(3));
@@ -102,7 +102,7 @@ mod tests {
 
     #[test]
     fn too_many_tombstones_rebuild_the_shared_index() {
-        let table = Table::on_heap(1 << 20, 8); // 16 index entries: rebuild past 4
+        let table = TableWriter::on_heap(1 << 20, 8); // 16 index entries: rebuild past 4
         let mut index = RecordIndex::new();
         let keys = colliding_keys(7);
         for (slot, key) in keys.iter().enumerate() {

@@ -1,35 +1,41 @@
-//! The store's bookkeeping, a small facade over one part per job: the slot
-//! [`arena`] (classes, carving, free lists), the [`lru`] with its second chance,
-//! the record [`index`], the [`connections`] with their pin bits, single-flight
-//! [`fills`], the [`stats`] counters and the [`reserve`]d memory under the
-//! carved slots. The server wraps it in a mutex and every
-//! record is mirrored into the shared [`Table`], where clients pin hits themselves;
-//! pins are read back from there.
+//! The store's bookkeeping, a small facade over one part per job: the record
+//! [`arena`] (extents of any size, carved on demand), the [`recency`] of records
+//! (the LRU), the plans that make [`room`] for a record, the record [`index`], the
+//! [`connections`] with their pin pages, single-flight [`fills`], the [`stats`]
+//! counters and the [`reserve`]d memory under the carved bytes. The server wraps it
+//! in a mutex; every record is mirrored into the shared [`TableWriter`], where
+//! clients find hits themselves, and pins are read back from the connections' pin
+//! pages ([`PinPages`]).
 //!
 //! Every operation first checks everything that can refuse it, then makes its
-//! changes, none of which can fail: a refused request leaves the store as it was.
+//! changes, none of which can fail: a refused request leaves the store's records,
+//! extents and memory as they were (it may only have learnt of reads that clients
+//! made, which refreshes the LRU order, and counted the refusal).
 
 pub mod arena;
 pub mod connections;
 pub mod fills;
 pub mod index;
-pub mod lru;
+pub mod recency;
 mod report;
 pub mod reserve;
+pub mod room;
 pub mod stats;
 
 use super::ids::{ClientId, LeaseId, TicketId};
+use super::pins::{LeaseWord, PinPage, PinPages, LEASES_PER_CONNECTION};
 use super::protocol::{LeaseGrant, RequestError};
-use super::table::{self, SlotCode, Table, MAX_KEY_BYTES};
-use arena::{ClassIdx, SlotArena, SlotIdx};
+use super::table::{self, SlotCode, TableWriter, MAX_KEY_BYTES};
+use arena::{Arena, Placed, SlotIdx, SlotUse};
 use connections::Connections;
 use fills::{Fill, Fills};
 use index::RecordIndex;
-use lru::Lru;
+use recency::Recency;
 use reserve::{NoReserve, Reservations, ReserveRefusal};
+use room::{Evictable, Plan};
 use stats::{Event, StoreStats};
 
-pub use super::table::{slot_size_for, SLOT_ALIGN};
+pub use super::table::{extent_for, SLOT_ALIGN};
 
 /// Outcome of a `get`.
 #[derive(Debug, PartialEq, Eq)]
@@ -48,14 +54,15 @@ pub enum GetOutcome {
 /// The cache's bookkeeping.
 pub struct Store {
     store_id: u64,
-    table: Table,
-    arena: SlotArena,
-    lru: Lru,
+    table: TableWriter,
+    pins: PinPages,
+    arena: Arena,
+    recency: Recency,
     index: RecordIndex,
     connections: Connections,
     fills: Fills,
     stats: StoreStats,
-    /// The memory under the carved slots.
+    /// The memory under the carved bytes.
     reservations: Reservations,
     /// The next connection or ticket id.
     next_id: u64,
@@ -71,23 +78,38 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// The store as the eviction planner sees it: a record may go if it is committed
+/// and no live pin page holds a lease on it.
+struct Occupants<'a> {
+    store: &'a Store,
+}
+
+impl Evictable for Occupants<'_> {
+    fn evictable(&self, slot: SlotIdx) -> Option<u64> {
+        let ready = matches!(self.store.arena.slot_use(slot), SlotUse::Ready { .. });
+        if !ready || self.store.pinned(slot) {
+            return None;
+        }
+        self.store.recency.stamp(slot)
+    }
+}
+
 impl Store {
-    /// A store of `cap` bytes whose records are mirrored in `table`. With `slot_bytes`
-    /// given, records must fit those classes; without, a class is made for each new
-    /// record size on its first fill. Each slot's bytes are reserved through
-    /// `reservations` when the slot is carved, before it is handed out.
+    /// A store of `cap` bytes whose records are mirrored in `table`, pinned through
+    /// `pins`; its bytes are reserved through `reservations` as they are carved.
     pub fn new(
         store_id: u64,
         cap: u64,
-        slot_bytes: &[u64],
-        table: Table,
+        table: TableWriter,
+        pins: PinPages,
         reservations: Reservations,
     ) -> Store {
         Store {
             store_id,
-            arena: SlotArena::new(cap, slot_bytes, table.slots()),
+            arena: Arena::new(cap, table.slots()),
             table,
-            lru: Lru::new(),
+            pins,
+            recency: Recency::new(),
             index: RecordIndex::new(),
             connections: Connections::new(),
             fills: Fills::new(),
@@ -97,22 +119,23 @@ impl Store {
         }
     }
 
-    /// A store over a table on the heap (tests and single-process tools).
-    pub fn on_heap(store_id: u64, cap: u64, slot_bytes: &[u64]) -> Store {
-        Store::on_heap_reserving(store_id, cap, slot_bytes, Box::new(NoReserve))
+    /// A store over a table on the heap (tests and single-process tools), with a
+    /// descriptor per `record_bytes` of the cap (or the default).
+    pub fn on_heap(store_id: u64, cap: u64, record_bytes: Option<u64>) -> Store {
+        Store::on_heap_reserving(store_id, cap, record_bytes, Box::new(NoReserve))
     }
 
-    /// A store over a table on the heap whose slots are reserved through `reserver`.
+    /// A store over a table on the heap whose bytes are reserved through `reserver`.
     pub fn on_heap_reserving(
         store_id: u64,
         cap: u64,
-        slot_bytes: &[u64],
+        record_bytes: Option<u64>,
         reserver: Box<dyn reserve::PageReserver>,
     ) -> Store {
-        let layout = table::Layout::for_store(cap, slot_bytes);
-        let table = Table::on_heap(cap, layout.slots);
+        let layout = table::Layout::for_store(cap, record_bytes);
+        let table = TableWriter::on_heap(cap, layout.slots);
         let reservations = Reservations::new(reserver, 0);
-        Store::new(store_id, cap, slot_bytes, table, reservations)
+        Store::new(store_id, cap, table, PinPages::on_heap(), reservations)
     }
 
     /// The byte cap.
@@ -121,26 +144,32 @@ impl Store {
     }
 
     /// The shared table.
-    pub fn table(&self) -> &Table {
+    pub fn table(&self) -> &TableWriter {
         &self.table
     }
 
-    /// Registers a connection; returns its id and its pin bit, or an error when all
-    /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) bits are taken.
-    pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
-        let id = self.next_id;
-        let bit = self.connections.connect(id, name, pid, &self.table)?;
-        self.next_id += 1;
-        self.stats.connected(id);
-        Ok((id, bit))
+    /// Connection page `page` (tests play a client's part in shared memory with it).
+    pub fn pin_page(&self, page: usize) -> PinPage<'_> {
+        self.pins.page(page)
     }
 
-    /// Drops a connection: its pins are cleared, its shared counters folded into the
-    /// totals and its fills abandoned. Returns the number of fills abandoned (waiters
-    /// must be woken).
+    /// Registers a connection; returns its id and its pin page, or an error when all
+    /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) pages are taken.
+    pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
+        let id = self.next_id;
+        let pins = &self.pins;
+        let page = self.connections.connect(id, name, pid, |p| pins.page(p))?;
+        self.next_id += 1;
+        self.stats.connected(id);
+        Ok((id, page))
+    }
+
+    /// Ends a connection: its shared counters are folded into the totals and its
+    /// fills abandoned; its leases keep pinning until [`forget`](Self::forget).
+    /// Returns the number of fills abandoned (waiters must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
-        let carved = self.arena.carved_slots();
-        let Some(gone) = self.connections.disconnect(client, &self.table, carved) else {
+        let pins = &self.pins;
+        let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
         };
         self.stats.disconnected(client, gone.shared_hits);
@@ -149,6 +178,13 @@ impl Store {
             self.given_up(fill);
         }
         abandoned.len()
+    }
+
+    /// The client of an ended connection is gone for good (its socket closed): its
+    /// leases are released and its page is free for another connection.
+    pub fn forget(&mut self, client: ClientId) -> bool {
+        let pins = &self.pins;
+        self.connections.forget(client, |p| pins.page(p))
     }
 
     /// Counts a request served over the control channel.
@@ -207,25 +243,40 @@ impl Store {
         Ok(Some(grant))
     }
 
-    /// Pins `slot`'s committed record for `client`.
+    /// Pins `slot`'s committed record for `client`, in its page (the client waits
+    /// for this reply, so it does not take a lease of its own meanwhile).
     fn lease(&mut self, client: ClientId, slot: SlotIdx) -> Result<LeaseGrant, RequestError> {
-        let bit = self.connections.get(client)?.bit;
+        let page = self.connections.get(client)?.page;
         let Some(placed) = self.arena.ready(slot) else {
             return Err(RequestError::Protocol(format!(
                 "slot {slot} holds no committed record"
             )));
         };
-        self.table.pin(slot, bit);
-        self.table.touch(slot);
+        let lease = self
+            .pins
+            .page(page)
+            .take(slot)
+            .map_err(|_| RequestError::TooManyLeases {
+                max: LEASES_PER_CONNECTION,
+            })?;
+        self.recency.touch(slot);
         Ok(LeaseGrant {
-            lease: table::lease_id(slot, placed.generation),
+            lease: lease.0,
             offset: placed.offset,
             len: placed.len,
         })
     }
 
-    /// Reserves a slot of the right class for a ticket: a free slot, else a new one
-    /// carved from the store, else the least recently used unpinned record's.
+    /// Whether a lease of any live connection pins `slot`.
+    fn pinned(&self, slot: SlotIdx) -> bool {
+        self.connections
+            .live_pages()
+            .any(|p| self.pins.page(p).pins(slot))
+    }
+
+    /// Reserves room for a ticket's record of `len` bytes: a free extent, the end
+    /// of the carved part, or what evicting least recently used unpinned records
+    /// frees. Returns where to write it.
     pub fn reserve(
         &mut self,
         client: ClientId,
@@ -244,9 +295,11 @@ impl Store {
         if len == 0 {
             return Err(RequestError::EmptyRecord { key });
         }
-        let class = self.arena.class_for(&key, len)?;
-        let slot = self.take_slot(class, &key, len)?;
-        let placed = self.arena.begin_fill(slot, len);
+        let cap = self.arena.cap();
+        let Some(extent) = extent_for(len).filter(|&e| e <= cap) else {
+            return Err(RequestError::RecordTooLarge { key, len, cap });
+        };
+        let (slot, placed) = self.make_room(&key, len, extent)?;
         let state = table::SlotState {
             generation: placed.generation,
             code: SlotCode::Filling,
@@ -256,44 +309,133 @@ impl Store {
         Ok((placed.offset, len))
     }
 
-    /// A slot of class `ci`: a free one, a newly carved one (its memory reserved
-    /// first), or an evicted one. When the memory for a new slot cannot be had and
-    /// nothing can be evicted, the refusal is the error.
-    fn take_slot(&mut self, ci: ClassIdx, key: &str, len: u64) -> Result<SlotIdx, RequestError> {
-        if let Some(slot) = self.arena.take_free(ci) {
-            return Ok(slot);
-        }
+    /// Room for a record of `len` bytes in `extent` bytes, or the refusal.
+    fn make_room(
+        &mut self,
+        key: &str,
+        len: u64,
+        extent: u64,
+    ) -> Result<(SlotIdx, Placed), RequestError> {
+        self.learn_reads();
         let mut refused = None;
-        if let Some(offset) = self.arena.next_carve(ci) {
-            match self.reservations.reserve(offset, self.arena.slot_bytes(ci)) {
-                Ok(()) => {
-                    if let Some((slot, offset)) = self.arena.carve(ci) {
-                        self.table.set_offset(slot, offset);
-                        return Ok(slot);
-                    }
-                }
+        if let Some(plan) = room::without_eviction(&self.arena, extent) {
+            match self.carry_out(&plan, extent, len) {
+                Ok(Some(placed)) => return Ok(placed),
+                Ok(None) => {}
                 Err(refusal) => refused = Some(refusal),
             }
         }
-        if let Some(slot) = self.lru.victim(ci, &self.table) {
-            if let Some(evicted) = self.arena.evict(slot) {
-                self.index.remove(&evicted, &self.table);
+        let occupants = Occupants { store: self };
+        let victims = self.recency.oldest_first();
+        let plans = room::by_eviction(&self.arena, extent, victims, &occupants, refused.is_none());
+        for plan in &plans {
+            match self.carry_out(plan, extent, len) {
+                Ok(Some(placed)) => return Ok(placed),
+                Ok(None) => {}
+                Err(refusal) => refused = Some(refusal),
             }
-            self.stats.evicted();
-            return Ok(slot);
         }
         if let Some(refusal) = refused {
             return Err(self.out_of_memory(key, len, refusal));
         }
+        self.stats.refused_full();
+        let (pinned_bytes, filling_bytes) = self.held_bytes();
         Err(RequestError::StoreFull {
             key: key.to_string(),
             len,
-            slots: self.arena.class_len(ci),
-            slot_bytes: self.arena.slot_bytes(ci),
+            pinned_bytes,
+            filling_bytes,
+            cap: self.arena.cap(),
         })
     }
 
-    /// The error for a fill whose slot's memory could not be reserved.
+    /// Folds the reads clients recorded in their pages into the LRU.
+    fn learn_reads(&mut self) {
+        let mut reads = Vec::new();
+        let pins = &self.pins;
+        let slots = self.table.slots();
+        self.connections
+            .drain_reads(slots, |p| pins.page(p), &mut reads);
+        for slot in reads {
+            self.recency.touch(slot);
+        }
+    }
+
+    /// Carries a plan out if every part of it can be done: its records are marked
+    /// evicting and none is pinned (else all are restored: `Ok(None)`), and the
+    /// memory for its growth is reserved (else all are restored: the refusal).
+    fn carry_out(
+        &mut self,
+        plan: &Plan,
+        extent: u64,
+        len: u64,
+    ) -> Result<Option<(SlotIdx, Placed)>, ReserveRefusal> {
+        let mut marked = Vec::with_capacity(plan.evict.len());
+        for &slot in &plan.evict {
+            let Some(before) = self.table.mark_evicting(slot) else {
+                self.restore(&marked);
+                return Ok(None);
+            };
+            marked.push((slot, before));
+            if self.pinned(slot) {
+                self.restore(&marked);
+                return Ok(None);
+            }
+        }
+        if plan.grow > 0 {
+            if let Err(refusal) = self.reservations.reserve(self.arena.carved(), plan.grow) {
+                self.restore(&marked);
+                return Err(refusal);
+            }
+        }
+        for &(slot, _) in &marked {
+            self.evict(slot);
+        }
+        self.arena.grow(plan.grow);
+        Ok(self.arena.occupy(plan.start, extent, len))
+    }
+
+    /// Puts slots marked Evicting back as they were.
+    fn restore(&self, marked: &[(SlotIdx, table::SlotState)]) {
+        for &(slot, before) in marked {
+            self.table.set_state(slot, before);
+        }
+    }
+
+    /// Takes an unpinned committed record (marked Evicting) out of the store.
+    fn evict(&mut self, slot: SlotIdx) {
+        if let Some(gone) = self.arena.release(slot) {
+            if let Some(key) = gone.key {
+                self.index.remove(&key, &self.table);
+            }
+            self.set_free(slot, gone.generation);
+        }
+        self.recency.remove(slot);
+        self.stats.evicted();
+    }
+
+    fn set_free(&self, slot: SlotIdx, generation: u32) {
+        let state = table::SlotState {
+            generation,
+            code: SlotCode::Free,
+        };
+        self.table.set_state(slot, state);
+    }
+
+    /// Bytes of pinned records and of fills in flight.
+    fn held_bytes(&self) -> (u64, u64) {
+        let (mut pinned, mut filling) = (0, 0);
+        for (slot, used, extent) in self.arena.in_use() {
+            match used {
+                SlotUse::Filling { .. } => filling += extent,
+                SlotUse::Ready { .. } if self.pinned(slot) => pinned += extent,
+                _ => {}
+            }
+        }
+        (pinned, filling)
+    }
+
+    /// The error for a fill whose memory could not be reserved.
     fn out_of_memory(&self, key: &str, len: u64, refusal: ReserveRefusal) -> RequestError {
         tracing::warn!(
             key,
@@ -301,7 +443,7 @@ impl Store {
             available = refusal.available,
             limit = %refusal.limit,
             reserved = self.reservations.reserved_bytes(),
-            "cannot reserve memory for a new cache slot"
+            "cannot reserve memory for a cache record"
         );
         RequestError::OutOfMemory {
             key: key.to_string(),
@@ -313,7 +455,7 @@ impl Store {
         }
     }
 
-    /// Publishes a filled slot and leases it to the filler.
+    /// Publishes a filled record and leases it to the filler.
     pub fn commit(
         &mut self,
         client: ClientId,
@@ -329,29 +471,34 @@ impl Store {
         let slot = fill
             .slot
             .ok_or_else(|| not_filling("commit before reserve"))?;
-        self.connections.get(client)?;
+        let page = self.connections.get(client)?.page;
+        if self.pins.page(page).lease_count() >= LEASES_PER_CONNECTION {
+            return Err(RequestError::TooManyLeases {
+                max: LEASES_PER_CONNECTION,
+            });
+        }
         let placed = self
             .arena
             .publish(slot, key.clone())
             .ok_or_else(|| not_filling("its slot is not being filled"))?;
-        // Nothing below can fail. Key and length first, then Ready, then the index:
-        // a client that finds the slot through the index sees a whole record.
+        // Nothing below can fail. Key, place and length first, then Ready, then the
+        // index: a client that finds the slot through the index sees a whole record.
         self.fills.finish(ticket);
-        let entered = self.table.tick();
-        self.table.write_record(slot, &key, placed.len);
+        self.table
+            .write_record(slot, &key, placed.offset, placed.len);
         let state = table::SlotState {
             generation: placed.generation,
             code: SlotCode::Ready,
         };
         self.table.set_state(slot, state);
         self.index.insert(key, slot, &self.table);
-        self.lru.enter(self.arena.class_of(slot), slot, entered);
+        self.recency.enter(slot);
         self.stats
             .fill_committed(client, placed.len, started.elapsed());
         self.lease(client, slot)
     }
 
-    /// Abandons a fill; its slot (if any) goes back to the free list.
+    /// Abandons a fill; its extent (if any) goes free.
     pub fn abort(&mut self, client: ClientId, ticket: TicketId) -> Result<(), RequestError> {
         self.fills.held(client, ticket)?;
         if let Some(fill) = self.fills.finish(ticket) {
@@ -360,37 +507,23 @@ impl Store {
         Ok(())
     }
 
-    /// Frees the slot of a fill that ended without a commit, and counts it.
+    /// Frees the extent of a fill that ended without a commit, and counts it.
     fn given_up(&mut self, fill: &Fill) {
         if let Some(slot) = fill.slot {
-            self.free_slot(slot);
+            if let Some(gone) = self.arena.release(slot) {
+                self.set_free(slot, gone.generation);
+            }
         }
         self.stats.count(fill.client, Event::FillAbandoned);
     }
 
-    /// Empties `slot` here and in the table, onto its class's free list.
-    fn free_slot(&mut self, slot: SlotIdx) {
-        let generation = self.arena.free(slot);
-        let state = table::SlotState {
-            generation,
-            code: SlotCode::Free,
-        };
-        self.table.set_state(slot, state);
-    }
-
-    /// Releases a lease held by the client (clients release by clearing their pin bit
-    /// themselves; this is the protocol's explicit form, for tools and tests).
+    /// Releases exactly the lease `lease` of the client (a lease's own drop does
+    /// this in shared memory; this is the protocol's form, for tools and tests).
     pub fn release(&mut self, client: ClientId, lease: LeaseId) -> Result<(), RequestError> {
-        let bit = self.connections.get(client)?.bit;
-        let (slot, generation) = table::decode_lease(lease);
-        let held = self
-            .arena
-            .ready(slot)
-            .is_some_and(|p| p.generation == generation);
-        if held && self.table.unpin(slot, bit) {
-            Ok(())
-        } else {
-            Err(RequestError::LeaseNotHeld { lease })
+        let page = self.connections.get(client)?.page;
+        match self.pins.page(page).release(LeaseWord(lease)) {
+            true => Ok(()),
+            false => Err(RequestError::LeaseNotHeld { lease }),
         }
     }
 
@@ -401,16 +534,34 @@ impl Store {
                 key: key.to_string(),
             });
         };
-        if !self.table.try_evict(slot) {
+        let Some(before) = self.table.mark_evicting(slot) else {
+            return Err(RequestError::Protocol(format!(
+                "key {key:?}: its slot {slot} holds no committed record"
+            )));
+        };
+        let pins = self.pin_count(slot);
+        if pins > 0 {
+            self.table.set_state(slot, before);
             return Err(RequestError::Pinned {
                 key: key.to_string(),
-                pins: self.table.pin_count(slot),
+                pins,
             });
         }
+        if let Some(gone) = self.arena.release(slot) {
+            self.set_free(slot, gone.generation);
+        }
         self.index.remove(key, &self.table);
-        self.lru.remove(self.arena.class_of(slot), slot);
-        self.free_slot(slot);
+        self.recency.remove(slot);
         Ok(())
+    }
+
+    /// Leases on `slot`, over every live connection.
+    fn pin_count(&self, slot: SlotIdx) -> u32 {
+        let leases = self
+            .connections
+            .live_pages()
+            .flat_map(|p| self.pins.page(p).leases());
+        leases.filter(|l| l.slot() == Some(slot)).count() as u32
     }
 
     /// Whether a fill of `key` is in flight.
@@ -431,226 +582,4 @@ fn check_key(key: &str) -> Result<(), RequestError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cache::table::MAX_CONNECTIONS;
-
-    const MB: u64 = 1 << 20;
-
-    fn fill(store: &mut Store, client: ClientId, key: &str, len: u64) -> LeaseGrant {
-        let GetOutcome::Miss(ticket) = store.get(client, key).unwrap() else {
-            panic!("expected a miss for {key}");
-        };
-        store.reserve(client, ticket, len).unwrap();
-        store.commit(client, ticket).unwrap()
-    }
-
-    #[test]
-    fn miss_fill_then_hit() {
-        let mut store = Store::on_heap(1, 4 * MB, &[]);
-        let c = store.connect("a".into(), 1).unwrap().0;
-        let grant = fill(&mut store, c, "k", 1000);
-        assert_eq!(grant.len, 1000);
-        store.release(c, grant.lease).unwrap();
-        let GetOutcome::Hit(hit) = store.get(c, "k").unwrap() else {
-            panic!("expected a hit");
-        };
-        assert_eq!(hit.offset, grant.offset);
-        let s = store.stats(0);
-        assert_eq!((s.totals.hits, s.totals.misses, s.totals.fills), (1, 1, 1));
-        assert_eq!(s.classes[0].slot_bytes, SLOT_ALIGN);
-    }
-
-    #[test]
-    fn eviction_takes_lru_and_never_a_pinned_slot() {
-        // Room for exactly 3 slots of 1 MiB.
-        let mut store = Store::on_heap(1, 3 * MB, &[MB]);
-        let c = store.connect("a".into(), 1).unwrap().0;
-        let pinned = fill(&mut store, c, "pinned", MB);
-        let old = fill(&mut store, c, "old", MB);
-        store.release(c, old.lease).unwrap();
-        let newer = fill(&mut store, c, "newer", MB);
-        store.release(c, newer.lease).unwrap();
-        // A fourth record evicts the least recently released unpinned one: "old".
-        let fourth = fill(&mut store, c, "fourth", MB);
-        assert_eq!(fourth.offset, old.offset);
-        assert!(store.peek(c, "old").unwrap().is_none());
-        assert!(store.peek(c, "pinned").unwrap().is_some());
-        // Now everything is pinned: no slot can be taken.
-        let n = store.peek(c, "newer").unwrap().unwrap();
-        let GetOutcome::Miss(t) = store.get(c, "fifth").unwrap() else {
-            panic!("expected a miss");
-        };
-        let err = store.reserve(c, t, MB).unwrap_err();
-        assert!(matches!(err, RequestError::StoreFull { .. }), "{err}");
-        assert!(err.to_string().contains("fifth"));
-        let s = store.stats(0);
-        assert_eq!(s.evictions, 1);
-        assert!(s.bytes_used <= s.cap_bytes);
-        assert_eq!(s.pinned_bytes, 3 * MB);
-        let _ = (pinned, n);
-    }
-
-    #[test]
-    fn memory_is_reserved_per_carved_slot_and_a_refusal_evicts_or_fails_cleanly() {
-        // A cap of 4 slots, but memory for 2 only.
-        let budget = Box::new(reserve::BudgetReserver { budget: 2 * MB });
-        let mut store = Store::on_heap_reserving(1, 4 * MB, &[MB], budget);
-        let c = store.connect("a".into(), 1).unwrap().0;
-        assert_eq!(store.stats(0).reserved_bytes, 0, "nothing before a fill");
-        let first = fill(&mut store, c, "first", 10);
-        store.release(c, first.lease).unwrap();
-        let pinned = fill(&mut store, c, "pinned", 10);
-        let s = store.stats(0);
-        assert_eq!((s.reserved_bytes, s.reserve_refusals), (2 * MB, 0));
-        // No memory for a third slot: the unpinned record's slot is reused.
-        let third = fill(&mut store, c, "third", 10);
-        assert_eq!(third.offset, first.offset);
-        let s = store.stats(0);
-        assert_eq!(
-            (s.reserved_bytes, s.reserve_refusals, s.evictions),
-            (2 * MB, 1, 1)
-        );
-        // Both slots pinned, no memory for another: a named error, nothing changed.
-        let GetOutcome::Miss(t) = store.get(c, "fourth").unwrap() else {
-            panic!("expected a miss");
-        };
-        let err = store.reserve(c, t, 10).unwrap_err();
-        let RequestError::OutOfMemory {
-            ref key,
-            needed,
-            available,
-            reserved,
-            ..
-        } = err
-        else {
-            panic!("expected OutOfMemory, got {err:?}");
-        };
-        assert_eq!(
-            (key.as_str(), needed, available, reserved),
-            ("fourth", MB, 0, 2 * MB)
-        );
-        assert!(err.to_string().contains("DATA.CACHE_SIZE_GB"), "{err}");
-        let s = store.stats(0);
-        assert_eq!(
-            (s.bytes_carved, s.reserve_refusals, s.records),
-            (2 * MB, 2, 2)
-        );
-        // The ticket is still held: once a record is released, the fill goes on.
-        store.release(c, third.lease).unwrap();
-        assert_eq!(store.reserve(c, t, 10).unwrap().0, third.offset);
-        let _ = pinned;
-    }
-
-    #[test]
-    fn concurrent_miss_waits_then_hits() {
-        let mut store = Store::on_heap(1, 4 * MB, &[]);
-        let a = store.connect("a".into(), 1).unwrap().0;
-        let b = store.connect("b".into(), 2).unwrap().0;
-        let GetOutcome::Miss(t) = store.get(a, "k").unwrap() else {
-            panic!()
-        };
-        assert_eq!(store.get(b, "k").unwrap(), GetOutcome::Wait { filler: a });
-        assert!(matches!(
-            store.get(a, "k"),
-            Err(RequestError::AlreadyFilling { .. })
-        ));
-        store.reserve(a, t, 10).unwrap();
-        store.commit(a, t).unwrap();
-        assert!(matches!(store.get(b, "k").unwrap(), GetOutcome::Hit(_)));
-    }
-
-    #[test]
-    fn disconnect_releases_leases_and_abandons_fills() {
-        let mut store = Store::on_heap(1, 2 * MB, &[MB]);
-        let a = store.connect("a".into(), 1).unwrap().0;
-        let b = store.connect("b".into(), 2).unwrap().0;
-        fill(&mut store, a, "held", MB);
-        let GetOutcome::Miss(t) = store.get(a, "half").unwrap() else {
-            panic!()
-        };
-        store.reserve(a, t, MB).unwrap();
-        assert_eq!(store.disconnect(a), 1);
-        let s = store.stats(0);
-        assert_eq!(s.pinned_bytes, 0);
-        assert_eq!(s.fills_in_flight, 0);
-        assert_eq!(s.totals.fills_abandoned, 1);
-        // The abandoned key is a fresh miss for b, and both slots are usable.
-        assert!(matches!(store.get(b, "half").unwrap(), GetOutcome::Miss(_)));
-        fill(&mut store, b, "x", MB);
-    }
-
-    #[test]
-    fn bad_requests_are_errors() {
-        let mut store = Store::on_heap(1, 2 * MB, &[MB]);
-        let a = store.connect("a".into(), 1).unwrap().0;
-        let b = store.connect("b".into(), 2).unwrap().0;
-        let grant = fill(&mut store, a, "k", 100);
-        store.release(a, grant.lease).unwrap();
-        assert_eq!(
-            store.release(a, grant.lease),
-            Err(RequestError::LeaseNotHeld { lease: grant.lease })
-        );
-        let g2 = store.peek(a, "k").unwrap().unwrap();
-        assert!(store.release(b, g2.lease).is_err(), "b released a's lease");
-        assert!(matches!(
-            store.commit(a, 999),
-            Err(RequestError::TicketNotHeld { ticket: 999 })
-        ));
-        let GetOutcome::Miss(t) = store.get(a, "big").unwrap() else {
-            panic!()
-        };
-        assert!(matches!(
-            store.commit(a, t),
-            Err(RequestError::TicketState { .. })
-        ));
-        assert!(matches!(
-            store.reserve(a, t, 2 * MB),
-            Err(RequestError::RecordTooLarge { .. })
-        ));
-        assert!(matches!(
-            store.reserve(a, t, 0),
-            Err(RequestError::EmptyRecord { .. })
-        ));
-        assert!(matches!(
-            store.invalidate("nope"),
-            Err(RequestError::UnknownKey { .. })
-        ));
-        assert!(matches!(
-            store.invalidate("k"),
-            Err(RequestError::Pinned { pins: 1, .. })
-        ));
-    }
-
-    #[test]
-    fn classes_per_record_size() {
-        let mut store = Store::on_heap(1, 8 * MB, &[]);
-        let c = store.connect("a".into(), 1).unwrap().0;
-        fill(&mut store, c, "small", 5000);
-        fill(&mut store, c, "big", MB + 1);
-        fill(&mut store, c, "small2", 4000);
-        let s = store.stats(0);
-        let sizes: Vec<u64> = s.classes.iter().map(|c| c.slot_bytes).collect();
-        assert_eq!(sizes, vec![8192, MB + SLOT_ALIGN]);
-        assert_eq!(s.bytes_carved, 2 * 8192 + MB + SLOT_ALIGN);
-    }
-
-    #[test]
-    fn connections_beyond_the_pin_bits_are_refused_until_one_leaves() {
-        let mut store = Store::on_heap(1, MB, &[]);
-        let ids: Vec<ClientId> = (0..MAX_CONNECTIONS)
-            .map(|i| store.connect(format!("c{i}"), 1).unwrap().0)
-            .collect();
-        let err = store.connect("one too many".into(), 1).unwrap_err();
-        assert_eq!(
-            err,
-            RequestError::TooManyConnections {
-                max: MAX_CONNECTIONS
-            }
-        );
-        assert!(err.to_string().contains("512"), "{err}");
-        store.disconnect(ids[7]);
-        let (_, bit) = store.connect("late".into(), 1).unwrap();
-        assert!(bit < MAX_CONNECTIONS);
-    }
-}
+mod tests;

@@ -1,42 +1,35 @@
-//! The store's stats report: the figures of its parts, plus what clients did in the
-//! shared table without a message (pins, hits), read from there.
+//! The store's stats report: the figures of its parts, plus what clients did in
+//! their pin pages without a message (leases, hits), read from there.
 
-use super::super::stats::{ClassStats, ClientStats, StatsReport};
-use super::super::table::MAX_CONNECTIONS;
-use super::arena::{ClassView, SlotUse};
+use std::collections::HashMap;
+
+use super::super::stats::{ClientStats, StatsReport};
+use super::arena::SlotUse;
 use super::Store;
 
-/// Bytes and leases over all classes.
+/// Bytes and leases over all records.
 #[derive(Debug, Default)]
 struct Usage {
     bytes_used: u64,
+    bytes_live: u64,
     pinned_bytes: u64,
-    leases_held: usize,
-    /// Slots pinned per connection bit.
-    leases_by_bit: Vec<usize>,
+    filling_bytes: u64,
 }
 
 impl Store {
-    /// A snapshot of every counter; pins and hits made by clients directly in the
-    /// shared table are read from there.
+    /// A snapshot of every counter; leases and hits that clients hold and count in
+    /// their pin pages are read from there.
     pub fn stats(&self, server_pid: u32) -> StatsReport {
-        let mut usage = Usage {
-            leases_by_bit: vec![0; MAX_CONNECTIONS],
-            ..Usage::default()
-        };
-        let classes = self
-            .arena
-            .classes()
-            .into_iter()
-            .map(|class| self.class_stats(class, &mut usage))
-            .collect();
+        let leases = self.leases_by_slot();
+        let usage = self.usage(&leases);
         let mut totals = self.stats.totals();
         let mut clients: Vec<ClientStats> = self
             .connections
             .iter()
             .map(|(id, c)| {
+                let page = self.pins.page(c.page);
                 let mut counters = self.stats.client(id);
-                let shared_hits = self.table.connection_hits(c.bit);
+                let shared_hits = page.hits();
                 counters.hits += shared_hits;
                 totals.hits += shared_hits;
                 ClientStats {
@@ -45,66 +38,74 @@ impl Store {
                     pid: c.pid,
                     counters,
                     hit_rate: counters.hit_rate(),
-                    leases_held: usage.leases_by_bit[c.bit],
+                    leases_held: page.lease_count(),
                     fills_in_flight: self.fills.count_of(id),
                 }
             })
             .collect();
         clients.sort_by_key(|c| c.id);
+        let free = self.arena.free_space();
         StatsReport {
             server_pid,
             store_id: self.store_id,
             uptime_s: self.stats.uptime_s(),
             cap_bytes: self.arena.cap(),
             bytes_used: usage.bytes_used,
-            bytes_carved: self.arena.carved_bytes(),
+            bytes_live: usage.bytes_live,
+            bytes_carved: self.arena.carved(),
+            free_bytes: free.bytes,
+            free_extents: free.extents,
+            largest_free: free.largest,
             reserved_bytes: self.reservations.reserved_bytes(),
             reserve_refusals: self.reservations.refusals(),
-            metadata_bytes: self.table.layout().meta_bytes(),
+            full_refusals: self.stats.full_refusals(),
+            metadata_bytes: self.table.layout().meta_bytes() + self.table.layout().pins_bytes(),
             slot_entries: self.table.slots(),
             pinned_bytes: usage.pinned_bytes,
+            filling_bytes: usage.filling_bytes,
             records: self.index.len(),
             evictions: self.stats.evictions(),
             fills_in_flight: self.fills.len(),
-            leases_held: usage.leases_held,
+            leases_held: leases.values().sum(),
+            retired_connections: self.connections.retired(),
             totals,
             hit_rate: totals.hit_rate(),
             fill_latency_ms: self.stats.fill_latency(),
-            classes,
             clients,
         }
     }
 
-    /// One class's figures, with its bytes and leases added to `usage`.
-    fn class_stats(&self, class: ClassView<'_>, usage: &mut Usage) -> ClassStats {
-        let mut cs = ClassStats {
-            slot_bytes: class.slot_bytes,
-            slots: class.slots.len(),
-            ready: 0,
-            pinned: 0,
-            filling: 0,
-        };
-        for &slot in class.slots {
-            match self.arena.slot_use(slot) {
+    /// Leases per slot over every live connection's page.
+    fn leases_by_slot(&self) -> HashMap<usize, usize> {
+        let mut leases = HashMap::new();
+        for page in self.connections.live_pages() {
+            for lease in self.pins.page(page).leases() {
+                if let Some(slot) = lease.slot() {
+                    *leases.entry(slot).or_insert(0) += 1;
+                }
+            }
+        }
+        leases
+    }
+
+    fn usage(&self, leases: &HashMap<usize, usize>) -> Usage {
+        let mut usage = Usage::default();
+        for (slot, used, extent) in self.arena.in_use() {
+            usage.bytes_used += extent;
+            match used {
                 SlotUse::Free => {}
-                SlotUse::Filling { .. } => cs.filling += 1,
-                SlotUse::Ready { .. } => {
-                    cs.ready += 1;
-                    let pins = self.table.pin_count(slot) as usize;
-                    if pins > 0 {
-                        cs.pinned += 1;
-                        usage.leases_held += pins;
-                        for (_, c) in self.connections.iter() {
-                            if self.table.is_pinned_by(slot, c.bit) {
-                                usage.leases_by_bit[c.bit] += 1;
-                            }
-                        }
+                SlotUse::Filling { len } => {
+                    usage.bytes_live += len;
+                    usage.filling_bytes += extent;
+                }
+                SlotUse::Ready { len, .. } => {
+                    usage.bytes_live += len;
+                    if leases.contains_key(&slot) {
+                        usage.pinned_bytes += extent;
                     }
                 }
             }
         }
-        usage.bytes_used += (cs.ready + cs.filling) as u64 * class.slot_bytes;
-        usage.pinned_bytes += cs.pinned as u64 * class.slot_bytes;
-        cs
+        usage
     }
 }

@@ -1,7 +1,7 @@
-//! The store's counters: per client and in total, evictions and fill latency. Hits
-//! that clients pin in shared memory are counted there, in the table; they are
-//! added in here when a report is made and folded into the totals when their client
-//! disconnects.
+//! The store's counters: per client and in total, evictions, refusals and fill
+//! latency. Hits that clients take in shared memory are counted there, in their pin
+//! pages; they are added in here when a report is made and folded into the totals
+//! when their client disconnects.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -54,6 +54,8 @@ pub struct StoreStats {
     totals: Counters,
     per_client: HashMap<ClientId, Counters>,
     evictions: u64,
+    /// Reservations refused because no stretch of the store could be freed.
+    refused_full: u64,
     fill_latency: LatencyWindow,
     started: Instant,
 }
@@ -71,6 +73,7 @@ impl StoreStats {
             totals: Counters::default(),
             per_client: HashMap::new(),
             evictions: 0,
+            refused_full: 0,
             fill_latency: LatencyWindow::default(),
             started: Instant::now(),
         }
@@ -105,6 +108,16 @@ impl StoreStats {
     /// Counts an eviction.
     pub fn evicted(&mut self) {
         self.evictions += 1;
+    }
+
+    /// Counts a reservation refused because the store could free no room.
+    pub fn refused_full(&mut self) {
+        self.refused_full += 1;
+    }
+
+    /// Reservations refused because the store could free no room.
+    pub fn full_refusals(&self) -> u64 {
+        self.refused_full
     }
 
     /// The totals over all clients, past and present (without the shared-memory

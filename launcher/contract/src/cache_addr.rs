@@ -1,0 +1,49 @@
+//! The cache server's default address: an abstract Unix socket name that holds the
+//! user id and the job, so two jobs, or two users, never meet on one by accident.
+//! (An abstract name has no permissions: a client still checks who the server is
+//! before it reads a byte; this only keeps honest jobs apart.) The launcher, the
+//! ranks and the command-line tools all name a job's server through this one
+//! function.
+
+/// The address of the cache server of `job` run by user `uid`:
+/// `vrtspike-cache-u<uid>-<job>`.
+pub fn cache_address(uid: u32, job: &str) -> String {
+    format!("vrtspike-cache-u{uid}-{job}")
+}
+
+/// [`cache_address`] for this process's effective user.
+pub fn own_cache_address(job: &str) -> String {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    cache_address(uid, job)
+}
+
+/// The job of a process that no launcher named: the SLURM job it runs in
+/// (`slurm<id>`), else `default`.
+pub fn ambient_job(var: &dyn Fn(&str) -> Option<String>) -> String {
+    match var("SLURM_JOB_ID").filter(|id| !id.is_empty()) {
+        Some(id) => format!("slurm{id}"),
+        None => "default".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_hold_the_user_and_the_job() {
+        assert_eq!(
+            cache_address(1000, "n0-4242"),
+            "vrtspike-cache-u1000-n0-4242"
+        );
+        assert_ne!(cache_address(1000, "j"), cache_address(1001, "j"));
+        assert_ne!(cache_address(1000, "j1"), cache_address(1000, "j2"));
+        // SAFETY: as in own_cache_address.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(own_cache_address("x"), format!("vrtspike-cache-u{me}-x"));
+        assert_eq!(ambient_job(&|_| None), "default");
+        assert_eq!(ambient_job(&|_| Some("77".into())), "slurm77");
+        assert_eq!(ambient_job(&|_| Some(String::new())), "default");
+    }
+}
