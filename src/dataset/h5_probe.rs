@@ -7,9 +7,10 @@
 //!
 //! One child serves every probe of a process (one spawn, about a quarter second
 //! with libtorch loaded, then milliseconds per file) and exits after
-//! [`CHILD_IDLE`] without a request; a child that crashed is replaced, and a file
-//! that crashed a child which had probed other files first is probed again in a
-//! fresh one before it is called corrupt. Verdicts are cached per process, keyed
+//! [`CHILD_IDLE`] without a request. The child reads each file in a worker it forks,
+//! so a crashing file kills the worker, not the child. A child that died anyway is
+//! replaced, and a file that killed a child which had probed other files first is
+//! probed again in a fresh one before it is called corrupt. Verdicts are cached per process, keyed
 //! by path, size, mtime, ctime, inode and a CRC of the file's bytes (all of a
 //! file up to 8 MiB, else its first and last MiB).
 //!
@@ -153,6 +154,7 @@ pub struct Prober {
 struct State {
     verdicts: HashMap<FileKey, Verdict>,
     child: Option<ProbeChild>,
+    spawns: u32,
 }
 
 impl Prober {
@@ -168,6 +170,11 @@ impl Prober {
     /// How this prober checks files.
     pub fn mode(&self) -> &ProbeMode {
         &self.mode
+    }
+
+    /// How many children this prober has started.
+    pub fn spawns(&self) -> u32 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).spawns
     }
 
     /// `Ok` when `path` may be opened with libhdf5 in this process; otherwise an
@@ -199,7 +206,10 @@ impl State {
         loop {
             let mut child = match self.child.take() {
                 Some(c) if c.last_used.elapsed() < REUSE_WITHIN => c,
-                _ => ProbeChild::spawn(exe, timeout, path)?,
+                _ => {
+                    self.spawns += 1;
+                    ProbeChild::spawn(exe, timeout, path)?
+                }
             };
             let fresh = child.probed == 0;
             match child.ask(path, timeout) {
@@ -515,6 +525,74 @@ pub fn probe_here(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// [`probe_here`] in a forked worker of this serving child: a file that crashes
+/// libhdf5 kills the worker, and the child reports it and goes on serving. Without
+/// the worker each crash would cost the parent a fresh child, which first runs
+/// libtorch_cuda's kernel registrations (a quarter second idle, seconds on a busy
+/// machine). The verdict: `None` when the file is usable, else the message. Where no
+/// worker can be forked the child probes the file itself (a crash then ends the
+/// child, which the parent handles as before).
+fn probe_in_worker(path: &Path) -> Option<String> {
+    use nix::unistd::{fork, ForkResult};
+    use std::io::Read;
+    let Ok((from_worker, to_server)) = nix::unistd::pipe() else {
+        return probe_here(path).err().map(message_of);
+    };
+    // SAFETY: the serving child is single-threaded (`vrtspike h5-probe --serve` runs
+    // nothing but this loop; libtorch starts no thread at load), so the worker
+    // inherits no lock held by another thread; it only probes, writes to its pipe
+    // and leaves with `_exit`.
+    match unsafe { fork() } {
+        Err(_) => probe_here(path).err().map(message_of),
+        Ok(ForkResult::Child) => {
+            drop(from_worker);
+            // A killed child (the parent's timeout) takes its worker with it.
+            let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+            let reply = Reply {
+                error: probe_here(path).err().map(message_of),
+            };
+            let text = serde_json::to_string(&reply).unwrap_or_default();
+            let written = std::fs::File::from(to_server).write_all(text.as_bytes());
+            // SAFETY: `_exit` ends the worker at once, without running the exit
+            // handlers and static destructors of the libraries it shares with the
+            // child; it takes no pointer.
+            unsafe { libc::_exit(i32::from(written.is_err())) }
+        }
+        Ok(ForkResult::Parent { child }) => {
+            drop(to_server);
+            let mut text = String::new();
+            let read = std::fs::File::from(from_worker).read_to_string(&mut text);
+            let status = reap(child.as_raw());
+            match (status, read) {
+                (Some(status), Ok(_)) if status.success() => {
+                    match serde_json::from_str::<Reply>(&text) {
+                        Ok(reply) => reply.error,
+                        Err(_) => Some(format!("the probe worker answered {text:?}")),
+                    }
+                }
+                (Some(status), _) => Some(died_message(status)),
+                (None, _) => Some("the probe worker could not be waited for".to_string()),
+            }
+        }
+    }
+}
+
+/// Waits for the worker `pid` and returns how it ended.
+fn reap(pid: libc::pid_t) -> Option<ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut raw = 0;
+    loop {
+        // SAFETY: `raw` is a valid out-pointer for the duration of the call.
+        let got = unsafe { libc::waitpid(pid, &mut raw, 0) };
+        if got == pid {
+            return Some(ExitStatus::from_raw(raw));
+        }
+        if got < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+    }
+}
+
 /// An error's message without the file name the parent adds back.
 fn message_of(err: DataError) -> String {
     match err {
@@ -538,9 +616,7 @@ pub fn serve(input: impl BufRead, mut output: impl Write) -> std::io::Result<()>
             Err(e) => return Err(e),
         };
         let error = match unhex(line.trim()) {
-            Some(bytes) => probe_here(Path::new(&std::ffi::OsString::from_vec(bytes)))
-                .err()
-                .map(message_of),
+            Some(bytes) => probe_in_worker(Path::new(&std::ffi::OsString::from_vec(bytes))),
             None => Some(format!("bad probe request {line:?}")),
         };
         let reply = serde_json::to_string(&Reply { error }).map_err(std::io::Error::other)?;
