@@ -9,9 +9,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use tch::Device;
+use vrtspike::config::Config;
 use vrtspike::model::profile::{profile, MemoryProbe, Profile, ProfileOptions, RssProbe};
 
-use super::model::load_model_config;
 use super::{group_digits, parse_device};
 
 /// `vrtspike profile`
@@ -55,7 +55,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
-    let cfg = load_model_config(&args.config)?;
+    let cfg = Config::load(&args.config)?.model;
     let options = ProfileOptions {
         batch: args.batch,
         frames: args.frames,
