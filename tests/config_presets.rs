@@ -1,12 +1,16 @@
 //! The three guide presets (`configs/deblur/vrt_spike_{opt,fast,lowmem}.yaml`) load
 //! through `BASE: vrt_spike_baseline.yaml` and build the architecture they claim:
 //! blocks per stage, the attention window, the chunking and the parameter counts.
+//! The user's own files of each preset (`tests/fixtures/guide/`: only the guide's keys,
+//! no `MODEL.ARCH`) build a VRT-Spike of exactly the preset's size, and a U-Net file
+//! with a VRT key is refused naming the key and the architecture.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use tch::{nn, Device};
-use vrtspike::config::{Config, Source, Workers};
+use vrtspike::config::{Arch, Config, Source, Workers};
 use vrtspike::model;
 
 fn preset(name: &str) -> PathBuf {
@@ -112,5 +116,129 @@ fn presets_load_and_build_what_they_claim() {
     assert_eq!(
         [base_params, opt_params, fast_params],
         [18_412_647, 17_862_129, 17_075_319]
+    );
+}
+
+fn guide_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/guide")
+        .join(name)
+}
+
+#[test]
+fn the_default_model_is_the_baseline_vrt_spike() {
+    let base = Config::load(&preset("vrt_spike_baseline.yaml")).unwrap();
+    let default = Config::default();
+    assert_eq!(default.model.arch, Arch::VrtSpike);
+    assert_eq!(
+        serde_json::to_value(&default.model).unwrap(),
+        serde_json::to_value(&base.model).unwrap()
+    );
+}
+
+#[test]
+fn the_users_guide_files_build_their_preset() {
+    for (guide, shipped) in [
+        ("baseline.yaml", "vrt_spike_baseline.yaml"),
+        ("opt.yaml", "vrt_spike_opt.yaml"),
+        ("fast.yaml", "vrt_spike_fast.yaml"),
+        ("lowmem.yaml", "vrt_spike_lowmem.yaml"),
+    ] {
+        let user = Config::resolve(&guide_file(guide), &[]).unwrap();
+        assert_eq!(user.origin("MODEL.ARCH").source, Source::Default, "{guide}");
+        assert_eq!(user.config.model.arch, Arch::VrtSpike, "{guide}");
+        let preset = Config::load(&preset(shipped)).unwrap();
+        let (user_params, user_depths, user_table) = build(&user.config);
+        let (preset_params, preset_depths, preset_table) = build(&preset);
+        assert_eq!(user_params, preset_params, "{guide} against {shipped}");
+        assert_eq!(user_depths, preset_depths, "{guide} against {shipped}");
+        assert_eq!(user_table, preset_table, "{guide} against {shipped}");
+        // The run settings the guide gives are the preset's too.
+        let (u, p) = (&user.config, &preset);
+        assert_eq!(
+            (
+                u.data.crop_size,
+                u.train.batch_size,
+                u.train.gradient_accumulation_steps
+            ),
+            (
+                p.data.crop_size,
+                p.train.batch_size,
+                p.train.gradient_accumulation_steps
+            ),
+            "{guide} against {shipped}"
+        );
+    }
+}
+
+fn vrtspike(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_issues_summary_of_the_guide_file_is_a_vrt_spike() {
+    let guide = guide_file("opt.yaml");
+    let out = vrtspike(&[
+        "model",
+        "summary",
+        "--json",
+        "--config",
+        guide.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["arch"], "vrt_spike");
+    assert_eq!(summary["total_params"], 17_862_129);
+}
+
+#[test]
+fn a_unet_file_with_a_vrt_key_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("unet.yaml");
+    std::fs::write(
+        &path,
+        "MODEL:\n  ARCH: unet_spike\n  UNET: {CHANNELS: 16}\n  VRT_DEPTHS: [8, 7, 8, 8, 4, 4, 4, 6]\n",
+    )
+    .unwrap();
+    let shown = path.display().to_string();
+    for args in [
+        vec!["model", "summary", "--config", &shown],
+        vec!["config", "show", "--config", &shown],
+        vec!["plan", "--config", &shown],
+    ] {
+        let out = vrtspike(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "config {shown}: MODEL.VRT_DEPTHS is not used by MODEL.ARCH unet_spike"
+            )),
+            "{args:?}: {stderr}"
+        );
+    }
+    // The same key through --set on a U-Net file names the override.
+    std::fs::write(&path, "MODEL:\n  ARCH: unet_spike\n").unwrap();
+    let out = vrtspike(&[
+        "config",
+        "show",
+        "--config",
+        &shown,
+        "--set",
+        "MODEL.WINDOW_SIZE=7",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("override --set MODEL.WINDOW_SIZE=7: MODEL.WINDOW_SIZE is not used"),
+        "{stderr}"
     );
 }

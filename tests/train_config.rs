@@ -96,6 +96,11 @@ fn overrides_run_and_the_resolved_config_is_kept() {
     let path = RunLayout::new(&run).resolved_config();
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains("TOTAL_STEPS: 2"), "{text}");
+    // Only the keys unet_spike reads, so the file loads back.
+    assert!(
+        text.contains("CHANNELS: 4") && !text.contains("VRT_DEPTHS"),
+        "{text}"
+    );
     let resolved = Config::load(&path).unwrap();
     assert_eq!(resolved.train.total_steps, 2);
     assert!(!resolved.data.use_ram_cache && !resolved.dataloader.drop_last);

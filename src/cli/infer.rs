@@ -6,15 +6,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use tch::nn;
 
-use vrtspike::config::Config;
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
-use vrtspike::eval::infer::{infer_dataset, InferOptions};
-use vrtspike::model::load_safetensors;
-use vrtspike::train::resolve::resolve_weights;
+use vrtspike::eval::{infer_dataset, resolve_weights, InferOptions};
+use vrtspike::model::LoadedModel;
 
-use super::model::build_model;
 use super::parse_device;
 
 /// `vrtspike infer`
@@ -61,23 +57,15 @@ pub struct InferArgs {
 /// prints PSNR/SSIM per sequence and overall.
 pub fn run(args: InferArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
-    let config = Config::load(&args.config)?;
     let weights = resolve_weights(&args.checkpoint).context("--checkpoint")?;
-    let vs = nn::VarStore::new(device);
-    let net = build_model(&vs, &config.model, &args.config)?;
-    load_safetensors(&vs, &weights).with_context(|| {
-        format!(
-            "loading {} into the model of {}",
-            weights.display(),
-            args.config.display()
-        )
-    })?;
+    let model = LoadedModel::with_weights(&args.config, &weights, device)?;
+    let (config, net) = (&model.config, &model.net);
     let options = InferOptions {
         clip: args.clip,
         clip_overlap: args.clip_overlap,
         tile: args.tile,
         tile_overlap: args.tile_overlap,
-        bins: u32::try_from(config.model.spike.voxel_bins).context("MODEL.SPIKE.VOXEL_BINS")?,
+        ..InferOptions::for_model(&config.model)
     };
     options.check(net.size_multiple())?;
     if !args.input.is_dir() {

@@ -6,10 +6,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use tch::{nn, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use vrtspike::config::{Config, ModelConfig};
-use vrtspike::model::{build, load_safetensors, summarize, Restorer};
+use vrtspike::model::LoadedModel;
 
 use super::{group_digits, parse_device};
 
@@ -54,20 +53,6 @@ pub struct RunArgs {
     pub device: String,
 }
 
-/// The `MODEL` section of the run config at `path`.
-pub fn load_model_config(path: &std::path::Path) -> Result<ModelConfig> {
-    Ok(Config::load(path)?.model)
-}
-
-/// The model of `cfg` under `vs`, errors naming the config file `path`.
-pub fn build_model(
-    vs: &nn::VarStore,
-    cfg: &ModelConfig,
-    path: &std::path::Path,
-) -> Result<Box<dyn Restorer>> {
-    build(&vs.root(), cfg).with_context(|| format!("building the model of {}", path.display()))
-}
-
 /// Runs `vrtspike model ...`.
 pub fn run(cmd: ModelCommand) -> Result<()> {
     match cmd {
@@ -77,10 +62,7 @@ pub fn run(cmd: ModelCommand) -> Result<()> {
 }
 
 fn summary(args: SummaryArgs) -> Result<()> {
-    let cfg = load_model_config(&args.config)?;
-    let vs = nn::VarStore::new(Device::Cpu);
-    let net = tch::no_grad(|| build_model(&vs, &cfg, &args.config))?;
-    let summary = summarize(&vs, net.arch(), &net.parts());
+    let summary = LoadedModel::build(&args.config, Device::Cpu)?.summary();
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
         return Ok(());
@@ -106,10 +88,8 @@ fn summary(args: SummaryArgs) -> Result<()> {
 
 fn run_file(args: RunArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
-    let cfg = load_model_config(&args.config)?;
-    let vs = nn::VarStore::new(device);
-    let net = build_model(&vs, &cfg, &args.config)?;
-    load_safetensors(&vs, &args.weights)?;
+    let model = LoadedModel::with_weights(&args.config, &args.weights, device)?;
+    let net = &model.net;
     let tensors = Tensor::read_safetensors(&args.input)
         .with_context(|| format!("reading {}", args.input.display()))?;
     let find = |name: &str| {

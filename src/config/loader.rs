@@ -74,7 +74,8 @@ pub struct DataLoaderConfig {
     /// Validation batches queued ahead per worker.
     #[serde(rename = "VAL_PREFETCH_FACTOR")]
     pub val_prefetch_factor: u32,
-    /// Copy batches to the GPU from page-locked host memory.
+    /// Copy batches to the GPU from page-locked host memory. The loader always does
+    /// on a GPU, so `false` is accepted with a notice; nothing is pinned on a CPU rank.
     #[serde(rename = "PIN_MEMORY")]
     pub pin_memory: bool,
     /// Keep loader workers between epochs (they are threads that always persist here).
@@ -91,7 +92,7 @@ impl Default for DataLoaderConfig {
             total_workers: Workers::Auto,
             train_prefetch_factor: 2,
             val_prefetch_factor: 2,
-            pin_memory: false,
+            pin_memory: true,
             persistent_workers: true,
             drop_last: true,
         }
@@ -121,10 +122,10 @@ impl DataLoaderConfig {
     /// One-line notices for keys accepted without an equivalent here.
     pub(super) fn notices(&self) -> Vec<String> {
         let mut out = Vec::new();
-        if self.pin_memory {
+        if !self.pin_memory {
             out.push(
-                "DATALOADER.PIN_MEMORY: true is accepted; batches are copied to the GPU from \
-                 ordinary host memory (no page-locked staging yet)"
+                "DATALOADER.PIN_MEMORY: false is accepted; batches for a GPU are still copied \
+                 through page-locked host memory"
                     .to_string(),
             );
         }

@@ -1,8 +1,9 @@
 //! Run configuration: the YAML files of the original trainer (`DATA`, `DATALOADER`,
 //! `TRAIN`, `MODEL`, `LOG`, `DIST` sections), read unchanged, with `BASE: other.yaml`
 //! inheritance and `KEY.PATH=VALUE` overrides. Unknown keys and bad values are errors
-//! that name the file or override and the key path (`DATA.CACHE_SIZE_GB`); keys that
-//! are accepted without an equivalent here give one-line [`Config::notices`].
+//! that name the file or override and the key path (`DATA.CACHE_SIZE_GB`); so is a
+//! given key that the chosen architecture does not read (`reads.rs`); keys that are
+//! accepted without an equivalent here give one-line [`Config::notices`].
 
 mod data;
 mod dist;
@@ -10,6 +11,7 @@ mod layers;
 mod loader;
 mod log;
 mod model;
+mod reads;
 mod show;
 mod train;
 
@@ -24,8 +26,7 @@ pub use layers::{Origin, Source, ALIASES};
 pub use loader::{auto_workers, DataLoaderConfig, Workers};
 pub use log::LogConfig;
 pub use model::{
-    ChunkShape, Chunking, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
-    ARCHS as MODEL_ARCHS,
+    Arch, ChunkShape, Chunking, FuseConfig, ModelConfig, SpikeConfig, SpikeTsaConfig, UnetConfig,
 };
 pub use show::{Resolved, ResolvedKey};
 pub use train::{AmpDtype, AmpOptLevel, TrainConfig};
@@ -68,6 +69,21 @@ pub enum ConfigError {
         path: PathBuf,
         /// The files of the cycle, `a -> b -> a`.
         chain: String,
+    },
+    /// A key given in a file, a `BASE` file or a `--set` that the chosen `MODEL.ARCH`
+    /// does not read (`MODEL.VRT_DEPTHS is not used by MODEL.ARCH unet_spike`).
+    #[error("{}", reads::describe_not_read(.given, .key, *.arch, .arch_from, .also))]
+    NotRead {
+        /// Where the key was given.
+        given: Source,
+        /// The key path, as written.
+        key: String,
+        /// The architecture that runs.
+        arch: Arch,
+        /// Where `MODEL.ARCH` came from.
+        arch_from: Source,
+        /// The other given keys it does not read.
+        also: Vec<String>,
     },
     /// A key parsed but its value is out of range or inconsistent.
     #[error("config {path}: {key}: {message}")]
@@ -130,7 +146,9 @@ impl Config {
     }
 
     /// This config with `overrides` (`KEY.PATH=VALUE`) applied, typed and validated
-    /// like a file; errors name the override and the key path.
+    /// like a file; errors name the override and the key path. This config's own
+    /// values count as defaults: only an override can give a key its architecture
+    /// does not read.
     pub fn with_overrides(&self, overrides: &[String]) -> Result<Config, ConfigError> {
         let name = Path::new("<resolved config>");
         let value = serde_yaml_ng::to_value(self).map_err(|err| ConfigError::Parse {
@@ -138,16 +156,27 @@ impl Config {
             key: ".".into(),
             message: err.to_string(),
         })?;
-        let mut all = vec![layers::Layer::new(Source::File(name.to_path_buf()), value)?];
+        let mut all = vec![layers::Layer::new(Source::Default, value)?];
         for spec in overrides {
             all.push(layers::override_layer(spec)?);
         }
         Ok(Config::from_layers(&all, name)?.config)
     }
 
-    /// The resolved config as YAML (what a run directory keeps).
+    /// The resolved config as YAML (what a run directory keeps), with only the `MODEL`
+    /// keys its architecture reads, so that it loads back.
     pub fn to_yaml(&self) -> String {
-        serde_yaml_ng::to_string(self).unwrap_or_else(|err| format!("# unserializable: {err}\n"))
+        self.to_value()
+            .and_then(|value| serde_yaml_ng::to_string(&value))
+            .unwrap_or_else(|err| format!("# unserializable: {err}\n"))
+    }
+
+    /// The config as a YAML mapping of the keys that run: every section, and the
+    /// `MODEL` keys its architecture reads.
+    fn to_value(&self) -> Result<Value, serde_yaml_ng::Error> {
+        let mut value = serde_yaml_ng::to_value(self)?;
+        reads::keep_read_keys(&mut value, self.model.arch);
+        Ok(value)
     }
 
     /// One line per key that is accepted but has no equivalent here, saying what
@@ -170,6 +199,7 @@ impl Config {
             key,
             message,
         })?;
+        reads::check_given_keys_are_read(&config, &origins, all)?;
         if let Err((key, mut message)) = config.validate() {
             let origin = show::origin_of(&origins, &key);
             let path = match &origin.source {
@@ -310,7 +340,7 @@ mod tests {
             "MODEL:\n  WINDOW_SIZE: 7\n  USE_CHECKPOINT_ATTN: true\n  USE_CHECKPOINT_FFN: false\n  \
              SPIKE_TSA: {HEADS: 2, ADAPTIVE_CHUNK: false, MAX_BATCH_TOKENS: 512, CHUNK_SIZE: 80, CHUNK_SHAPE: row}\n\
              DATA:\n  USE_PRECOMPUTED_VOXELS: true\n  TRAIN_CROP_SIZE: 128\n  USE_RAM_CACHE: false\n\
-             DATALOADER:\n  VAL_PREFETCH_FACTOR: 3\n  PIN_MEMORY: true\n  PERSISTENT_WORKERS: true\n  DROP_LAST: false\n\
+             DATALOADER:\n  VAL_PREFETCH_FACTOR: 3\n  PIN_MEMORY: false\n  PERSISTENT_WORKERS: true\n  DROP_LAST: false\n\
              TRAIN:\n  NUM_WORKERS: 12\n  PREFETCH_FACTOR: 5\n  AMP_ENABLED: true\n  AMP_OPT_LEVEL: O2\n  \
              BATCH_SIZE: 2\n  GRADIENT_ACCUMULATION_STEPS: 4\n  COMPILE_MODEL: true\n  \
              FIX_ITER: 20000\n  FIX_LR_MUL: 0.125\n  FIX_KEYS: [spynet, deform]\n",
@@ -332,7 +362,7 @@ mod tests {
         assert_eq!(dl.total_workers, Workers::Count(12));
         assert_eq!(dl.train_prefetch_factor, 5);
         assert_eq!(dl.val_prefetch_factor, 3);
-        assert!(dl.pin_memory && dl.persistent_workers && !dl.drop_last);
+        assert!(!dl.pin_memory && dl.persistent_workers && !dl.drop_last);
         let t = &c.train;
         assert!(t.amp_enabled && t.compile_model);
         assert_eq!(t.amp_opt_level, AmpOptLevel::O2);

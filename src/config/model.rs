@@ -1,18 +1,102 @@
-//! `MODEL`: the architecture and its sizes. `vrt_spike` is VRT (Liang et al. 2022)
-//! with an optional spike branch; `unet_spike` is a compact U-Net for CPU runs and tests.
-//! Key names follow the original trainer (`VRT_DEPTHS`, `WINDOW_SIZE`, `FUSE.*`, ...).
+//! `MODEL`: the architecture and its sizes. `vrt_spike` (the default, as in the user's
+//! trainer, which knows no other) is VRT (Liang et al. 2022) with an optional spike
+//! branch; `unet_spike` is a compact U-Net for CPU runs and tests. Key names follow the
+//! original trainer (`VRT_DEPTHS`, `WINDOW_SIZE`, `FUSE.*`, ...). [`Arch::reads`] says
+//! which keys each architecture reads.
 
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::invalid;
 
+/// `MODEL.ARCH`: the architecture to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+pub enum Arch {
+    /// VRT with the spike branch (the user's model); its defaults are the baseline's
+    /// (`configs/deblur/vrt_spike_baseline.yaml`).
+    #[default]
+    #[serde(rename = "vrt_spike")]
+    VrtSpike,
+    /// The compact spike-fused U-Net (`MODEL.UNET`).
+    #[serde(rename = "unet_spike")]
+    UnetSpike,
+}
+
+/// The `MODEL` keys `vrt_spike` reads (a section stands for every key under it).
+const VRT_SPIKE_KEYS: [&str; 18] = [
+    "ARCH",
+    "IN_CHANS",
+    "VRT_DEPTHS",
+    "WINDOW_SIZE",
+    "EMBED_DIMS",
+    "NUM_HEADS",
+    "INDEP_RECONSTS",
+    "MUL_ATTN_RATIO",
+    "MLP_RATIO",
+    "QKV_BIAS",
+    "DROP_PATH_RATE",
+    "PA_FRAMES",
+    "DEFORMABLE_GROUPS",
+    "SPIKE",
+    "SPIKE_TSA",
+    "FUSE",
+    "USE_CHECKPOINT_ATTN",
+    "USE_CHECKPOINT_FFN",
+];
+
+/// The `MODEL` keys `unet_spike` reads.
+const UNET_SPIKE_KEYS: [&str; 5] = [
+    "ARCH",
+    "IN_CHANS",
+    "UNET",
+    "SPIKE.ENABLED",
+    "SPIKE.VOXEL_BINS",
+];
+
+impl Arch {
+    /// Every architecture, the default first.
+    pub const ALL: [Arch; 2] = [Arch::VrtSpike, Arch::UnetSpike];
+
+    /// The name `MODEL.ARCH` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::VrtSpike => "vrt_spike",
+            Arch::UnetSpike => "unet_spike",
+        }
+    }
+
+    /// Whether building this architecture reads `key`, a path under `MODEL`
+    /// (`VRT_DEPTHS`, `SPIKE.VOXEL_BINS`); a section is read when any key in it is.
+    /// Keys of a feature the config turns off (`SPIKE_TSA.*` with `SPIKE.ENABLED:
+    /// false`) count as read: the architecture reads them when the feature is on.
+    pub fn reads(self, key: &str) -> bool {
+        let keys: &[&str] = match self {
+            Arch::VrtSpike => &VRT_SPIKE_KEYS,
+            Arch::UnetSpike => &UNET_SPIKE_KEYS,
+        };
+        keys.iter()
+            .any(|read| within(key, read) || within(read, key))
+    }
+}
+
+/// Whether the key path `key` is `section` or lies under it.
+fn within(key: &str, section: &str) -> bool {
+    key.strip_prefix(section)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The `MODEL` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// Architecture name (`unet_spike`, `vrt_spike`).
+    /// The architecture (`vrt_spike`, `unet_spike`).
     #[serde(rename = "ARCH")]
-    pub arch: String,
+    pub arch: Arch,
     /// Image channels in and out.
     #[serde(rename = "IN_CHANS")]
     pub in_chans: i64,
@@ -212,7 +296,7 @@ pub struct UnetConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
-            arch: "unet_spike".to_string(),
+            arch: Arch::VrtSpike,
             in_chans: 3,
             vrt_depths: vec![8, 8, 8, 8, 4, 4, 4, 8],
             window_size: [6, 8, 8],
@@ -280,9 +364,6 @@ impl Default for UnetConfig {
     }
 }
 
-/// The architectures `MODEL.ARCH` may name.
-pub const ARCHS: [&str; 2] = ["vrt_spike", "unet_spike"];
-
 impl ModelConfig {
     /// One-line notices for keys accepted without an equivalent here (none: every
     /// `MODEL` key, the activation-checkpointing flags included, is implemented).
@@ -297,12 +378,6 @@ impl ModelConfig {
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
-        if !ARCHS.contains(&self.arch.as_str()) {
-            return bad(
-                "ARCH",
-                format!("expected one of {ARCHS:?}, got {:?}", self.arch),
-            );
-        }
         if self.in_chans < 1 {
             return bad("IN_CHANS", "expected at least 1".into());
         }
@@ -324,7 +399,7 @@ impl ModelConfig {
         if self.spike_tsa.chunk_size.is_some_and(|c| c < 1) {
             return bad("SPIKE_TSA.CHUNK_SIZE", "expected at least 1".into());
         }
-        if self.arch == "unet_spike" {
+        if self.arch == Arch::UnetSpike {
             if self.unet.channels < 1 {
                 return bad("UNET.CHANNELS", "expected at least 1".into());
             }

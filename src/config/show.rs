@@ -64,9 +64,10 @@ impl Resolved {
         origin_of(&self.origins, key)
     }
 
-    /// Every key of the config, in file order, with its value and origin.
+    /// Every key that runs (the `MODEL` keys of the chosen architecture), in file
+    /// order, with its value and origin.
     pub fn keys(&self) -> Vec<ResolvedKey> {
-        let Ok(value) = serde_yaml_ng::to_value(&self.config) else {
+        let Ok(value) = self.config.to_value() else {
             return Vec::new();
         };
         let mut paths = Vec::new();

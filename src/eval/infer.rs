@@ -10,6 +10,7 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
+use crate::config::ModelConfig;
 use crate::dataset::image::{write_png_rgb, RgbImage};
 use crate::dataset::record::Rect;
 use crate::dataset::voxel::SpikeRect;
@@ -135,6 +136,14 @@ impl Default for InferOptions {
 }
 
 impl InferOptions {
+    /// VRT's protocol for the model of `cfg` (its `MODEL.SPIKE.VOXEL_BINS`).
+    pub fn for_model(cfg: &ModelConfig) -> InferOptions {
+        InferOptions {
+            bins: u32::try_from(cfg.spike.voxel_bins).unwrap_or(u32::MAX),
+            ..InferOptions::default()
+        }
+    }
+
     /// Checks the options against a model needing sizes in multiples of `multiple`.
     pub fn check(&self, multiple: i64) -> Result<(), InferError> {
         if self.clip < 2 {

@@ -1,14 +1,16 @@
 //! The restoration models: VRT (faithful to the reference, loading its weights) with an
 //! optional spike branch (`MODEL.ARCH: vrt_spike`), and a compact spike-fused U-Net
 //! (`unet_spike`) for CPU runs and tests, both behind the [`Restorer`] trait; their
-//! parameter summary and stage profiler. It imports `config` only (never the data
-//! layers, `eval` or `train`).
+//! parameter summary and stage profiler; the model of a run config file with its
+//! weights ([`LoadedModel`]). It imports `config` only (never the data layers, `eval`
+//! or `train`).
 
 pub mod attention;
 pub mod checkpoint;
 pub mod deform;
 pub mod flow;
 pub mod layers;
+pub mod load;
 pub mod precision;
 pub mod profile;
 pub mod sdp;
@@ -23,8 +25,9 @@ use std::path::PathBuf;
 
 use tch::{nn, Tensor};
 
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 
+pub use load::{LoadError, LoadedModel};
 pub use summary::{summarize, PartCount, Summary};
 pub use unet::UnetSpike;
 pub use vrt::Vrt;
@@ -232,7 +235,7 @@ impl PartMarks for NoMarks {
 
 impl Restorer for Vrt {
     fn arch(&self) -> &'static str {
-        "vrt_spike"
+        Arch::VrtSpike.name()
     }
     fn uses_voxels(&self) -> bool {
         self.has_spike_branch()
@@ -264,7 +267,7 @@ impl Restorer for Vrt {
 
 impl Restorer for UnetSpike {
     fn arch(&self) -> &'static str {
-        "unet_spike"
+        Arch::UnetSpike.name()
     }
     fn uses_voxels(&self) -> bool {
         self.has_spike_input()
@@ -288,12 +291,8 @@ impl Restorer for UnetSpike {
 /// Builds the model `MODEL.ARCH` names under `vs` (use the VarStore's root so that
 /// variable names equal the reference's state_dict keys).
 pub fn build(vs: &nn::Path, cfg: &ModelConfig) -> Result<Box<dyn Restorer>, ModelError> {
-    match cfg.arch.as_str() {
-        "vrt_spike" => Ok(Box::new(Vrt::new(vs, cfg)?)),
-        "unet_spike" => Ok(Box::new(UnetSpike::new(vs, cfg)?)),
-        other => Err(ModelError::Config(format!(
-            "ARCH {other:?} is unknown; expected one of {:?}",
-            crate::config::MODEL_ARCHS
-        ))),
+    match cfg.arch {
+        Arch::VrtSpike => Ok(Box::new(Vrt::new(vs, cfg)?)),
+        Arch::UnetSpike => Ok(Box::new(UnetSpike::new(vs, cfg)?)),
     }
 }

@@ -96,8 +96,7 @@ impl From<CosineSchedule> for ScheduleState {
     }
 }
 
-/// The model weights file of a checkpoint directory.
-pub const MODEL_FILE: &str = "model.safetensors";
+pub use crate::eval::checkpoint::MODEL_FILE;
 const OPTIM_FILE: &str = "optimizer.safetensors";
 
 fn io_err(path: &Path) -> impl Fn(String) -> CheckpointError + '_ {

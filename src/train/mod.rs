@@ -17,7 +17,6 @@ pub mod oom;
 pub mod optim;
 pub mod preempt;
 pub mod report;
-pub mod resolve;
 pub mod run;
 pub mod run_config;
 pub mod schedule;

@@ -75,7 +75,11 @@ impl Job {
     pub fn new(body: &str) -> Job {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let config = tmp.path().join("job.yaml");
-        std::fs::write(&config, "DATA:\n  CACHE_SIZE_GB: 0.01\n").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(
+            &config,
+            "DATA:\n  CACHE_SIZE_GB: 0.01\nMODEL:\n  ARCH: unet_spike\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         let rank_cmd = tmp.path().join("rank.sh");
         std::fs::write(&rank_cmd, format!("{PRELUDE}{body}\n")).unwrap_or_else(|e| panic!("{e}"));
         std::fs::set_permissions(&rank_cmd, std::fs::Permissions::from_mode(0o755))

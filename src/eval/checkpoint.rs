@@ -1,10 +1,14 @@
 //! Which weights file a `--checkpoint` path names: a `.safetensors` file, a
 //! checkpoint directory (its `model.safetensors`), or a run directory (its newest
-//! complete checkpoint). Used by `vrtspike infer` and anything else given a run.
+//! complete checkpoint, by the run-dir contract). Used by `vrtspike infer` and
+//! anything else given a run; training writes its checkpoints with [`MODEL_FILE`].
 
 use std::path::{Path, PathBuf};
 
-use super::checkpoint::{self, MODEL_FILE};
+use vrtspike_contract::rundir;
+
+/// The model weights file of a checkpoint directory.
+pub const MODEL_FILE: &str = "model.safetensors";
 
 /// A path that names no weights.
 #[derive(Debug, thiserror::Error)]
@@ -35,9 +39,10 @@ pub fn resolve_weights(path: &Path) -> Result<PathBuf, ResolveError> {
     if path.join(MODEL_FILE).is_file() {
         return Ok(path.join(MODEL_FILE));
     }
-    let checkpoints = path.join("checkpoints");
-    match checkpoint::latest(&checkpoints) {
-        Some(dir) if dir.join(MODEL_FILE).is_file() => Ok(dir.join(MODEL_FILE)),
+    match rundir::RunLayout::new(path).latest_checkpoint() {
+        Some(checkpoint) if checkpoint.path.join(MODEL_FILE).is_file() => {
+            Ok(checkpoint.path.join(MODEL_FILE))
+        }
         _ => Err(resolve_err(
             path,
             format!(
@@ -57,12 +62,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
         for step in [1u64, 20] {
-            let ckpt = run
-                .join("checkpoints")
-                .join(checkpoint::step_dir_name(step));
+            let ckpt = rundir::RunLayout::new(&run).step_dir(step);
             std::fs::create_dir_all(&ckpt).unwrap();
             std::fs::write(ckpt.join(MODEL_FILE), b"").unwrap();
-            std::fs::write(ckpt.join("state.json"), b"{}").unwrap();
+            std::fs::write(ckpt.join(rundir::CHECKPOINT_STATE_FILE), b"{}").unwrap();
         }
         let newest = run.join("checkpoints/step_00000020").join(MODEL_FILE);
         assert_eq!(resolve_weights(&run).unwrap(), newest);
