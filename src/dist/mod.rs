@@ -7,6 +7,7 @@ mod ddp;
 mod error;
 mod ffi;
 mod group;
+mod progress;
 
 pub use cuda_mem::{
     cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, set_cuda_autocast_bf16, CudaMemoryStats,
@@ -14,3 +15,4 @@ pub use cuda_mem::{
 pub use ddp::{plan_buckets, Ddp, DdpOptions, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::DistError;
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};
+pub use progress::CollectiveObserver;
