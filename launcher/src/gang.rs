@@ -83,7 +83,7 @@ pub fn run_attempt(
     cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
-    hang: Option<HangCheck>,
+    hang: HangCheck,
 ) -> Result<AttemptEnd> {
     let mut ranks: Vec<(u32, Supervised)> = Vec::with_capacity(launches.len());
     let mut echo = None;
@@ -122,10 +122,8 @@ pub fn run_attempt(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let hang = hang.map(|check| {
-        let ids: Vec<(u32, u32)> = ranks.iter().map(|(rank, c)| (*rank, c.pid())).collect();
-        HangWatch::new(check, &ids, Instant::now())
-    });
+    let ids: Vec<(u32, u32)> = ranks.iter().map(|(rank, c)| (*rank, c.pid())).collect();
+    let hang = HangWatch::new(hang, &ids, Instant::now());
     let end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
     drop(echo);
     Ok(end)
@@ -136,7 +134,7 @@ fn supervise(
     cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
-    mut hang: Option<HangWatch>,
+    mut hang: HangWatch,
 ) -> AttemptEnd {
     let mut preempting = false;
     let mut end = watch(
@@ -145,7 +143,7 @@ fn supervise(
         timing,
         peer_stop,
         &mut preempting,
-        hang.as_mut(),
+        &mut hang,
     );
     end.preempting = preempting;
     end
@@ -207,7 +205,7 @@ fn watch(
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
-    mut hang: Option<&mut HangWatch>,
+    hang: &mut HangWatch,
 ) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
     let mut deadline: Option<StopDeadline> = None;
@@ -220,7 +218,7 @@ fn watch(
             deadline = Some(asked);
             *preempting = true;
         }
-        if let Some(failure) = failed_rank(ranks, &timing, hang.as_deref_mut()) {
+        if let Some(failure) = failed_rank(ranks, &timing, hang) {
             tracing::error!("{}: stopping the other ranks", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
@@ -239,12 +237,10 @@ fn watch(
             }
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
-        if let Some(watch) = hang.as_deref_mut().filter(|_| deadline.is_none()) {
-            if let Some(found) = watch.poll(Instant::now()) {
-                let failure = watch.fail(&found, ranks, timing.node_rank);
-                tracing::error!("{}: stopping the ranks", failure.cause);
-                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
-            }
+        if let Some(found) = hang.poll(Instant::now()).filter(|_| deadline.is_none()) {
+            let failure = hang.fail(&found, ranks, timing.node_rank);
+            tracing::error!("{}: stopping the ranks", failure.cause);
+            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
         if ranks.iter_mut().all(|(_, c)| !c.running()) {
             let outcome = if deadline.is_some() {
@@ -274,7 +270,7 @@ fn watch(
 fn failed_rank(
     ranks: &mut [(u32, Supervised)],
     timing: &GangSettings,
-    hang: Option<&mut HangWatch>,
+    watch: &mut HangWatch,
 ) -> Option<Failure> {
     let mut failed: Vec<(u32, ExitStatus)> = Vec::new();
     for (rank, child) in ranks.iter_mut() {
@@ -289,11 +285,7 @@ fn failed_rank(
         .min_by_key(|(rank, status)| (status.signal().is_none(), *rank))?;
     let child = ranks.iter().find(|(r, _)| *r == rank).map(|(_, c)| c)?;
     let own = failure_of(timing.node_rank, Some(rank), child, status);
-    let found = hang.and_then(|watch| {
-        let found = watch.culprit_of(rank, Instant::now())?;
-        Some((watch, found))
-    });
-    let Some((watch, found)) = found else {
+    let Some(found) = watch.culprit_of(rank, Instant::now()) else {
         return Some(own);
     };
     let culprit_exited = ranks

@@ -47,27 +47,26 @@ pub struct HangCheck {
 }
 
 impl HangCheck {
-    /// The check of `--hang-timeout-s` and `--stall-timeout-s` (0 disables each;
-    /// none when both are 0).
+    /// The check of `--hang-timeout-s` and `--stall-timeout-s` (0 disables each
+    /// verdict; the records are still read to name whom a failed rank waited for).
     pub fn new(
         hang_timeout_s: f64,
         stall_timeout_s: f64,
         run_dir: PathBuf,
         attempt: u32,
         (world_size, ranks_per_node): (u32, u32),
-    ) -> Option<HangCheck> {
+    ) -> HangCheck {
         let timeout = |secs: f64| (secs > 0.0).then(|| Duration::from_secs_f64(secs));
-        let timeouts = Timeouts {
-            hang: timeout(hang_timeout_s),
-            stall: timeout(stall_timeout_s),
-        };
-        (timeouts.hang.is_some() || timeouts.stall.is_some()).then_some(HangCheck {
-            timeouts,
+        HangCheck {
+            timeouts: Timeouts {
+                hang: timeout(hang_timeout_s),
+                stall: timeout(stall_timeout_s),
+            },
             run_dir,
             attempt,
             world_size,
             ranks_per_node: ranks_per_node.max(1),
-        })
+        }
     }
 }
 
@@ -187,14 +186,20 @@ impl HangWatch {
         }
     }
 
-    /// Reads the heartbeats when due and returns a stopped or hung rank, if any.
+    /// Reads the heartbeats when due (even with both verdicts off: a failed rank's
+    /// culprit is judged from their history) and returns a stopped or hung rank,
+    /// if any.
     pub fn poll(&mut self, now: Instant) -> Option<Hang> {
         if now < self.next_read {
             return None;
         }
         self.next_read = now + self.interval;
         self.read_all(now);
-        verdict::find_hang(&self.views(now), self.check.timeouts, self.check.world_size)
+        let timeouts = self.check.timeouts;
+        if timeouts.hang.is_none() && timeouts.stall.is_none() {
+            return None;
+        }
+        verdict::find_hang(&self.views(now), timeouts, self.check.world_size)
     }
 
     /// The rank that `failed` (exited with an error) was waiting for, if its
@@ -283,7 +288,7 @@ mod tests {
     }
 
     fn check(run_dir: PathBuf, world: u32) -> HangCheck {
-        HangCheck::new(10.0, 5.0, run_dir, 0, (world, 2)).unwrap_or_else(|| panic!("disabled"))
+        HangCheck::new(10.0, 5.0, run_dir, 0, (world, 2))
     }
 
     #[test]
@@ -310,10 +315,15 @@ mod tests {
         let hang = verdict::find_hang(&views, watch.check.timeouts, 2)
             .unwrap_or_else(|| panic!("no verdict"));
         assert_eq!((hang.kind, hang.rank.rank), (HangKind::Stopped, 1));
-        assert!(
-            HangCheck::new(0.0, 0.0, PathBuf::new(), 0, (2, 2)).is_none(),
+        let off = HangCheck::new(0.0, 0.0, PathBuf::new(), 0, (2, 2));
+        assert_eq!(
+            (off.timeouts.hang, off.timeouts.stall),
+            (None, None),
             "0 disables both"
         );
+        let mut quiet = HangWatch::new(off, &[(0, 1), (1, 2)], start);
+        quiet.observe(1, Some(&beat(1, Phase::Forward, 1, 8)), s(1));
+        assert_eq!(quiet.poll(s(600)), None, "no verdict when both are off");
     }
 
     #[test]

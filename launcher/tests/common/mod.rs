@@ -388,6 +388,16 @@ pub fn cmdline(pid: u32) -> String {
 
 /// A tiny dataset written by `vrtspike synth` into `dir/data`.
 pub fn synth_tiny(dir: &Path) -> PathBuf {
+    synth_tiny_as(dir, &[])
+}
+
+/// The same tiny dataset as HDF5 sessions (each rank reads them through an
+/// `h5-probe` child process).
+pub fn synth_tiny_h5(dir: &Path) -> PathBuf {
+    synth_tiny_as(dir, &["--h5"])
+}
+
+fn synth_tiny_as(dir: &Path, extra: &[&str]) -> PathBuf {
     let data = dir.join("data");
     let output = Command::new(vrtspike())
         .arg("synth")
@@ -395,12 +405,20 @@ pub fn synth_tiny(dir: &Path) -> PathBuf {
         .arg(&data)
         .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
         .args(["--height", "64", "--width", "96", "--seed", "9"])
+        .args(extra)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
     let (stdout, stderr) = texts(&output);
     assert!(output.status.success(), "synth: {stdout}\n{stderr}");
     data
+}
+
+/// Whether rank 0 has logged a finished training step in `run_dir`.
+pub fn trained_a_step(run_dir: &Path) -> bool {
+    let layout = vrtspike_contract::rundir::RunLayout::new(run_dir);
+    std::fs::read_to_string(layout.metrics())
+        .is_ok_and(|text| text.lines().any(|l| l.contains("\"kind\":\"train\"")))
 }
 
 /// What the tiny U-Net training runs of the end-to-end tests differ in.
