@@ -27,10 +27,6 @@ use crate::stacks;
 use crate::summary::Failure;
 pub use verdict::{Hang, HangKind, RankView, Timeouts};
 
-/// A rank that has not ticked for this long when another fails waiting for it is
-/// the cause (at most the stall timeout).
-const ATTRIBUTION_SILENCE: Duration = Duration::from_secs(5);
-
 /// How hangs are found in one attempt.
 #[derive(Debug, Clone)]
 pub struct HangCheck {
@@ -210,7 +206,7 @@ impl HangWatch {
             .check
             .timeouts
             .stall
-            .map_or(ATTRIBUTION_SILENCE, |stall| stall.min(ATTRIBUTION_SILENCE));
+            .map_or(verdict::SILENT, |stall| stall.min(verdict::SILENT));
         verdict::culprit_of(failed, &self.views(now), silence)
     }
 

@@ -73,6 +73,11 @@ fn state_name(state: char) -> &'static str {
     }
 }
 
+/// A rank whose tick has been still this long is called stopped, whichever rule
+/// named it (and whom a failed rank waited for is judged by it, at most the stall
+/// timeout): ten ticks missed.
+pub const SILENT: Duration = Duration::from_secs(5);
+
 /// What is wrong with the named rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HangKind {
@@ -126,7 +131,15 @@ pub fn find_hang(views: &[RankView], timeouts: Timeouts, world_size: u32) -> Opt
     let hung = candidates.into_iter().find(|candidate| {
         world_size == 1 || views.iter().any(|v| v.standing() > candidate.standing())
     })?;
-    Some(Hang::of(HangKind::Hung, hung, views))
+    Some(Hang::of(kind_of(hung), hung, views))
+}
+
+/// Stopped when its tick has been still for [`SILENT`], else hung.
+fn kind_of(view: &RankView) -> HangKind {
+    match view.silent_for {
+        Some(silent) if silent >= SILENT => HangKind::Stopped,
+        _ => HangKind::Hung,
+    }
 }
 
 /// The rank whose tick has been still the longest, if at least `stall`.
@@ -155,7 +168,7 @@ pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<
         .iter()
         .filter(|v| v.collectives.entered <= waited_in && v.still_for >= victim.still_for)
         .min_by_key(|v| (v.standing(), v.rank))?;
-    Some(Hang::of(HangKind::Hung, laggard, views))
+    Some(Hang::of(kind_of(laggard), laggard, views))
 }
 
 impl Hang {
@@ -358,6 +371,17 @@ mod tests {
         // Without the stall timeout nobody is further: no verdict from stillness.
         let no_stall = Timeouts { stall: None, ..T };
         assert_eq!(find_hang(&[waiting, stopped], no_stall, 2), None);
+    }
+
+    #[test]
+    fn a_rank_named_by_the_hang_rule_that_does_not_tick_is_called_stopped() {
+        let no_stall = Timeouts { stall: None, ..T };
+        let views = [
+            view(0, at(3, Phase::AllReduce), 11),
+            silent(view(1, at(3, Phase::Forward), 12), 12),
+        ];
+        let hang = find_hang(&views, no_stall, 2).map(|h| (h.kind, h.rank.rank));
+        assert_eq!(hang, Some((HangKind::Stopped, 1)));
     }
 
     #[test]
