@@ -52,8 +52,8 @@ impl RankEnv {
             message: e.message,
         })?;
         if let Some(text) = device_arg {
-            parsed.device =
-                Device::parse(text, parsed.local_rank).map_err(|message| TrainError::Env {
+            parsed.device = Device::parse(text, contract::own_gpu(parsed.local_rank, var))
+                .map_err(|message| TrainError::Env {
                     var: format!("--device (over {})", contract::DEVICE),
                     message,
                 })?;

@@ -355,10 +355,25 @@ fn rendezvous_from(
 fn device_from(var: &dyn Fn(&str) -> Option<String>, local_rank: u32) -> Result<Device, EnvError> {
     match var(DEVICE) {
         None => Ok(Device::Cpu),
-        Some(text) => Device::parse(&text, local_rank).map_err(|message| EnvError {
+        Some(text) => Device::parse(&text, own_gpu(local_rank, var)).map_err(|message| EnvError {
             var: DEVICE,
             message,
         }),
+    }
+}
+
+/// The GPU `cuda` means for local rank `local_rank`: the only one visible when
+/// CUDA_VISIBLE_DEVICES lists one (srun binds one GPU to each task), else the local
+/// rank's.
+pub fn own_gpu(local_rank: u32, var: &dyn Fn(&str) -> Option<String>) -> u32 {
+    let one_visible = var("CUDA_VISIBLE_DEVICES").is_some_and(|list| {
+        let list = list.trim();
+        !list.is_empty() && !list.contains(',') && !list.starts_with('-')
+    });
+    if one_visible {
+        0
+    } else {
+        local_rank
     }
 }
 
@@ -591,6 +606,11 @@ mod tests {
         let env = RankEnv::from_vars(&lookup(vars.clone())).map(|e| e.device);
         assert_eq!(env, Ok(Device::Cuda(2)), "cuda means the local rank's GPU");
         assert_eq!(Device::parse("cuda:1", 0), Ok(Device::Cuda(1)));
+        let bound = |name: &str| (name == "CUDA_VISIBLE_DEVICES").then(|| "3".to_string());
+        assert_eq!(own_gpu(2, &bound), 0, "one GPU bound to the task: cuda:0");
+        let all = |name: &str| (name == "CUDA_VISIBLE_DEVICES").then(|| "0,1,2,3".to_string());
+        assert_eq!(own_gpu(2, &all), 2);
+        assert_eq!(own_gpu(2, &|_| None), 2);
         assert_eq!(Device::parse(" cpu ", 3), Ok(Device::Cpu));
         vars.retain(|(k, _)| *k != DEVICE);
         vars.push((DEVICE, "tpu".into()));
