@@ -2,10 +2,16 @@
 //! commands, benchmarks, the demo, the model tools, inference, training and the data
 //! tools. One file per subcommand under `src/cli/`; the library does the work.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use vrtspike_contract::signals::{self, Disposition};
 
 mod cli;
+
+// SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
+// them from before libtorch's constructors run, until `settle_job_signals` says
+// what this subcommand does with them.
+vrtspike_contract::count_job_signals_from_the_first_instruction!();
 
 /// Spike-guided video deblurring trainer on libtorch.
 #[derive(Parser)]
@@ -57,6 +63,7 @@ enum Command {
 fn main() -> Result<()> {
     vrtspike::util::logging::init();
     let cli = Cli::parse();
+    cli.command.settle_job_signals()?;
     if cli.command.only_prints() {
         restore_sigpipe();
     }
@@ -84,6 +91,24 @@ fn main() -> Result<()> {
 }
 
 impl Command {
+    /// What this process does with the job's signals (`vrtspike_contract::signals`):
+    /// a rank (`train`) counts SIGUSR2 and SIGTERM as its stop request; the cache
+    /// server a launcher or rank started and the HDF5 probe child end with their
+    /// parent and ignore both; every other subcommand ignores SIGUSR2 (it may run
+    /// inside a job: the launcher's plan check, `cache stats`) and keeps SIGTERM's
+    /// default.
+    fn settle_job_signals(&self) -> Result<()> {
+        let (usr2, term) = match self {
+            Command::Train(_) => (Disposition::Count, Disposition::Count),
+            Command::H5Probe(_) => (Disposition::Ignore, Disposition::Ignore),
+            Command::Cache(cmd) if cmd.ends_with_parent() => {
+                (Disposition::Ignore, Disposition::Ignore)
+            }
+            _ => (Disposition::Ignore, Disposition::Default),
+        };
+        signals::settle(usr2, term).context("setting up SIGUSR2 and SIGTERM")
+    }
+
     /// Subcommands whose tensors are large: they pin the heap's mmap threshold so
     /// freed activations go back to the kernel, with huge pages for the faults
     /// (`vrtspike::util::heap`).

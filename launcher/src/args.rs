@@ -52,13 +52,21 @@ pub struct Args {
     #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
     pub preempt_timeout_s: f64,
 
-    /// Seconds a rank may stay at one step and phase (per its heartbeat) while
-    /// another rank got further (or, alone, at all) before it counts as hung: it
-    /// is named, every rank's stacks are saved in the run dir, and the gang
-    /// restarts from the last checkpoint. Keep it below DIST.TIMEOUT_S so the
-    /// hung rank is named before the waiting ones time out; 0 disables.
+    /// Seconds a rank may stay at one step, phase and collective (per its
+    /// heartbeat) while another rank got further (or, alone, at all) before it
+    /// counts as hung: it is named, every rank's stacks are saved in the run dir,
+    /// and the gang restarts from the last checkpoint. Keep it below DIST.TIMEOUT_S
+    /// so the hung rank is named before the waiting ones time out; 0 disables.
     #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
     pub hang_timeout_s: f64,
+
+    /// Seconds a rank's liveness tick (a thread of its own advances it twice a
+    /// second, whatever the rank waits for) may stay still before the rank counts
+    /// as stopped (SIGSTOP, a debugger, a wedged process): it is named, with the
+    /// ranks waiting for it, stacks are saved and the gang restarts, as for a hang.
+    /// 0 disables.
+    #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
+    pub stall_timeout_s: f64,
 
     /// Number of nodes (each runs its own launcher); needs --master-addr and
     /// --master-port when above 1. Read from SLURM when it runs the job.
@@ -74,13 +82,15 @@ pub struct Args {
     #[arg(long)]
     pub master_addr: Option<String>,
 
-    /// Port of rank 0's rendezvous store (default: a free port on one node; derived
-    /// from SLURM_JOB_ID under SLURM).
+    /// Port of rank 0's rendezvous store (default: a port free on node 0, chosen
+    /// for each attempt and sent to the other nodes).
     #[arg(long)]
     pub master_port: Option<u16>,
 
-    /// Port where node 0's launcher listens for the other nodes' launchers
-    /// (multi-node only; default MASTER_PORT + 1).
+    /// Port where node 0's launcher listens for the other nodes' launchers, on the
+    /// master address (multi-node only; default: one the kernel picks, published
+    /// with the job's secret in the run dir's control.json, which the other nodes
+    /// read; without a shared run dir give this and VRTSPIKE_JOB_SECRET).
     #[arg(long)]
     pub control_port: Option<u16>,
 
@@ -197,6 +207,7 @@ mod tests {
         assert_eq!(args.max_restarts, 3);
         assert_eq!(args.grace_s, 10.0);
         assert_eq!(args.hang_timeout_s, 300.0);
+        assert_eq!(args.stall_timeout_s, 30.0);
         assert_eq!(args.preempt_signal, Signal::SIGUSR2);
         assert_eq!(args.train_args, ["--steps", "5"]);
         assert!(args.set.is_empty() && !args.no_plan_check);

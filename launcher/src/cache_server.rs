@@ -1,32 +1,27 @@
 //! The node's cache server as a child of the launcher: started first through the
-//! `vrtspike` binary (the launcher does not link libtorch), ready once it says so
-//! through the contract's readiness pipe (`vrtspike_contract::ready`), kept across
-//! restarts (its data stays warm), and asked for its statistics before it is stopped.
+//! `vrtspike` binary (the launcher does not link libtorch) with the contract's
+//! command and readiness pipe (`vrtspike_contract::cache_serve`, which a rank
+//! uses too when no launcher started a server), kept across restarts (its data
+//! stays warm), and asked for its statistics before it is stopped. It ignores the
+//! job's SIGUSR2 and SIGTERM (SLURM sends them to every process of the job), so the
+//! launcher stops it with SIGINT.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
 use serde_json::Value;
-use vrtspike_contract::ready::{self, Readiness, ReadyPipe};
+use vrtspike_contract::cache_serve::{self, CacheServe, StartError};
 
 use crate::signals;
-use crate::spawn::{self, Supervised};
+use crate::spawn::{self, ChildKind, Supervised};
 
 /// How to start the server.
 pub struct CacheServerSpec<'a> {
-    /// The `vrtspike` binary.
-    pub vrtspike: &'a Path,
-    /// Abstract socket name.
-    pub address: &'a str,
-    /// Run config (its DATA.CACHE_SIZE_GB is the cap unless `cap` is given).
-    pub config: &'a Path,
-    /// Byte cap as text (`20G`), overriding the config.
-    pub cap: Option<&'a str>,
-    /// The job's `--set KEY.PATH=VALUE` overrides of the config.
-    pub overrides: &'a [String],
+    /// Its command line (binary, address, config, cap, overrides).
+    pub serve: CacheServe<'a>,
     /// Its log.
     pub log: PathBuf,
     /// How long it may take to accept connections.
@@ -36,69 +31,46 @@ pub struct CacheServerSpec<'a> {
 /// Starts the server and waits until it says it is ready; an error carries the
 /// server's own last log lines (e.g. a bad config key or a short /dev/shm).
 pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
-    let mut command = Command::new(spec.vrtspike);
-    command
-        .args(["cache", "serve", "--exit-with-parent", "--address"])
-        .arg(spec.address)
-        .arg("--config")
-        .arg(spec.config);
-    for override_spec in spec.overrides {
-        command.arg(format!("--set={override_spec}"));
-    }
-    if let Some(cap) = spec.cap {
-        command.args(["--cap", cap]);
-    }
-    let mut pipe = ReadyPipe::new().context("creating the cache server's readiness pipe")?;
-    if let Some(fd) = pipe.child_fd() {
-        command.env(ready::READY_FD, fd.to_string());
-        // SAFETY: the hook runs in the forked child before exec and only calls
-        // fcntl (async-signal-safe); it allocates nothing.
-        unsafe {
-            command.pre_exec(move || ready::inherit_in_child(fd));
-        }
-    }
-    let spawned = spawn::spawn("cache server".into(), &mut command, &spec.log);
+    let (vrtspike, address) = (spec.serve.vrtspike, spec.serve.address);
+    let (mut command, mut pipe) = spec
+        .serve
+        .command()
+        .context("creating the cache server's readiness pipe")?;
+    let spawned = spawn::spawn(
+        "cache server".into(),
+        &mut command,
+        &spec.log,
+        ChildKind::Other,
+    );
     pipe.close_child_end();
     let mut server = spawned
-        .with_context(|| format!("starting the cache server ({})", spec.vrtspike.display()))?;
-    let started = Instant::now();
-    loop {
-        if signals::interrupts() > 0 {
-            spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
-            bail!("interrupted while the cache server was starting");
-        }
-        let readiness = pipe
-            .wait(Duration::from_millis(100))
-            .context("waiting for the cache server's readiness pipe")?;
-        if readiness == Readiness::Ready {
+        .with_context(|| format!("starting the cache server ({})", vrtspike.display()))?
+        .with_stop_signal(Signal::SIGINT);
+    let waited = cache_serve::wait_ready(
+        &mut pipe,
+        spec.start_timeout,
+        &mut || server.poll(),
+        &|| signals::interrupts() > 0,
+    );
+    match waited {
+        Ok(took) => {
             tracing::info!(
-                address = spec.address,
+                address,
                 pid = server.pid(),
                 "cache server ready in {:.2} s",
-                started.elapsed().as_secs_f64()
+                took.as_secs_f64()
             );
-            return Ok(server);
+            Ok(server)
         }
-        if let Some(status) = server.poll().context("waiting for the cache server")? {
-            bail!(
-                "the cache server {} before accepting connections; the end of {}:\n{}",
-                spawn::describe(status),
-                spec.log.display(),
-                spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
-            );
-        }
-        if started.elapsed() > spec.start_timeout {
+        Err(StartError::Exited(status)) => bail!(
+            "the cache server {} before accepting connections; the end of {}:\n{}",
+            spawn::describe(status),
+            spec.log.display(),
+            spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
+        ),
+        Err(e) => {
             spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
-            bail!(
-                "the cache server did not say it was ready at {:?} within {:.0} s; see {}",
-                spec.address,
-                spec.start_timeout.as_secs_f64(),
-                spec.log.display()
-            );
-        }
-        if readiness == Readiness::Closed {
-            // It closed the pipe unready, so it is exiting: look again shortly.
-            std::thread::sleep(Duration::from_millis(50));
+            bail!("{e} (address {address:?}); see {}", spec.log.display())
         }
     }
 }
@@ -117,9 +89,17 @@ pub fn stats(vrtspike: &Path, address: &str) -> Option<Value> {
     serde_json::from_slice(&output.stdout).ok()
 }
 
-/// Whether the resolved config (with the job's overrides) reads through the node
-/// cache (`DATA.USE_RAM_CACHE`), asked of `vrtspike config show --json`.
-pub fn wanted(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<bool> {
+/// What the launcher needs from the resolved config (with the job's overrides).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConfigFacts {
+    /// `DATA.USE_RAM_CACHE`: the ranks read through the node cache.
+    pub ram_cache: bool,
+    /// `DIST.TIMEOUT_S`: the ranks' collective timeout.
+    pub collective_timeout_s: f64,
+}
+
+/// [`ConfigFacts`] of the resolved config, asked of `vrtspike config show --json`.
+pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<ConfigFacts> {
     let mut command = Command::new(vrtspike);
     command
         .args(["config", "show", "--json", "--config"])
@@ -142,13 +122,23 @@ pub fn wanted(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<bo
     }
     let shown: Value = serde_json::from_slice(&output.stdout)
         .with_context(|| format!("reading the JSON of config show for {}", config.display()))?;
-    match shown["keys"]["DATA.USE_RAM_CACHE"]["value"].as_bool() {
-        Some(wanted) => Ok(wanted),
-        None => bail!(
+    let key = |name: &str| &shown["keys"][name]["value"];
+    let ram_cache = key("DATA.USE_RAM_CACHE").as_bool().with_context(|| {
+        format!(
             "config show for {} gives no boolean DATA.USE_RAM_CACHE",
             config.display()
-        ),
-    }
+        )
+    })?;
+    let collective_timeout_s = key("DIST.TIMEOUT_S").as_f64().with_context(|| {
+        format!(
+            "config show for {} gives no number DIST.TIMEOUT_S",
+            config.display()
+        )
+    })?;
+    Ok(ConfigFacts {
+        ram_cache,
+        collective_timeout_s,
+    })
 }
 
 /// The address of this node's server for this launch: the user's, and unique per

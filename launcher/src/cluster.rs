@@ -1,9 +1,13 @@
 //! Where this launcher sits in the job: how many nodes, which one it is, and where
 //! rank 0's rendezvous store listens, from SLURM's environment, from
-//! `--nnodes/--node-rank/--master-addr/--master-port`, or one node on loopback.
+//! `--nnodes/--node-rank/--master-addr`, or one node on loopback. The store's port
+//! is `--master-port` when given, else node 0 picks a free one for each attempt
+//! (and tells the other nodes): nothing is derived from the job id, so jobs that
+//! share node 0 cannot collide.
+
+use vrtspike_contract::hostlist;
 
 use crate::args::{Args, SlurmMode};
-use crate::hostlist;
 
 /// The node layout of the job, as this launcher sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,7 +18,7 @@ pub struct Topology {
     pub node_rank: u32,
     /// Host of rank 0's store.
     pub master_addr: String,
-    /// Port of rank 0's store; `None` = pick a free one (single node only).
+    /// Port of rank 0's store; `None` = node 0 picks a free one per attempt.
     pub master_port: Option<u16>,
     /// Where the layout came from, for the log and the summary.
     pub source: &'static str,
@@ -132,30 +136,13 @@ fn from_slurm(
                 problem: "names no host".into(),
             })?,
     };
-    // Every node must agree on the port without talking: derive it from the job id.
-    let master_port = match (args.master_port, env("SLURM_JOB_ID")) {
-        (Some(port), _) => Some(port),
-        (None, Some(job)) => Some(slurm_port(&number("SLURM_JOB_ID", job)?)),
-        (None, None) => {
-            return Err(TopologyError::SlurmVar {
-                name: "SLURM_JOB_ID",
-                problem: "not set, and no --master-port given".into(),
-            })
-        }
-    };
     Ok(Topology {
         nnodes,
         node_rank,
         master_addr,
-        master_port,
+        master_port: args.master_port,
         source: "SLURM",
     })
-}
-
-/// The rendezvous port of a SLURM job: in 20000..=29999, a function of the job id
-/// only, so every node of the job computes the same one.
-pub fn slurm_port(job_id: &u32) -> u16 {
-    20_000 + (job_id % 10_000) as u16
 }
 
 fn from_flags(args: &Args) -> Result<Topology, TopologyError> {
@@ -169,9 +156,9 @@ fn from_flags(args: &Args) -> Result<Topology, TopologyError> {
             "--node-rank {node_rank} is not below --nnodes {nnodes}"
         )));
     }
-    if nnodes > 1 && (args.master_addr.is_none() || args.master_port.is_none()) {
+    if nnodes > 1 && args.master_addr.is_none() {
         return Err(TopologyError::Flags(format!(
-            "--nnodes {nnodes} needs --master-addr and --master-port (the same on every node)"
+            "--nnodes {nnodes} needs --master-addr (node 0's address, the same on every node)"
         )));
     }
     Ok(Topology {
@@ -236,11 +223,11 @@ mod tests {
                 nnodes: 4,
                 node_rank: 2,
                 master_addr: "gpu07".into(),
-                master_port: Some(slurm_port(&123456)),
+                master_port: None,
                 source: "SLURM",
-            }
+            },
+            "no port from the job id: node 0 picks one"
         );
-        assert_eq!(slurm_port(&123456), 23456);
     }
 
     #[test]
@@ -281,9 +268,9 @@ mod tests {
     }
 
     #[test]
-    fn multi_node_flags_need_address_and_port() {
+    fn multi_node_flags_need_the_master_address() {
         let err = resolve(&args(&["--nnodes", "2"]), &|_| None).unwrap_err();
-        assert!(err.to_string().contains("--master-port"), "{err}");
+        assert!(err.to_string().contains("--master-addr"), "{err}");
         let err = resolve(&args(&["--node-rank", "1"]), &|_| None).unwrap_err();
         assert!(err.to_string().contains("--node-rank 1"), "{err}");
     }

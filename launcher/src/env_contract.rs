@@ -126,6 +126,8 @@ impl AttemptEnv<'_> {
             } else {
                 Device::Cpu
             },
+            run_id: None,
+            slurm: None,
         }
     }
 

@@ -1,8 +1,12 @@
 //! One attempt of the job: start this node's ranks, then watch them as a gang. The
 //! first rank that exits non-zero or dies (or the cache server dying) stops all the
 //! others (SIGTERM, grace, SIGKILL); a preemption request is passed to the ranks as
-//! SIGUSR2 and they get time to checkpoint and exit 0. A rank found hung
-//! ([`crate::hang`]) fails the attempt like a crashed one.
+//! SIGUSR2 and they get `--preempt-timeout-s` to checkpoint and exit 0, a SIGTERM
+//! the same within `--grace-s`. A rank found stopped or hung ([`crate::hang`])
+//! fails the attempt like a crashed one, and so does another node's verdict (this
+//! node then saves its ranks' stacks too). A rank that fails while waiting in a
+//! collective for a stopped or hung rank is reported as waiting for it, and that
+//! rank as the cause.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -14,9 +18,9 @@ use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
 
 use crate::echo::LogEcho;
-use crate::hang::{HangCheck, HangWatch};
+use crate::hang::{self, HangCheck, HangWatch};
 use crate::signals;
-use crate::spawn::{self, Supervised};
+use crate::spawn::{self, ChildKind, Supervised};
 use crate::summary::{ExitKind, Failure};
 
 /// Lines of a failed process's log kept in the failure report.
@@ -38,17 +42,23 @@ pub struct RankLaunch {
     pub env: Vec<(String, String)>,
     /// Its log.
     pub log: PathBuf,
+    /// `vrtspike` (the job's signals blocked until it counts them) or a stand-in.
+    pub kind: ChildKind,
 }
 
 /// How the gang is supervised.
 #[derive(Debug, Clone, Copy)]
-pub struct GangSettings {
+pub struct GangSettings<'a> {
     /// This node (failures name it).
     pub node_rank: u32,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
     /// Time the ranks have to checkpoint and exit after preemption.
     pub preempt_timeout: Duration,
+    /// Where the stacks go.
+    pub run_dir: &'a std::path::Path,
+    /// This attempt.
+    pub attempt: u32,
 }
 
 /// How an attempt ended.
@@ -73,7 +83,7 @@ pub fn run_attempt(
     cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
-    hang: Option<HangCheck>,
+    hang: HangCheck,
 ) -> Result<AttemptEnd> {
     let mut ranks: Vec<(u32, Supervised)> = Vec::with_capacity(launches.len());
     let mut echo = None;
@@ -88,7 +98,8 @@ pub fn run_attempt(
         }
         let mut command = Command::new(&launch.program);
         command.args(&launch.args).envs(launch.env.iter().cloned());
-        match spawn::spawn(format!("rank {}", launch.rank), &mut command, &launch.log) {
+        let name = format!("rank {}", launch.rank);
+        match spawn::spawn(name, &mut command, &launch.log, launch.kind) {
             Ok(child) => ranks.push((launch.rank, child)),
             Err(e) => {
                 let mut started: Vec<&mut Supervised> = ranks.iter_mut().map(|(_, c)| c).collect();
@@ -111,10 +122,8 @@ pub fn run_attempt(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let hang = hang.map(|check| {
-        let ids: Vec<u32> = ranks.iter().map(|(rank, _)| *rank).collect();
-        HangWatch::new(check, &ids, Instant::now())
-    });
+    let ids: Vec<(u32, u32)> = ranks.iter().map(|(rank, c)| (*rank, c.pid())).collect();
+    let hang = HangWatch::new(hang, &ids, Instant::now());
     let end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
     drop(echo);
     Ok(end)
@@ -125,7 +134,7 @@ fn supervise(
     cache_server: Option<&mut Supervised>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
-    mut hang: Option<HangWatch>,
+    mut hang: HangWatch,
 ) -> AttemptEnd {
     let mut preempting = false;
     let mut end = watch(
@@ -134,10 +143,59 @@ fn supervise(
         timing,
         peer_stop,
         &mut preempting,
-        hang.as_mut(),
+        &mut hang,
     );
     end.preempting = preempting;
     end
+}
+
+/// When the ranks must be done after a stop request, and how the attempt ends
+/// if they are not.
+#[derive(Debug, Clone, Copy)]
+struct StopDeadline {
+    at: Instant,
+    /// SIGTERM (within `--grace-s`) rather than a preemption request.
+    terminated: bool,
+}
+
+/// Asks the ranks to stop in order when a preemption request (`--preempt-timeout-s`)
+/// or a SIGTERM (`--grace-s`) arrived; returns the earliest deadline so far.
+fn ask_to_stop(
+    ranks: &mut [(u32, Supervised)],
+    timing: &GangSettings,
+    deadline: Option<StopDeadline>,
+) -> Option<StopDeadline> {
+    let now = Instant::now();
+    let mut asked = Vec::new();
+    if signals::preempt_requests() > 0 {
+        asked.push(StopDeadline {
+            at: now + timing.preempt_timeout,
+            terminated: false,
+        });
+    }
+    if signals::terminate_requests() > 0 {
+        asked.push(StopDeadline {
+            at: now + timing.grace,
+            terminated: true,
+        });
+    }
+    let new = asked
+        .into_iter()
+        .filter(|a| deadline.is_none_or(|d| d.terminated != a.terminated && a.at < d.at))
+        .min_by_key(|a| a.at)?;
+    let why = if new.terminated {
+        "SIGTERM"
+    } else {
+        "preemption requested"
+    };
+    tracing::warn!(
+        "{why}: asking the ranks to checkpoint and exit ({RANK_PREEMPT_SIGNAL}, up to {:.0} s)",
+        new.at.saturating_duration_since(now).as_secs_f64()
+    );
+    for (_, rank) in ranks.iter_mut() {
+        rank.signal_leader(RANK_PREEMPT_SIGNAL);
+    }
+    Some(new)
 }
 
 /// The supervision loop; sets `preempting` once the ranks got the preemption signal.
@@ -147,40 +205,22 @@ fn watch(
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
-    mut hang: Option<&mut HangWatch>,
+    hang: &mut HangWatch,
 ) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
-    let mut preempt_deadline: Option<Instant> = None;
+    let mut deadline: Option<StopDeadline> = None;
     loop {
         if signals::interrupts() > interrupts_before {
             tracing::warn!("interrupted: stopping the ranks");
             return stop_gang(ranks, ExitKind::Interrupted, None, timing.grace);
         }
-        if preempt_deadline.is_none() && signals::preempt_requests() > 0 {
-            tracing::warn!(
-                "preemption requested: asking the ranks to checkpoint and exit ({RANK_PREEMPT_SIGNAL}, up to {:.0} s)",
-                timing.preempt_timeout.as_secs_f64()
-            );
-            for (_, rank) in ranks.iter_mut() {
-                rank.signal_leader(RANK_PREEMPT_SIGNAL);
-            }
-            preempt_deadline = Some(Instant::now() + timing.preempt_timeout);
+        if let Some(asked) = ask_to_stop(ranks, &timing, deadline) {
+            deadline = Some(asked);
             *preempting = true;
         }
-        for (rank, child) in ranks.iter_mut() {
-            let status = match child.poll() {
-                Ok(Some(status)) => status,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!("waiting for rank {rank}: {e}");
-                    continue;
-                }
-            };
-            if !status.success() {
-                let failure = failure_of(timing.node_rank, Some(*rank), child, status);
-                tracing::error!("{}: stopping the other ranks", failure.cause);
-                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
-            }
+        if let Some(failure) = failed_rank(ranks, &timing, hang) {
+            tracing::error!("{}: stopping the other ranks", failure.cause);
+            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
         if let Some(server) = cache_server.as_deref_mut() {
             if let Ok(Some(status)) = server.poll() {
@@ -191,17 +231,19 @@ fn watch(
         }
         if let Some(failure) = peer_stop() {
             tracing::error!("{}: stopping the ranks of this node", failure.cause);
+            // Another node named a stopped or hung rank: save this node's stacks too.
+            if failure.stuck {
+                hang::save_stacks(timing.run_dir, timing.attempt, ranks);
+            }
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
-        if let Some(watch) = hang.as_deref_mut().filter(|_| preempt_deadline.is_none()) {
-            if let Some(found) = watch.poll(Instant::now()) {
-                let failure = watch.fail(&found, ranks, timing.node_rank);
-                tracing::error!("{}: stopping the ranks", failure.cause);
-                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
-            }
+        if let Some(found) = hang.poll(Instant::now()).filter(|_| deadline.is_none()) {
+            let failure = hang.fail(&found, ranks, timing.node_rank);
+            tracing::error!("{}: stopping the ranks", failure.cause);
+            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
         if ranks.iter_mut().all(|(_, c)| !c.running()) {
-            let outcome = if preempt_deadline.is_some() {
+            let outcome = if deadline.is_some() {
                 ExitKind::Preempted
             } else {
                 ExitKind::Completed
@@ -214,27 +256,87 @@ fn watch(
                 preempting: false,
             };
         }
-        if preempt_deadline.is_some_and(|deadline| Instant::now() > deadline) {
-            let failure = Failure {
-                node: timing.node_rank,
-                rank: None,
-                process: "ranks".into(),
-                pid: 0,
-                exit_code: None,
-                signal: None,
-                cause: format!(
-                    "the ranks did not checkpoint and exit within {:.0} s of the preemption request",
-                    timing.preempt_timeout.as_secs_f64()
-                ),
-                log: String::new(),
-                log_tail: Vec::new(),
-                class: None,
-            };
-            tracing::error!("{}", failure.cause);
-            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+        if let Some(missed) = deadline.filter(|d| Instant::now() > d.at) {
+            return missed_deadline(ranks, &timing, missed);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The rank that failed (exited non-zero or died), as a failure. Of several seen
+/// at once, one killed by a signal first (the others most likely failed because
+/// it vanished), then the lowest. It is named as waiting for another rank when the
+/// heartbeats say it was, and that rank, still running, as the cause.
+fn failed_rank(
+    ranks: &mut [(u32, Supervised)],
+    timing: &GangSettings,
+    watch: &mut HangWatch,
+) -> Option<Failure> {
+    let mut failed: Vec<(u32, ExitStatus)> = Vec::new();
+    for (rank, child) in ranks.iter_mut() {
+        match child.poll() {
+            Ok(Some(status)) if !status.success() => failed.push((*rank, status)),
+            Ok(_) => {}
+            Err(e) => tracing::error!("waiting for rank {rank}: {e}"),
+        }
+    }
+    let (rank, status) = failed
+        .into_iter()
+        .min_by_key(|(rank, status)| (status.signal().is_none(), *rank))?;
+    let child = ranks.iter().find(|(r, _)| *r == rank).map(|(_, c)| c)?;
+    let own = failure_of(timing.node_rank, Some(rank), child, status);
+    let Some(found) = watch.culprit_of(rank, Instant::now()) else {
+        return Some(own);
+    };
+    let culprit_exited = ranks
+        .iter_mut()
+        .any(|(r, c)| *r == found.rank.rank && !c.running());
+    if culprit_exited {
+        return Some(own);
+    }
+    let mut failure = watch.fail(&found, ranks, timing.node_rank);
+    failure.cause = format!("{}; {} waiting for it", failure.cause, own.cause);
+    Some(failure)
+}
+
+/// The ranks did not stop in time after a stop request: the attempt fails (a
+/// preemption request) or is interrupted (SIGTERM).
+fn missed_deadline(
+    ranks: &mut [(u32, Supervised)],
+    timing: &GangSettings,
+    missed: StopDeadline,
+) -> AttemptEnd {
+    let (outcome, why, limit) = match missed.terminated {
+        true => (ExitKind::Interrupted, "SIGTERM", timing.grace),
+        false => (
+            ExitKind::Failed,
+            "the preemption request",
+            timing.preempt_timeout,
+        ),
+    };
+    let failure = Failure {
+        node: timing.node_rank,
+        rank: None,
+        process: "ranks".into(),
+        pid: 0,
+        exit_code: None,
+        signal: None,
+        cause: format!(
+            "the ranks did not checkpoint and exit within {:.0} s of {why}",
+            limit.as_secs_f64()
+        ),
+        log: String::new(),
+        log_tail: Vec::new(),
+        class: None,
+        stuck: false,
+    };
+    tracing::error!("{}", failure.cause);
+    let mut end = stop_gang(ranks, outcome, Some(failure), Duration::ZERO);
+    if missed.terminated {
+        // Stopped on request, not broken: no restart, and the summary says why.
+        end.failed_at = None;
+    }
+    end
 }
 
 /// Stops every rank still running and reports the attempt's end.
@@ -282,5 +384,6 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         log: child.log.display().to_string(),
         log_tail: spawn::log_tail(&child.log, child.log_offset, LOG_TAIL_LINES),
         class: None,
+        stuck: false,
     }
 }

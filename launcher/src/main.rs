@@ -12,7 +12,6 @@ mod echo;
 mod env_contract;
 mod gang;
 mod hang;
-mod hostlist;
 mod peers;
 mod plan_check;
 mod pss;
@@ -36,10 +35,15 @@ use vrtspike_contract::rundir::Checkpoint;
 use args::Args;
 use env_contract::{AttemptEnv, NodeRanks};
 use gang::{GangSettings, RankLaunch};
-use peers::{PeerEvent, PeerLinks};
+use peers::{LinkSpec, PeerEvent, PeerLinks};
 use restart::{Decision, FailedAttempt, RestartPolicy};
 use rundir::RunDir;
+use spawn::ChildKind;
 use summary::{AttemptRecord, ExitKind, Failure, Summary};
+
+// SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
+// them from the first instruction (see `signals`).
+vrtspike_contract::count_job_signals_from_the_first_instruction!();
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -123,7 +127,7 @@ impl Job {
         let setup = self.prepare(args)?;
         let cache_spec = setup.cache_spec(args, &self.run_dir);
         if setup.topology.nnodes > 1 {
-            self.peers = Some(connect_peers(args, &setup.topology)?);
+            self.peers = Some(connect_peers(args, &setup.topology, &self.run_dir)?);
         }
         let mut server = match setup.ram_cache {
             true => Some(cache_server::start(&cache_spec)?),
@@ -134,19 +138,31 @@ impl Job {
                 None
             }
         };
+        if let Some(peers) = self
+            .peers
+            .as_ref()
+            .filter(|_| setup.topology.node_rank == 0)
+        {
+            let timeout = Duration::from_secs_f64(args.peer_timeout_s);
+            peers.wait_for_nodes(timeout, &|| signals::requested_ending().is_some())?;
+        }
         let mut last_failed_at: Option<Instant> = None;
         let ending = loop {
             // Between attempts the last checkpoint is already on disk.
             if let Some(ending) = self.ending_before_attempt() {
                 break ending;
             }
+            let plan = match self.next_attempt(&setup, args)? {
+                Ok(plan) => plan,
+                Err(ending) => break ending,
+            };
             if let Some(stopped) = server.as_mut() {
                 if !stopped.running() {
                     tracing::warn!("restarting the cache server");
                     *stopped = cache_server::start(&cache_spec)?;
                 }
             }
-            let attempt = self.run_attempt(&setup, args, server.as_mut(), last_failed_at)?;
+            let attempt = self.run_attempt(&setup, args, server.as_mut(), last_failed_at, plan)?;
             match self.after_attempt(args, &setup, attempt) {
                 Next::End(ending) => break ending,
                 Next::Restart(failed_at) => last_failed_at = failed_at,
@@ -157,6 +173,57 @@ impl Job {
             spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
         }
         Ok(ending)
+    }
+
+    /// The next attempt's number and rendezvous port: this node's own on one node;
+    /// on several, node 0 picks the port and tells the others (`START`), and the
+    /// others wait for it. `Err` is how the job ends instead (node 0 ended it).
+    fn next_attempt(
+        &self,
+        setup: &JobSetup,
+        args: &Args,
+    ) -> Result<std::result::Result<AttemptPlan, Ending>> {
+        let restart_count = self.attempts.len() as u32;
+        let pick = || match setup.topology.master_port {
+            Some(port) => Ok(port),
+            None => free_port(),
+        };
+        let Some(peers) = &self.peers else {
+            return Ok(Ok(AttemptPlan {
+                restart_count,
+                master_port: pick()?,
+            }));
+        };
+        if setup.topology.node_rank == 0 {
+            let master_port = pick()?;
+            peers.announce_start(restart_count, master_port);
+            return Ok(Ok(AttemptPlan {
+                restart_count,
+                master_port,
+            }));
+        }
+        let timeout = Duration::from_secs_f64(args.peer_timeout_s);
+        let interrupted = || signals::requested_ending().is_some();
+        match peers.wait_start(restart_count, timeout, &interrupted)? {
+            Some(master_port) => Ok(Ok(AttemptPlan {
+                restart_count,
+                master_port,
+            })),
+            None => Ok(Err(self.ending_without_node0(peers))),
+        }
+    }
+
+    /// How this node ends when node 0 starts no next attempt.
+    fn ending_without_node0(&self, peers: &PeerLinks) -> Ending {
+        if let Some(ending) = signals::requested_ending() {
+            return (ending, None);
+        }
+        if let Some(event) = peers.quit() {
+            let failure = peer_failure(&event);
+            return (ExitKind::Failed, Some(failure.cause));
+        }
+        let why = "node 0 ended the job while this node's attempt failed: no restart alone";
+        (ExitKind::Failed, Some(why.to_string()))
     }
 
     /// Resolves what every attempt shares: the node layout, the config, the ranks,
@@ -193,10 +260,16 @@ impl Job {
                 .map(|spec| OsString::from(format!("--set={spec}"))),
         );
         rank_args.extend(args.train_args.iter().map(OsString::from));
+        let facts = cache_server::config_facts(&vrtspike, &config, &args.set)?;
+        warn_if_after_collective_timeout(args, facts.collective_timeout_s);
         Ok(JobSetup {
-            ram_cache: cache_server::wanted(&vrtspike, &config, &args.set)?,
+            ram_cache: facts.ram_cache,
             cache_addr: cache_server::address(topology.node_rank),
             rank_program: args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone()),
+            rank_kind: match args.rank_cmd {
+                Some(_) => ChildKind::Other,
+                None => ChildKind::Vrtspike,
+            },
             rank_args,
             topology,
             ranks,
@@ -226,9 +299,10 @@ impl Job {
         args: &Args,
         server: Option<&mut spawn::Supervised>,
         last_failed_at: Option<Instant>,
+        plan: AttemptPlan,
     ) -> Result<Attempt> {
-        let restart_count = self.attempts.len() as u32;
-        let launches = self.launches(setup, args, restart_count)?;
+        let restart_count = plan.restart_count;
+        let launches = self.launches(setup, args, plan);
         let resumed_from = self.run_dir.latest_checkpoint();
         let resumed_name = resumed_from.as_ref().map(Checkpoint::name);
         for launch in &launches {
@@ -245,21 +319,22 @@ impl Job {
         let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
         let peers = self.peers.clone();
         let peer_stop = || {
-            peers
-                .as_ref()
-                .and_then(|p| p.stop_reason(restart_count))
-                .map(|event| peer_failure(&event))
+            let event = peers.as_ref()?.stop_reason(restart_count)?;
+            Some(peer_failure(&event))
         };
         let hang = hang::HangCheck::new(
             args.hang_timeout_s,
+            args.stall_timeout_s,
             self.run_dir.path.clone(),
             restart_count,
-            self.world_size,
+            (self.world_size, self.local_world_size),
         );
         let timing = GangSettings {
             node_rank: setup.topology.node_rank,
             grace: Duration::from_secs_f64(args.grace_s),
             preempt_timeout: Duration::from_secs_f64(args.preempt_timeout_s),
+            run_dir: &self.run_dir.path,
+            attempt: restart_count,
         };
         let mut end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
         end.failure = end
@@ -284,30 +359,21 @@ impl Job {
         })
     }
 
-    /// The launch of every local rank of attempt `restart_count`.
-    fn launches(
-        &self,
-        setup: &JobSetup,
-        args: &Args,
-        restart_count: u32,
-    ) -> Result<Vec<RankLaunch>> {
+    /// The launch of every local rank of the attempt `plan` says.
+    fn launches(&self, setup: &JobSetup, args: &Args, plan: AttemptPlan) -> Vec<RankLaunch> {
         let env = |name: &str| std::env::var(name).ok();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let master_port = match setup.topology.master_port {
-            Some(port) => port,
-            None => free_port()?,
-        };
         let attempt_env = AttemptEnv {
             topology: &setup.topology,
             ranks: setup.ranks,
-            master_port,
-            restart_count,
+            master_port: plan.master_port,
+            restart_count: plan.restart_count,
             max_restarts: args.max_restarts,
             cache_addr: setup.ram_cache.then_some(setup.cache_addr.as_str()),
             run_dir: &self.run_dir.path,
             threads_per_rank: env_contract::threads_per_rank(cores, setup.ranks.per_node),
         };
-        Ok((0..setup.ranks.per_node)
+        (0..setup.ranks.per_node)
             .map(|local| {
                 let rank = attempt_env.global_rank(local);
                 RankLaunch {
@@ -316,9 +382,10 @@ impl Job {
                     args: setup.rank_args.clone(),
                     env: attempt_env.vars(local, &env),
                     log: self.run_dir.layout.rank_log(rank),
+                    kind: setup.rank_kind,
                 }
             })
-            .collect())
+            .collect()
     }
 
     /// After an attempt: the job's ending, or a restart (after the policy's delay).
@@ -328,6 +395,9 @@ impl Job {
             resumed_step,
             end,
         } = attempt;
+        if end.outcome == ExitKind::Interrupted {
+            return Next::End((end.outcome, end.failure.map(|f| f.cause)));
+        }
         let Some(failure) = end.failure else {
             return Next::End((end.outcome, None));
         };
@@ -336,7 +406,7 @@ impl Job {
         }
         let peers = self.peers.as_ref();
         if let Some(peers) = peers.filter(|_| failure.node == setup.topology.node_rank) {
-            peers.report_failure(restart_count, &failure.cause);
+            peers.report_failure(restart_count, &failure.cause, failure.stuck);
         }
         if peers.and_then(PeerLinks::quit).is_some() {
             return Next::End((ExitKind::Failed, Some("a node left the job".into())));
@@ -356,6 +426,17 @@ impl Job {
             .rev()
             .nth(1)
             .and_then(|a| a.failure.as_ref());
+        // Node 0 decides for the job; the others wait for its next START.
+        if let Some(peers) = peers.filter(|_| setup.topology.node_rank != 0) {
+            tracing::warn!("{}; waiting for node 0 to restart the job", failure.cause);
+            let _ = peers;
+            return Next::Restart(end.failed_at);
+        }
+        let ended = peers.map(PeerLinks::ended_nodes).unwrap_or_default();
+        if !ended.is_empty() {
+            let why = format!("node(s) {ended:?} already ended: no restart without them");
+            return Next::End((ExitKind::Failed, Some(why)));
+        }
         // Progress: a checkpoint of a higher step than the attempt started from.
         let made_progress = self.run_dir.latest_checkpoint().map(|c| c.step) > resumed_step;
         let policy = RestartPolicy {
@@ -465,6 +546,7 @@ struct JobSetup {
     /// What each rank runs (`vrtspike`, or `--rank-cmd`) and its arguments.
     rank_program: PathBuf,
     rank_args: Vec<OsString>,
+    rank_kind: ChildKind,
     /// This node's cache server address.
     cache_addr: String,
     /// `DATA.USE_RAM_CACHE`: start the node's cache server.
@@ -479,15 +561,24 @@ impl JobSetup {
         run_dir: &RunDir,
     ) -> cache_server::CacheServerSpec<'a> {
         cache_server::CacheServerSpec {
-            vrtspike: &self.vrtspike,
-            address: &self.cache_addr,
-            config: &self.config,
-            cap: args.cache_size.as_deref(),
-            overrides: &args.set,
+            serve: vrtspike_contract::cache_serve::CacheServe {
+                vrtspike: &self.vrtspike,
+                address: &self.cache_addr,
+                config: &self.config,
+                cap: args.cache_size.as_deref(),
+                overrides: &args.set,
+            },
             log: run_dir.layout.cache_log(self.topology.node_rank),
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
         }
     }
+}
+
+/// The attempt to start: its number (restart count) and rank 0's rendezvous port.
+#[derive(Debug, Clone, Copy)]
+struct AttemptPlan {
+    restart_count: u32,
+    master_port: u16,
 }
 
 /// One finished attempt, as the restart decision needs it.
@@ -505,21 +596,37 @@ enum Next {
     Restart(Option<Instant>),
 }
 
-/// Links to the other nodes' launchers (multi-node jobs).
-fn connect_peers(args: &Args, topology: &cluster::Topology) -> Result<PeerLinks> {
-    let port = match (args.control_port, topology.master_port) {
-        (Some(port), _) => port,
-        (None, Some(master)) => master.checked_add(1).context(
-            "MASTER_PORT 65535 leaves no room for the control port: give --control-port",
-        )?,
-        (None, None) => bail!("a multi-node job needs --master-port or --control-port"),
-    };
-    PeerLinks::start(
-        topology.node_rank,
-        &topology.master_addr,
-        port,
-        Duration::from_secs_f64(args.peer_timeout_s),
-    )
+/// Links to the other nodes' launchers (multi-node jobs): node 0 listens on the
+/// master address (port `--control-port`, else one the kernel picks, published in
+/// the run dir with the job's secret); the others join it.
+fn connect_peers(args: &Args, topology: &cluster::Topology, run_dir: &RunDir) -> Result<PeerLinks> {
+    PeerLinks::start(&LinkSpec {
+        node_rank: topology.node_rank,
+        nnodes: topology.nnodes,
+        master_addr: topology.master_addr.clone(),
+        port: args.control_port,
+        control_file: run_dir.layout.control_file(),
+        secret: std::env::var(peers::auth::SECRET_ENV)
+            .ok()
+            .filter(|s| !s.trim().is_empty()),
+        timeout: Duration::from_secs_f64(args.peer_timeout_s),
+    })
+}
+
+/// Warns when a rank would time out in its collective (`DIST.TIMEOUT_S`) before
+/// the launcher names the stopped or hung rank it waits for.
+fn warn_if_after_collective_timeout(args: &Args, collective_timeout_s: f64) {
+    for (flag, secs) in [
+        ("--hang-timeout-s", args.hang_timeout_s),
+        ("--stall-timeout-s", args.stall_timeout_s),
+    ] {
+        if secs > 0.0 && secs >= collective_timeout_s {
+            tracing::warn!(
+                "{flag} {secs:.0} is not below DIST.TIMEOUT_S {collective_timeout_s:.0}: a rank \
+                 waiting for a stuck one times out first and is named instead; lower {flag}"
+            );
+        }
+    }
 }
 
 /// Logs this node's place in the job.
@@ -552,8 +659,13 @@ fn check_config(path: &Path) -> Result<PathBuf> {
 
 /// The failure report of something another node's launcher said.
 fn peer_failure(event: &PeerEvent) -> Failure {
-    let (node, cause) = match event {
-        PeerEvent::Failed { node, cause, .. } | PeerEvent::Quit { node, cause } => (*node, cause),
+    let (node, cause, stuck) = match event {
+        PeerEvent::Fail {
+            node, cause, hung, ..
+        } => (*node, cause.clone(), *hung),
+        PeerEvent::Quit { node, cause } => (*node, cause.clone(), false),
+        PeerEvent::Done { node } => (*node, "ended".to_string(), false),
+        PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
     };
     Failure {
         node,
@@ -566,6 +678,7 @@ fn peer_failure(event: &PeerEvent) -> Failure {
         log: String::new(),
         log_tail: Vec::new(),
         class: None,
+        stuck,
     }
 }
 

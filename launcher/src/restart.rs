@@ -87,6 +87,7 @@ mod tests {
             log: String::new(),
             log_tail: Vec::new(),
             class: None,
+            stuck: false,
         }
     }
 

@@ -1,57 +1,66 @@
-//! The launcher's own signals, turned into counters the supervision loop polls:
-//! a preemption request (the configured signal, default SIGUSR2, and SIGTERM) and an
-//! interrupt (SIGINT). Handlers only bump atomics, which is async-signal-safe.
+//! The launcher's own signals, turned into counters the supervision loop polls.
+//! SIGUSR2 and SIGTERM are counted from the launcher's first instruction (the
+//! contract's `signals`, registered in `main.rs`), because SLURM sends them to
+//! every process of the job at once:
+//!
+//! - a preemption request: SIGUSR2, or `--preempt-signal` (the ranks get
+//!   `--preempt-timeout-s` to checkpoint and exit 0);
+//! - a stop: SIGTERM (scancel, the end of the time limit): the same orderly stop,
+//!   inside `--grace-s`;
+//! - an interrupt: SIGINT (the ranks are stopped at once).
+//!
+//! Handlers only bump atomics, which is async-signal-safe.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, Result};
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use vrtspike_contract::signals::{self as job, Disposition};
 
 use crate::summary::ExitKind;
-use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 
-static PREEMPT_REQUESTS: AtomicU32 = AtomicU32::new(0);
 static INTERRUPTS: AtomicU32 = AtomicU32::new(0);
-
-extern "C" fn on_preempt(_: libc::c_int) {
-    PREEMPT_REQUESTS.fetch_add(1, Ordering::SeqCst);
-}
+/// `--preempt-signal` when it is not SIGUSR2 or SIGTERM (0: none).
+static EXTRA_PREEMPT: AtomicU32 = AtomicU32::new(0);
 
 extern "C" fn on_interrupt(_: libc::c_int) {
     INTERRUPTS.fetch_add(1, Ordering::SeqCst);
 }
 
-/// Installs the handlers: `preempt` and SIGTERM request preemption, SIGINT
-/// interrupts.
+/// Keeps counting SIGUSR2 and SIGTERM, counts `preempt` too, and makes SIGINT an
+/// interrupt.
 pub fn install(preempt: Signal) -> Result<()> {
-    let preempt_action = SigAction::new(
-        SigHandler::Handler(on_preempt),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    let interrupt_action = SigAction::new(
-        SigHandler::Handler(on_interrupt),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    let mut plan = vec![
-        (preempt, &preempt_action),
-        (Signal::SIGTERM, &preempt_action),
-    ];
-    if preempt != Signal::SIGINT {
-        plan.push((Signal::SIGINT, &interrupt_action));
+    job::settle(Disposition::Count, Disposition::Count)
+        .context("installing the handlers of SIGUSR2 and SIGTERM")?;
+    let number = preempt as libc::c_int;
+    if !job::JOB_SIGNALS.contains(&number) {
+        job::count_signal(number).with_context(|| format!("installing a handler for {preempt}"))?;
+        EXTRA_PREEMPT.store(number as u32, Ordering::SeqCst);
     }
-    for (sig, action) in plan {
-        // SAFETY: both handlers only touch static atomics (async-signal-safe), and
-        // they stay valid for the life of the process.
-        unsafe { signal::sigaction(sig, action) }
-            .with_context(|| format!("installing a handler for {sig}"))?;
+    if preempt != Signal::SIGINT {
+        let action = SigAction::new(
+            SigHandler::Handler(on_interrupt),
+            SaFlags::SA_RESTART,
+            SigSet::empty(),
+        );
+        // SAFETY: the handler only touches a static atomic (async-signal-safe), and
+        // it stays valid for the life of the process.
+        unsafe { signal::sigaction(Signal::SIGINT, &action) }
+            .context("installing a handler for SIGINT")?;
     }
     Ok(())
 }
 
-/// Preemption requests received so far.
+/// Preemption requests received so far (SIGUSR2 and `--preempt-signal`).
 pub fn preempt_requests() -> u32 {
-    PREEMPT_REQUESTS.load(Ordering::SeqCst)
+    let extra = EXTRA_PREEMPT.load(Ordering::SeqCst) as libc::c_int;
+    let extra = if extra == 0 { 0 } else { job::received(extra) };
+    job::received(libc::SIGUSR2) + extra
+}
+
+/// Stop requests received so far (SIGTERM).
+pub fn terminate_requests() -> u32 {
+    job::received(libc::SIGTERM)
 }
 
 /// Interrupts (SIGINT) received so far.
@@ -60,11 +69,11 @@ pub fn interrupts() -> u32 {
 }
 
 /// How the job should end because of a signal received so far: interrupted
-/// (SIGINT wins), preempted, or `None` to go on.
+/// (SIGINT wins), preempted (a preemption request or SIGTERM), or `None` to go on.
 pub fn requested_ending() -> Option<ExitKind> {
     if interrupts() > 0 {
         Some(ExitKind::Interrupted)
-    } else if preempt_requests() > 0 {
+    } else if preempt_requests() > 0 || terminate_requests() > 0 {
         Some(ExitKind::Preempted)
     } else {
         None

@@ -1,6 +1,8 @@
 //! Starting and stopping the job's processes: each child gets its own process group
 //! (so a signal reaches everything it started) and a parent-death signal (so even
 //! `kill -9` of the launcher takes it down), with its output appended to a log file.
+//! A `vrtspike` child starts with the job's signals blocked across `exec` (it
+//! counts them from its first instruction, see `vrtspike_contract::signals`).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -25,6 +27,18 @@ pub struct Supervised {
     pub log_offset: u64,
     /// How it ended, once reaped.
     pub status: Option<ExitStatus>,
+    /// What asks it to stop (SIGTERM; the cache server, which ignores the job's
+    /// SIGTERM, gets SIGINT).
+    stop_signal: Signal,
+}
+
+/// What a child is, as far as its start goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChildKind {
+    /// The `vrtspike` binary: the job's signals stay blocked until it counts them.
+    Vrtspike,
+    /// Any other program (a `--rank-cmd` stand-in, a tool): nothing blocked.
+    Other,
 }
 
 /// Appends the output of `command` to `log` and starts it in a new process group
@@ -32,7 +46,12 @@ pub struct Supervised {
 ///
 /// Call this from the main thread: Linux sends the parent-death signal when the
 /// spawning *thread* exits, not only the process.
-pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supervised> {
+pub fn spawn(
+    name: String,
+    command: &mut Command,
+    log: &Path,
+    kind: ChildKind,
+) -> io::Result<Supervised> {
     let out = open_log(log)?;
     let log_offset = out.metadata()?.len();
     let err = out.try_clone()?;
@@ -43,8 +62,8 @@ pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supe
         .stderr(err)
         .process_group(0);
     // SAFETY: the closure runs in the forked child before exec; it only makes the
-    // prctl and getppid system calls, which are async-signal-safe, and allocates
-    // nothing.
+    // prctl, getppid and pthread_sigmask system calls, which are async-signal-safe,
+    // and allocates nothing.
     unsafe {
         command.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
@@ -53,6 +72,9 @@ pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supe
             // The launcher died between fork and prctl: nobody supervises us.
             if libc::getppid() != parent {
                 return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            if kind == ChildKind::Vrtspike {
+                vrtspike_contract::signals::block_in_child()?;
             }
             Ok(())
         });
@@ -64,6 +86,7 @@ pub fn spawn(name: String, command: &mut Command, log: &Path) -> io::Result<Supe
         log: log.to_path_buf(),
         log_offset,
         status: None,
+        stop_signal: Signal::SIGTERM,
     })
 }
 
@@ -73,6 +96,12 @@ pub fn open_log(path: &Path) -> io::Result<File> {
 }
 
 impl Supervised {
+    /// Stops it with `signal` instead of SIGTERM.
+    pub fn with_stop_signal(mut self, signal: Signal) -> Supervised {
+        self.stop_signal = signal;
+        self
+    }
+
     /// The process id (also its process group id).
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -107,12 +136,13 @@ impl Supervised {
     }
 }
 
-/// Stops a set of processes: SIGTERM to every still-running group, up to `grace`
-/// for them to exit, then SIGKILL to the rest, and reaps them all. Returns the
-/// names of those that needed SIGKILL.
+/// Stops a set of processes: its stop signal (SIGTERM) to every still-running
+/// group, up to `grace` for them to exit, then SIGKILL to the rest, and reaps them
+/// all. Returns the names of those that needed SIGKILL.
 pub fn stop_all(procs: &mut [&mut Supervised], grace: Duration) -> Vec<String> {
     for proc in procs.iter_mut() {
-        proc.signal_group(Signal::SIGTERM);
+        let signal = proc.stop_signal;
+        proc.signal_group(signal);
     }
     let deadline = Instant::now() + grace;
     while procs.iter_mut().any(|p| p.running()) && Instant::now() < deadline {
@@ -175,7 +205,8 @@ mod tests {
             "-c",
             "trap '' TERM; echo started; while :; do sleep 0.05; done",
         ]);
-        let mut child = spawn("stubborn".into(), &mut cmd, &log).unwrap_or_else(|e| panic!("{e}"));
+        let mut child = spawn("stubborn".into(), &mut cmd, &log, ChildKind::Other)
+            .unwrap_or_else(|e| panic!("{e}"));
         let pgid = nix::unistd::getpgid(Some(Pid::from_raw(child.pid() as i32)))
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(pgid.as_raw() as u32, child.pid());
@@ -187,6 +218,30 @@ mod tests {
         let status = child.status.unwrap_or_else(|| panic!("not reaped"));
         assert_eq!(describe(status), "was killed by SIGKILL");
         assert_eq!(log_tail(&log, child.log_offset, 20), ["started"]);
+    }
+
+    #[test]
+    fn a_vrtspike_child_starts_with_the_job_signals_blocked() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("mask.log");
+        // Not through sh: dash clears the mask it inherits.
+        let mut cmd = Command::new("grep");
+        cmd.args(["SigBlk", "/proc/self/status"]);
+        let mut child = spawn("mask".into(), &mut cmd, &log, ChildKind::Vrtspike)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _ = child.child.wait();
+        let line = std::fs::read_to_string(&log).unwrap_or_else(|e| panic!("{e}"));
+        let blocked = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        let bit = |signal: i32| 1u64 << (signal - 1);
+        assert_eq!(
+            blocked & (bit(libc::SIGUSR2) | bit(libc::SIGTERM)),
+            bit(libc::SIGUSR2) | bit(libc::SIGTERM),
+            "{line}"
+        );
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct Failure {
     /// The rank's own failure class (from its failure record or exit code), when it
     /// gave one: `out_of_memory` or `error`.
     pub class: Option<FailureClass>,
+    /// A rank found stopped or hung (every node saves its stacks).
+    #[serde(skip)]
+    pub stuck: bool,
 }
 
 impl Failure {

@@ -115,26 +115,27 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
 #[test]
 fn second_node_offsets_ranks() {
     let job = Job::new("exit 0");
+    let control_port = common::free_port();
+    // Node 0 chooses rank 0's port and says it when it starts the attempt.
     let master_port = common::free_port();
-    let node0 = common::fake_node0(master_port + 1);
-    let master_port = master_port.to_string();
-    let output = job.run(
-        &[
-            "--gpus",
-            "0",
-            "--ranks",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &master_port,
-        ],
-        LIMIT,
-    );
+    let node0 = common::fake_node0(control_port, master_port);
+    let (master_port, control_port) = (master_port.to_string(), control_port.to_string());
+    let mut command = job.command(&[
+        "--gpus",
+        "0",
+        "--ranks",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--control-port",
+        &control_port,
+    ]);
+    command.env("VRTSPIKE_JOB_SECRET", common::TEST_SECRET);
+    let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
     assert!(
         output.status.success(),
@@ -150,9 +151,9 @@ fn second_node_offsets_ranks() {
         assert_eq!(get("MASTER_ADDR"), Some("127.0.0.1"));
         assert_eq!(get("MASTER_PORT"), Some(master_port.as_str()));
     }
-    // Node 1's launcher introduced itself to node 0's and said it ended well.
+    // Node 1's launcher proved the job's secret to node 0's and said it ended well.
     let said = node0.join().unwrap_or_default();
-    assert_eq!(said, "HELLO 1\nDONE 1\n");
+    assert_eq!(said, "DONE 1\n");
     // Rank 0 runs elsewhere: nothing is echoed, and node 1 names its summary.
     assert!(!stdout.contains("[rank0]"), "{stdout}");
     let summary = job.summary(1);
@@ -165,7 +166,8 @@ fn second_node_offsets_ranks() {
 fn slurm_step_sets_node_ranks_and_master() {
     let job = Job::new("exit 0");
     let control_port = common::free_port();
-    let node0 = common::fake_node0(control_port);
+    let master_port = common::free_port();
+    let node0 = common::fake_node0(control_port, master_port);
     let control = control_port.to_string();
     let mut command = job.command(&[
         "--gpus",
@@ -184,7 +186,8 @@ fn slurm_step_sets_node_ranks_and_master() {
         .env("SLURM_LOCALID", "0")
         .env("SLURM_NTASKS", "2")
         .env("SLURM_NNODES", "2")
-        .env("SLURM_NODELIST", "localhost,gpunode[08]");
+        .env("SLURM_NODELIST", "localhost,gpunode[08]")
+        .env("VRTSPIKE_JOB_SECRET", common::TEST_SECRET);
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
     assert!(
@@ -197,10 +200,11 @@ fn slurm_step_sets_node_ranks_and_master() {
         assert_eq!(get("WORLD_SIZE"), Some("4"));
         assert_eq!(get("GROUP_RANK"), Some("1"));
         assert_eq!(get("MASTER_ADDR"), Some("localhost"));
-        assert_eq!(get("MASTER_PORT"), Some("24242"));
+        // Not derived from the job id (20000 + 4242): node 0's choice.
+        assert_eq!(get("MASTER_PORT"), Some(master_port.to_string().as_str()));
     }
     assert_eq!(job.summary(1)["exit"], "completed");
-    assert_eq!(node0.join().unwrap_or_default(), "HELLO 1\nDONE 1\n");
+    assert_eq!(node0.join().unwrap_or_default(), "DONE 1\n");
 }
 
 #[test]

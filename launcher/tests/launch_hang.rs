@@ -101,8 +101,8 @@ fn a_hung_rank_is_named_its_stacks_saved_and_the_gang_restarts_to_the_end() {
     assert!(
         stderr.contains("rank 1 has not moved for")
             && stderr.contains("in phase forward at step 5")
-            && stderr.contains("rank 0 in phase allreduce at step 5"),
-        "the hung rank, its phase and the other's step are named: {context}"
+            && stderr.contains("waiting for it: rank 0 inside all_reduce #"),
+        "the hung rank, its phase and the rank waiting for it are named: {context}"
     );
     assert_stacks_saved(&run);
 
@@ -110,7 +110,8 @@ fn a_hung_rank_is_named_its_stacks_saved_and_the_gang_restarts_to_the_end() {
     assert_eq!(summary["exit"], "completed", "{summary}");
     assert_eq!(summary["restarts"], 1, "{summary}");
     let first = &summary["attempts"][0];
-    assert_eq!(first["failure"]["cause"], HANG_CAUSE, "{summary}");
+    let cause = first["failure"]["cause"].as_str().unwrap_or("");
+    assert!(cause.starts_with(HANG_CAUSE), "{summary}");
     assert_eq!(first["failure"]["rank"], 1, "{summary}");
     assert_eq!(
         summary["attempts"][1]["resumed_from"], "step_00000004",
@@ -135,7 +136,8 @@ fn a_hang_with_no_restart_left_fails_the_job_with_the_hang_as_cause() {
     );
     let summary = read_json(&RunLayout::new(&run).launcher_summary(0));
     assert_eq!(summary["exit"], "failed", "{summary}");
-    assert_eq!(summary["failure"]["cause"], HANG_CAUSE, "{summary}");
+    let cause = summary["failure"]["cause"].as_str().unwrap_or("");
+    assert!(cause.starts_with(HANG_CAUSE), "{summary}");
     let error = summary["error"].as_str().unwrap_or("");
     assert!(error.starts_with(HANG_CAUSE), "{summary}");
     assert_stacks_saved(&run);

@@ -252,3 +252,44 @@ fn kill_9_of_one_launcher_fails_the_other_node() {
         killed.elapsed().as_secs_f64()
     );
 }
+
+#[test]
+fn node_0_starts_no_rank_before_every_node_joined() {
+    let job = Job::new("exit 0");
+    let port = free_port();
+    let mut node0 = spawn_quiet(node_command(&job, 0, port, &["--peer-timeout-s", "2"]));
+    assert_eq!(exit_code(&mut node0, Duration::from_secs(20)), Some(2));
+    assert!(
+        job.rank_pid(0, 0).is_none(),
+        "rank 0 started without node 1"
+    );
+    let error = job.summary(0)["error"].as_str().unwrap_or("").to_string();
+    assert!(error.contains("node(s) [1] of 2 did not join"), "{error}");
+}
+
+#[test]
+fn a_node_whose_attempt_failed_after_node_0_completed_does_not_restart_alone() {
+    // Node 0's ranks finish at once; rank 2 (node 1) fails in attempt 0 and would
+    // succeed if it ran again. Before, node 1 restarted alone (real ranks then wait
+    // at the rendezvous for the collective timeout, attempt after attempt).
+    let job = Job::new(
+        r#"
+if [ "$RANK" -ge 2 ] && [ "$VRTSPIKE_RESTART_COUNT" = 0 ]; then sleep 1; exit 3; fi
+echo "rank $RANK attempt $VRTSPIKE_RESTART_COUNT done"
+"#,
+    );
+    let port = free_port();
+    let extra = ["--max-restarts", "2"];
+    let mut node0 = spawn_quiet(node_command(&job, 0, port, &extra));
+    let mut node1 = spawn_quiet(node_command(&job, 1, port, &extra));
+    assert_eq!(exit_code(&mut node0, Duration::from_secs(40)), Some(0));
+    assert_eq!(exit_code(&mut node1, Duration::from_secs(40)), Some(1));
+    assert!(
+        job.rank_pid(2, 1).is_none(),
+        "node 1 ran an attempt on its own"
+    );
+    let summary1 = job.summary(1);
+    assert_eq!(summary1["restarts"], 0, "{summary1}");
+    let error = summary1["error"].as_str().unwrap_or("");
+    assert!(error.contains("no restart alone"), "{summary1}");
+}

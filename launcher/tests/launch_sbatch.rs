@@ -1,65 +1,36 @@
-//! The sbatch template without SLURM: fake `srun` (runs the launcher as a one-node
-//! SLURM step) and `scontrol` (records a requeue) on PATH. SIGUSR2 to the batch
-//! script must reach the ranks through the launcher, and a preempted job must be
-//! requeued.
+//! The sbatch template without SLURM: a fake `srun` (runs the launcher as a
+//! one-node SLURM step, and like slurmstepd delivers a signal it gets to every
+//! process of the step: launcher, cache server, ranks) and `scontrol` (records a
+//! requeue) on PATH. SIGUSR2 to the batch script must reach every process, none
+//! may die of it, and the preempted job must be requeued; SIGTERM stops the job in
+//! order without a requeue.
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use common::{launcher, signal, texts, wait_until, Job};
+use common::{fake_slurm, launcher, signal, texts, wait_until, Job};
 
-const FAKE_SRUN: &str = r#"#!/bin/sh
-while [ $# -gt 0 ]; do case "$1" in --*) shift ;; *) break ;; esac; done
-export SLURM_PROCID=0 SLURM_NODEID=0 SLURM_LOCALID=0 SLURM_NTASKS=1 SLURM_NODELIST=localhost
-exec "$@"
-"#;
-
-const FAKE_SCONTROL: &str = r#"#!/bin/sh
-echo "$@" > "$FAKE_SLURM_DIR/scontrol.called"
-"#;
-
-fn write_exe(path: &Path, text: &str) {
-    std::fs::write(path, text).unwrap_or_else(|e| panic!("{e}"));
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("{e}"));
-}
-
-#[test]
-fn sbatch_template_forwards_preemption_and_requeues() {
-    let job = Job::new(
-        r#"
-trap 'touch "$VRTSPIKE_RUN_DIR/checkpoints/preempt.rank$RANK"; exit 0' USR2
+/// Stand-in ranks that stop in order (a marker, exit 0) on SIGUSR2 or SIGTERM.
+const STOPPABLE: &str = r#"
+trap 'touch "$VRTSPIKE_RUN_DIR/checkpoints/preempt.rank$RANK"; exit 0' USR2 TERM
 while :; do sleep 0.05; done
-"#,
-    );
-    let bin = job.tmp.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap_or_else(|e| panic!("{e}"));
-    write_exe(&bin.join("srun"), FAKE_SRUN);
-    write_exe(&bin.join("scontrol"), FAKE_SCONTROL);
+"#;
+
+/// Runs the template on the stand-in ranks, sends the batch script `sig` once both
+/// ranks run, and returns its output.
+fn batch_job_signalled(job: &Job, sig: Signal) -> Output {
+    let (_, path) = fake_slurm(job.tmp.path());
     let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/vrtspike.sbatch");
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
     let mut command = Command::new("bash");
     command
         .arg(&template)
-        .args([
-            "--gpus",
-            "0",
-            "--ranks",
-            "2",
-            "--cache-size",
-            "16M",
-            "--rank-cmd",
-        ])
+        .args(["--gpus", "0", "--ranks", "2", "--cache-size", "16M"])
+        .arg("--rank-cmd")
         .arg(&job.rank_cmd)
         .current_dir(job.tmp.path())
         .env("PATH", path)
@@ -78,35 +49,63 @@ while :; do sleep 0.05; done
         command.env_remove(name);
     }
     let mut script = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-    let ranks_up = wait_until(Duration::from_secs(20), || {
+    let ranks_up = wait_until(Duration::from_secs(30), || {
         job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
     });
     if !ranks_up {
         let _ = script.kill();
     }
     assert!(ranks_up, "the ranks never started");
-    signal(script.id(), Signal::SIGUSR2);
-    let done = wait_until(Duration::from_secs(20), || {
+    signal(script.id(), sig);
+    let done = wait_until(Duration::from_secs(30), || {
         matches!(script.try_wait(), Ok(Some(_)))
     });
     if !done {
         let _ = script.kill();
     }
     let output = script.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
-    let (stdout, stderr) = texts(&output);
+    assert!(done, "the batch script did not end after {sig}");
+    output
+}
+
+fn assert_stopped_in_order(job: &Job, output: &Output) {
+    let (stdout, stderr) = texts(output);
     assert!(
-        done && output.status.success(),
+        output.status.success(),
         "stdout:\n{stdout}\nstderr:\n{stderr}"
     );
     assert!(job.run_dir.join("checkpoints/preempt.rank0").exists());
     assert!(job.run_dir.join("checkpoints/preempt.rank1").exists());
-    assert_eq!(job.summary(0)["exit"], "preempted");
+    let summary = job.summary(0);
+    assert_eq!(summary["exit"], "preempted", "{summary}");
+    assert!(summary["failure"].is_null(), "no process died: {summary}");
+}
+
+#[test]
+fn sbatch_template_survives_preemption_at_every_process_and_requeues() {
+    let job = Job::new(STOPPABLE);
+    let output = batch_job_signalled(&job, Signal::SIGUSR2);
+    assert_stopped_in_order(&job, &output);
+    let (stdout, _) = texts(&output);
     let requeue = std::fs::read_to_string(job.tmp.path().join("scontrol.called"))
         .unwrap_or_else(|e| panic!("scontrol was not called: {e}\n{stdout}"));
     assert_eq!(requeue.trim(), "requeue 77");
-    // Under SLURM the port comes from the job id.
-    assert_eq!(
-        job.rank_env(0, 0).get("MASTER_PORT").map(String::as_str),
-        Some("20077")
+    // The cache server got the warning too and kept serving (it ignores it).
+    let cache_log =
+        std::fs::read_to_string(job.run_dir.join("logs/cache.node0.log")).unwrap_or_default();
+    assert!(!cache_log.contains("panicked"), "{cache_log}");
+    // Under SLURM the port is no longer 20000 + job id: a free one.
+    let port = job.rank_env(0, 0).get("MASTER_PORT").cloned();
+    assert!(port.is_some_and(|p| p != "20077"));
+}
+
+#[test]
+fn sbatch_template_stops_in_order_on_sigterm_without_a_requeue() {
+    let job = Job::new(STOPPABLE);
+    let output = batch_job_signalled(&job, Signal::SIGTERM);
+    assert_stopped_in_order(&job, &output);
+    assert!(
+        !job.tmp.path().join("scontrol.called").exists(),
+        "scancel or the time limit is no preemption to requeue"
     );
 }

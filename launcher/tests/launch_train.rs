@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{
-    launcher_command, read_json, run_with_limit, signal, synth_tiny, texts, wait_until,
-    write_tiny_config, TinyTrain,
+    launcher_command, read_json, run_with_limit, signal, synth_tiny, texts, trained_a_step,
+    wait_until, write_tiny_config, TinyTrain,
 };
 use nix::sys::signal::Signal;
 use vrtspike_contract::rundir::RunLayout;
@@ -40,12 +40,6 @@ fn launch(config: &Path, run: &Path) -> Command {
     command
 }
 
-/// Whether rank 0 has logged a finished training step.
-fn trained_a_step(layout: &RunLayout) -> bool {
-    std::fs::read_to_string(layout.metrics())
-        .is_ok_and(|text| text.lines().any(|l| l.contains("\"kind\":\"train\"")))
-}
-
 #[test]
 fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -61,7 +55,7 @@ fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
         .spawn()
         .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
     let started = wait_until(LIMIT, || {
-        trained_a_step(&layout) || first.try_wait().ok().flatten().is_some()
+        trained_a_step(&run) || first.try_wait().ok().flatten().is_some()
     });
     assert!(started, "no training step within {LIMIT:?}");
     signal(first.id(), Signal::SIGUSR2);

@@ -25,6 +25,15 @@ pub enum CacheCommand {
     Pin(PinArgs),
 }
 
+impl CacheCommand {
+    /// A server that ends with its parent (`serve --exit-with-parent`, as a
+    /// launcher or a rank starts it): it ignores the job's SIGUSR2 and SIGTERM and
+    /// lives until its parent stops it or dies.
+    pub fn ends_with_parent(&self) -> bool {
+        matches!(self, CacheCommand::Serve(args) if args.exit_with_parent)
+    }
+}
+
 /// `cache pin`.
 #[derive(Args)]
 pub struct PinArgs {
@@ -138,7 +147,9 @@ pub struct ServeArgs {
     /// the server's own user gets in; others are refused at accept.
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
-    /// Exit when the parent process dies (set by the launcher).
+    /// Exit when the parent process dies (set by the launcher, or by the rank that
+    /// started it); such a server ignores SIGUSR2 and SIGTERM, which SLURM sends
+    /// to every process of a job: its parent stops it (SIGINT or `cache shutdown`).
     #[arg(long)]
     exit_with_parent: bool,
 }

@@ -7,8 +7,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use vrtspike::config::Config;
+use vrtspike::train::node_cache::{self, ServeFrom};
 use vrtspike::train::run_config::record_config;
-use vrtspike::train::{failure, train, RankEnv, TrainError, TrainOptions};
+use vrtspike::train::{failure, rendezvous, train, RankEnv, TrainError, TrainOptions};
 
 /// `vrtspike train`: trains the model of a config on its dataset.
 #[derive(Debug, Args)]
@@ -49,10 +50,21 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let config = Config::resolve(&args.config, &args.set)
         .with_context(|| format!("resolving {}", args.config.display()))?
         .config;
-    let env = RankEnv::from_env(args.run_dir.as_deref(), args.device.as_deref())?;
+    let mut env = RankEnv::from_env(args.run_dir.as_deref(), args.device.as_deref())?;
     if env.rank == 0 {
         println!("run directory: {}", env.run_dir.display());
     }
+    let timeout = std::time::Duration::from_secs(config.dist.timeout_s);
+    rendezvous::resolve(&mut env, timeout).map_err(|e| fail(&env, e))?;
+    let vrtspike = std::env::current_exe().context("locating the vrtspike binary")?;
+    let serve_from = ServeFrom {
+        vrtspike: &vrtspike,
+        config: &args.config,
+        overrides: &args.set,
+    };
+    // Held for the whole run: local rank 0's server ends when it is dropped.
+    let _node_cache =
+        node_cache::start_or_attach(&mut env, &config, &serve_from).map_err(|e| fail(&env, e))?;
     record_config(&config, &env).context("recording the resolved config")?;
     let options = TrainOptions {
         stop_after_steps: args.stop_after_steps,

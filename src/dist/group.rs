@@ -3,13 +3,16 @@
 //! broadcast and barrier that fail with the rank and op instead of hanging.
 
 use std::ffi::{c_int, c_void, CString};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tch::Tensor;
 use vrtspike_contract::env::RankEnv;
+use vrtspike_contract::heartbeat::CollectiveOp;
 
 use super::error::DistError;
 use super::ffi;
+use super::progress::CollectiveObserver;
 
 /// The communication library behind a process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,6 +143,10 @@ pub struct ProcessGroup {
     world_size: usize,
     timeout: Duration,
     stats: CommStats,
+    /// Collectives entered (the next one's number).
+    entered: u64,
+    /// Who hears of each collective (the rank's heartbeat).
+    observer: Option<Arc<dyn CollectiveObserver>>,
 }
 
 // SAFETY: the shim's group holds only thread-safe c10d objects (the store and
@@ -228,7 +235,31 @@ impl ProcessGroup {
             world_size: options.world_size,
             timeout: options.timeout,
             stats: CommStats::default(),
+            entered: 0,
+            observer: None,
         })
+    }
+
+    /// Tells `observer` of every collective from now on.
+    pub fn observe(&mut self, observer: Arc<dyn CollectiveObserver>) {
+        self.observer = Some(observer);
+    }
+
+    /// Numbers the collective this rank enters now and tells the observer.
+    fn enter(&mut self, op: CollectiveOp) -> u64 {
+        let seq = self.entered;
+        self.entered += 1;
+        if let Some(observer) = &self.observer {
+            observer.entered(op, seq);
+        }
+        seq
+    }
+
+    /// Tells the observer that collective `seq` completed.
+    fn complete(&self, seq: u64) {
+        if let Some(observer) = &self.observer {
+            observer.completed(seq);
+        }
     }
 
     /// This process's rank.
@@ -262,10 +293,12 @@ impl ProcessGroup {
     pub fn all_reduce(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
+        let seq = self.enter(CollectiveOp::AllReduce);
         // SAFETY: `ptr` points to the `at::Tensor` that `tensor` owns, which
         // outlives the call; the shim waits for completion before returning.
         let status = unsafe { ffi::vs_group_allreduce(self.raw, ptr, op.code()) };
         self.finish("all_reduce", status)?;
+        self.complete(seq);
         self.stats.all_reduces += 1;
         self.stats.bytes += bytes;
         Ok(())
@@ -277,9 +310,11 @@ impl ProcessGroup {
             .map_err(|_| DistError::Options(format!("root rank {root} does not fit a C int")))?;
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
+        let seq = self.enter(CollectiveOp::Broadcast);
         // SAFETY: as in `all_reduce`.
         let status = unsafe { ffi::vs_group_broadcast(self.raw, ptr, root) };
         self.finish("broadcast", status)?;
+        self.complete(seq);
         self.stats.broadcasts += 1;
         self.stats.bytes += bytes;
         Ok(())
@@ -287,9 +322,11 @@ impl ProcessGroup {
 
     /// Returns once every rank has entered the barrier (or fails on time-out).
     pub fn barrier(&mut self) -> Result<(), DistError> {
+        let seq = self.enter(CollectiveOp::Barrier);
         // SAFETY: `self.raw` is a live group handle owned by `self`.
         let status = unsafe { ffi::vs_group_barrier(self.raw) };
         self.finish("barrier", status)?;
+        self.complete(seq);
         self.stats.barriers += 1;
         Ok(())
     }
@@ -360,7 +397,14 @@ mod tests {
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         group.all_reduce(&mut t, ReduceOp::Avg).expect("avg");
         assert_eq!(Vec::<f32>::try_from(&t).expect("f32"), vec![1.0, 2.0, 3.0]);
+        let seen = Arc::new(Seen::default());
+        group.observe(seen.clone());
         group.barrier().expect("barrier");
+        assert_eq!(
+            *seen.0.lock().expect("lock"),
+            ["enter barrier #1", "done #1"],
+            "numbered from the first collective, observed or not"
+        );
         assert_eq!(group.stats().all_reduces, 1);
         assert_eq!(group.stats().barriers, 1);
         assert_eq!(group.stats().bytes, 12);
@@ -448,6 +492,23 @@ mod tests {
         env.master = None;
         let err = GroupOptions::for_rank(&env, Backend::Gloo, timeout).expect_err("no master");
         assert!(err.to_string().contains("MASTER_ADDR"), "{err}");
+    }
+
+    /// Records what a group says of its collectives.
+    #[derive(Default)]
+    struct Seen(std::sync::Mutex<Vec<String>>);
+
+    impl CollectiveObserver for Seen {
+        fn entered(&self, op: CollectiveOp, seq: u64) {
+            if let Ok(mut seen) = self.0.lock() {
+                seen.push(format!("enter {} #{seq}", op.name()));
+            }
+        }
+        fn completed(&self, seq: u64) {
+            if let Ok(mut seen) = self.0.lock() {
+                seen.push(format!("done #{seq}"));
+            }
+        }
     }
 
     fn free_port() -> u16 {

@@ -8,10 +8,12 @@ mod ddp;
 mod error;
 mod ffi;
 mod group;
+mod progress;
 mod runtime;
 
 pub use cuda_mem::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats};
 pub use ddp::{plan_buckets, Ddp, DdpOptions, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 pub use error::DistError;
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};
+pub use progress::CollectiveObserver;
 pub use runtime::{torch_runtime, CudaDevice, Nccl, TorchCudaLib, TorchRuntime, LINKED_TORCH_CUDA};

@@ -8,6 +8,7 @@ use crate::config::{Config, DistBackend};
 use crate::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup, ReduceOp};
 
 use super::env::RankEnv;
+use super::heartbeat;
 use super::TrainError;
 
 /// What the training loop needs from the other ranks.
@@ -24,8 +25,9 @@ pub trait Communication {
         0.0
     }
     /// Fails, naming the ranks, when they hold different parameters at `step`;
-    /// returns whether there was anything to compare.
-    fn check_parameters(&mut self, step: u64) -> Result<bool, TrainError>;
+    /// returns the hash every rank agreed on, or `None` when there was nothing to
+    /// compare.
+    fn check_parameters(&mut self, step: u64) -> Result<Option<u64>, TrainError>;
 }
 
 /// A job of one rank.
@@ -45,8 +47,8 @@ impl Communication for SingleRank {
         Ok(())
     }
 
-    fn check_parameters(&mut self, _step: u64) -> Result<bool, TrainError> {
-        Ok(false)
+    fn check_parameters(&mut self, _step: u64) -> Result<Option<u64>, TrainError> {
+        Ok(None)
     }
 }
 
@@ -93,9 +95,9 @@ impl Communication for DdpComm {
         self.sync_seconds
     }
 
-    fn check_parameters(&mut self, step: u64) -> Result<bool, TrainError> {
+    fn check_parameters(&mut self, step: u64) -> Result<Option<u64>, TrainError> {
         self.ddp.check_parameters(&mut self.group, step)?;
-        Ok(true)
+        Ok(Some(self.ddp.parameter_hash()?))
     }
 }
 
@@ -112,7 +114,11 @@ pub fn process_group(config: &Config, env: &RankEnv) -> Result<ProcessGroup, Tra
         std::time::Duration::from_secs(config.dist.timeout_s),
     )?;
     options.prefix = format!("train-attempt{}", env.restart_count);
-    Ok(ProcessGroup::new(&options)?)
+    let mut group = ProcessGroup::new(&options)?;
+    if let Some(observer) = heartbeat::observer() {
+        group.observe(observer);
+    }
+    Ok(group)
 }
 
 /// The communication of this rank: DDP over `params` when the job has several
@@ -144,6 +150,10 @@ mod tests {
         comm.barrier().unwrap();
         comm.sync_gradients().unwrap();
         assert_eq!(comm.sync_seconds(), 0.0);
-        assert!(!comm.check_parameters(4).unwrap(), "nothing to compare");
+        assert_eq!(
+            comm.check_parameters(4).unwrap(),
+            None,
+            "nothing to compare"
+        );
     }
 }

@@ -1,8 +1,12 @@
 //! The rank's place in the job: the contract's rank environment
-//! (`vrtspike_contract::env`, parsed once per rank) with `--run-dir` and
-//! `--device` applied, and the tch device the model and the process group share.
-//! Without RANK it is a single rank with its run directory from `--run-dir`,
-//! VRTSPIKE_RUN_DIR or the contract's default `runs/<date>-<time>`.
+//! (`vrtspike_contract::env`, parsed once per rank: from `vrtspike-launch` or
+//! torchrun's variables, or from srun's when srun started the ranks itself) with
+//! `--run-dir` and `--device` applied, and the tch device the model and the
+//! process group share. The run directory is `--run-dir`, else VRTSPIKE_RUN_DIR,
+//! else one every rank of the job names alike: `runs/torchrun-<run id>` under
+//! torchrun, `runs/slurm-<job id>` under srun (as the launcher's under SLURM), else
+//! for a single rank the contract's `runs/<date>-<time>`; ranks of a job with none
+//! of these must be given one.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -48,8 +52,8 @@ impl RankEnv {
             message: e.message,
         })?;
         if let Some(text) = device_arg {
-            parsed.device =
-                Device::parse(text, parsed.local_rank).map_err(|message| TrainError::Env {
+            parsed.device = Device::parse(text, contract::own_gpu(parsed.local_rank, var))
+                .map_err(|message| TrainError::Env {
                     var: format!("--device (over {})", contract::DEVICE),
                     message,
                 })?;
@@ -58,7 +62,7 @@ impl RankEnv {
             parsed.run_dir = Some(dir.to_path_buf());
         }
         if parsed.run_dir.is_none() {
-            parsed.run_dir = Some(default_run_dir(None, SystemTime::now()));
+            parsed.run_dir = Some(job_run_dir(&parsed)?);
         }
         Ok(RankEnv::from_contract(parsed))
     }
@@ -108,6 +112,27 @@ impl RankEnv {
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.layout().checkpoints_dir()
     }
+}
+
+/// The run directory every rank of the job names alike (see the module doc).
+fn job_run_dir(parsed: &contract::RankEnv) -> Result<PathBuf, TrainError> {
+    if let Some(step) = &parsed.slurm {
+        return Ok(default_run_dir(Some(&step.job_id), SystemTime::now()));
+    }
+    if let Some(tag) = parsed.job_tag() {
+        return Ok(PathBuf::from("runs").join(tag));
+    }
+    if parsed.distributed() {
+        return Err(TrainError::Env {
+            var: contract::RUN_DIR.to_string(),
+            message: format!(
+                "not set, and {} ranks started without vrtspike-launch, torchrun or srun \
+                 have no shared name for one: give every rank the same --run-dir",
+                parsed.world_size
+            ),
+        });
+    }
+    Ok(default_run_dir(None, SystemTime::now()))
 }
 
 #[cfg(test)]
@@ -172,5 +197,31 @@ mod tests {
         let err = RankEnv::from_vars(&env(&[("RANK", "x"), ("WORLD_SIZE", "2")]), None, None)
             .unwrap_err();
         assert!(err.to_string().contains("RANK"), "{err}");
+    }
+
+    #[test]
+    fn every_rank_of_a_job_names_the_same_run_dir() {
+        let two = [
+            (contract::RANK, "1"),
+            (contract::WORLD_SIZE, "2"),
+            (contract::MASTER_ADDR, "127.0.0.1"),
+            (contract::MASTER_PORT, "29500"),
+        ];
+        let err = RankEnv::from_vars(&env(&two), None, None).unwrap_err();
+        assert!(err.to_string().contains("--run-dir"), "{err}");
+        let mut torchrun = two.to_vec();
+        torchrun.push((contract::TORCHELASTIC_RUN_ID, "f00d"));
+        let e = RankEnv::from_vars(&env(&torchrun), None, None).unwrap();
+        assert_eq!(e.run_dir, PathBuf::from("runs/torchrun-f00d"));
+        let srun = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "localhost"),
+            ("SLURM_JOB_ID", "77"),
+        ];
+        let e = RankEnv::from_vars(&env(&srun), None, None).unwrap();
+        assert_eq!(e.run_dir, PathBuf::from("runs/slurm-77"));
+        assert_eq!((e.rank, e.world_size, e.local_world_size), (1, 2, 2));
     }
 }

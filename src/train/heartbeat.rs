@@ -1,23 +1,35 @@
 //! This rank's heartbeat (the contract's `vrtspike_contract::heartbeat` record in
-//! `<run dir>/heartbeat/rank<R>`): [`start`] opens it when a run is built, and the
-//! loop calls [`beat`] with its step and phase; the record is rewritten only when
-//! they change, so a step costs a few small `pwrite`s. The writer is per thread
-//! (the thread that runs the training loop), so ranks run as threads of one test
-//! process keep their own records.
+//! `<run dir>/heartbeat/rank<R>`): [`start`] opens it when a run is built and
+//! starts the liveness thread, which advances the record's tick every
+//! `TICK_INTERVAL` whatever the training thread does (a rank waiting in a
+//! collective keeps ticking; a stopped or wedged process does not); the loop
+//! calls [`beat`] with its step and phase (rewritten only when they change); and
+//! the process group reports each collective it enters and completes through
+//! [`observer`]. The record of a thread's rank is per thread (the thread that runs
+//! the training loop), so ranks run as threads of one test process keep their own
+//! records.
 //!
-//! Test-only hook (for the launcher's hang test, never for real runs): with
-//! `VRTSPIKE_TEST_HANG_AT_STEP=S` (and `VRTSPIKE_TEST_HANG_RANK=R`, default 0,
-//! `VRTSPIKE_TEST_HANG_PHASE=P`, default `forward`), rank R sleeps forever when it
-//! enters phase P at step S in its first attempt (restart count 0).
+//! Test-only hook (for the launcher's hang and stopped-rank tests, never for real
+//! runs): with `VRTSPIKE_TEST_HANG_AT_STEP=S` (and `VRTSPIKE_TEST_HANG_RANK=R`,
+//! default 0, `VRTSPIKE_TEST_HANG_PHASE=P`, default `forward`), rank R hangs when
+//! it enters phase P at step S in its first attempt (restart count 0): it sleeps
+//! forever, or with `VRTSPIKE_TEST_HANG_HOW=stop` it stops itself with SIGSTOP (a
+//! stopped process: no thread runs, no tick); with phase `allreduce` and `stop` it
+//! stops inside the gradient all-reduce, after entering the collective.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use vrtspike_contract::heartbeat::{HeartbeatWriter, Progress};
+use vrtspike_contract::heartbeat::{
+    unix_ms_now, Beat, CollectiveOp, Collectives, HeartbeatWriter, Progress, TICK_INTERVAL,
+};
 
 pub use vrtspike_contract::heartbeat::Phase;
 
 use super::env::RankEnv;
+use crate::dist::CollectiveObserver;
 
 /// Test-only: the step at which a rank hangs (see the module doc).
 pub const TEST_HANG_AT_STEP: &str = "VRTSPIKE_TEST_HANG_AT_STEP";
@@ -25,59 +37,183 @@ pub const TEST_HANG_AT_STEP: &str = "VRTSPIKE_TEST_HANG_AT_STEP";
 pub const TEST_HANG_RANK: &str = "VRTSPIKE_TEST_HANG_RANK";
 /// Test-only: the phase in which it hangs (default `forward`).
 pub const TEST_HANG_PHASE: &str = "VRTSPIKE_TEST_HANG_PHASE";
+/// Test-only: how it hangs, `sleep` (default) or `stop` (SIGSTOP to itself).
+pub const TEST_HANG_HOW: &str = "VRTSPIKE_TEST_HANG_HOW";
 
-/// The open record of this thread's rank.
-struct Heartbeat {
+/// How the test hook hangs a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HangHow {
+    /// The training thread sleeps; the process ticks on.
+    Sleep,
+    /// The whole process stops (SIGSTOP).
+    Stop,
+}
+
+/// Where and how the test hook hangs this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TestHang {
+    at: Progress,
+    how: HangHow,
+}
+
+/// A rank's record and what it says, shared by the training thread, the liveness
+/// thread and the process group's observer.
+struct Shared {
     writer: HeartbeatWriter,
-    /// Test-only: where to hang.
-    hang_at: Option<Progress>,
+    beat: Mutex<Option<Beat>>,
+    hang: Option<TestHang>,
+    stopped: AtomicBool,
+}
+
+impl Shared {
+    /// Changes the record with `change` and rewrites it; a record that cannot be
+    /// written is logged once and dropped (the run goes on without it).
+    fn update(&self, change: impl FnOnce(&mut Beat)) {
+        let mut slot = self.beat.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(beat) = slot.as_mut() else { return };
+        change(beat);
+        if let Err(e) = self.writer.write(beat) {
+            tracing::warn!(error = %e, "heartbeat stopped: the launcher cannot tell if this rank hangs");
+            *slot = None;
+        }
+    }
+
+    fn progress(&self) -> Option<Progress> {
+        let slot = self.beat.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().map(|b| b.progress)
+    }
+
+    /// Test hook: stops this whole process (once).
+    fn stop_here(&self, at: Progress, place: &str) {
+        if self.stopped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(step = at.step, phase = %at.phase, "{TEST_HANG_AT_STEP}: this rank stops itself {place} (test hook)");
+        // SAFETY: raise with a valid signal; SIGSTOP stops every thread of the
+        // process until SIGCONT or SIGKILL.
+        unsafe { libc::raise(libc::SIGSTOP) };
+    }
+}
+
+/// The process group's collectives, into the record.
+struct Observer(Arc<Shared>);
+
+impl CollectiveObserver for Observer {
+    fn entered(&self, op: CollectiveOp, seq: u64) {
+        self.0.update(|beat| {
+            beat.collectives.entered = seq + 1;
+            beat.collectives.last = Some(op);
+        });
+        let stop_in_allreduce = self.0.hang.filter(|h| {
+            h.how == HangHow::Stop
+                && h.at.phase == Phase::AllReduce
+                && op == CollectiveOp::AllReduce
+        });
+        if let Some(hang) = stop_in_allreduce.filter(|h| self.0.progress() == Some(h.at)) {
+            self.0
+                .stop_here(hang.at, &format!("inside all_reduce #{seq}"));
+        }
+    }
+
+    fn completed(&self, seq: u64) {
+        self.0.update(|beat| beat.collectives.completed = seq + 1);
+    }
 }
 
 thread_local! {
-    static HEARTBEAT: RefCell<Option<Heartbeat>> = const { RefCell::new(None) };
+    static HEARTBEAT: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
 }
 
-/// Opens this rank's record (replacing one this thread had) and beats `start`.
-/// A record that cannot be created is logged and the run goes on without one.
+/// Opens this rank's record (replacing one this thread had), beats `start` and
+/// starts its liveness thread. A record that cannot be created is logged and the
+/// run goes on without one.
 pub fn start(env: &RankEnv) {
     let rank = u32::try_from(env.rank).unwrap_or(u32::MAX);
-    let heartbeat = match HeartbeatWriter::create(&env.run_dir, rank, env.restart_count) {
-        Ok(writer) => Some(Heartbeat {
+    let shared = match HeartbeatWriter::create(&env.run_dir, rank) {
+        Ok(writer) => Some(Arc::new(Shared {
             writer,
-            hang_at: test_hang(env, &|name| std::env::var(name).ok()),
-        }),
+            beat: Mutex::new(Some(Beat {
+                progress: Progress {
+                    step: 0,
+                    phase: Phase::Start,
+                },
+                unix_ms: unix_ms_now(),
+                attempt: env.restart_count,
+                pid: std::process::id(),
+                tick: 0,
+                collectives: Collectives::default(),
+            })),
+            hang: test_hang(env, &|name| std::env::var(name).ok()),
+            stopped: AtomicBool::new(false),
+        })),
         Err(e) => {
             tracing::warn!(rank, error = %e, "no heartbeat: the launcher cannot tell if this rank hangs");
             None
         }
     };
-    HEARTBEAT.with(|cell| *cell.borrow_mut() = heartbeat);
-    beat(0, Phase::Start);
+    if let Some(shared) = &shared {
+        shared.update(|_| {});
+        start_ticking(Arc::downgrade(shared));
+    }
+    HEARTBEAT.with(|cell| *cell.borrow_mut() = shared);
+}
+
+/// The liveness thread: advances the tick until the record is dropped.
+fn start_ticking(record: Weak<Shared>) {
+    let spawned = std::thread::Builder::new()
+        .name("heartbeat".into())
+        .spawn(move || loop {
+            std::thread::sleep(TICK_INTERVAL);
+            let Some(shared) = record.upgrade() else {
+                return;
+            };
+            shared.update(|beat| beat.tick += 1);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no liveness tick: a stopped rank will be taken for a slow one");
+    }
+}
+
+/// The observer that writes the process group's collectives into this thread's
+/// record (none without a record).
+pub fn observer() -> Option<Arc<dyn CollectiveObserver>> {
+    HEARTBEAT.with(|cell| {
+        cell.borrow()
+            .as_ref()
+            .map(|shared| Arc::new(Observer(shared.clone())) as Arc<dyn CollectiveObserver>)
+    })
 }
 
 /// Records that this rank is at `step` (steps done) in `phase`.
 pub fn beat(step: u64, phase: Phase) {
     let progress = Progress { step, phase };
-    let hang = HEARTBEAT.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let heartbeat = slot.as_mut()?;
-        if let Err(e) = heartbeat.writer.beat(progress) {
-            tracing::warn!(error = %e, "heartbeat stopped: the launcher cannot tell if this rank hangs");
-            *slot = None;
-            return None;
+    let Some(shared) = HEARTBEAT.with(|cell| cell.borrow().clone()) else {
+        return;
+    };
+    if shared.progress() != Some(progress) {
+        shared.update(|beat| {
+            beat.progress = progress;
+            beat.unix_ms = unix_ms_now();
+        });
+    }
+    let Some(hang) = shared.hang.filter(|h| h.at == progress) else {
+        return;
+    };
+    match hang.how {
+        HangHow::Sleep => {
+            tracing::warn!(step, phase = %phase, "{TEST_HANG_AT_STEP}: this rank hangs here (test hook)");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
         }
-        heartbeat.hang_at.filter(|at| *at == progress)
-    });
-    if let Some(at) = hang {
-        tracing::warn!(step = at.step, phase = %at.phase, "{TEST_HANG_AT_STEP}: this rank hangs here (test hook)");
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
+        // Inside the collective, once entered (see `Observer`).
+        HangHow::Stop if phase == Phase::AllReduce => {}
+        HangHow::Stop => shared.stop_here(progress, "here"),
     }
 }
 
 /// The test hook's hang point for this rank, if the variables ask for one.
-fn test_hang(env: &RankEnv, var: &dyn Fn(&str) -> Option<String>) -> Option<Progress> {
+fn test_hang(env: &RankEnv, var: &dyn Fn(&str) -> Option<String>) -> Option<TestHang> {
     let step = var(TEST_HANG_AT_STEP)?.trim().parse().ok()?;
     let rank: usize = var(TEST_HANG_RANK)
         .and_then(|r| r.trim().parse().ok())
@@ -86,7 +222,15 @@ fn test_hang(env: &RankEnv, var: &dyn Fn(&str) -> Option<String>) -> Option<Prog
         Some(name) => Phase::parse(name.trim())?,
         None => Phase::Forward,
     };
-    (env.rank == rank && env.restart_count == 0).then_some(Progress { step, phase })
+    let how = match var(TEST_HANG_HOW).as_deref().map(str::trim) {
+        None | Some("sleep") => HangHow::Sleep,
+        Some("stop") => HangHow::Stop,
+        Some(_) => return None,
+    };
+    (env.rank == rank && env.restart_count == 0).then_some(TestHang {
+        at: Progress { step, phase },
+        how,
+    })
 }
 
 #[cfg(test)]
@@ -106,16 +250,20 @@ mod tests {
     }
 
     #[test]
-    fn beats_land_in_the_run_dir_record() {
+    fn beats_collectives_and_ticks_land_in_the_run_dir_record() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let env = env_of(0, 1, tmp.path());
         start(&env);
-        let read = || heartbeat::read(tmp.path(), 0).unwrap_or_else(|e| panic!("{e}"));
-        let first = read().unwrap_or_else(|| panic!("no record after start"));
+        let read = || {
+            heartbeat::read(tmp.path(), 0)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap_or_else(|| panic!("no record"))
+        };
+        let first = read();
         assert_eq!(first.progress.phase, Phase::Start);
         assert_eq!(first.attempt, 1);
         beat(7, Phase::Backward);
-        let later = read().unwrap_or_else(|| panic!("no record"));
+        let later = read();
         assert_eq!(
             later.progress,
             Progress {
@@ -123,24 +271,48 @@ mod tests {
                 phase: Phase::Backward
             }
         );
+        let observer = observer().unwrap_or_else(|| panic!("no observer"));
+        observer.entered(CollectiveOp::AllReduce, 41);
+        assert_eq!(read().collectives.describe(), "inside all_reduce #41");
+        observer.completed(41);
+        assert_eq!(read().collectives.describe(), "last all_reduce #41 done");
+        // The liveness thread ticks while this thread does nothing.
+        let tick = read().tick;
+        std::thread::sleep(TICK_INTERVAL * 3);
+        assert!(read().tick > tick, "the tick did not advance");
     }
 
     #[test]
     fn the_test_hook_hangs_only_its_rank_in_the_first_attempt() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let vars: HashMap<&str, &str> = [(TEST_HANG_AT_STEP, "3"), (TEST_HANG_RANK, "1")].into();
-        let var = |name: &str| vars.get(name).map(|v| v.to_string());
+        let mut vars: HashMap<&str, &str> =
+            [(TEST_HANG_AT_STEP, "3"), (TEST_HANG_RANK, "1")].into();
         let at = Progress {
             step: 3,
             phase: Phase::Forward,
         };
-        assert_eq!(test_hang(&env_of(1, 0, tmp.path()), &var), Some(at));
-        assert_eq!(test_hang(&env_of(0, 0, tmp.path()), &var), None);
-        assert_eq!(
-            test_hang(&env_of(1, 1, tmp.path()), &var),
-            None,
-            "not after a restart"
-        );
+        let sleep = Some(TestHang {
+            at,
+            how: HangHow::Sleep,
+        });
+        {
+            let var = |name: &str| vars.get(name).map(|v| v.to_string());
+            assert_eq!(test_hang(&env_of(1, 0, tmp.path()), &var), sleep);
+            assert_eq!(test_hang(&env_of(0, 0, tmp.path()), &var), None);
+            assert_eq!(
+                test_hang(&env_of(1, 1, tmp.path()), &var),
+                None,
+                "not after a restart"
+            );
+        }
         assert_eq!(test_hang(&env_of(1, 0, tmp.path()), &|_| None), None);
+        vars.insert(TEST_HANG_HOW, "stop");
+        vars.insert(TEST_HANG_PHASE, "allreduce");
+        let var = |name: &str| vars.get(name).map(|v| v.to_string());
+        let stop = test_hang(&env_of(1, 0, tmp.path()), &var);
+        assert_eq!(
+            stop.map(|h| (h.at.phase, h.how)),
+            Some((Phase::AllReduce, HangHow::Stop))
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! The training loop of one rank (`vrtspike train`): data from the per-rank loader,
 //! the model, Charbonnier loss, AdamW with a cosine schedule, optional AMP,
 //! gradients averaged over ranks (DDP), periodic validation, memory monitoring,
-//! metrics, atomic checkpoints with exact resume, and preemption.
+//! metrics, atomic checkpoints with exact resume, and preemption; under launchers
+//! other than `vrtspike-launch` (torchrun, srun) the node's cache server
+//! (`node_cache`) and srun's rendezvous port (`rendezvous`).
 
 pub mod amp;
 pub mod checkpoint;
@@ -13,9 +15,11 @@ pub mod loader_plan;
 pub mod loss;
 pub mod measure;
 pub mod metrics;
+pub mod node_cache;
 pub mod oom;
 pub mod optim;
 pub mod preempt;
+pub mod rendezvous;
 pub mod report;
 pub mod run;
 pub mod run_config;

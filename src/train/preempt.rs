@@ -1,32 +1,30 @@
-//! Preemption: SIGUSR2 (what `vrtspike-launch` forwards on a preemption request,
-//! and what batch systems send before a kill) sets a flag; the training loop folds
-//! it into its per-step all-reduce so every rank agrees on the same step, saves a
-//! checkpoint there and exits 0 so the job can be requeued.
+//! Preemption: SIGUSR2 (SLURM's warning before a preemption or the time limit,
+//! which it sends to every process of the job, and what `vrtspike-launch` forwards
+//! on a request) and SIGTERM (scancel, the end of the time limit, a launcher
+//! stopping its gang) ask the rank to stop in order. The `vrtspike` binary counts
+//! both from its first instruction (`vrtspike_contract::signals`, so a rank still
+//! loading libtorch survives them too); the training loop folds the request into
+//! its per-step all-reduce so every rank agrees on the same step, saves a
+//! checkpoint there and exits 0 so the job can be requeued. A rank that cannot
+//! agree (a peer is gone) fails its collective and exits with an error.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use vrtspike_contract::signals;
+
 static REQUESTED: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    REQUESTED.store(true, Ordering::SeqCst);
+/// Counts SIGUSR2 and SIGTERM as stop requests (the binary settles them this way
+/// for `train`; a library user calls this). Pending ones are delivered now.
+pub fn install() -> std::io::Result<()> {
+    signals::settle(signals::Disposition::Count, signals::Disposition::Count)
 }
 
-/// Installs the SIGUSR2 handler.
-pub fn install() -> Result<(), nix::Error> {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    // SAFETY: the handler only stores to a static atomic, which is async-signal-safe.
-    unsafe { sigaction(Signal::SIGUSR2, &action) }?;
-    Ok(())
-}
-
-/// Whether this process was asked to stop.
+/// Whether this process was asked to stop (by a signal or [`request`]).
 pub fn requested() -> bool {
     REQUESTED.load(Ordering::SeqCst)
+        || signals::received(libc::SIGUSR2) > 0
+        || signals::received(libc::SIGTERM) > 0
 }
 
 /// Sets the flag as the signal would (tests, and a step budget).

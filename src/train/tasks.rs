@@ -234,7 +234,8 @@ impl PeriodicTask for SampleMemory {
 /// last step when that was not a check step).
 pub struct CheckParameters {
     every: u64,
-    checked_at: Option<u64>,
+    /// The last step checked, and the hash the ranks agreed on.
+    checked_at: Option<(u64, u64)>,
 }
 
 impl PeriodicTask for CheckParameters {
@@ -243,15 +244,26 @@ impl PeriodicTask for CheckParameters {
     }
 
     fn run(&mut self, run: &mut Run<'_>, report: &StepReport) -> Result<(), TrainError> {
-        if run.comm.check_parameters(report.step)? {
-            self.checked_at = Some(report.step);
+        if let Some(hash) = run.comm.check_parameters(report.step)? {
+            self.checked_at = Some((report.step, hash));
         }
         Ok(())
     }
 
+    /// Checks after the last step (unless that step was checked) and logs the
+    /// hash every rank agreed on: the same line on every rank and node.
     fn finish(&mut self, run: &mut Run<'_>) -> Result<(), TrainError> {
-        if self.checked_at != Some(run.state.step) {
-            run.comm.check_parameters(run.state.step)?;
+        let step = run.state.step;
+        let agreed = match self.checked_at {
+            Some((at, hash)) if at == step => Some(hash),
+            _ => run.comm.check_parameters(step)?,
+        };
+        if let Some(hash) = agreed {
+            tracing::info!(
+                rank = run.env.rank,
+                step,
+                "final parameters agree across ranks: hash {hash:016x}"
+            );
         }
         Ok(())
     }

@@ -1,11 +1,15 @@
 //! The ranks' heartbeat: each rank keeps one fixed-size record,
 //! `<run dir>/heartbeat/rank<R>`, saying which step it is at, in which phase
-//! (data, forward, backward, all-reduce, ...), since when (unix time) and in which
-//! attempt. The rank rewrites it in place (one `pwrite` of [`RECORD_LEN`] bytes,
-//! only when the step or phase changes); the launcher reads it to find a rank that
-//! stopped making progress. A checksum in the record lets the reader tell a torn
-//! read from a record. The launcher's stack dumps of a hung job live beside it
-//! (`stacks/attempt<K>/rank<R>.txt`).
+//! (data, forward, backward, all-reduce, ...), since when (unix time), in which
+//! attempt, how far it got in the process group's collectives (the sequence
+//! number of the last one entered and completed, and its kind), and a liveness
+//! tick: a counter that a thread of its own advances about twice a second. A
+//! stopped or wedged process stops ticking; a rank waiting in a collective for a
+//! stopped peer keeps ticking, which is how the launcher tells the two apart (the
+//! way NCCL's watchdog and flight recorder do). The rank rewrites the record in
+//! place (one `pwrite` of [`RECORD_LEN`] bytes); the launcher reads it. A checksum
+//! in the record lets the reader tell a torn read from a record. The launcher's
+//! stack dumps of a hung job live beside it (`stacks/attempt<K>/rank<R>.txt`).
 
 use std::fmt;
 use std::fs::File;
@@ -19,9 +23,11 @@ pub const HEARTBEAT_DIR: &str = "heartbeat";
 /// The directory of the stacks the launcher saves when it finds a hung rank.
 pub const STACKS_DIR: &str = "stacks";
 /// Bytes of one record (text padded with spaces, ending in a newline).
-pub const RECORD_LEN: usize = 160;
+pub const RECORD_LEN: usize = 256;
 /// The first word of every record (the format's version).
-const MAGIC: &str = "vrtspike-heartbeat-v1";
+const MAGIC: &str = "vrtspike-heartbeat-v2";
+/// How often a rank's liveness thread advances its tick.
+pub const TICK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Where a rank is in its loop. The order of the variants is the order of
 /// progress within one step count: validation and checkpoint run after step `S`
@@ -94,6 +100,71 @@ pub struct Progress {
     pub phase: Phase,
 }
 
+/// A collective of the process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollectiveOp {
+    /// All-reduce (gradients, step figures).
+    AllReduce,
+    /// Broadcast (parameters at start).
+    Broadcast,
+    /// Barrier (after a checkpoint).
+    Barrier,
+}
+
+impl CollectiveOp {
+    /// Every kind.
+    pub const ALL: [CollectiveOp; 3] = [
+        CollectiveOp::AllReduce,
+        CollectiveOp::Broadcast,
+        CollectiveOp::Barrier,
+    ];
+
+    /// Its name in records and messages (`all_reduce`, the name the process
+    /// group's errors use).
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::Barrier => "barrier",
+        }
+    }
+
+    /// The kind of a name.
+    pub fn parse(name: &str) -> Option<CollectiveOp> {
+        CollectiveOp::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// How far a rank got in its process group's collectives: they are numbered
+/// from 0 in the order every rank issues them, so a rank inside collective `#k`
+/// has entered `k + 1` and completed `k`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Collectives {
+    /// Collectives entered.
+    pub entered: u64,
+    /// Collectives completed.
+    pub completed: u64,
+    /// The kind of the last one entered.
+    pub last: Option<CollectiveOp>,
+}
+
+impl Collectives {
+    /// The number of the collective the rank is inside, if it is inside one.
+    pub fn inside(&self) -> Option<u64> {
+        (self.entered > self.completed).then(|| self.entered - 1)
+    }
+
+    /// `inside all_reduce #128`, `last all_reduce #127`, `none yet`.
+    pub fn describe(&self) -> String {
+        let op = self.last.map_or("collective", CollectiveOp::name);
+        match (self.inside(), self.entered) {
+            (Some(seq), _) => format!("inside {op} #{seq}"),
+            (None, 0) => "no collective yet".to_string(),
+            (None, entered) => format!("last {op} #{} done", entered - 1),
+        }
+    }
+}
+
 /// One heartbeat record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Beat {
@@ -105,6 +176,11 @@ pub struct Beat {
     pub attempt: u32,
     /// The writer's pid.
     pub pid: u32,
+    /// The liveness tick: advanced by a thread of the rank's own every
+    /// [`TICK_INTERVAL`]; only whether it changes matters.
+    pub tick: u64,
+    /// The process group's collectives.
+    pub collectives: Collectives,
 }
 
 /// A heartbeat that cannot be written or read (the file named).
@@ -151,13 +227,22 @@ pub fn unix_ms_now() -> u64 {
 impl Beat {
     /// The record's bytes: one line of text padded to [`RECORD_LEN`].
     pub fn encode(&self) -> [u8; RECORD_LEN] {
+        let c = &self.collectives;
         let body = format!(
-            "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={}",
-            self.progress.step, self.progress.phase, self.unix_ms, self.attempt, self.pid
+            "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={} tick={} coll={}/{} op={}",
+            self.progress.step,
+            self.progress.phase,
+            self.unix_ms,
+            self.attempt,
+            self.pid,
+            self.tick,
+            c.entered,
+            c.completed,
+            c.last.map_or("-", CollectiveOp::name)
         );
         let line = format!("{body} sum={:08x}", checksum(body.as_bytes()));
         let mut record = [b' '; RECORD_LEN];
-        // The longest line (every number at its maximum) is 140 bytes.
+        // The longest line (every number at its maximum) is 233 bytes.
         let len = line.len().min(RECORD_LEN - 1);
         record[..len].copy_from_slice(&line.as_bytes()[..len]);
         record[RECORD_LEN - 1] = b'\n';
@@ -194,11 +279,27 @@ impl Beat {
         let unix_ms = number("unix_ms", field("unix_ms")?)?;
         let attempt = number("attempt", field("attempt")?)?;
         let pid = number("pid", field("pid")?)?;
+        let tick = number("tick", field("tick")?)?;
+        let coll = field("coll")?;
+        let (entered, completed) = coll
+            .split_once('/')
+            .ok_or_else(|| format!("coll: expected <entered>/<completed>, got {coll:?}"))?;
+        let op = field("op")?;
+        let last = match op {
+            "-" => None,
+            name => Some(CollectiveOp::parse(name).ok_or_else(|| format!("unknown op {name:?}"))?),
+        };
         Ok(Beat {
             progress: Progress { step, phase },
             unix_ms,
             attempt: u32::try_from(attempt).map_err(|_| "attempt out of range".to_string())?,
             pid: u32::try_from(pid).map_err(|_| "pid out of range".to_string())?,
+            tick,
+            collectives: Collectives {
+                entered: number("entered", entered)?,
+                completed: number("completed", completed)?,
+                last,
+            },
         })
     }
 }
@@ -210,19 +311,16 @@ fn checksum(bytes: &[u8]) -> u32 {
     })
 }
 
-/// A rank's side: keeps its record open and rewrites it when the progress changes.
+/// A rank's side: its record, open for rewriting in place.
 #[derive(Debug)]
 pub struct HeartbeatWriter {
     file: File,
     path: PathBuf,
-    attempt: u32,
-    pid: u32,
-    last: Option<Progress>,
 }
 
 impl HeartbeatWriter {
-    /// Creates (or takes over) rank `rank`'s record under `run_dir` for `attempt`.
-    pub fn create(run_dir: &Path, rank: u32, attempt: u32) -> Result<Self, HeartbeatError> {
+    /// Creates (or takes over) rank `rank`'s record under `run_dir`.
+    pub fn create(run_dir: &Path, rank: u32) -> Result<Self, HeartbeatError> {
         let path = path(run_dir, rank);
         let io = |source| HeartbeatError::Io {
             path: path.clone(),
@@ -237,36 +335,17 @@ impl HeartbeatWriter {
             .truncate(false)
             .open(&path)
             .map_err(io)?;
-        Ok(HeartbeatWriter {
-            file,
-            path,
-            attempt,
-            pid: std::process::id(),
-            last: None,
-        })
+        Ok(HeartbeatWriter { file, path })
     }
 
-    /// Records `progress` when it differs from the last one written; returns
-    /// whether it wrote.
-    pub fn beat(&mut self, progress: Progress) -> Result<bool, HeartbeatError> {
-        if self.last == Some(progress) {
-            return Ok(false);
-        }
-        let record = Beat {
-            progress,
-            unix_ms: unix_ms_now(),
-            attempt: self.attempt,
-            pid: self.pid,
-        }
-        .encode();
+    /// Rewrites the record with `beat` (one `pwrite` of [`RECORD_LEN`] bytes).
+    pub fn write(&self, beat: &Beat) -> Result<(), HeartbeatError> {
         self.file
-            .write_all_at(&record, 0)
+            .write_all_at(&beat.encode(), 0)
             .map_err(|source| HeartbeatError::Io {
                 path: self.path.clone(),
                 source,
-            })?;
-        self.last = Some(progress);
-        Ok(true)
+            })
     }
 
     /// Its file.
@@ -317,6 +396,12 @@ mod tests {
             unix_ms: 1_700_000_000_123,
             attempt: 2,
             pid: 4242,
+            tick: 17,
+            collectives: Collectives {
+                entered: 129,
+                completed: 128,
+                last: Some(CollectiveOp::AllReduce),
+            },
         }
     }
 
@@ -337,7 +422,20 @@ mod tests {
             unix_ms: u64::MAX,
             attempt: u32::MAX,
             pid: u32::MAX,
+            tick: u64::MAX,
+            collectives: Collectives {
+                entered: u64::MAX,
+                completed: u64::MAX,
+                last: Some(CollectiveOp::Broadcast),
+            },
         };
+        let mut fresh = beat(0, Phase::Start);
+        fresh.collectives = Collectives::default();
+        assert_eq!(
+            Beat::decode(&fresh.encode()),
+            Ok(fresh),
+            "no collective yet"
+        );
         assert_eq!(
             Beat::decode(&widest.encode()),
             Ok(widest),
@@ -366,20 +464,45 @@ mod tests {
     }
 
     #[test]
-    fn the_writer_rewrites_only_on_change_and_the_reader_sees_the_last() {
+    fn collectives_say_where_the_rank_is() {
+        let mut c = Collectives::default();
+        assert_eq!(
+            (c.inside(), c.describe().as_str()),
+            (None, "no collective yet")
+        );
+        c = Collectives {
+            entered: 129,
+            completed: 128,
+            last: Some(CollectiveOp::AllReduce),
+        };
+        assert_eq!(
+            (c.inside(), c.describe().as_str()),
+            (Some(128), "inside all_reduce #128")
+        );
+        c.completed = 129;
+        assert_eq!(
+            (c.inside(), c.describe().as_str()),
+            (None, "last all_reduce #128 done")
+        );
+    }
+
+    #[test]
+    fn the_writer_rewrites_in_place_and_the_reader_sees_the_last() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(read(tmp.path(), 1), Ok(None)), "no record yet");
-        let mut writer =
-            HeartbeatWriter::create(tmp.path(), 1, 3).unwrap_or_else(|e| panic!("{e}"));
+        let writer = HeartbeatWriter::create(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
         let at = |step, phase| Progress { step, phase };
-        assert!(matches!(writer.beat(at(0, Phase::Start)), Ok(true)));
-        assert!(matches!(writer.beat(at(0, Phase::Start)), Ok(false)));
-        assert!(matches!(writer.beat(at(12, Phase::AllReduce)), Ok(true)));
+        writer
+            .write(&beat(0, Phase::Start))
+            .unwrap_or_else(|e| panic!("{e}"));
+        writer
+            .write(&beat(12, Phase::AllReduce))
+            .unwrap_or_else(|e| panic!("{e}"));
         let got = read(tmp.path(), 1)
             .unwrap_or_else(|e| panic!("{e}"))
             .unwrap_or_else(|| panic!("no record"));
         assert_eq!(got.progress, at(12, Phase::AllReduce));
-        assert_eq!((got.attempt, got.pid), (3, std::process::id()));
+        assert_eq!((got.attempt, got.pid, got.tick), (2, 4242, 17));
         assert_eq!(
             std::fs::metadata(writer.path()).map(|m| m.len()).ok(),
             Some(RECORD_LEN as u64)

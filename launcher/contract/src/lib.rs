@@ -3,21 +3,27 @@
 //! job's cache server), [`env`] (the variables every rank starts with), [`rundir`] (where things live in a run directory, and which checkpoint is
 //! the latest), [`summary`] (the figures rank 0 leaves for the launcher), [`ready`]
 //! (how a child says it is ready), [`pss`] (how memory is measured),
-//! [`heartbeat`] (each rank's step and phase, for finding a hung rank) and
-//! [`failure`] (why a rank failed, in its own words, and its exit code).
-//! It links no libtorch, so the launcher stays free of it.
+//! [`heartbeat`] (each rank's step, phase, collectives and liveness tick, for
+//! finding a hung or stopped rank), [`failure`] (why a rank failed, in its own
+//! words, and its exit code), [`signals`] (SIGUSR2 and SIGTERM, which SLURM sends
+//! to every process of a job, counted from the first instruction), [`cache_serve`]
+//! (how a job's cache server is started and waited for) and [`hostlist`] (SLURM's
+//! compressed host lists). It links no libtorch, so the launcher stays free of it.
 
 pub mod cache_addr;
+pub mod cache_serve;
 pub mod env;
 pub mod failure;
 pub mod heartbeat;
+pub mod hostlist;
 mod json_file;
 pub mod pss;
 pub mod ready;
 pub mod rundir;
+pub mod signals;
 pub mod summary;
 
-pub use env::{Device, EnvError, RankEnv, Rendezvous};
+pub use env::{Device, EnvError, RankEnv, Rendezvous, SlurmStep};
 pub use failure::{FailureClass, RankFailure, EXIT_OUT_OF_MEMORY};
 pub use rundir::{Checkpoint, RunLayout};
 pub use summary::{RunSummary, SummaryError, TrainStatus};

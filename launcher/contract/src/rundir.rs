@@ -21,6 +21,10 @@ pub const TRAIN_SUMMARY_FILE: &str = "train_summary.json";
 pub const CONFIG_RESOLVED_FILE: &str = "config.resolved.yaml";
 /// The file written last into a checkpoint directory: without it, it is incomplete.
 pub const CHECKPOINT_STATE_FILE: &str = "state.json";
+/// Node 0's launcher's control link: address, port and the job's secret (mode 0600).
+pub const CONTROL_FILE: &str = "control.json";
+/// Rendezvous ports that rank 0 publishes when no launcher chose one (srun).
+pub const RENDEZVOUS_DIR: &str = "rendezvous";
 
 /// The paths of one run directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +101,16 @@ impl RunLayout {
         } else {
             self.root.join(format!("summary.node{node_rank}.json"))
         }
+    }
+
+    /// Node 0's launcher's control file (multi-node jobs).
+    pub fn control_file(&self) -> PathBuf {
+        self.root.join(CONTROL_FILE)
+    }
+
+    /// The port rank 0 of the job named `tag` publishes (`rendezvous/<tag>.port`).
+    pub fn rendezvous_port(&self, tag: &str) -> PathBuf {
+        self.root.join(RENDEZVOUS_DIR).join(format!("{tag}.port"))
     }
 
     /// The latest complete checkpoint of this run.
@@ -244,6 +258,11 @@ mod tests {
         assert_eq!(
             run.launcher_summary(2),
             PathBuf::from("/r/summary.node2.json")
+        );
+        assert_eq!(run.control_file(), PathBuf::from("/r/control.json"));
+        assert_eq!(
+            run.rendezvous_port("slurm-7.0"),
+            PathBuf::from("/r/rendezvous/slurm-7.0.port")
         );
         assert_eq!(parse_step_dir_name("step_00000040"), Some(40));
         assert_eq!(parse_step_dir_name(".step_00000040.tmp-3"), None);

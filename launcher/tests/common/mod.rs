@@ -284,23 +284,124 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("free port: {e}"))
 }
 
+/// The job secret the fake node 0 and the launchers under test share
+/// (`VRTSPIKE_JOB_SECRET`).
+pub const TEST_SECRET: &str = "test-secret-0123456789";
+
+fn hmac_hex(text: &str) -> String {
+    use hmac::{Hmac, Mac};
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(TEST_SECRET.as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"));
+    mac.update(text.as_bytes());
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Stands in for node 0's launcher on `port` (the control link of a lone node > 0
-/// under test): accepts one launcher and returns all it said once it hangs up.
-pub fn fake_node0(port: u16) -> std::thread::JoinHandle<String> {
+/// under test, which must get `VRTSPIKE_JOB_SECRET=TEST_SECRET`): checks the
+/// launcher's proof of the secret (the protocol of `launcher/src/peers/auth.rs`),
+/// welcomes it, starts attempt 0 with rank 0's store on `master_port`, and returns
+/// all it said after the handshake once it hangs up.
+pub fn fake_node0(port: u16, master_port: u16) -> std::thread::JoinHandle<String> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", port))
         .unwrap_or_else(|e| panic!("fake node 0 on port {port}: {e}"));
     std::thread::spawn(move || {
-        use std::io::Read;
-        let mut said = String::new();
-        if let Ok((mut stream, _)) = listener.accept() {
-            let _ = stream.read_to_string(&mut said);
+        use std::io::{BufRead, BufReader, Read, Write};
+        let Ok((mut stream, _)) = listener.accept() else {
+            return String::new();
+        };
+        let nonce = "f00d";
+        let _ = stream.write_all(format!("VRTSPIKE-CONTROL 1 {nonce}\n").as_bytes());
+        let mut reader = BufReader::new(stream.try_clone().unwrap_or_else(|e| panic!("{e}")));
+        let mut hello = String::new();
+        let _ = reader.read_line(&mut hello);
+        let fields: Vec<&str> = hello.trim().split(' ').collect();
+        let [_, node, theirs, proof] = fields[..] else {
+            return format!("bad hello {hello:?}");
+        };
+        if hmac_hex(&format!("hello {node} {nonce} {theirs}")) != proof {
+            return format!("wrong proof in {hello:?}");
         }
+        let welcome = hmac_hex(&format!("welcome {node} {theirs} {nonce}"));
+        let _ = stream.write_all(format!("WELCOME {welcome}\nSTART 0 {master_port}\n").as_bytes());
+        let mut said = String::new();
+        let _ = reader.read_to_string(&mut said);
         said
     })
 }
 
+/// SLURM's `srun` on one node as the tests need it (`fake_srun.py`): G tasks with
+/// srun's variables, and a signal srun gets goes to every process of the step.
+const FAKE_SRUN: &str = include_str!("fake_srun.py");
+
+/// `scontrol` that records its arguments in `$FAKE_SLURM_DIR/scontrol.called`.
+const FAKE_SCONTROL: &str = r#"#!/bin/sh
+echo "$@" > "$FAKE_SLURM_DIR/scontrol.called"
+"#;
+
+/// Writes an executable script.
+pub fn write_exe(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A `bin/` folder under `dir` with the fake `srun` and `scontrol`, and the PATH
+/// that puts it first.
+pub fn fake_slurm(dir: &Path) -> (PathBuf, String) {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap_or_else(|e| panic!("{e}"));
+    write_exe(&bin.join("srun"), FAKE_SRUN);
+    write_exe(&bin.join("scontrol"), FAKE_SCONTROL);
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    (bin, path)
+}
+
+/// Every descendant of `pid` (its whole process tree), from /proc.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(parent) = todo.pop() {
+        for child in children_of(parent) {
+            found.push(child);
+            todo.push(child);
+        }
+    }
+    found
+}
+
+/// The command line of process `pid` (arguments joined by spaces).
+pub fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|bytes| {
+            bytes
+                .split(|b| *b == 0)
+                .map(|arg| String::from_utf8_lossy(arg).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
 /// A tiny dataset written by `vrtspike synth` into `dir/data`.
 pub fn synth_tiny(dir: &Path) -> PathBuf {
+    synth_tiny_as(dir, &[])
+}
+
+/// The same tiny dataset as HDF5 sessions (each rank reads them through an
+/// `h5-probe` child process).
+pub fn synth_tiny_h5(dir: &Path) -> PathBuf {
+    synth_tiny_as(dir, &["--h5"])
+}
+
+fn synth_tiny_as(dir: &Path, extra: &[&str]) -> PathBuf {
     let data = dir.join("data");
     let output = Command::new(vrtspike())
         .arg("synth")
@@ -308,12 +409,20 @@ pub fn synth_tiny(dir: &Path) -> PathBuf {
         .arg(&data)
         .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
         .args(["--height", "64", "--width", "96", "--seed", "9"])
+        .args(extra)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
     let (stdout, stderr) = texts(&output);
     assert!(output.status.success(), "synth: {stdout}\n{stderr}");
     data
+}
+
+/// Whether rank 0 has logged a finished training step in `run_dir`.
+pub fn trained_a_step(run_dir: &Path) -> bool {
+    let layout = vrtspike_contract::rundir::RunLayout::new(run_dir);
+    std::fs::read_to_string(layout.metrics())
+        .is_ok_and(|text| text.lines().any(|l| l.contains("\"kind\":\"train\"")))
 }
 
 /// What the tiny U-Net training runs of the end-to-end tests differ in.

@@ -1,6 +1,6 @@
 //! SLURM's compressed host lists (`node[01-04,07]`, `a[1-2]-ib,b3`, `r[1-2]n[1-2]`)
-//! expanded into host names, so the launcher can take the first host as
-//! MASTER_ADDR without calling `scontrol show hostnames`.
+//! expanded into host names, so the launcher (and a rank that srun started) can
+//! take the first host as MASTER_ADDR without calling `scontrol show hostnames`.
 
 /// Why a host list could not be expanded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

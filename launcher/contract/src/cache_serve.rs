@@ -1,0 +1,174 @@
+//! Starting a node's cache server for a job, written once: the command line
+//! (`vrtspike cache serve --exit-with-parent ...` with the readiness pipe's write
+//! end passed down, see [`crate::ready`]) and the wait for its word. The launcher
+//! starts the server this way; so does local rank 0 when no launcher did (torchrun,
+//! srun), and the other local ranks of that node then wait for it to accept.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use crate::ready::{self, Readiness, ReadyPipe};
+use crate::signals;
+
+/// What a job's cache server is started with.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheServe<'a> {
+    /// The `vrtspike` binary.
+    pub vrtspike: &'a Path,
+    /// Its abstract socket name.
+    pub address: &'a str,
+    /// The run config: its DATA.CACHE_SIZE_GB is the cap unless `cap` is given.
+    pub config: &'a Path,
+    /// The byte cap as text (`20G`), over the config's.
+    pub cap: Option<&'a str>,
+    /// The job's `--set KEY.PATH=VALUE` overrides of the config.
+    pub overrides: &'a [String],
+}
+
+/// Why the server did not get ready.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The pipe or the child could not be watched.
+    #[error("watching the cache server start: {0}")]
+    Io(#[from] std::io::Error),
+    /// It exited before it was ready.
+    #[error("the cache server exited before accepting connections ({0})")]
+    Exited(ExitStatus),
+    /// It did not say it was ready in time.
+    #[error("the cache server did not say it was ready within {0:.0} s")]
+    TimedOut(f64),
+    /// The waiting process was asked to stop.
+    #[error("interrupted while the cache server was starting")]
+    Interrupted,
+}
+
+impl CacheServe<'_> {
+    /// The server's command with a new readiness pipe. The server gets the job's
+    /// signals blocked across `exec` (it settles them itself: it ignores them).
+    /// Spawn the command, then call [`ReadyPipe::close_child_end`] and [`wait_ready`].
+    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+        let mut command = Command::new(self.vrtspike);
+        command
+            .args(["cache", "serve", "--exit-with-parent", "--address"])
+            .arg(self.address)
+            .arg("--config")
+            .arg(self.config);
+        for spec in self.overrides {
+            command.arg(format!("--set={spec}"));
+        }
+        if let Some(cap) = self.cap {
+            command.args(["--cap", cap]);
+        }
+        let pipe = ReadyPipe::new()?;
+        let fd = pipe.child_fd();
+        if let Some(fd) = fd {
+            command.env(ready::READY_FD, fd.to_string());
+        }
+        // SAFETY: the hook runs in the forked child before exec and only calls
+        // fcntl and pthread_sigmask (async-signal-safe); it allocates nothing.
+        unsafe {
+            command.pre_exec(move || {
+                if let Some(fd) = fd {
+                    ready::inherit_in_child(fd)?;
+                }
+                signals::block_in_child()
+            });
+        }
+        Ok((command, pipe))
+    }
+}
+
+/// Waits up to `timeout` for the server's word on `pipe`; `exited` polls the
+/// child, `interrupted` says when to give up early. Returns how long it took.
+pub fn wait_ready(
+    pipe: &mut ReadyPipe,
+    timeout: Duration,
+    exited: &mut dyn FnMut() -> std::io::Result<Option<ExitStatus>>,
+    interrupted: &dyn Fn() -> bool,
+) -> Result<Duration, StartError> {
+    let started = Instant::now();
+    loop {
+        if interrupted() {
+            return Err(StartError::Interrupted);
+        }
+        let readiness = pipe.wait(Duration::from_millis(100))?;
+        if readiness == Readiness::Ready {
+            return Ok(started.elapsed());
+        }
+        if let Some(status) = exited()? {
+            return Err(StartError::Exited(status));
+        }
+        if started.elapsed() > timeout {
+            return Err(StartError::TimedOut(timeout.as_secs_f64()));
+        }
+        if readiness == Readiness::Closed {
+            // It closed the pipe unready, so it is exiting: look again shortly.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_names_the_address_config_overrides_and_cap() {
+        let overrides = ["DATA.CACHE_SIZE_GB=1".to_string()];
+        let spec = CacheServe {
+            vrtspike: Path::new("/bin/vrtspike"),
+            address: "vrtspike-cache-x",
+            config: Path::new("/c.yaml"),
+            cap: Some("16M"),
+            overrides: &overrides,
+        };
+        let (command, pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
+        let args: Vec<String> = command
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "cache",
+                "serve",
+                "--exit-with-parent",
+                "--address",
+                "vrtspike-cache-x",
+                "--config",
+                "/c.yaml",
+                "--set=DATA.CACHE_SIZE_GB=1",
+                "--cap",
+                "16M"
+            ]
+        );
+        let fd = command
+            .get_envs()
+            .find(|(k, _)| *k == ready::READY_FD)
+            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()));
+        assert_eq!(fd, pipe.child_fd().map(|fd| fd.to_string()));
+    }
+
+    #[test]
+    fn a_server_that_exits_first_is_reported() {
+        let spec = CacheServe {
+            vrtspike: Path::new("/bin/false"),
+            address: "x",
+            config: Path::new("/c.yaml"),
+            cap: None,
+            overrides: &[],
+        };
+        let (mut command, mut pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
+        pipe.close_child_end();
+        let result = wait_ready(
+            &mut pipe,
+            Duration::from_secs(10),
+            &mut || child.try_wait(),
+            &|| false,
+        );
+        assert!(matches!(result, Err(StartError::Exited(_))), "{result:?}");
+    }
+}

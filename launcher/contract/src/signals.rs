@@ -1,0 +1,229 @@
+//! The job's signals, the same for every process of a job. SLURM delivers a step's
+//! signal to every process of the step (launcher, cache server, ranks, `h5-probe`
+//! children), not only the one it was aimed at, so each process must survive them
+//! from its first instruction:
+//!
+//! - **SIGUSR2**: a preemption warning. Ranks and the launcher treat it as the
+//!   request to checkpoint and exit 0; every other process ignores it.
+//! - **SIGTERM** (scancel, the end of the time limit, a launcher stopping its
+//!   gang): ranks and the launcher stop in order (a checkpoint if time allows);
+//!   the cache server and helpers that end with their parent ignore it.
+//!
+//! How: [`preinit`] runs from the executable's `.preinit_array` (see
+//! [`count_job_signals_from_the_first_instruction!`]), before any shared library's
+//! constructor (libtorch's take a while), and installs a handler that only counts
+//! both signals; it then unblocks them (a parent may have blocked them across
+//! `exec` with [`block_in_child`], which covers the dynamic loader's time). Once
+//! the process knows its role it calls [`settle`]: keep counting, ignore, or fall
+//! back to the default action (a count taken meanwhile is then re-raised, so a
+//! tool that got SIGTERM while starting still ends).
+
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The signals of a job: counted from the first instruction.
+pub const JOB_SIGNALS: [libc::c_int; 2] = [libc::SIGUSR2, libc::SIGTERM];
+
+/// Signal numbers are below this on Linux (SIGRTMAX is 64).
+const SLOTS: usize = 65;
+
+static COUNTS: [AtomicU32; SLOTS] = [const { AtomicU32::new(0) }; SLOTS];
+
+/// What a process does with one of the job's signals once it knows its role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Keep counting it (the process polls [`received`]).
+    Count,
+    /// Ignore it (a helper that ends with its parent).
+    Ignore,
+    /// The default action (a tool run by hand); one counted meanwhile is re-raised.
+    Default,
+}
+
+/// The handler: it only bumps an atomic counter, which is async-signal-safe.
+extern "C" fn count(signal: libc::c_int) {
+    if let Some(slot) = usize::try_from(signal).ok().and_then(|s| COUNTS.get(s)) {
+        slot.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// How many times `signal` arrived while it was counted.
+pub fn received(signal: libc::c_int) -> u32 {
+    usize::try_from(signal)
+        .ok()
+        .and_then(|s| COUNTS.get(s))
+        .map_or(0, |slot| slot.load(Ordering::SeqCst))
+}
+
+/// Counts `signal` as if it had arrived (tests, and a stop the process asks of
+/// itself).
+pub fn note(signal: libc::c_int) {
+    count(signal);
+}
+
+/// Installs the counting handler for `signal` (`SA_RESTART`: interrupted system
+/// calls go on).
+pub fn count_signal(signal: libc::c_int) -> io::Result<()> {
+    // SAFETY: `sigaction` is zero-initialised and then filled field by field; the
+    // handler only touches static atomics (async-signal-safe) and lives as long as
+    // the process.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = count as extern "C" fn(libc::c_int) as usize;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Sets `signal`'s action to ignore (`SIG_IGN`) or default (`SIG_DFL`).
+fn set_plain(signal: libc::c_int, handler: libc::sighandler_t) -> io::Result<()> {
+    // SAFETY: as in `count_signal`, with no handler code at all.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler;
+        libc::sigemptyset(&mut action.sa_mask);
+        if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The set of the job's signals.
+fn job_set() -> libc::sigset_t {
+    // SAFETY: `sigset_t` is plain data; sigemptyset initialises it and sigaddset
+    // only sets bits for valid signal numbers.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in JOB_SIGNALS {
+            libc::sigaddset(&mut set, signal);
+        }
+        set
+    }
+}
+
+/// Blocks or unblocks the job's signals in the calling thread.
+fn mask(how: libc::c_int) -> io::Result<()> {
+    let set = job_set();
+    // SAFETY: pthread_sigmask with a valid set and no old-set pointer; it is
+    // async-signal-safe, so this may run in a forked child before exec.
+    let rc = unsafe { libc::pthread_sigmask(how, &set, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+/// For a `pre_exec` hook: the child starts its new program with the job's signals
+/// blocked, so one that arrives while the dynamic loader maps its libraries stays
+/// pending until [`preinit`] has installed the handler. Only for programs that call
+/// [`preinit`] (a shell script would keep them blocked). Async-signal-safe.
+pub fn block_in_child() -> io::Result<()> {
+    mask(libc::SIG_BLOCK)
+}
+
+/// Installs the counting handler for the job's signals and unblocks them.
+/// Errors are ignored here (there is nowhere to report them this early); [`settle`]
+/// installs them again and reports.
+pub extern "C" fn preinit(
+    _argc: libc::c_int,
+    _argv: *const *const libc::c_char,
+    _envp: *const *const libc::c_char,
+) {
+    for signal in JOB_SIGNALS {
+        let _ = count_signal(signal);
+    }
+    let _ = mask(libc::SIG_UNBLOCK);
+}
+
+/// Registers [`preinit`] in the executable's `.preinit_array`, which the dynamic
+/// loader runs before the constructors of every shared library. Use it once, in a
+/// binary crate (the section is honoured only in executables).
+#[macro_export]
+macro_rules! count_job_signals_from_the_first_instruction {
+    () => {
+        #[used]
+        #[link_section = ".preinit_array"]
+        static VRTSPIKE_COUNT_JOB_SIGNALS: extern "C" fn(
+            ::libc::c_int,
+            *const *const ::libc::c_char,
+            *const *const ::libc::c_char,
+        ) = $crate::signals::preinit;
+    };
+}
+
+/// Settles what this process does with SIGUSR2 and SIGTERM once it knows its role
+/// (see the module doc), and unblocks them.
+pub fn settle(usr2: Disposition, term: Disposition) -> io::Result<()> {
+    for (signal, disposition) in [(libc::SIGUSR2, usr2), (libc::SIGTERM, term)] {
+        match disposition {
+            Disposition::Count => count_signal(signal)?,
+            Disposition::Ignore => set_plain(signal, libc::SIG_IGN)?,
+            Disposition::Default => {
+                set_plain(signal, libc::SIG_DFL)?;
+                if received(signal) > 0 {
+                    // SAFETY: raise with a valid signal number; its default action
+                    // is what a process without a handler would have met.
+                    unsafe { libc::raise(signal) };
+                }
+            }
+        }
+    }
+    mask(libc::SIG_UNBLOCK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(signal: libc::c_int) -> bool {
+        // SAFETY: sigpending fills a zero-initialised set; sigismember reads it.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigpending(&mut set);
+            libc::sigismember(&set, signal) == 1
+        }
+    }
+
+    #[test]
+    fn counted_signals_are_survived_and_counted() {
+        count_signal(libc::SIGUSR2).unwrap_or_else(|e| panic!("{e}"));
+        let before = received(libc::SIGUSR2);
+        // SAFETY: raise to this process; the handler only counts.
+        unsafe { libc::raise(libc::SIGUSR2) };
+        assert_eq!(received(libc::SIGUSR2), before + 1);
+        note(libc::SIGUSR2);
+        assert_eq!(received(libc::SIGUSR2), before + 2);
+    }
+
+    #[test]
+    fn a_blocked_signal_waits_for_the_handler() {
+        // In a child process: blocking is per thread, and the test harness runs
+        // other tests in this process.
+        // SAFETY: fork in a test; the child only makes async-signal-safe calls
+        // (sigmask, kill, sigpending, sigaction) before _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let ok = block_in_child().is_ok()
+                // SAFETY: kill to ourselves with a blocked signal: it stays pending.
+                && unsafe { libc::kill(libc::getpid(), libc::SIGTERM) } == 0
+                && pending(libc::SIGTERM);
+            preinit(0, std::ptr::null(), std::ptr::null());
+            let counted = received(libc::SIGTERM) == 1;
+            // SAFETY: _exit ends the forked child without running the parent's
+            // atexit handlers.
+            unsafe { libc::_exit(if ok && counted { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waitpid on our own child with a valid status pointer.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status), "the child died of the signal");
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+    }
+}

@@ -1,0 +1,211 @@
+//! Who may join a job's control link: whoever proves it knows the job's secret.
+//! Node 0 greets each connection with a fresh nonce; the other node answers with
+//! its node rank, a nonce of its own and an HMAC-SHA256 of both under the secret;
+//! node 0 checks it and answers with an HMAC of its own, which the other node
+//! checks (so it never takes a stale control file's port, now another program's,
+//! for node 0). The secret never travels. A connection that fails is refused and
+//! closed; node 0 logs it with the peer's address.
+//!
+//! The secret comes from `VRTSPIKE_JOB_SECRET` when the batch script passes one,
+//! else node 0 makes one (32 random bytes) and publishes it in the run directory's
+//! control file, readable by the job's user only (see [`super::control`]).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// The variable a batch script may set to the job's secret (the same on every
+/// node), instead of node 0 publishing one in the run directory.
+pub const SECRET_ENV: &str = "VRTSPIKE_JOB_SECRET";
+/// Node 0's greeting.
+const GREETING: &str = "VRTSPIKE-CONTROL 1";
+
+/// Why a handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// The link broke or timed out.
+    #[error("{0}")]
+    Io(String),
+    /// The other side said something else than the protocol.
+    #[error("not a vrtspike launcher: {0}")]
+    Protocol(String),
+    /// The other side does not know the job's secret.
+    #[error("wrong proof of the job's secret (another job, or a stale control file)")]
+    BadProof,
+    /// Node 0 refused this launcher, saying why.
+    #[error("node 0 refused this launcher: {0}")]
+    Refused(String),
+}
+
+/// Random bytes as hex, from the kernel.
+pub fn random_hex(bytes: usize) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(hex(&buf))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// HMAC-SHA256 of `text` under `secret`, as hex.
+fn proof(secret: &str, text: &str) -> String {
+    // HMAC takes a key of any length, so `new_from_slice` cannot fail here.
+    match Hmac::<Sha256>::new_from_slice(secret.as_bytes()) {
+        Ok(mut mac) => {
+            mac.update(text.as_bytes());
+            hex(&mac.finalize().into_bytes())
+        }
+        Err(_) => String::new(),
+    }
+}
+
+/// Whether `given` is the proof of `text` (compared in constant time).
+fn proves(secret: &str, text: &str, given: &str) -> bool {
+    let expected = proof(secret, text);
+    expected.len() == given.len()
+        && expected
+            .bytes()
+            .zip(given.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+fn read_line(reader: &mut BufReader<TcpStream>) -> Result<String, AuthError> {
+    let mut line = String::new();
+    match reader.read_line(&mut line) {
+        Ok(0) => Err(AuthError::Io("closed during the handshake".into())),
+        Ok(_) => Ok(line.trim_end().to_string()),
+        Err(e) => Err(AuthError::Io(format!("during the handshake: {e}"))),
+    }
+}
+
+fn send(mut stream: &TcpStream, line: &str) -> Result<(), AuthError> {
+    stream
+        .write_all(format!("{line}\n").as_bytes())
+        .map_err(|e| AuthError::Io(format!("during the handshake: {e}")))
+}
+
+/// Node 0's side: greets, checks the proof, answers; returns the node rank the
+/// other launcher proved.
+pub fn accept(reader: &mut BufReader<TcpStream>, secret: &str) -> Result<u32, AuthError> {
+    let nonce = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
+    send(reader.get_ref(), &format!("{GREETING} {nonce}"))?;
+    let hello = read_line(reader)?;
+    let fields: Vec<&str> = hello.split(' ').collect();
+    let [word, node, their_nonce, their_proof] = fields[..] else {
+        return Err(AuthError::Protocol(format!("{hello:?}")));
+    };
+    let node: u32 = match (word, node.parse()) {
+        ("HELLO", Ok(node)) => node,
+        _ => return Err(AuthError::Protocol(format!("{hello:?}"))),
+    };
+    if !proves(
+        secret,
+        &format!("hello {node} {nonce} {their_nonce}"),
+        their_proof,
+    ) {
+        let _ = send(
+            reader.get_ref(),
+            &format!("REFUSED {}", AuthError::BadProof),
+        );
+        return Err(AuthError::BadProof);
+    }
+    let answer = proof(secret, &format!("welcome {node} {their_nonce} {nonce}"));
+    send(reader.get_ref(), &format!("WELCOME {answer}"))?;
+    Ok(node)
+}
+
+/// Another node's side: answers node 0's greeting as node `node` and checks its
+/// answer.
+pub fn join(reader: &mut BufReader<TcpStream>, secret: &str, node: u32) -> Result<(), AuthError> {
+    let greeting = read_line(reader)?;
+    let nonce = greeting
+        .strip_prefix(GREETING)
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| AuthError::Protocol(format!("{greeting:?}")))?
+        .to_string();
+    let mine = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
+    let hello = proof(secret, &format!("hello {node} {nonce} {mine}"));
+    send(reader.get_ref(), &format!("HELLO {node} {mine} {hello}"))?;
+    let welcome = read_line(reader)?;
+    if let Some(why) = welcome.strip_prefix("REFUSED ") {
+        return Err(AuthError::Refused(why.to_string()));
+    }
+    let answer = welcome
+        .strip_prefix("WELCOME ")
+        .ok_or_else(|| AuthError::Protocol(format!("{welcome:?}")))?;
+    if !proves(secret, &format!("welcome {node} {mine} {nonce}"), answer) {
+        return Err(AuthError::BadProof);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    fn pair() -> (BufReader<TcpStream>, BufReader<TcpStream>) {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let client = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+        let (server, _) = listener.accept().unwrap_or_else(|e| panic!("{e}"));
+        (BufReader::new(server), BufReader::new(client))
+    }
+
+    #[test]
+    fn the_same_secret_links_and_the_node_is_proved() {
+        let (mut server, mut client) = pair();
+        let joined = std::thread::spawn(move || join(&mut client, "s3cret", 2));
+        assert_eq!(accept(&mut server, "s3cret"), Ok(2));
+        assert_eq!(joined.join().ok(), Some(Ok(())));
+    }
+
+    #[test]
+    fn another_secret_is_refused_on_both_sides() {
+        let (mut server, mut client) = pair();
+        let joined = std::thread::spawn(move || join(&mut client, "other", 1));
+        assert_eq!(accept(&mut server, "s3cret"), Err(AuthError::BadProof));
+        drop(server);
+        let refused = joined.join().ok();
+        assert!(
+            matches!(&refused, Some(Err(AuthError::Refused(why))) if why.contains("secret")),
+            "{refused:?}"
+        );
+        // Node 0's answer is checked too: an imposter that accepts any hello.
+        let (server, mut client) = pair();
+        let imposter = std::thread::spawn(move || {
+            let mut server = server;
+            send(server.get_ref(), &format!("{GREETING} abc"))?;
+            read_line(&mut server)?;
+            send(server.get_ref(), "WELCOME 00")
+        });
+        assert_eq!(join(&mut client, "s3cret", 1), Err(AuthError::BadProof));
+        assert_eq!(imposter.join().ok(), Some(Ok(())));
+    }
+
+    #[test]
+    fn a_stranger_s_line_is_a_protocol_error() {
+        let (mut server, client) = pair();
+        send(
+            &client
+                .get_ref()
+                .try_clone()
+                .unwrap_or_else(|e| panic!("{e}")),
+            "QUIT 1 bye",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let got = accept(&mut server, "s3cret");
+        assert!(
+            matches!(got, Err(AuthError::Protocol(ref l)) if l.contains("QUIT")),
+            "{got:?}"
+        );
+        assert_eq!(random_hex(4).map(|h| h.len()).ok(), Some(8));
+    }
+}

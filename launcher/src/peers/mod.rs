@@ -1,0 +1,549 @@
+//! The launchers of a multi-node job keep one TCP link each to node 0's launcher
+//! (a star), so the gang spans nodes. Node 0 listens on the master address (never
+//! on every interface), on `--control-port` or a port the kernel picks, published
+//! with the job's secret in the run directory ([`control`]); a launcher joins only
+//! by proving it knows the secret ([`auth`]), and node 0 logs and closes any other
+//! connection, naming its address.
+//!
+//! Node 0 coordinates ([`wire`] has the lines): it waits until every node has
+//! joined, then starts each attempt with `START <attempt> <port>` (rank 0's
+//! rendezvous port, chosen free on node 0 for that attempt); the other nodes start
+//! their ranks only then, so every node runs the same attempt and none restarts
+//! alone. A rank failing on any node stops the ranks of every node at once
+//! (`FAIL`/`HUNG`, forwarded by node 0), node 0 decides whether to restart, and
+//! a node whose launcher gives up, is interrupted or dies (its link closes without
+//! `DONE` or `QUIT`) ends the job on every node, naming it.
+
+pub mod auth;
+pub mod control;
+pub mod wire;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use control::Control;
+
+/// How long a connection may take over the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Something another node said, as this launcher must act on it: a line of the
+/// protocol.
+pub use wire::Message as PeerEvent;
+
+/// Where this launcher meets the others.
+#[derive(Debug, Clone)]
+pub struct LinkSpec {
+    /// This node.
+    pub node_rank: u32,
+    /// Nodes in the job.
+    pub nnodes: u32,
+    /// Node 0's address (`--master-addr`).
+    pub master_addr: String,
+    /// A fixed control port (`--control-port`), else node 0 picks one and
+    /// publishes it in the control file.
+    pub port: Option<u16>,
+    /// The run directory's control file.
+    pub control_file: PathBuf,
+    /// The job's secret from the batch script (`VRTSPIKE_JOB_SECRET`).
+    pub secret: Option<String>,
+    /// How long the other nodes keep trying to reach node 0.
+    pub timeout: Duration,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// Open links: (node at the other end, stream).
+    links: Mutex<Vec<(u32, TcpStream)>>,
+    /// What the other nodes said, in order.
+    events: Mutex<Vec<PeerEvent>>,
+}
+
+impl Shared {
+    fn push(&self, event: PeerEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(event);
+    }
+
+    /// Sends `message` on every link except the one to `except`.
+    fn send(&self, message: &PeerEvent, except: Option<u32>) {
+        let line = message.line();
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        for (node, stream) in links.iter_mut() {
+            if Some(*node) != except {
+                let _ = stream.write_all(line.as_bytes());
+            }
+        }
+    }
+
+    fn linked(&self) -> Vec<u32> {
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.iter().map(|(node, _)| *node).collect()
+    }
+}
+
+/// This launcher's links to the other nodes' launchers (clones share them).
+#[derive(Clone)]
+pub struct PeerLinks {
+    node_rank: u32,
+    nnodes: u32,
+    shared: Arc<Shared>,
+}
+
+impl PeerLinks {
+    /// Node 0 listens and publishes its control file; the others join it, trying
+    /// for up to the spec's timeout.
+    pub fn start(spec: &LinkSpec) -> Result<PeerLinks> {
+        let shared = Arc::new(Shared::default());
+        if spec.node_rank == 0 {
+            listen(spec, shared.clone())?;
+        } else {
+            // The handshake's reader, which may hold lines node 0 sent right after.
+            let (stream, reader) = join(spec)?;
+            shared
+                .links
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((0, stream));
+            let read_shared = shared.clone();
+            std::thread::Builder::new()
+                .name("peer-node0".into())
+                .spawn(move || read_lines(reader, 0, &read_shared, false))
+                .context("starting the peer link thread")?;
+        }
+        Ok(PeerLinks {
+            node_rank: spec.node_rank,
+            nnodes: spec.nnodes,
+            shared,
+        })
+    }
+
+    /// Node 0: waits until every other node has joined (or one left, or
+    /// `interrupted` says stop); an error names the nodes that never joined.
+    pub fn wait_for_nodes(&self, timeout: Duration, interrupted: &dyn Fn() -> bool) -> Result<()> {
+        let started = Instant::now();
+        loop {
+            let linked = self.shared.linked();
+            let missing: Vec<u32> = (1..self.nnodes).filter(|n| !linked.contains(n)).collect();
+            if missing.is_empty() {
+                tracing::info!(
+                    "all {} nodes joined in {:.2} s",
+                    self.nnodes,
+                    started.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
+            if self.quit().is_some() || interrupted() {
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "node(s) {missing:?} of {} did not join node 0's launcher within {:.0} s (--peer-timeout-s)",
+                    self.nnodes,
+                    timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Node 0: tells the other nodes to start attempt `attempt` with rank 0's
+    /// store on `port`.
+    pub fn announce_start(&self, attempt: u32, port: u16) {
+        self.shared.send(&PeerEvent::Start { attempt, port }, None);
+    }
+
+    /// Another node: the rendezvous port of attempt `attempt` once node 0 starts
+    /// it (`Ok(None)`: node 0 quit or ended instead, or `interrupted` said stop).
+    pub fn wait_start(
+        &self,
+        attempt: u32,
+        timeout: Duration,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<Option<u16>> {
+        let started = Instant::now();
+        loop {
+            if let Some(port) = self.started(attempt) {
+                return Ok(Some(port));
+            }
+            if self.quit().is_some() || self.ended(0) || interrupted() {
+                return Ok(None);
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "node 0 did not start attempt {attempt} within {:.0} s (--peer-timeout-s)",
+                    timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn started(&self, attempt: u32) -> Option<u16> {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events.iter().find_map(|event| match event {
+            PeerEvent::Start { attempt: a, port } if *a == attempt => Some(*port),
+            _ => None,
+        })
+    }
+
+    /// Tells the other nodes that attempt `attempt` failed here (`hung`: a rank
+    /// was found stopped or hung: they save their stacks too).
+    pub fn report_failure(&self, attempt: u32, cause: &str, hung: bool) {
+        self.shared.send(
+            &PeerEvent::Fail {
+                attempt,
+                node: self.node_rank,
+                hung,
+                cause: cause.to_string(),
+            },
+            None,
+        );
+    }
+
+    /// Tells the other nodes how this launcher ends: `Some(cause)` = it gives up.
+    pub fn report_end(&self, gave_up: Option<&str>) {
+        let message = match gave_up {
+            Some(cause) => PeerEvent::Quit {
+                node: self.node_rank,
+                cause: cause.to_string(),
+            },
+            None => PeerEvent::Done {
+                node: self.node_rank,
+            },
+        };
+        self.shared.send(&message, None);
+    }
+
+    /// What the other nodes have said that stops attempt `attempt` here: a failure
+    /// of that attempt elsewhere, or a node that quit.
+    pub fn stop_reason(&self, attempt: u32) -> Option<PeerEvent> {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events
+            .iter()
+            .find(|event| match event {
+                PeerEvent::Fail { attempt: a, .. } => *a == attempt,
+                PeerEvent::Quit { .. } => true,
+                PeerEvent::Start { .. } | PeerEvent::Done { .. } => false,
+            })
+            .cloned()
+    }
+
+    /// A node that left the job for good, if any.
+    pub fn quit(&self) -> Option<PeerEvent> {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events
+            .iter()
+            .find(|event| matches!(event, PeerEvent::Quit { .. }))
+            .cloned()
+    }
+
+    /// Whether `node` said it ended normally.
+    pub fn ended(&self, node: u32) -> bool {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events
+            .iter()
+            .any(|event| matches!(event, PeerEvent::Done { node: n } if *n == node))
+    }
+
+    /// The nodes that ended normally (a restart would wait for their ranks forever).
+    pub fn ended_nodes(&self) -> Vec<u32> {
+        (0..self.nnodes).filter(|n| self.ended(*n)).collect()
+    }
+}
+
+/// The local address `master_addr` names, with `port`: node 0 listens there only.
+fn listen_addr(master_addr: &str, port: u16) -> Result<TcpListener> {
+    let addrs: Vec<SocketAddr> = (master_addr, port)
+        .to_socket_addrs()
+        .with_context(|| format!("resolving the master address {master_addr:?} (--master-addr)"))?
+        .collect();
+    let mut last = None;
+    for addr in &addrs {
+        match TcpListener::bind(addr) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(format!("{addr}: {e}")),
+        }
+    }
+    bail!(
+        "node 0 cannot listen on the master address {master_addr:?} ({}): it must be an \
+         address of this node that the other nodes reach (--master-addr)",
+        last.unwrap_or_else(|| "it resolves to nothing".into())
+    )
+}
+
+/// Node 0: binds the control port on the master address, publishes it with the
+/// secret, and accepts the other launchers on a thread.
+fn listen(spec: &LinkSpec, shared: Arc<Shared>) -> Result<()> {
+    let listener = listen_addr(&spec.master_addr, spec.port.unwrap_or(0))?;
+    let local = listener
+        .local_addr()
+        .context("reading the control port node 0 bound")?;
+    let secret = match &spec.secret {
+        Some(secret) => secret.clone(),
+        None => auth::random_hex(32).context("making the job's secret")?,
+    };
+    Control {
+        addr: local.ip().to_string(),
+        port: local.port(),
+        secret: secret.clone(),
+        pid: std::process::id(),
+    }
+    .write(&spec.control_file)?;
+    tracing::info!(
+        "control link on {local} (published in {})",
+        spec.control_file.display()
+    );
+    let nnodes = spec.nnodes;
+    std::thread::Builder::new()
+        .name("peer-accept".into())
+        .spawn(move || accept_loop(listener, shared, &secret, nnodes))
+        .context("starting the peer link thread")?;
+    Ok(())
+}
+
+/// Another node: joins node 0's launcher, reading its port and the secret from
+/// the control file unless given, trying until the timeout.
+fn join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
+    let started = Instant::now();
+    loop {
+        let last_error = match try_join(spec) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => format!("{e:#}"),
+        };
+        if started.elapsed() > spec.timeout {
+            bail!(
+                "cannot join node 0's launcher at {} within {:.0} s (--peer-timeout-s): {last_error}",
+                spec.master_addr,
+                spec.timeout.as_secs_f64()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn try_join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
+    let published = match (spec.port, &spec.secret) {
+        (Some(_), Some(_)) => None,
+        _ => Some(Control::read(&spec.control_file).context(
+            "node 0's control file (share the run dir, or give --control-port and VRTSPIKE_JOB_SECRET)",
+        )?),
+    };
+    let port = spec.port.or(published.as_ref().map(|c| c.port));
+    let secret = spec.secret.clone().or(published.map(|c| c.secret));
+    let (Some(port), Some(secret)) = (port, secret) else {
+        bail!("no control port or secret");
+    };
+    let addr = (spec.master_addr.as_str(), port)
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {}", spec.master_addr))?
+        .next()
+        .with_context(|| format!("{} resolves to nothing", spec.master_addr))?;
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    auth::join(&mut reader, &secret, spec.node_rank).with_context(|| format!("at {addr}"))?;
+    stream.set_read_timeout(None)?;
+    Ok((stream, reader))
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes: u32) {
+    for stream in listener.incoming().flatten() {
+        let (shared, secret) = (shared.clone(), secret.to_string());
+        let _ = std::thread::Builder::new()
+            .name("peer-link".into())
+            .spawn(move || admit(stream, &shared, &secret, nnodes));
+    }
+}
+
+/// Node 0: the handshake of one connection, then its lines until it closes.
+fn admit(stream: TcpStream, shared: &Shared, secret: &str, nnodes: u32) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+    let refuse = |why: &str| tracing::warn!("refused a control connection from {peer}: {why}");
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut reader = BufReader::new(clone);
+    let node = match auth::accept(&mut reader, secret) {
+        Ok(node) => node,
+        Err(e) => return refuse(&e.to_string()),
+    };
+    if node == 0 || node >= nnodes {
+        return refuse(&format!("node {node} is not among nodes 1..{nnodes}"));
+    }
+    if shared.linked().contains(&node) {
+        return refuse(&format!("node {node} has joined already"));
+    }
+    let _ = stream.set_read_timeout(None);
+    tracing::info!("node {node} joined from {peer}");
+    shared
+        .links
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((node, stream));
+    read_lines(reader, node, shared, true);
+}
+
+/// Reads a link until it closes; `forward` (node 0) passes each line on to the
+/// other nodes. A link that closes without `DONE` or `QUIT` is that node's
+/// launcher going away.
+fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward: bool) {
+    let mut ended = false;
+    for line in reader.lines() {
+        let Ok(line) = line else { break };
+        let Some(message) = PeerEvent::parse(&line) else {
+            tracing::warn!("node {from} said something unknown: {line:?}");
+            continue;
+        };
+        if let PeerEvent::Quit { node, .. } | PeerEvent::Done { node } = &message {
+            ended |= *node == from;
+        }
+        shared.push(message.clone());
+        if forward {
+            shared.send(&message, Some(from));
+        }
+    }
+    if !ended {
+        let message = PeerEvent::Quit {
+            node: from,
+            cause: format!("the launcher of node {from} went away"),
+        };
+        shared.push(message.clone());
+        if forward {
+            shared.send(&message, Some(from));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn control_file(run_dir: &Path) -> PathBuf {
+        vrtspike_contract::rundir::RunLayout::new(run_dir).control_file()
+    }
+
+    fn spec(node_rank: u32, run_dir: &Path) -> LinkSpec {
+        LinkSpec {
+            node_rank,
+            nnodes: 3,
+            master_addr: "127.0.0.1".into(),
+            port: None,
+            control_file: control_file(run_dir),
+            secret: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn nodes_join_through_the_control_file_and_hear_each_other_through_node_0() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let node0 = PeerLinks::start(&spec(0, tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(
+            control.port > 0 && control.secret.len() == 64,
+            "{control:?}"
+        );
+        let node1 = PeerLinks::start(&spec(1, tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        let node2 = PeerLinks::start(&spec(2, tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        node0
+            .wait_for_nodes(Duration::from_secs(10), &|| false)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+
+        node0.announce_start(0, 40123);
+        let port = node2.wait_start(0, Duration::from_secs(10), &|| false);
+        assert_eq!(port.ok(), Some(Some(40123)));
+
+        node1.report_failure(0, "rank 2 exited with code 3", false);
+        let expected = PeerEvent::Fail {
+            attempt: 0,
+            node: 1,
+            hung: false,
+            cause: "rank 2 exited with code 3".into(),
+        };
+        for links in [&node0, &node2] {
+            wait_for("the failure", || links.stop_reason(0).is_some());
+            assert_eq!(links.stop_reason(0), Some(expected.clone()));
+        }
+        // The sender does not hear its own failure back, and attempt 1 is untouched.
+        assert_eq!(node1.stop_reason(0), None);
+        assert_eq!(node2.stop_reason(1), None);
+
+        // Node 2 ends normally, then node 1's launcher vanishes.
+        node2.report_end(None);
+        wait_for("node 2's end", || node0.ended(2));
+        assert_eq!(node0.ended_nodes(), [2]);
+        if let Ok(links) = node1.shared.links.lock() {
+            for (_, stream) in links.iter() {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        wait_for("node 1's departure", || node0.quit().is_some());
+        match node0.quit() {
+            Some(PeerEvent::Quit { node: 1, cause }) => {
+                assert!(cause.contains("went away"), "{cause}")
+            }
+            other => panic!("node 0 saw {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_connection_without_the_secret_is_refused_and_cannot_stop_the_job() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let node0 = PeerLinks::start(&spec(0, tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        // A stranger who can reach the port says QUIT without a handshake.
+        let mut stranger =
+            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
+        let _ = stranger.write_all(b"HELLO 1 abc 00\nQUIT 1 bye\nFAIL 0 1 boom\n");
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stranger, &mut rest);
+        assert!(!rest.contains("WELCOME"), "{rest}");
+        // Another job's launcher (another secret) is refused as well.
+        let mut other = spec(1, tmp.path());
+        other.port = Some(control.port);
+        other.secret = Some("not-the-secret".into());
+        other.timeout = Duration::from_millis(300);
+        let err = PeerLinks::start(&other).err().map(|e| format!("{e:#}"));
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("secret")),
+            "{err:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(node0.quit(), None);
+        assert_eq!(node0.stop_reason(0), None);
+        assert!(node0.shared.linked().is_empty());
+    }
+
+    #[test]
+    fn node_0_listens_only_on_the_master_address() {
+        let err = listen_addr("192.0.2.1", 0).err().map(|e| format!("{e:#}"));
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("--master-addr")),
+            "{err:?}"
+        );
+        let listener = listen_addr("127.0.0.1", 0).unwrap_or_else(|e| panic!("{e:#}"));
+        let ip = listener.local_addr().map(|a| a.ip().to_string()).ok();
+        assert_eq!(ip.as_deref(), Some("127.0.0.1"));
+    }
+}

@@ -1,0 +1,143 @@
+//! The lines the launchers of a job say to each other once linked (after the
+//! handshake of [`super::auth`]):
+//!
+//! - `START <attempt> <port>`: node 0 starts attempt `attempt` (the restart count)
+//!   with rank 0's rendezvous store on `port`; the other nodes start only then.
+//! - `FAIL <attempt> <node> <cause>`: that attempt failed on that node: stop it.
+//! - `HUNG <attempt> <node> <cause>`: the same, because a rank was found stopped
+//!   or hung: every node saves its ranks' stacks before stopping them.
+//! - `QUIT <node> <cause>`: that node left the job for good: give up.
+//! - `DONE <node>`: that node ended normally.
+
+/// One line of the protocol, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Node 0 starts an attempt.
+    Start {
+        /// The attempt (restart count).
+        attempt: u32,
+        /// Rank 0's rendezvous port for it.
+        port: u16,
+    },
+    /// An attempt failed on a node.
+    Fail {
+        /// The attempt.
+        attempt: u32,
+        /// Where.
+        node: u32,
+        /// A stopped or hung rank (every node saves its stacks).
+        hung: bool,
+        /// Why.
+        cause: String,
+    },
+    /// A node left the job for good.
+    Quit {
+        /// The node.
+        node: u32,
+        /// Why.
+        cause: String,
+    },
+    /// A node ended normally.
+    Done {
+        /// The node.
+        node: u32,
+    },
+}
+
+impl Message {
+    /// Parses one line; `None` for anything else.
+    pub fn parse(line: &str) -> Option<Message> {
+        let (kind, rest) = line.trim_end().split_once(' ')?;
+        let mut fields = rest.splitn(3, ' ');
+        let mut number = || fields.next()?.parse::<u32>().ok();
+        match kind {
+            "START" => {
+                let attempt = number()?;
+                let port = u16::try_from(number()?).ok()?;
+                Some(Message::Start { attempt, port })
+            }
+            "FAIL" | "HUNG" => {
+                let (attempt, node) = (number()?, number()?);
+                Some(Message::Fail {
+                    attempt,
+                    node,
+                    hung: kind == "HUNG",
+                    cause: fields.next().unwrap_or("").to_string(),
+                })
+            }
+            "QUIT" => {
+                let (node, cause) = rest.split_once(' ').unwrap_or((rest, ""));
+                Some(Message::Quit {
+                    node: node.parse().ok()?,
+                    cause: cause.to_string(),
+                })
+            }
+            "DONE" => Some(Message::Done {
+                node: rest.trim().parse().ok()?,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The line, newline included (a cause is kept on one line).
+    pub fn line(&self) -> String {
+        let flat = |cause: &str| cause.replace(['\n', '\r'], " ");
+        match self {
+            Message::Start { attempt, port } => format!("START {attempt} {port}\n"),
+            Message::Fail {
+                attempt,
+                node,
+                hung,
+                cause,
+            } => format!(
+                "{} {attempt} {node} {}\n",
+                if *hung { "HUNG" } else { "FAIL" },
+                flat(cause)
+            ),
+            Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
+            Message::Done { node } => format!("DONE {node}\n"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        for message in [
+            Message::Start {
+                attempt: 3,
+                port: 41234,
+            },
+            Message::Fail {
+                attempt: 2,
+                node: 1,
+                hung: false,
+                cause: "rank 3 (pid 9) exited with code 3".into(),
+            },
+            Message::Fail {
+                attempt: 0,
+                node: 1,
+                hung: true,
+                cause: "stopped: rank 1 (node 1) in phase forward at step 5".into(),
+            },
+            Message::Quit {
+                node: 0,
+                cause: "no restart left".into(),
+            },
+            Message::Done { node: 4 },
+        ] {
+            assert_eq!(Message::parse(&message.line()), Some(message.clone()));
+        }
+        assert_eq!(Message::parse("NOPE 1"), None);
+        assert_eq!(Message::parse("FAIL x 1 y"), None);
+        assert_eq!(Message::parse("START 1 70000"), None);
+        let multi = Message::Quit {
+            node: 1,
+            cause: "a\nb".into(),
+        };
+        assert_eq!(multi.line(), "QUIT 1 a b\n");
+    }
+}
