@@ -376,12 +376,13 @@ mod tests {
                 .unwrap();
         }
         drop(file);
-        let start = std::time::Instant::now();
+        // The refusal names the size check, which runs before any buffer is sized
+        // from the shapes: were the names built first, this would exhaust memory.
+        // (No wall-clock bound: other tests hold the hdf5 crate's global lock.)
         let err = H5Session::open(&path, 1).unwrap_err().to_string();
         assert!(
             err.contains("forged.h5") && err.contains("never written"),
             "{err}"
         );
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 }

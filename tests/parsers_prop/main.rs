@@ -23,6 +23,11 @@ use std::time::Instant;
 use proptest::strategy::Strategy;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
+/// The bound on one case's time: a guard against a hang or a size-driven loop (the
+/// faults these properties found took hours or exhausted memory), far above a
+/// case's normal milliseconds, so a loaded 2-core CI machine cannot trip it.
+pub const HANG_GUARD: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The system allocator, noting the largest single request of each thread while
 /// [`largest_allocation`] watches it.
 struct Watched;
