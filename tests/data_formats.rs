@@ -65,6 +65,29 @@ fn h5_sessions_hold_the_same_records_as_the_folder_layout() {
     assert_eq!(records(&c), records(&a));
 }
 
+#[test]
+fn a_session_locked_by_another_descriptor_still_opens() {
+    // libhdf5 opens files without O_CLOEXEC, so a child spawned while a writer had a
+    // session open keeps the writer's exclusive lock; a cluster file system may not
+    // lock at all. Readers take no lock, so neither refuses them.
+    let dir = tempfile::tempdir().unwrap();
+    synth::generate_h5(dir.path(), &options(), &|_| {}).unwrap();
+    let path = dir.path().join("train/SYN04_000.h5");
+    let held = std::fs::File::open(&path).unwrap();
+    // SAFETY: flock on a descriptor this test owns for the call's duration.
+    let locked = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&held),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    };
+    assert_eq!(locked, 0, "the test could not take the lock itself");
+    let index = DatasetIndex::open(dir.path(), "train", IndexOptions::default()).unwrap();
+    assert!(matches!(index.sequences[0].storage, Storage::Hdf5(_)));
+    assert_eq!(records(&index).len(), 8);
+    drop(held);
+}
+
 /// Writes a one-frame session with `edit` applied, and returns the index error.
 fn bad_session(dir: &Path, edit: &dyn Fn(&hdf5::File)) -> String {
     let root = dir.join("bad");

@@ -193,8 +193,15 @@ impl H5Session {
     /// [`Self::open`] without the probe: what the probe child itself runs.
     pub(crate) fn open_unprobed(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
         let per_dataset = chunk_cache_mb as usize * (1 << 20) / 3;
+        // Read-only, so no file lock: a lock fails on cluster file systems without
+        // flock (Lustre, NFS), and a writer's exclusive lock lives on in any child
+        // process spawned while the writer had the file open (libhdf5 opens files
+        // without O_CLOEXEC), refusing every later reader.
         let file = File::with_options()
-            .with_fapl(|p| p.chunk_cache(CHUNK_CACHE_SLOTS, per_dataset, 0.75))
+            .with_fapl(|p| {
+                p.chunk_cache(CHUNK_CACHE_SLOTS, per_dataset, 0.75)
+                    .file_locking(false)
+            })
             .open(path)
             .map_err(|e| h5_err(path, "cannot open as HDF5", e))?;
         let spike_height = size_attr(&file, path, "spike_height")?;
