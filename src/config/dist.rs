@@ -19,6 +19,34 @@ pub enum DistBackend {
     Nccl,
 }
 
+/// How gradients are averaged over ranks (`DIST.GRAD_SYNC`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum GradSyncMode {
+    /// PyTorch DDP's Reducer: each bucket's all-reduce starts while backward goes on.
+    #[default]
+    #[serde(rename = "reducer")]
+    Reducer,
+    /// Flat buckets all-reduced one after another once backward is done (the
+    /// project's earlier path; the baseline of `make bench`'s slow-link part).
+    #[serde(rename = "after_backward")]
+    AfterBackward,
+}
+
+/// How gradient buckets travel (`DIST.GRAD_COMPRESSION`, with the Reducer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum GradCompressionMode {
+    /// In the gradients' own dtype.
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// Cast to bfloat16 for the all-reduce.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// Cast to float16 for the all-reduce.
+    #[serde(rename = "fp16")]
+    Fp16,
+}
+
 /// The `DIST` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -29,6 +57,12 @@ pub struct DistConfig {
     /// `auto`, `gloo` or `nccl`.
     #[serde(rename = "BACKEND")]
     pub backend: DistBackend,
+    /// `reducer` or `after_backward`.
+    #[serde(rename = "GRAD_SYNC")]
+    pub grad_sync: GradSyncMode,
+    /// `none`, `bf16` or `fp16` (the Reducer's communication hook).
+    #[serde(rename = "GRAD_COMPRESSION")]
+    pub grad_compression: GradCompressionMode,
 }
 
 impl Default for DistConfig {
@@ -36,6 +70,8 @@ impl Default for DistConfig {
         DistConfig {
             timeout_s: 600,
             backend: DistBackend::Auto,
+            grad_sync: GradSyncMode::Reducer,
+            grad_compression: GradCompressionMode::None,
         }
     }
 }
@@ -44,6 +80,15 @@ impl DistConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         if self.timeout_s == 0 {
             return Err(invalid("DIST", "TIMEOUT_S", "expected at least 1 second"));
+        }
+        if self.grad_sync == GradSyncMode::AfterBackward
+            && self.grad_compression != GradCompressionMode::None
+        {
+            return Err(invalid(
+                "DIST",
+                "GRAD_COMPRESSION",
+                "compression is a hook of the Reducer: it needs DIST.GRAD_SYNC reducer, not after_backward",
+            ));
         }
         Ok(())
     }

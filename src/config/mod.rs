@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
 pub use data::{Augment, BlurDir, DataConfig};
-pub use dist::{DistBackend, DistConfig};
+pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 pub use layers::{Origin, Source, ALIASES};
 pub use loader::{auto_workers, DataLoaderConfig, Workers};
 pub use log::LogConfig;
@@ -324,6 +324,30 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("DATALOADER.TOTAL_WORKERS"), "{err}");
+    }
+
+    #[test]
+    fn gradient_sync_and_compression_parse_and_conflicts_are_named() {
+        let c = parse("DIST:\n  GRAD_COMPRESSION: bf16\n").unwrap();
+        assert_eq!(
+            c.dist.grad_sync,
+            GradSyncMode::Reducer,
+            "the Reducer by default"
+        );
+        assert_eq!(c.dist.grad_compression, GradCompressionMode::Bf16);
+        let c = parse("DIST:\n  GRAD_SYNC: after_backward\n").unwrap();
+        assert_eq!(c.dist.grad_sync, GradSyncMode::AfterBackward);
+        let err = parse("DIST:\n  GRAD_SYNC: after_backward\n  GRAD_COMPRESSION: fp16\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DIST.GRAD_COMPRESSION") && err.contains("reducer"),
+            "{err}"
+        );
+        let err = parse("DIST:\n  GRAD_COMPRESSION: int8\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("DIST.GRAD_COMPRESSION"), "{err}");
     }
 
     #[test]

@@ -241,44 +241,59 @@ impl Ddp {
 
     /// A 64-bit hash of this rank's parameter values (bit-exact) and shapes.
     pub fn parameter_hash(&self) -> Result<u64, DistError> {
-        let mut hash = 0xcbf2_9ce4_8422_2325u64;
-        for param in &self.params {
-            let bytes =
-                tensor_bytes_on_host(param).map_err(tensor_err(self.rank, "parameter_hash"))?;
-            let mut crc = crc32fast::Hasher::new();
-            for dim in param.size() {
-                crc.update(&dim.to_le_bytes());
-            }
-            crc.update(&bytes);
-            hash = (hash ^ u64::from(crc.finalize())).wrapping_mul(0x0000_0100_0000_01b3);
-            hash = hash.rotate_left(17);
-        }
-        Ok(hash)
+        parameter_hash(&self.params, self.rank)
     }
 
     /// Compares every rank's [`Ddp::parameter_hash`] (for `TRAIN.PARAM_CHECK_EVERY`);
     /// fails on every rank, naming the ranks that differ from rank 0, if any.
     pub fn check_parameters(&self, group: &mut ProcessGroup, step: u64) -> Result<(), DistError> {
-        let mine = self.parameter_hash()?;
-        let all = exchange_i64(group, mine as i64)?;
-        let differing: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
-        if differing.is_empty() {
-            return Ok(());
-        }
-        let listing: Vec<String> = all
-            .iter()
-            .enumerate()
-            .map(|(r, h)| format!("rank {r} {:016x}", *h as u64))
-            .collect();
-        Err(DistError::Diverged {
-            rank: self.rank,
-            step,
-            message: format!(
-                "rank(s) {differing:?} hold different parameters from rank 0 (hashes: {})",
-                listing.join(", ")
-            ),
-        })
+        check_parameters(group, &self.params, step)
     }
+}
+
+/// A 64-bit hash of `params`' values (bit-exact) and shapes on this rank.
+pub fn parameter_hash(params: &[Tensor], rank: usize) -> Result<u64, DistError> {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for param in params {
+        let bytes = tensor_bytes_on_host(param).map_err(tensor_err(rank, "parameter_hash"))?;
+        let mut crc = crc32fast::Hasher::new();
+        for dim in param.size() {
+            crc.update(&dim.to_le_bytes());
+        }
+        crc.update(&bytes);
+        hash = (hash ^ u64::from(crc.finalize())).wrapping_mul(0x0000_0100_0000_01b3);
+        hash = hash.rotate_left(17);
+    }
+    Ok(hash)
+}
+
+/// Compares every rank's [`parameter_hash`] of `params`; fails on every rank,
+/// naming the ranks that differ from rank 0, if any.
+pub fn check_parameters(
+    group: &mut ProcessGroup,
+    params: &[Tensor],
+    step: u64,
+) -> Result<(), DistError> {
+    let rank = group.rank();
+    let mine = parameter_hash(params, rank)?;
+    let all = exchange_i64(group, mine as i64)?;
+    let differing: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    if differing.is_empty() {
+        return Ok(());
+    }
+    let listing: Vec<String> = all
+        .iter()
+        .enumerate()
+        .map(|(r, h)| format!("rank {r} {:016x}", *h as u64))
+        .collect();
+    Err(DistError::Diverged {
+        rank,
+        step,
+        message: format!(
+            "rank(s) {differing:?} hold different parameters from rank 0 (hashes: {})",
+            listing.join(", ")
+        ),
+    })
 }
 
 /// Every rank's `value`, indexed by rank (a one-hot all-reduce; exact for i64).
@@ -296,7 +311,7 @@ fn exchange_i64(group: &mut ProcessGroup, value: i64) -> Result<Vec<i64>, DistEr
 
 /// Fails on every rank unless all ranks hold the same parameter list
 /// (count, then each parameter's dtype and shape).
-fn verify_shapes(group: &mut ProcessGroup, params: &[Tensor]) -> Result<(), DistError> {
+pub(crate) fn verify_shapes(group: &mut ProcessGroup, params: &[Tensor]) -> Result<(), DistError> {
     let rank = group.rank();
     let counts = exchange_i64(group, params.len() as i64)?;
     if counts.iter().any(|&c| c != counts[0]) {

@@ -10,6 +10,12 @@ pub(crate) struct RawGroup {
     _private: [u8; 0],
 }
 
+/// Opaque handle to the shim's gradient Reducer (`struct vs_reducer`).
+#[repr(C)]
+pub(crate) struct RawReducer {
+    _private: [u8; 0],
+}
+
 /// `struct vs_cuda_mem_stats`: CUDA caching allocator figures in bytes.
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
@@ -95,6 +101,26 @@ extern "C" {
         root: c_int,
     ) -> *mut c_char;
     pub(crate) fn vs_group_barrier(group: *mut RawGroup) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn vs_reducer_new(
+        group: *mut RawGroup,
+        params: *const *mut c_void,
+        n: usize,
+        first_bucket_bytes: i64,
+        bucket_bytes: i64,
+        compression: c_int,
+        static_graph: c_int,
+        out: *mut *mut RawReducer,
+    ) -> *mut c_char;
+    pub(crate) fn vs_reducer_free(reducer: *mut RawReducer);
+    pub(crate) fn vs_reducer_forward(reducer: *mut RawReducer, sync: c_int) -> *mut c_char;
+    pub(crate) fn vs_reducer_backward(
+        group: *mut RawGroup,
+        reducer: *mut RawReducer,
+        loss: *mut c_void,
+        sync: c_int,
+        exposed_ns: *mut i64,
+    ) -> *mut c_char;
     pub(crate) fn vs_ensure_grad(param: *mut c_void) -> *mut c_char;
     pub(crate) fn vs_cuda_memory_stats(
         device: c_int,

@@ -331,6 +331,31 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Runs a collective the shim issues on this group's behalf (the Reducer's
+    /// broadcast at start, its gradient all-reduces inside backward): numbered,
+    /// observed, counted once as `op` and failing as a named [`DistError::Collective`].
+    pub(crate) fn run_in_shim(
+        &mut self,
+        op: CollectiveOp,
+        call: impl FnOnce(*mut ffi::RawGroup) -> *mut std::ffi::c_char,
+    ) -> Result<(), DistError> {
+        let seq = self.enter(op);
+        let status = call(self.raw);
+        let name = match op {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::Barrier => "barrier",
+        };
+        self.finish(name, status)?;
+        self.complete(seq);
+        match op {
+            CollectiveOp::AllReduce => self.stats.all_reduces += 1,
+            CollectiveOp::Broadcast => self.stats.broadcasts += 1,
+            CollectiveOp::Barrier => self.stats.barriers += 1,
+        }
+        Ok(())
+    }
+
     fn seq(&self) -> u64 {
         self.stats.all_reduces + self.stats.broadcasts + self.stats.barriers
     }

@@ -1,26 +1,57 @@
 //! How the ranks of a training job talk: one interface, [`Communication`], with a
 //! single-rank implementation (nothing to exchange) and a DDP one (a process group
-//! and the gradient buckets over it).
+//! and, per `DIST.GRAD_SYNC`, PyTorch DDP's Reducer overlapping the gradient
+//! all-reduces with backward, or flat buckets all-reduced after it).
 
-use tch::Tensor;
+use tch::{TchError, Tensor};
 
-use crate::config::{Config, DistBackend};
-use crate::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup, ReduceOp};
+use crate::config::{Config, DistBackend, GradCompressionMode, GradSyncMode};
+use crate::dist::{
+    check_parameters, parameter_hash, Backend, Ddp, DdpOptions, GradCompression, GradReducer,
+    GradSync, GroupOptions, ProcessGroup, ReduceOp, ReducerOptions,
+};
 
 use super::env::RankEnv;
 use super::heartbeat;
 use super::TrainError;
 
+/// Why a backward pass failed: libtorch itself (an out-of-memory, which the caller
+/// classifies) or the communication that ran inside it.
+#[derive(Debug)]
+pub enum BackwardFailure {
+    /// The autograd engine's error.
+    Torch(TchError),
+    /// A collective inside backward (the Reducer's all-reduces).
+    Comm(TrainError),
+}
+
 /// What the training loop needs from the other ranks.
 pub trait Communication {
+    /// Before each micro-batch's forward pass; `sync` says whether its backward
+    /// reduces (the optimizer step's last micro-batch).
+    fn before_forward(&mut self, _sync: GradSync) -> Result<(), TrainError> {
+        Ok(())
+    }
+    /// Back-propagates `loss` (the micro-batch's scaled loss).
+    fn backward(&mut self, loss: &Tensor, _sync: GradSync) -> Result<(), BackwardFailure> {
+        loss.f_backward().map_err(BackwardFailure::Torch)
+    }
+    /// Whether every rank must run every micro-batch's backward, a non-finite
+    /// loss's too (collectives run inside it); the step is skipped on every rank then.
+    fn backward_is_collective(&self) -> bool {
+        false
+    }
     /// `values` reduced element-wise over ranks with `op`.
     fn all_reduce(&mut self, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, TrainError>;
     /// Waits until every rank gets here.
     fn barrier(&mut self) -> Result<(), TrainError>;
-    /// Averages the accumulated gradients over ranks.
+    /// Averages the accumulated gradients over ranks (done already, inside the
+    /// last backward pass, by the Reducer).
     fn sync_gradients(&mut self) -> Result<(), TrainError>;
-    /// Seconds spent in [`Self::sync_gradients`] so far (the gradient all-reduce,
-    /// waiting for the slowest rank included); 0 for a single rank.
+    /// Seconds of gradient communication that backward did not hide, so far
+    /// (waiting for the slowest rank included): all of [`Self::sync_gradients`]
+    /// after backward; with the Reducer, from the last gradient's arrival to the
+    /// end of backward. 0 for a single rank.
     fn sync_seconds(&self) -> f64 {
         0.0
     }
@@ -52,28 +83,85 @@ impl Communication for SingleRank {
     }
 }
 
-/// Several ranks: a process group and DDP over the model's parameters.
+/// How a [`DdpComm`] averages gradients (`DIST.GRAD_SYNC`).
+#[derive(Debug)]
+enum GradAveraging {
+    /// PyTorch DDP's Reducer, overlapped with backward.
+    Reducer(GradReducer),
+    /// Flat buckets all-reduced after backward.
+    AfterBackward(Ddp),
+}
+
+/// Several ranks: a process group and gradient averaging over the model's parameters.
 #[derive(Debug)]
 pub struct DdpComm {
     group: ProcessGroup,
-    ddp: Ddp,
+    averaging: GradAveraging,
+    params: Vec<Tensor>,
     sync_seconds: f64,
 }
 
 impl DdpComm {
-    /// Wraps `params` (every rank's in the same order), which takes rank 0's values.
-    pub fn new(mut group: ProcessGroup, params: &[Tensor]) -> Result<DdpComm, TrainError> {
-        let handles = params.iter().map(|p| p.shallow_clone()).collect();
-        let ddp = Ddp::new(&mut group, handles, DdpOptions::default())?;
+    /// Wraps `params` (every rank's in the same order), which take rank 0's values.
+    pub fn new(
+        mut group: ProcessGroup,
+        params: &[Tensor],
+        mode: GradSyncMode,
+        compression: GradCompressionMode,
+    ) -> Result<DdpComm, TrainError> {
+        let handles = || params.iter().map(|p| p.shallow_clone()).collect();
+        let averaging = match mode {
+            GradSyncMode::Reducer => {
+                let options = ReducerOptions {
+                    compression: match compression {
+                        GradCompressionMode::None => GradCompression::None,
+                        GradCompressionMode::Bf16 => GradCompression::Bf16,
+                        GradCompressionMode::Fp16 => GradCompression::Fp16,
+                    },
+                    ..ReducerOptions::default()
+                };
+                GradAveraging::Reducer(GradReducer::new(&mut group, handles(), options)?)
+            }
+            GradSyncMode::AfterBackward => GradAveraging::AfterBackward(Ddp::new(
+                &mut group,
+                handles(),
+                DdpOptions::default(),
+            )?),
+        };
         Ok(DdpComm {
             group,
-            ddp,
+            averaging,
+            params: handles(),
             sync_seconds: 0.0,
         })
     }
 }
 
 impl Communication for DdpComm {
+    fn before_forward(&mut self, sync: GradSync) -> Result<(), TrainError> {
+        match &mut self.averaging {
+            GradAveraging::Reducer(reducer) => Ok(reducer.before_forward(sync)?),
+            GradAveraging::AfterBackward(_) => Ok(()),
+        }
+    }
+
+    fn backward(&mut self, loss: &Tensor, sync: GradSync) -> Result<(), BackwardFailure> {
+        match &mut self.averaging {
+            GradAveraging::Reducer(reducer) => {
+                let exposed = reducer
+                    .backward(&mut self.group, loss, sync)
+                    .map_err(|e| BackwardFailure::Comm(e.into()))?;
+                self.sync_seconds += exposed.as_secs_f64();
+                Ok(())
+            }
+            GradAveraging::AfterBackward(_) => loss.f_backward().map_err(BackwardFailure::Torch),
+        }
+    }
+
+    fn backward_is_collective(&self) -> bool {
+        matches!(self.averaging, GradAveraging::Reducer(_))
+    }
+
     fn all_reduce(&mut self, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, TrainError> {
         let mut t = Tensor::from_slice(values);
         self.group.all_reduce(&mut t, op)?;
@@ -85,8 +173,11 @@ impl Communication for DdpComm {
     }
 
     fn sync_gradients(&mut self) -> Result<(), TrainError> {
+        let GradAveraging::AfterBackward(ddp) = &mut self.averaging else {
+            return Ok(());
+        };
         let started = std::time::Instant::now();
-        let result = self.ddp.sync_gradients(&mut self.group);
+        let result = ddp.sync_gradients(&mut self.group);
         self.sync_seconds += started.elapsed().as_secs_f64();
         Ok(result?)
     }
@@ -96,8 +187,8 @@ impl Communication for DdpComm {
     }
 
     fn check_parameters(&mut self, step: u64) -> Result<Option<u64>, TrainError> {
-        self.ddp.check_parameters(&mut self.group, step)?;
-        Ok(Some(self.ddp.parameter_hash()?))
+        check_parameters(&mut self.group, &self.params, step)?;
+        Ok(Some(parameter_hash(&self.params, self.group.rank())?))
     }
 }
 
@@ -121,15 +212,22 @@ pub fn process_group(config: &Config, env: &RankEnv) -> Result<ProcessGroup, Tra
     Ok(group)
 }
 
-/// The communication of this rank: DDP over `params` when the job has several
-/// ranks, else nothing.
+/// The communication of this rank: gradient averaging over `params` per
+/// `DIST.GRAD_SYNC` when the job has several ranks, else nothing.
 pub fn connect(
     config: &Config,
     env: &RankEnv,
     params: &[Tensor],
 ) -> Result<Box<dyn Communication>, TrainError> {
     if env.distributed() {
-        Ok(Box::new(DdpComm::new(process_group(config, env)?, params)?))
+        let group = process_group(config, env)?;
+        let dist = &config.dist;
+        Ok(Box::new(DdpComm::new(
+            group,
+            params,
+            dist.grad_sync,
+            dist.grad_compression,
+        )?))
     } else {
         Ok(Box::new(SingleRank))
     }

@@ -218,7 +218,12 @@ impl AdamW {
         for p in &mut self.params {
             let mut grad = p.grad();
             if grad.defined() {
-                let _ = grad.detach_().zero_();
+                // In place, never replaced: under the Reducer a gradient is a view of
+                // its bucket (which cannot be detached in place; it has no history).
+                if grad.requires_grad() {
+                    let _ = grad.detach_();
+                }
+                let _ = grad.zero_();
             }
         }
     }

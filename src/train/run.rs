@@ -12,7 +12,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::Config;
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
-use crate::dist::ReduceOp;
+use crate::dist::{GradSync, ReduceOp};
 use crate::eval::quality::QualitySums;
 use crate::model::Restorer;
 use crate::monitor::memory::MemoryMonitor;
@@ -22,7 +22,7 @@ use crate::pipeline::sampler::{DistributedSampler, SamplerOptions, SamplerState}
 
 use super::amp::{AmpMode, GradScaler};
 use super::checkpoint::{self, TrainState};
-use super::comm::{self, Communication};
+use super::comm::{self, BackwardFailure, Communication};
 use super::env::RankEnv;
 use super::heartbeat::{self, Phase};
 use super::loader_plan::{LoaderPlan, NodeFacts};
@@ -590,7 +590,8 @@ impl Run<'_> {
         let accum = tc.gradient_accumulation_steps as usize;
         let (model, amp) = (&self.model.model, self.model.amp);
         let mut local = LocalStep::default();
-        for _ in 0..accum {
+        for micro in 0..accum {
+            let sync = GradSync::for_micro_batch(micro, accum);
             heartbeat::beat(self.state.step, Phase::Data);
             let batch = next_batch(&mut self.data.loader)?;
             let (blur, sharp, voxels) = batch.to_tensors(self.env.device)?;
@@ -604,6 +605,7 @@ impl Run<'_> {
             heartbeat::beat(self.state.step, Phase::Forward);
             let device = self.env.device;
             oom::test_hook(OomPhase::Forward, device).map_err(|e| site.torch(e))?;
+            self.comm.before_forward(sync)?;
             let output = amp
                 .run(|| model.forward(&blur, voxels, true))
                 .map_err(|e| site.model(e))?;
@@ -621,12 +623,21 @@ impl Run<'_> {
             local.samples += batch.samples.len();
             if value.is_finite() {
                 local.loss += value;
+            }
+            // With the Reducer every rank's backward takes part in the all-reduces,
+            // a non-finite loss's too (its gradients are not used: the step is
+            // skipped on every rank).
+            if value.is_finite() || self.comm.backward_is_collective() {
                 heartbeat::beat(self.state.step, Phase::Backward);
                 let site = site.in_phase(OomPhase::Backward);
                 oom::test_hook(OomPhase::Backward, device).map_err(|e| site.torch(e))?;
                 let scaled = self.state.scaler.scale_loss(&loss);
-                scaled.f_backward().map_err(|e| site.torch(e))?;
-            } else {
+                self.comm.backward(&scaled, sync).map_err(|e| match e {
+                    BackwardFailure::Torch(e) => site.torch(e),
+                    BackwardFailure::Comm(e) => e,
+                })?;
+            }
+            if !value.is_finite() {
                 local.nonfinite = true;
                 local.bad_samples.extend(
                     batch

@@ -1,10 +1,12 @@
 // c10d shim: exposes libtorch's distributed engine (TCPStore + PrefixStore
 // rendezvous, ProcessGroupGloo, ProcessGroupNCCL when built with
-// VS_WITH_NCCL, the CUDA caching allocator's statistics) through a C ABI
+// VS_WITH_NCCL, PyTorch DDP's gradient Reducer, the CUDA caching allocator's
+// statistics) through a C ABI
 // for the Rust side (src/dist/ffi.rs). No C++ exception crosses this
 // boundary: every entry point catches and returns an owned error string
 // (NULL on success) that the caller frees with vs_string_free.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -20,9 +22,14 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #ifdef VS_WITH_NCCL
 #include <ATen/cuda/CUDAContextLight.h>
@@ -65,6 +72,17 @@ struct vs_group {
   // Collectives this rank has entered; posted to the store before each one so
   // that a failed rank can tell which peers never reached it.
   uint64_t seq = 0;
+  // The backend as a c10d::ProcessGroup (what the Reducer drives), made on
+  // first use.
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+};
+
+// PyTorch DDP's Reducer over one group's parameters (see vs_reducer_new).
+struct vs_reducer {
+  std::unique_ptr<c10d::Reducer> reducer;
+  bool static_graph = false;
+  // Backward passes that reduced gradients so far.
+  uint64_t synced_backwards = 0;
 };
 
 // What the linked libtorch offers on the CUDA side (mirrors `RawCudaRuntime`).
@@ -474,6 +492,172 @@ char* vs_cuda_empty_cache() {
       c10::cuda::CUDACachingAllocator::emptyCache();
     }
 #endif
+  });
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------
+// Gradient reduction overlapped with backward: PyTorch DDP's c10d::Reducer
+// (torch/csrc/distributed/c10d/reducer.hpp; Li et al., "PyTorch Distributed",
+// VLDB 2020). Autograd hooks on each parameter's gradient accumulator mark it
+// ready; a bucket's all-reduce starts once its last gradient exists, while
+// backward goes on. The caller drives one iteration as Python's
+// DistributedDataParallel does: vs_reducer_forward before each forward pass,
+// vs_reducer_backward for its backward pass.
+
+// Gradient compression codes (mirrors `GradCompression` in src/dist/ffi.rs).
+constexpr int kCompressNone = 0;
+constexpr int kCompressFp16 = 1;
+constexpr int kCompressBf16 = 2;
+
+namespace {
+
+// The group's backend wrapped as the c10d::ProcessGroup the Reducer takes.
+c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(vs_group* group) {
+  if (!group->process_group) {
+    auto pg = c10::make_intrusive<c10d::ProcessGroup>(group->store, group->rank, group->world);
+    const bool nccl = group->backend_kind == kBackendNccl;
+    const auto type = nccl ? c10d::ProcessGroup::BackendType::NCCL
+                           : c10d::ProcessGroup::BackendType::GLOO;
+    pg->setBackend(nccl ? c10::DeviceType::CUDA : c10::DeviceType::CPU, type, group->backend);
+    pg->setDefaultBackend(type);
+    group->process_group = pg;
+  }
+  return group->process_group;
+}
+
+// Averages a bucket in bfloat16: libtorch has FP16_COMPRESS built in but its
+// bfloat16 twin only in Python (torch.distributed.algorithms.ddp_comm_hooks).
+// Divides before the all-reduce so the sum cannot overflow, then writes the
+// result back into the bucket in its own dtype.
+class Bf16CompressHook
+    : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  explicit Bf16CompressHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+      : CppCommHookInterface(pg) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    compressed.div_(state_->getSize());
+    std::vector<at::Tensor> tensors{compressed};
+    auto reduced = state_->allreduce(tensors)->getFuture();
+    at::Tensor target = bucket.getBufferRef();
+    auto back = [target](c10::ivalue::Future& done) {
+      auto result = done.value().toTensorVector();
+      TORCH_CHECK(!result.empty(), "bf16 all-reduce returned no tensor");
+      target.copy_(result[0]);
+      return c10::IValue(target);
+    };
+    return reduced->then(back, reduced->elementType());
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Overwrites every rank's `params` with rank 0's (as DDP does at construction)
+// and builds a Reducer over them: PyTorch DDP's buckets (the first capped at
+// `first_bucket_bytes`, the rest at `bucket_bytes`; rebuilt after the first
+// reducing iteration in the order gradients arrived), gradients as bucket views,
+// every parameter expected to get a gradient. `static_graph` is DDP's
+// static_graph=True: the hooks a parameter fires per backward are counted in the
+// first iteration, which lets reentrant activation checkpointing (a parameter's
+// accumulator firing once per recomputed block) work. `compression` picks the
+// communication hook.
+char* vs_reducer_new(vs_group* group, at::Tensor* const* params, size_t n,
+                     int64_t first_bucket_bytes, int64_t bucket_bytes, int compression,
+                     int static_graph, vs_reducer** out) {
+  *out = nullptr;
+  return collective(group, "broadcast", [&] {
+    if (n == 0) throw std::invalid_argument("the Reducer needs at least one parameter");
+    if (compression != kCompressNone && compression != kCompressFp16 &&
+        compression != kCompressBf16) {
+      throw std::invalid_argument("unknown gradient compression " + std::to_string(compression));
+    }
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(n);
+    for (size_t i = 0; i < n; ++i) tensors.push_back(*params[i]);
+    auto pg = process_group_of(group);
+    {
+      at::NoGradGuard no_grad;
+      c10d::broadcast_coalesced(pg, tensors, 250u << 20, 0);
+    }
+    const std::vector<size_t> caps{static_cast<size_t>(first_bucket_bytes),
+                                   static_cast<size_t>(bucket_bytes)};
+    auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
+        tensors, caps, std::vector<bool>(n, false));
+    // The last parameters' gradients come first in backward: reduce their buckets first.
+    std::reverse(indices.begin(), indices.end());
+    std::vector<int64_t> per_bucket(limits.rbegin(), limits.rend());
+    auto state = std::make_unique<vs_reducer>();
+    state->reducer = std::make_unique<c10d::Reducer>(
+        tensors, std::move(indices), pg, std::vector<bool>(n, false), bucket_bytes,
+        /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/true,
+        std::unordered_map<size_t, std::string>{}, first_bucket_bytes,
+        /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
+        std::move(per_bucket));
+    if (static_graph != 0) {
+      state->reducer->set_static_graph();
+      state->static_graph = true;
+    }
+    if (compression == kCompressFp16) {
+      state->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+    } else if (compression == kCompressBf16) {
+      state->reducer->register_comm_hook(std::make_unique<Bf16CompressHook>(pg));
+    }
+    *out = state.release();
+  });
+}
+
+void vs_reducer_free(vs_reducer* reducer) {
+  try {
+    delete reducer;
+  } catch (...) {
+    // ~Reducer is noexcept(false); nothing is left to report to.
+  }
+}
+
+// Before a forward pass with grad: rebuilds the buckets once gradients arrived in
+// a reducing iteration (a broadcast from rank 0, on every rank at the same
+// step), then, with `count`, counts the pass as one of the Reducer's iterations
+// (the caller counts every pass from the first reducing one on).
+char* vs_reducer_forward(vs_reducer* reducer, int count) {
+  return guarded([&] {
+    reducer->reducer->rebuild_buckets();
+    if (count != 0) reducer->reducer->prepare_for_forward();
+  });
+}
+
+// Back-propagates `loss`. With `sync`, the Reducer averages every parameter's
+// gradient over the ranks while backward runs and before this returns (in the
+// static graph's first iteration, once backward is done); without, gradients
+// accumulate locally (DDP's no_sync). `*exposed_ns` is the communication
+// backward did not hide: from the last gradient's arrival (the Reducer's
+// backward stats) to the return; the whole pass in the static graph's first
+// iteration, whose all-reduces all wait for backward's end; 0 without `sync`.
+char* vs_reducer_backward(vs_group* group, vs_reducer* reducer, at::Tensor* loss, int sync,
+                          int64_t* exposed_ns) {
+  *exposed_ns = 0;
+  if (sync == 0) {
+    return guarded([&] { torch::autograd::backward({*loss}); });
+  }
+  return collective(group, "all_reduce", [&] {
+    const auto started = std::chrono::steady_clock::now();
+    reducer->reducer->prepare_for_backward({});
+    torch::autograd::backward({*loss});
+    reducer->synced_backwards += 1;
+    int64_t last_ready = 0;
+    if (reducer->static_graph && reducer->synced_backwards == 1) {
+      reducer->reducer->delay_all_reduce();
+    } else {
+      for (int64_t t : reducer->reducer->get_backward_stats()) last_ready = std::max(last_ready, t);
+    }
+    const int64_t total = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - started)
+                              .count();
+    *exposed_ns = std::max<int64_t>(0, total - last_ready);
   });
 }
 

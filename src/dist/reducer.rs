@@ -1,0 +1,280 @@
+//! Gradient averaging overlapped with backward through PyTorch DDP's own engine,
+//! `c10d::Reducer` (libtorch_cpu; driven through the c10d shim, see
+//! `shim/c10d_shim.cpp`). Autograd hooks on each parameter's gradient accumulator
+//! mark it ready and a bucket's all-reduce starts as soon as its last gradient
+//! exists, while backward goes on (Li et al., "PyTorch Distributed: Experiences on
+//! Accelerating Data Parallel Training", VLDB 2020).
+//!
+//! One iteration, as Python's `DistributedDataParallel` drives it: [`GradReducer::before_forward`]
+//! before every micro-batch's forward pass, then [`GradReducer::backward`] instead of
+//! `loss.backward()`. Only the optimizer step's last micro-batch reduces
+//! ([`GradSync::Reduce`]); the others accumulate locally ([`GradSync::Accumulate`],
+//! DDP's `no_sync`). With [`ReducerOptions::static_graph`] (DDP's `static_graph=True`)
+//! the Reducer counts in its first reducing iteration how often each parameter's
+//! accumulator fires, which is what lets the project's reentrant activation
+//! checkpointing (one firing per recomputed block) work with it.
+//!
+//! libtorch's static graph takes the first backward pass that fires any hook as
+//! that counting iteration, reducing or not, so a `no_sync` pass before the first
+//! reducing one would be counted twice and no later bucket would ever be ready
+//! (gradients silently left unaveraged). Hence every micro-batch reduces until
+//! one has: averaging is linear and the earlier result is the same on every rank,
+//! so reducing each micro-batch of the first step gives the same gradients, for
+//! a few more all-reduces once.
+
+use std::ffi::{c_int, c_void};
+use std::time::Duration;
+
+use tch::Tensor;
+use vrtspike_contract::heartbeat::CollectiveOp;
+
+use super::ddp::{verify_shapes, BUCKET_BYTES, FIRST_BUCKET_BYTES};
+use super::error::DistError;
+use super::ffi;
+use super::group::ProcessGroup;
+
+/// How gradient buckets travel (`DIST.GRAD_COMPRESSION`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradCompression {
+    /// In the gradients' own dtype (the Reducer's default all-reduce).
+    #[default]
+    None,
+    /// Cast to float16 for the all-reduce (libtorch's built-in `FP16_COMPRESS` hook).
+    Fp16,
+    /// Cast to bfloat16 for the all-reduce (the shim's hook: libtorch has it only in Python).
+    Bf16,
+}
+
+impl GradCompression {
+    fn code(self) -> c_int {
+        match self {
+            GradCompression::None => 0,
+            GradCompression::Fp16 => 1,
+            GradCompression::Bf16 => 2,
+        }
+    }
+}
+
+/// Whether a micro-batch's backward pass reduces the gradients over ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradSync {
+    /// The optimizer step's last micro-batch: gradients are averaged over ranks.
+    Reduce,
+    /// An earlier micro-batch: gradients accumulate locally (DDP's `no_sync`).
+    Accumulate,
+}
+
+impl GradSync {
+    /// `Reduce` for the last of `count` micro-batches, else `Accumulate`.
+    pub fn for_micro_batch(index: usize, count: usize) -> GradSync {
+        if index + 1 >= count {
+            GradSync::Reduce
+        } else {
+            GradSync::Accumulate
+        }
+    }
+
+    fn flag(self) -> c_int {
+        c_int::from(self == GradSync::Reduce)
+    }
+}
+
+/// Settings of a [`GradReducer`]; the defaults are PyTorch DDP's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReducerOptions {
+    /// Cap of the first bucket (the first gradients to arrive), in bytes.
+    pub first_bucket_bytes: usize,
+    /// Cap of every later bucket, in bytes.
+    pub bucket_bytes: usize,
+    /// The communication hook.
+    pub compression: GradCompression,
+    /// DDP's `static_graph=True`: every iteration uses the same parameters the
+    /// same number of times (needed with activation checkpointing).
+    pub static_graph: bool,
+}
+
+impl Default for ReducerOptions {
+    fn default() -> Self {
+        ReducerOptions {
+            first_bucket_bytes: FIRST_BUCKET_BYTES,
+            bucket_bytes: BUCKET_BYTES,
+            compression: GradCompression::None,
+            static_graph: true,
+        }
+    }
+}
+
+/// One rank's Reducer over its model's parameters; every rank builds one over
+/// the same parameter list, in the same order.
+pub struct GradReducer {
+    raw: *mut ffi::RawReducer,
+    params: Vec<Tensor>,
+    rank: usize,
+    /// Whether a backward pass has reduced yet (see the module doc).
+    reduced_once: bool,
+}
+
+// SAFETY: the shim's Reducer is used by one thread at a time (`GradReducer` owns
+// its handle exclusively and is not `Sync`); its internal state is guarded by its
+// own mutex against the autograd threads that fire its hooks.
+unsafe impl Send for GradReducer {}
+
+impl std::fmt::Debug for GradReducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradReducer")
+            .field("params", &self.params.len())
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl GradReducer {
+    /// Checks that every rank has the same parameter dtypes and shapes, overwrites
+    /// them with rank 0's values, and hooks the Reducer onto their gradient
+    /// accumulators. Every rank must call this.
+    pub fn new(
+        group: &mut ProcessGroup,
+        params: Vec<Tensor>,
+        options: ReducerOptions,
+    ) -> Result<GradReducer, DistError> {
+        let rank = group.rank();
+        verify_shapes(group, &params)?;
+        if let Some(frozen) = params.iter().position(|p| !p.requires_grad()) {
+            return Err(DistError::Tensor {
+                rank,
+                op: "reducer init",
+                message: format!("parameter #{frozen} does not require grad"),
+            });
+        }
+        let ptrs: Vec<*mut c_void> = params.iter().map(|p| p.as_ptr() as *mut c_void).collect();
+        let caps = (
+            i64::try_from(options.first_bucket_bytes).unwrap_or(i64::MAX),
+            i64::try_from(options.bucket_bytes).unwrap_or(i64::MAX),
+        );
+        let mut raw: *mut ffi::RawReducer = std::ptr::null_mut();
+        group.run_in_shim(CollectiveOp::Broadcast, |group_raw| {
+            // SAFETY: `ptrs` holds one live `at::Tensor*` per parameter (owned by
+            // `params`, which the returned value keeps alive) and outlives the call;
+            // `raw` is written only on success.
+            unsafe {
+                ffi::vs_reducer_new(
+                    group_raw,
+                    ptrs.as_ptr(),
+                    ptrs.len(),
+                    caps.0,
+                    caps.1,
+                    options.compression.code(),
+                    c_int::from(options.static_graph),
+                    &mut raw,
+                )
+            }
+        })?;
+        if raw.is_null() {
+            return Err(DistError::Tensor {
+                rank,
+                op: "reducer init",
+                message: "the shim returned no Reducer".into(),
+            });
+        }
+        tracing::debug!(rank, params = params.len(), ?options, "reducer ready");
+        Ok(GradReducer {
+            raw,
+            params,
+            rank,
+            reduced_once: false,
+        })
+    }
+
+    /// The parameters the Reducer averages (shallow handles on the model's tensors).
+    pub fn parameters(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// Before a micro-batch's forward pass: rebuilds the buckets in the order
+    /// gradients arrived once a reducing iteration has shown it (a broadcast from
+    /// rank 0, at the same micro-batch on every rank), and counts the pass as an
+    /// iteration of the Reducer's from the first reducing one on.
+    pub fn before_forward(&mut self, sync: GradSync) -> Result<(), DistError> {
+        let count = self.reduced_once || self.effective(sync) == GradSync::Reduce;
+        // SAFETY: `self.raw` is the live Reducer this value owns.
+        let status = unsafe { ffi::vs_reducer_forward(self.raw, c_int::from(count)) };
+        ffi::take_error(status).map_err(|message| DistError::Tensor {
+            rank: self.rank,
+            op: "reducer before forward",
+            message,
+        })
+    }
+
+    /// `sync`, or `Reduce` while no backward pass has reduced yet.
+    fn effective(&self, sync: GradSync) -> GradSync {
+        if self.reduced_once {
+            sync
+        } else {
+            GradSync::Reduce
+        }
+    }
+
+    /// Back-propagates `loss`; with [`GradSync::Reduce`] (and in every pass until
+    /// one has reduced) every parameter's gradient holds the average over ranks
+    /// when this returns (one numbered all-reduce collective of `group`, whose
+    /// failure names the peers that never reached it). Returns the communication
+    /// backward did not hide: from the last gradient's arrival to the return
+    /// (zero for a pass that does not reduce).
+    pub fn backward(
+        &mut self,
+        group: &mut ProcessGroup,
+        loss: &Tensor,
+        sync: GradSync,
+    ) -> Result<Duration, DistError> {
+        let sync = self.effective(sync);
+        let loss_ptr = loss.as_ptr() as *mut c_void;
+        let reducer = self.raw;
+        let mut exposed_ns = 0i64;
+        let mut call = |group_raw| {
+            // SAFETY: the group, Reducer and loss handles are live for the call and
+            // `exposed_ns` is writable; the shim runs backward to completion first.
+            unsafe {
+                ffi::vs_reducer_backward(group_raw, reducer, loss_ptr, sync.flag(), &mut exposed_ns)
+            }
+        };
+        match sync {
+            GradSync::Reduce => {
+                group.run_in_shim(CollectiveOp::AllReduce, call)?;
+                self.reduced_once = true;
+            }
+            GradSync::Accumulate => {
+                ffi::take_error(call(std::ptr::null_mut())).map_err(|message| {
+                    DistError::Tensor {
+                        rank: self.rank,
+                        op: "backward",
+                        message,
+                    }
+                })?;
+            }
+        }
+        Ok(Duration::from_nanos(u64::try_from(exposed_ns).unwrap_or(0)))
+    }
+}
+
+impl Drop for GradReducer {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `vs_reducer_new`, is non-null, and is freed once;
+        // freeing removes its hooks from the parameters' accumulators.
+        unsafe { ffi::vs_reducer_free(self.raw) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_last_micro_batch_reduces() {
+        let syncs: Vec<GradSync> = (0..3).map(|i| GradSync::for_micro_batch(i, 3)).collect();
+        assert_eq!(
+            syncs,
+            vec![GradSync::Accumulate, GradSync::Accumulate, GradSync::Reduce]
+        );
+        assert_eq!(GradSync::for_micro_batch(0, 1), GradSync::Reduce);
+    }
+}
