@@ -5,6 +5,7 @@
 #   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
+#   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
 #   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose)
 #   make test-gpu  the GPU test suite (needs a CUDA device; fails without one)
 #   make gpu-bundle  one folder under 64 MiB that runs on a GPU host with its own torch
@@ -16,7 +17,7 @@ VENV := $(ROOT)/.venv
 STAMPS := $(ROOT)/.stamps
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
-APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++ fonts-dejavu-core
+APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++ fonts-dejavu-core iproute2
 
 # tch 0.24 binds libtorch 2.11.0 from the venv's torch wheel (torch-sys runs the
 # venv's `python` when VIRTUAL_ENV is set); build.rs sets the run-time rpath.
@@ -28,7 +29,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike clean \
+.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link clean \
 	test-gpu gpu-bundle gpu-bundle-check
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
@@ -118,6 +119,7 @@ bench: build
 	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/peer.out
 	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)
 	$(MAKE) --no-print-directory bench-model
+	$(MAKE) --no-print-directory bench-link
 
 # Model memory (issue 10): `vrtspike profile --json` of the VRT GoPro config at 6x64x64,
 # forward + backward, 2 threads: the heap before issue 10, then checkpointing off and
@@ -126,6 +128,14 @@ bench-model: build
 	@mkdir -p $(BENCH_OUT)
 	cd $(ROOT) && $(VENV)/bin/python scripts/model_memory.py --bin $(BIN) \
 	  --out $(BENCH_OUT)/model-memory.json
+
+# Gradient averaging on a slow link (issue 22): the tiny VRT-Spike on 2 CPU ranks with
+# Gloo, flat buckets after backward vs the Reducer vs the Reducer in bf16, same seed; two
+# network namespaces joined by a veth shaped to 100 Mbit/s (root; else loopback only),
+# then loopback; step time and the communication backward did not hide (~10 min).
+bench-link: build
+	@cd $(ROOT) && [ -f $(DEMO_DATA)/dataset.yaml ] || $(BIN) synth --out $(DEMO_DATA) --seqs 12 --test-seqs 4 --frames 12
+	cd $(ROOT) && $(VENV)/bin/python scripts/slow_link_bench.py --launch $(LAUNCH) --out $(BENCH_OUT)/link
 
 # Spike study (issue 10): the tiny VRT-Spike trained on the demo set twice by 2 CPU
 # ranks, MODEL.SPIKE.ENABLED true and false (same seed, data and steps), then a table

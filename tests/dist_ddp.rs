@@ -6,20 +6,15 @@
 mod dist_support;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
-use dist_support::{assert_all_ok, rank_env, run_ranks, torchrun_env};
+use dist_support::{
+    assert_all_ok, data, join, load_sorted, max_abs_diff, rank_env, run_ranks, two_ranks_writing,
+};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup};
+use vrtspike::dist::{Ddp, DdpOptions, ProcessGroup};
 
 const OUT_VAR: &str = "VRTSPIKE_TEST_OUT";
-
-fn join() -> ProcessGroup {
-    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(30))
-        .expect("torchrun env");
-    ProcessGroup::new(&options).expect("join the group")
-}
 
 /// A tiny two-conv restoration net; its initial weights follow `seed`.
 fn model(vs: &nn::VarStore, seed: i64, hidden: i64) -> impl Module {
@@ -36,15 +31,6 @@ fn model(vs: &nn::VarStore, seed: i64, hidden: i64) -> impl Module {
         .add(conv(3, hidden, "c1"))
         .add_fn(|x| x.relu())
         .add(conv(hidden, 3, "c2"))
-}
-
-/// The whole data set: `steps` steps of `per_step` samples, the same in every process.
-fn data(steps: usize, per_step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(1234);
-    let shape = [steps as i64, per_step as i64, 3, 6, 6];
-    let x = Tensor::randn(shape, (Kind::Float, Device::Cpu));
-    let y = Tensor::randn(shape, (Kind::Float, Device::Cpu));
-    (x, y)
 }
 
 #[derive(Clone, Copy)]
@@ -108,38 +94,15 @@ fn train(
     (named, buckets)
 }
 
-fn max_abs_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, ta), (nb, tb))| {
-            assert_eq!(na, nb);
-            (ta - tb).abs().max().double_value(&[])
-        })
-        .fold(0.0, f64::max)
-}
-
 fn out_path(rank: usize) -> PathBuf {
     PathBuf::from(std::env::var(OUT_VAR).expect("out dir")).join(format!("rank{rank}.ot"))
 }
 
 /// Runs `test` on 2 ranks that save their final parameters; returns them.
 fn two_rank_params(test: &str) -> Vec<Vec<(String, Tensor)>> {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let outcomes = run_ranks(
-        test,
-        2,
-        &[0, 1],
-        &[(OUT_VAR, dir.path().display().to_string())],
-    );
-    assert_all_ok(&outcomes);
+    let dir = two_ranks_writing(test, OUT_VAR);
     (0..2)
-        .map(|r| {
-            let mut named =
-                Tensor::load_multi(dir.path().join(format!("rank{r}.ot"))).expect("load");
-            named.sort_by(|a, b| a.0.cmp(&b.0));
-            named
-        })
+        .map(|r| load_sorted(&dir.path().join(format!("rank{r}.ot"))))
         .collect()
 }
 

@@ -8,25 +8,16 @@
 mod dist_support;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
-use dist_support::{assert_all_ok, rank_env, run_ranks, torchrun_env};
+use dist_support::{data, join, load_sorted, max_abs_diff, rank_env, run_ranks, two_ranks_writing};
 use tch::nn::{self, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{
-    Backend, GradCompression, GradReducer, GradSync, GroupOptions, ProcessGroup, ReducerOptions,
-};
+use tch::{Device, Tensor};
+use vrtspike::dist::{GradCompression, GradReducer, GradSync, ProcessGroup, ReducerOptions};
 use vrtspike::model::checkpoint::{checkpoint_one, on_backward};
 
 const OUT_VAR: &str = "VRTSPIKE_TEST_OUT";
 /// The rank that dies in its second step's reducing backward.
 const DIE_VAR: &str = "VRTSPIKE_TEST_DIE_IN_BACKWARD";
-
-fn join() -> ProcessGroup {
-    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(30))
-        .expect("torchrun env");
-    ProcessGroup::new(&options).expect("join the group")
-}
 
 /// conv c1 -> relu -> [c2 -> relu] -> [c2]: c2 serves two blocks; with
 /// `checkpointed` each block is recomputed in its own nested backward.
@@ -82,15 +73,6 @@ impl Net {
         let h = self.block(&h, true);
         self.block(&h, false)
     }
-}
-
-/// The whole data set: `steps` steps of `per_step` samples, the same in every process.
-fn data(steps: usize, per_step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(1234);
-    let shape = [steps as i64, per_step as i64, 3, 6, 6];
-    let x = Tensor::randn(shape, (Kind::Float, Device::Cpu));
-    let y = Tensor::randn(shape, (Kind::Float, Device::Cpu));
-    (x, y)
 }
 
 /// What one training run is.
@@ -172,17 +154,6 @@ fn zero_grads(vs: &nn::VarStore) {
     }
 }
 
-fn max_abs_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, ta), (nb, tb))| {
-            assert_eq!(na, nb);
-            (ta - tb).abs().max().double_value(&[])
-        })
-        .fold(0.0, f64::max)
-}
-
 fn out_dir() -> PathBuf {
     PathBuf::from(std::env::var(OUT_VAR).expect("out dir"))
 }
@@ -204,20 +175,8 @@ fn rank_runs(plans: &[Plan]) {
 
 /// Runs `test` on 2 ranks; returns each plan's parameters of both ranks.
 fn two_rank_results(test: &str, plans: usize) -> Vec<[Vec<(String, Tensor)>; 2]> {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let outcomes = run_ranks(
-        test,
-        2,
-        &[0, 1],
-        &[(OUT_VAR, dir.path().display().to_string())],
-    );
-    assert_all_ok(&outcomes);
-    let load = |r: usize, i: usize| {
-        let mut named =
-            Tensor::load_multi(dir.path().join(format!("rank{r}-{i}.ot"))).expect("load");
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
-    };
+    let dir = two_ranks_writing(test, OUT_VAR);
+    let load = |r: usize, i: usize| load_sorted(&dir.path().join(format!("rank{r}-{i}.ot")));
     (0..plans).map(|i| [load(0, i), load(1, i)]).collect()
 }
 
@@ -325,9 +284,6 @@ fn a_rank_killed_mid_backward_is_a_named_collective_error() {
         err.contains("BACKWARD FAILED: rank 0 of 2: all_reduce #") && err.contains("(gloo) failed"),
         "{err}"
     );
-    assert!(
-        survivor.elapsed < Duration::from_secs(25),
-        "the survivor waited out the 30 s timeout instead of seeing the peer go: {:?}",
-        survivor.elapsed
-    );
+    // Gloo saw the peer go; it did not wait out the 30 s collective timeout.
+    assert!(!err.to_lowercase().contains("timed out"), "{err}");
 }

@@ -63,6 +63,10 @@ pub struct DistConfig {
     /// `none`, `bf16` or `fp16` (the Reducer's communication hook).
     #[serde(rename = "GRAD_COMPRESSION")]
     pub grad_compression: GradCompressionMode,
+    /// Cap of a gradient bucket after the first (1 MiB), in MiB: PyTorch DDP's
+    /// `bucket_cap_mb`. Smaller buckets start their all-reduce earlier in backward.
+    #[serde(rename = "BUCKET_CAP_MB")]
+    pub bucket_cap_mb: f64,
 }
 
 impl Default for DistConfig {
@@ -72,14 +76,33 @@ impl Default for DistConfig {
             backend: DistBackend::Auto,
             grad_sync: GradSyncMode::Reducer,
             grad_compression: GradCompressionMode::None,
+            bucket_cap_mb: 25.0,
         }
     }
 }
 
 impl DistConfig {
+    /// [`Self::bucket_cap_mb`] in bytes.
+    pub fn bucket_bytes(&self) -> usize {
+        (self.bucket_cap_mb * (1u64 << 20) as f64) as usize
+    }
+
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         if self.timeout_s == 0 {
             return Err(invalid("DIST", "TIMEOUT_S", "expected at least 1 second"));
+        }
+        if !(self.bucket_cap_mb.is_finite()
+            && self.bucket_cap_mb > 0.0
+            && self.bucket_cap_mb <= 4096.0)
+        {
+            return Err(invalid(
+                "DIST",
+                "BUCKET_CAP_MB",
+                format!(
+                    "expected more than 0 and at most 4096 MiB, got {}",
+                    self.bucket_cap_mb
+                ),
+            ));
         }
         if self.grad_sync == GradSyncMode::AfterBackward
             && self.grad_compression != GradCompressionMode::None

@@ -2,9 +2,10 @@
 //! broadcast from rank 0 at start, gradients averaged in flat buckets (first
 //! ~1 MB, then ~25 MB) once per optimizer step, and a parameter-hash check.
 //!
-//! Gradients are synchronised after backward, not overlapped with it: tch
-//! exposes no autograd hooks, and a bucketed all-reduce after backward keeps
-//! gradient accumulation trivially correct (sync once, after the last micro-batch).
+//! Gradients are synchronised after backward, not overlapped with it
+//! (`DIST.GRAD_SYNC: after_backward`): the baseline of the slow-link benchmark and a
+//! path with no autograd hooks at all. Training overlaps the all-reduces with
+//! backward through PyTorch DDP's Reducer by default ([`super::reducer`]).
 
 use tch::{Device, Kind, Tensor};
 

@@ -5,7 +5,7 @@
 
 use tch::{TchError, Tensor};
 
-use crate::config::{Config, DistBackend, GradCompressionMode, GradSyncMode};
+use crate::config::{Config, DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 use crate::dist::{
     check_parameters, parameter_hash, Backend, Ddp, DdpOptions, GradCompression, GradReducer,
     GradSync, GroupOptions, ProcessGroup, ReduceOp, ReducerOptions,
@@ -106,14 +106,15 @@ impl DdpComm {
     pub fn new(
         mut group: ProcessGroup,
         params: &[Tensor],
-        mode: GradSyncMode,
-        compression: GradCompressionMode,
+        dist: &DistConfig,
     ) -> Result<DdpComm, TrainError> {
         let handles = || params.iter().map(|p| p.shallow_clone()).collect();
-        let averaging = match mode {
+        let bucket_bytes = dist.bucket_bytes();
+        let averaging = match dist.grad_sync {
             GradSyncMode::Reducer => {
                 let options = ReducerOptions {
-                    compression: match compression {
+                    bucket_bytes,
+                    compression: match dist.grad_compression {
                         GradCompressionMode::None => GradCompression::None,
                         GradCompressionMode::Bf16 => GradCompression::Bf16,
                         GradCompressionMode::Fp16 => GradCompression::Fp16,
@@ -125,7 +126,10 @@ impl DdpComm {
             GradSyncMode::AfterBackward => GradAveraging::AfterBackward(Ddp::new(
                 &mut group,
                 handles(),
-                DdpOptions::default(),
+                DdpOptions {
+                    bucket_bytes,
+                    ..DdpOptions::default()
+                },
             )?),
         };
         Ok(DdpComm {
@@ -221,13 +225,7 @@ pub fn connect(
 ) -> Result<Box<dyn Communication>, TrainError> {
     if env.distributed() {
         let group = process_group(config, env)?;
-        let dist = &config.dist;
-        Ok(Box::new(DdpComm::new(
-            group,
-            params,
-            dist.grad_sync,
-            dist.grad_compression,
-        )?))
+        Ok(Box::new(DdpComm::new(group, params, &config.dist)?))
     } else {
         Ok(Box::new(SingleRank))
     }

@@ -106,3 +106,56 @@ pub fn assert_all_ok(outcomes: &[RankOutcome]) {
         );
     }
 }
+
+/// Joins the Gloo group of this rank process (torchrun environment, 30 s timeout).
+pub fn join() -> vrtspike::dist::ProcessGroup {
+    use vrtspike::dist::{Backend, GroupOptions, ProcessGroup};
+    let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(30))
+        .expect("torchrun env");
+    ProcessGroup::new(&options).expect("join the group")
+}
+
+/// A training set of `steps` steps of `per_step` 3x6x6 samples and targets, the
+/// same in every process.
+pub fn data(steps: usize, per_step: usize) -> (tch::Tensor, tch::Tensor) {
+    use tch::{Device, Kind, Tensor};
+    tch::manual_seed(1234);
+    let shape = [steps as i64, per_step as i64, 3, 6, 6];
+    let x = Tensor::randn(shape, (Kind::Float, Device::Cpu));
+    let y = Tensor::randn(shape, (Kind::Float, Device::Cpu));
+    (x, y)
+}
+
+/// The largest element-wise difference between two sorted named parameter lists.
+pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta - tb).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Runs `test` on ranks 0 and 1 of 2 with `out_var` naming a fresh folder for
+/// what they write; asserts both succeeded and returns the folder.
+pub fn two_ranks_writing(test: &str, out_var: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let outcomes = run_ranks(
+        test,
+        2,
+        &[0, 1],
+        &[(out_var, dir.path().display().to_string())],
+    );
+    assert_all_ok(&outcomes);
+    dir
+}
+
+/// Named tensors saved with `Tensor::save_multi`, sorted by name.
+pub fn load_sorted(path: &std::path::Path) -> Vec<(String, tch::Tensor)> {
+    let mut named =
+        tch::Tensor::load_multi(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
