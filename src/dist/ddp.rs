@@ -432,7 +432,7 @@ mod tests {
 
     #[test]
     fn parameter_hash_sees_one_ulp() {
-        let mut group = single_group();
+        let mut group = super::super::group::gloo_world_of_one();
         let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
         let ddp =
             Ddp::new(&mut group, vec![a.shallow_clone()], DdpOptions::default()).expect("ddp");
@@ -449,23 +449,5 @@ mod tests {
         assert_ne!(before, ddp.parameter_hash().expect("hash"));
         ddp.check_parameters(&mut group, 1)
             .expect("one rank always agrees");
-    }
-
-    fn single_group() -> ProcessGroup {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let options = super::super::GroupOptions {
-            backend: super::super::Backend::Gloo,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            rank: 0,
-            world_size: 1,
-            timeout: std::time::Duration::from_secs(10),
-            prefix: "unit".into(),
-            device_index: 0,
-        };
-        ProcessGroup::new(&options).expect("world of one")
     }
 }

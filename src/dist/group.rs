@@ -401,24 +401,36 @@ pub(crate) fn ensure_grad(param: &mut Tensor) -> Result<(), String> {
     ffi::take_error(unsafe { ffi::vs_ensure_grad(ptr) })
 }
 
+/// A free TCP port on loopback (bound, then released), for unit tests.
+#[cfg(test)]
+pub(crate) fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+/// A Gloo group of one rank on a free loopback port, for unit tests.
+#[cfg(test)]
+pub(crate) fn gloo_world_of_one() -> ProcessGroup {
+    let options = GroupOptions {
+        backend: Backend::Gloo,
+        master_addr: "127.0.0.1".into(),
+        master_port: free_port(),
+        rank: 0,
+        world_size: 1,
+        timeout: Duration::from_secs(10),
+        prefix: "unit".into(),
+        device_index: 0,
+    };
+    ProcessGroup::new(&options).expect("world of one")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn single_rank_group_reduces_to_itself() {
-        let port = free_port();
-        let options = GroupOptions {
-            backend: Backend::Gloo,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            rank: 0,
-            world_size: 1,
-            timeout: Duration::from_secs(10),
-            prefix: "unit".into(),
-            device_index: 0,
-        };
-        let mut group = ProcessGroup::new(&options).expect("world of one");
+        let mut group = gloo_world_of_one();
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         group.all_reduce(&mut t, ReduceOp::Avg).expect("avg");
         assert_eq!(Vec::<f32>::try_from(&t).expect("f32"), vec![1.0, 2.0, 3.0]);
@@ -534,10 +546,5 @@ mod tests {
                 seen.push(format!("done #{seq}"));
             }
         }
-    }
-
-    fn free_port() -> u16 {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.local_addr().expect("addr").port()
     }
 }

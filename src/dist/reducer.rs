@@ -277,4 +277,47 @@ mod tests {
         );
         assert_eq!(GradSync::for_micro_batch(0, 1), GradSync::Reduce);
     }
+
+    #[test]
+    fn a_world_of_one_reduces_to_its_own_gradients_with_every_hook() {
+        let w = Tensor::from_slice(&[1.0f32, -2.0, 3.0]).set_requires_grad(true);
+        let x = Tensor::from_slice(&[0.5f32, 0.25, 2.0]);
+        for compression in [
+            GradCompression::None,
+            GradCompression::Bf16,
+            GradCompression::Fp16,
+        ] {
+            let mut group = crate::dist::group::gloo_world_of_one();
+            let options = ReducerOptions {
+                compression,
+                ..ReducerOptions::default()
+            };
+            let mut reducer =
+                GradReducer::new(&mut group, vec![w.shallow_clone()], options).expect("reducer");
+            for step in 0..3 {
+                let mut grad = w.grad();
+                if grad.defined() {
+                    let _ = grad.zero_();
+                }
+                // Two micro-batches: the first accumulates, the second reduces.
+                for micro in 0..2 {
+                    let sync = GradSync::for_micro_batch(micro, 2);
+                    reducer.before_forward(sync).expect("before forward");
+                    let loss = (&w * &x).sum(tch::Kind::Float);
+                    reducer.backward(&mut group, &loss, sync).expect("backward");
+                }
+                let got = Vec::<f32>::try_from(&w.grad()).expect("grad");
+                assert_eq!(got, vec![1.0, 0.5, 4.0], "{compression:?} step {step}");
+            }
+            drop(reducer);
+            // The hooks went with the Reducer: a plain backward still accumulates.
+            let mut grad = w.grad();
+            let _ = grad.zero_();
+            (&w * &x).sum(tch::Kind::Float).backward();
+            assert_eq!(
+                Vec::<f32>::try_from(&w.grad()).expect("grad"),
+                vec![0.5, 0.25, 2.0]
+            );
+        }
+    }
 }

@@ -1,11 +1,15 @@
-//! NCCL with one rank (NCCL refuses two ranks on one GPU) and DDP on CUDA against
-//! the same step on the CPU through Gloo.
+//! NCCL with one rank (NCCL refuses two ranks on one GPU) and DDP on CUDA (the flat
+//! buckets after backward, and PyTorch DDP's Reducer in backward) against the same
+//! step on the CPU through Gloo.
 
 use std::time::{Duration, Instant};
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{Backend, Ddp, DdpOptions, GroupOptions, ProcessGroup, ReduceOp};
+use vrtspike::dist::{
+    Backend, Ddp, DdpOptions, GradReducer, GradSync, GroupOptions, ProcessGroup, ReduceOp,
+    ReducerOptions,
+};
 
 use super::{cuda, free_port, max_abs_diff, strict_fp32};
 
@@ -82,7 +86,7 @@ fn the_nccl_backend_refuses_a_device_it_does_not_have() {
 }
 
 /// A small conv net whose initial weights follow the seed, on `device`.
-fn net(vs: &nn::VarStore) -> impl Module {
+fn net(vs: &nn::VarStore) -> nn::Sequential {
     tch::manual_seed(7);
     let root = vs.root();
     let cfg = nn::ConvConfig {
@@ -95,24 +99,35 @@ fn net(vs: &nn::VarStore) -> impl Module {
         .add(nn::conv2d(&root / "c2", 16, 3, 3, cfg))
 }
 
-/// One DDP step (SGD) on `device` through `group`; the parameters after it, on the CPU.
-fn ddp_step(device: Device, group: &mut ProcessGroup) -> Vec<(String, Tensor)> {
+/// The net, an SGD optimizer over it, an input and a target, all on `device`.
+struct Setup {
+    vs: nn::VarStore,
+    model: nn::Sequential,
+    opt: nn::Optimizer,
+    x: Tensor,
+    y: Tensor,
+}
+
+fn setup(device: Device) -> Setup {
     let vs = nn::VarStore::new(Device::Cpu);
     let model = net(&vs);
     let mut vs = vs;
     vs.set_device(device);
-    let mut opt = nn::sgd(0.9, 0.0, 0.0, false).build(&vs, 0.1).expect("sgd");
-    let mut ddp = Ddp::new(group, vs.trainable_variables(), DdpOptions::default()).expect("ddp");
+    let opt = nn::sgd(0.9, 0.0, 0.0, false).build(&vs, 0.1).expect("sgd");
     tch::manual_seed(11);
     let x = Tensor::randn([4, 3, 24, 24], (Kind::Float, Device::Cpu)).to_device(device);
     let y = Tensor::randn([4, 3, 24, 24], (Kind::Float, Device::Cpu)).to_device(device);
-    opt.zero_grad();
-    model
-        .forward(&x)
-        .mse_loss(&y, tch::Reduction::Mean)
-        .backward();
-    ddp.sync_gradients(group).expect("sync");
-    opt.step();
+    Setup {
+        vs,
+        model,
+        opt,
+        x,
+        y,
+    }
+}
+
+/// The parameters of `vs`, on the CPU, sorted by name.
+fn parameters_on_cpu(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut named: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()
@@ -122,21 +137,80 @@ fn ddp_step(device: Device, group: &mut ProcessGroup) -> Vec<(String, Tensor)> {
     named
 }
 
-#[test]
-fn a_ddp_step_on_cuda_equals_the_same_step_on_the_cpu() {
+/// One DDP step (SGD) on `device` through `group`; the parameters after it, on the CPU.
+fn ddp_step(device: Device, group: &mut ProcessGroup) -> Vec<(String, Tensor)> {
+    let Setup {
+        vs,
+        model,
+        mut opt,
+        x,
+        y,
+    } = setup(device);
+    let mut ddp = Ddp::new(group, vs.trainable_variables(), DdpOptions::default()).expect("ddp");
+    opt.zero_grad();
+    model
+        .forward(&x)
+        .mse_loss(&y, tch::Reduction::Mean)
+        .backward();
+    ddp.sync_gradients(group).expect("sync");
+    opt.step();
+    parameters_on_cpu(&vs)
+}
+
+/// Runs `steps` on the CPU through Gloo and on CUDA through NCCL (world 1 each) and
+/// asserts the parameters agree to 1e-5.
+fn cuda_matches_cpu(what: &str, steps: fn(Device, &mut ProcessGroup) -> Vec<(String, Tensor)>) {
     let device = cuda();
     strict_fp32();
-    let mut cpu_group = group(Backend::Gloo, "ddp-cpu");
-    let mut gpu_group = group(Backend::Nccl, "ddp-gpu");
-    let on_cpu = ddp_step(Device::Cpu, &mut cpu_group);
-    let on_gpu = ddp_step(device, &mut gpu_group);
+    let mut cpu_group = group(Backend::Gloo, &format!("{what}-cpu"));
+    let mut gpu_group = group(Backend::Nccl, &format!("{what}-gpu"));
+    let on_cpu = steps(Device::Cpu, &mut cpu_group);
+    let on_gpu = steps(device, &mut gpu_group);
     assert_eq!(on_cpu.len(), on_gpu.len());
     for ((name, a), (other, b)) in on_cpu.iter().zip(&on_gpu) {
         assert_eq!(name, other);
         let diff = max_abs_diff(a, b);
-        assert!(
-            diff < 1e-5,
-            "{name}: CUDA and CPU differ by {diff} after one step"
-        );
+        assert!(diff < 1e-5, "{what}, {name}: CUDA and CPU differ by {diff}");
     }
+}
+
+#[test]
+fn a_ddp_step_on_cuda_equals_the_same_step_on_the_cpu() {
+    cuda_matches_cpu("ddp", ddp_step);
+}
+
+/// Two SGD steps on `device` with PyTorch DDP's Reducer averaging in backward
+/// through `group`; the parameters after them, on the CPU.
+fn reducer_steps(device: Device, group: &mut ProcessGroup) -> Vec<(String, Tensor)> {
+    let Setup {
+        vs,
+        model,
+        mut opt,
+        x,
+        y,
+    } = setup(device);
+    let mut reducer = GradReducer::new(group, vs.trainable_variables(), ReducerOptions::default())
+        .expect("reducer");
+    for _ in 0..2 {
+        for var in vs.trainable_variables() {
+            let mut grad = var.grad();
+            if grad.defined() {
+                let _ = grad.zero_();
+            }
+        }
+        reducer
+            .before_forward(GradSync::Reduce)
+            .expect("before forward");
+        let loss = model.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+        reducer
+            .backward(group, &loss, GradSync::Reduce)
+            .expect("reducing backward");
+        opt.step();
+    }
+    parameters_on_cpu(&vs)
+}
+
+#[test]
+fn a_reducer_step_on_cuda_equals_the_same_step_on_the_cpu() {
+    cuda_matches_cpu("reducer", reducer_steps);
 }
