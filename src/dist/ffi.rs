@@ -113,7 +113,7 @@ extern "C" {
         out: *mut *mut RawReducer,
     ) -> *mut c_char;
     pub(crate) fn vs_reducer_free(reducer: *mut RawReducer);
-    pub(crate) fn vs_reducer_forward(reducer: *mut RawReducer, sync: c_int) -> *mut c_char;
+    pub(crate) fn vs_reducer_forward(reducer: *mut RawReducer, count: c_int) -> *mut c_char;
     pub(crate) fn vs_reducer_backward(
         group: *mut RawGroup,
         reducer: *mut RawReducer,

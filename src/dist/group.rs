@@ -293,13 +293,11 @@ impl ProcessGroup {
     pub fn all_reduce(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
-        let seq = self.enter(CollectiveOp::AllReduce);
-        // SAFETY: `ptr` points to the `at::Tensor` that `tensor` owns, which
-        // outlives the call; the shim waits for completion before returning.
-        let status = unsafe { ffi::vs_group_allreduce(self.raw, ptr, op.code()) };
-        self.finish("all_reduce", status)?;
-        self.complete(seq);
-        self.stats.all_reduces += 1;
+        self.run_collective(CollectiveOp::AllReduce, |raw| {
+            // SAFETY: `ptr` points to the `at::Tensor` that `tensor` owns, which
+            // outlives the call; the shim waits for completion before returning.
+            unsafe { ffi::vs_group_allreduce(raw, ptr, op.code()) }
+        })?;
         self.stats.bytes += bytes;
         Ok(())
     }
@@ -310,31 +308,27 @@ impl ProcessGroup {
             .map_err(|_| DistError::Options(format!("root rank {root} does not fit a C int")))?;
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
-        let seq = self.enter(CollectiveOp::Broadcast);
-        // SAFETY: as in `all_reduce`.
-        let status = unsafe { ffi::vs_group_broadcast(self.raw, ptr, root) };
-        self.finish("broadcast", status)?;
-        self.complete(seq);
-        self.stats.broadcasts += 1;
+        self.run_collective(CollectiveOp::Broadcast, |raw| {
+            // SAFETY: as in `all_reduce`.
+            unsafe { ffi::vs_group_broadcast(raw, ptr, root) }
+        })?;
         self.stats.bytes += bytes;
         Ok(())
     }
 
     /// Returns once every rank has entered the barrier (or fails on time-out).
     pub fn barrier(&mut self) -> Result<(), DistError> {
-        let seq = self.enter(CollectiveOp::Barrier);
-        // SAFETY: `self.raw` is a live group handle owned by `self`.
-        let status = unsafe { ffi::vs_group_barrier(self.raw) };
-        self.finish("barrier", status)?;
-        self.complete(seq);
-        self.stats.barriers += 1;
-        Ok(())
+        self.run_collective(CollectiveOp::Barrier, |raw| {
+            // SAFETY: `raw` is the live group handle owned by `self`.
+            unsafe { ffi::vs_group_barrier(raw) }
+        })
     }
 
-    /// Runs a collective the shim issues on this group's behalf (the Reducer's
-    /// broadcast at start, its gradient all-reduces inside backward): numbered,
-    /// observed, counted once as `op` and failing as a named [`DistError::Collective`].
-    pub(crate) fn run_in_shim(
+    /// Runs one collective through the shim, `call` given this group's handle:
+    /// numbered, observed, counted once as `op` and failing as a named
+    /// [`DistError::Collective`]. The Reducer's broadcast at start and its
+    /// gradient all-reduces inside backward go through here too.
+    pub(crate) fn run_collective(
         &mut self,
         op: CollectiveOp,
         call: impl FnOnce(*mut ffi::RawGroup) -> *mut std::ffi::c_char,

@@ -152,7 +152,7 @@ impl GradReducer {
             i64::try_from(options.bucket_bytes).unwrap_or(i64::MAX),
         );
         let mut raw: *mut ffi::RawReducer = std::ptr::null_mut();
-        group.run_in_shim(CollectiveOp::Broadcast, |group_raw| {
+        group.run_collective(CollectiveOp::Broadcast, |group_raw| {
             // SAFETY: `ptrs` holds one live `at::Tensor*` per parameter (owned by
             // `params`, which the returned value keeps alive) and outlives the call;
             // `raw` is written only on success.
@@ -239,7 +239,7 @@ impl GradReducer {
         };
         match sync {
             GradSync::Reduce => {
-                group.run_in_shim(CollectiveOp::AllReduce, call)?;
+                group.run_collective(CollectiveOp::AllReduce, call)?;
                 self.reduced_once = true;
             }
             GradSync::Accumulate => {

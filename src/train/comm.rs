@@ -92,12 +92,21 @@ enum GradAveraging {
     AfterBackward(Ddp),
 }
 
+impl GradAveraging {
+    /// The parameters averaged (shallow handles on the model's tensors).
+    fn parameters(&self) -> &[Tensor] {
+        match self {
+            GradAveraging::Reducer(reducer) => reducer.parameters(),
+            GradAveraging::AfterBackward(ddp) => ddp.parameters(),
+        }
+    }
+}
+
 /// Several ranks: a process group and gradient averaging over the model's parameters.
 #[derive(Debug)]
 pub struct DdpComm {
     group: ProcessGroup,
     averaging: GradAveraging,
-    params: Vec<Tensor>,
     sync_seconds: f64,
 }
 
@@ -135,7 +144,6 @@ impl DdpComm {
         Ok(DdpComm {
             group,
             averaging,
-            params: handles(),
             sync_seconds: 0.0,
         })
     }
@@ -191,8 +199,9 @@ impl Communication for DdpComm {
     }
 
     fn check_parameters(&mut self, step: u64) -> Result<Option<u64>, TrainError> {
-        check_parameters(&mut self.group, &self.params, step)?;
-        Ok(Some(parameter_hash(&self.params, self.group.rank())?))
+        let params = self.averaging.parameters();
+        check_parameters(&mut self.group, params, step)?;
+        Ok(Some(parameter_hash(params, self.group.rank())?))
     }
 }
 
