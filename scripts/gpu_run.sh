@@ -20,6 +20,11 @@
 #              --gopro` set for TRAIN_STEPS steps (default 200), then a
 #              full-frame 720x1280 validation by tiles                     train-*.json
 # parts.jsonl has one line per part (rc, seconds, limit); summary.txt the table.
+#
+# DEADLINE_S (optional): the whole script's budget in seconds, for a device call with
+# a hard limit. Each part's limit is cut to what is left of it (less RESERVE_S, 20 s
+# by default, for the packing after it), and a part with under 10 s left is skipped
+# and named as such, so whatever ran comes back instead of dying with the call.
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +42,18 @@ mkdir -p "$out/logs"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/vrtspike-gpu-run.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+script_start=$(date +%s)
+deadline=${DEADLINE_S:-0}
+reserve=${RESERVE_S:-20}
+
+# clip_limit LIMIT: LIMIT, or what is left of DEADLINE_S (less the reserve) if less.
+clip_limit() {
+  local limit=$1
+  (( deadline > 0 )) || { echo "$limit"; return; }
+  local left=$(( deadline - reserve - ($(date +%s) - script_start) ))
+  (( left < limit )) && limit=$left
+  echo "$limit"
+}
 
 if (( smoke )); then
   device=cpu; frames=3; size=32; iters=1; precision=--cast-bf16
@@ -52,8 +69,14 @@ ckpt=(--set MODEL.USE_CHECKPOINT_ATTN=true --set MODEL.USE_CHECKPOINT_FFN=true)
 # part NAME LIMIT_S JSON_OUT COMMAND...: runs COMMAND under `timeout` with its stdout
 # in JSON_OUT (or the log when JSON_OUT is -) and stderr in logs/NAME.log.
 part() {
-  local name=$1 limit=$2 json=$3
+  local name=$1 limit json=$3
+  limit=$(clip_limit "$2")
   shift 3
+  if (( limit < 10 )); then
+    printf '{"part": "%s", "rc": -1, "seconds": 0, "limit_s": %d, "skipped": "DEADLINE_S reached"}\n' "$name" "$limit" >> "$out/parts.jsonl"
+    printf '%-28s %8s   %s\n' "$name" "-" "skipped: DEADLINE_S=${deadline}s reached" | tee -a "$out/summary.txt"
+    return 0
+  fi
   local stdout="$out/logs/$name.out"
   [[ "$json" != "-" ]] && stdout="$out/$json"
   local start end rc
@@ -191,3 +214,38 @@ for name in "${parts[@]}"; do
     *) echo "gpu_run.sh: unknown part $name (info tests profile reference train)" >&2; exit 2 ;;
   esac
 done
+
+# The figures of whatever parts ran, one line each, in figures.txt and on stdout (a
+# device call returns only the end of its output).
+python3 - "$out" <<'PY' | tee "$out/figures.txt"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name)))
+    except (OSError, ValueError):
+        return None
+gib = 2 ** 30
+tests = load("tests.json")
+if tests:
+    print(f"tests: {len(tests['passed'])} passed, {len(tests['failed'])} failed {tests['failed']}; {tests['result']}")
+    for line in tests.get("figures", []):
+        print("  " + line)
+for name in ("baseline", "baseline-ckpt", "gopro", "gopro-ckpt"):
+    p = load(f"profile-{name}.json")
+    if p:
+        peak = (p.get("cuda_peak") or {}).get("allocated_bytes") or p.get("peak_rss_bytes") or 0
+        print(f"profile {name:14s} fwd {p['forward_ms']:9.1f} ms  bwd {p['backward_ms']:9.1f} ms  "
+              f"step {p['forward_ms'] + p['backward_ms']:9.1f} ms  peak {peak / gib:6.2f} GiB  params {p['total_params']}")
+for name in ("reference", "reference-ckpt"):
+    r = load(f"{name}.json")
+    if r:
+        peak = r.get("peak_allocated_mb", r.get("peak_rss_mb", 0)) / 1024
+        print(f"{name:22s} step {r['median_ms']:9.1f} ms (min {r['min_ms']:.1f})  peak {peak:6.2f} GiB  {r.get('gpu', r['device'])}")
+s = load("train-summary.json")
+if s:
+    print("train summary:", json.dumps(s)[:1500])
+a = load("train-analyze.json")
+if a:
+    print("train analyze:", json.dumps(a)[:1500])
+PY
