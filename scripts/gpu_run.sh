@@ -18,7 +18,8 @@
 #              checkpointing                                               reference-*.json
 #   train      vrtspike-launch --gpus 1, the baseline on a `vrtspike synth
 #              --gopro` set for TRAIN_STEPS steps (default 200), then a
-#              full-frame 720x1280 validation by tiles                     train-*.json
+#              full-frame 720x1280 validation by tiles (TRAIN_SETS: more
+#              KEY=VALUE settings, space-separated)                        train-*.json
 # parts.jsonl has one line per part (rc, seconds, limit); summary.txt the table.
 #
 # DEADLINE_S (optional): the whole script's budget in seconds, for a device call with
@@ -197,6 +198,11 @@ part_train() {
       --set "LOG.CKPT_EVERY_STEPS=$train_steps" --set DATA.CACHE_SIZE_GB=0.25)
     launch=(--gpus 0 --ranks 1)
   fi
+  # TRAIN_SETS: more `KEY=VALUE` settings for the training, space-separated (say,
+  # activation checkpointing for a card of the user's 48 GB).
+  local extra
+  read -r -a extra <<< "${TRAIN_SETS:-}"
+  for setting in "${extra[@]}"; do sets+=(--set "$setting"); done
   local config=$baseline
   (( smoke )) && config=configs/demo/unet_spike_demo.yaml
   part train-synth 120 - "$run" vrtspike synth --out "$data" "${synth[@]}"

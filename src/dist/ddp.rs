@@ -301,8 +301,7 @@ pub fn check_parameters(
 fn exchange_i64(group: &mut ProcessGroup, value: i64) -> Result<Vec<i64>, DistError> {
     let mut slots = vec![0i64; group.world_size()];
     slots[group.rank()] = value;
-    let mut tensor = Tensor::from_slice(&slots);
-    group.all_reduce(&mut tensor, ReduceOp::Sum)?;
+    let tensor = group.all_reduce_host(&Tensor::from_slice(&slots), ReduceOp::Sum)?;
     Vec::<i64>::try_from(&tensor).map_err(|e| DistError::Tensor {
         rank: group.rank(),
         op: "exchange",
@@ -330,10 +329,8 @@ pub(crate) fn verify_shapes(group: &mut ProcessGroup, params: &[Tensor]) -> Resu
     if signatures.is_empty() {
         return Ok(());
     }
-    let mut low = Tensor::from_slice(&signatures);
-    let mut high = Tensor::from_slice(&signatures);
-    group.all_reduce(&mut low, ReduceOp::Min)?;
-    group.all_reduce(&mut high, ReduceOp::Max)?;
+    let low = group.all_reduce_host(&Tensor::from_slice(&signatures), ReduceOp::Min)?;
+    let high = group.all_reduce_host(&Tensor::from_slice(&signatures), ReduceOp::Max)?;
     let differs = low.ne_tensor(&high).nonzero().reshape([-1]);
     let differs = Vec::<i64>::try_from(&differs).map_err(|e| DistError::Tensor {
         rank,

@@ -6,7 +6,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 use vrtspike_contract::env::RankEnv;
 use vrtspike_contract::heartbeat::CollectiveOp;
 
@@ -142,6 +142,8 @@ pub struct ProcessGroup {
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    /// Where this group's tensors must live: the CPU for Gloo, the rank's GPU for NCCL.
+    device: Device,
     stats: CommStats,
     /// Collectives entered (the next one's number).
     entered: u64,
@@ -234,6 +236,7 @@ impl ProcessGroup {
             rank: options.rank,
             world_size: options.world_size,
             timeout: options.timeout,
+            device: collective_device(options.backend, options.device_index),
             stats: CommStats::default(),
             entered: 0,
             observer: None,
@@ -277,6 +280,29 @@ impl ProcessGroup {
         self.backend
     }
 
+    /// Where the tensors of this group's collectives live: the CPU for Gloo, the
+    /// rank's GPU for NCCL (which refuses host tensors).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// All-reduces `values` kept on the host (counts, flags, metrics): they travel
+    /// to [`Self::device`] and back, so the same call serves Gloo and NCCL.
+    pub fn all_reduce_host(&mut self, values: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
+        let rank = self.rank;
+        let tensor_error = move |e: tch::TchError| DistError::Tensor {
+            rank,
+            op: "all_reduce_host",
+            message: e.to_string(),
+        };
+        let mut on_device = values
+            .f_to_device(self.device)
+            .and_then(|t| t.f_contiguous())
+            .map_err(tensor_error)?;
+        self.all_reduce(&mut on_device, op)?;
+        on_device.f_to_device(Device::Cpu).map_err(tensor_error)
+    }
+
     /// Longest wait of any collective.
     pub fn timeout(&self) -> Duration {
         self.timeout
@@ -291,6 +317,7 @@ impl ProcessGroup {
     /// The tensor must be dense and contiguous, on the CPU for Gloo and on this
     /// rank's CUDA device for NCCL.
     pub fn all_reduce(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), DistError> {
+        self.check_device(tensor, "all_reduce")?;
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
         self.run_collective(CollectiveOp::AllReduce, |raw| {
@@ -306,6 +333,7 @@ impl ProcessGroup {
     pub fn broadcast(&mut self, tensor: &mut Tensor, root: usize) -> Result<(), DistError> {
         let root = c_int::try_from(root)
             .map_err(|_| DistError::Options(format!("root rank {root} does not fit a C int")))?;
+        self.check_device(tensor, "broadcast")?;
         let bytes = tensor_bytes(tensor);
         let ptr = tensor.as_mut_ptr() as *mut c_void;
         self.run_collective(CollectiveOp::Broadcast, |raw| {
@@ -350,6 +378,23 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Refuses, naming the collective and both devices, a tensor that NCCL cannot
+    /// take (its own message, "Tensors must be CUDA and dense", names neither).
+    /// Gloo takes host tensors and stages CUDA ones itself.
+    fn check_device(&self, tensor: &Tensor, op: &'static str) -> Result<(), DistError> {
+        if self.backend == Backend::Gloo {
+            return Ok(());
+        }
+        device_matches(tensor.device(), self.device).map_err(|message| DistError::Collective {
+            rank: self.rank,
+            world: self.world_size,
+            op,
+            seq: self.seq(),
+            backend: self.backend.name(),
+            message,
+        })
+    }
+
     fn seq(&self) -> u64 {
         self.stats.all_reduces + self.stats.broadcasts + self.stats.barriers
     }
@@ -370,6 +415,35 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         // SAFETY: `raw` came from `vs_group_new`, is non-null, and is freed once.
         unsafe { ffi::vs_group_free(self.raw) };
+    }
+}
+
+/// The device a backend's collectives take their tensors on.
+fn collective_device(backend: Backend, device_index: usize) -> Device {
+    match backend {
+        Backend::Gloo => Device::Cpu,
+        Backend::Nccl => Device::Cuda(device_index),
+    }
+}
+
+/// `Ok` when a tensor on `tensor` can go to a collective working on `group`.
+fn device_matches(tensor: Device, group: Device) -> Result<(), String> {
+    if tensor == group {
+        return Ok(());
+    }
+    Err(format!(
+        "the tensor is on {} but this group's collectives work on {} (host values go \
+         through all_reduce_host)",
+        device_name(tensor),
+        device_name(group)
+    ))
+}
+
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}"),
     }
 }
 
@@ -439,6 +513,29 @@ mod tests {
         assert_eq!(group.stats().all_reduces, 1);
         assert_eq!(group.stats().barriers, 1);
         assert_eq!(group.stats().bytes, 12);
+    }
+
+    /// NCCL takes only tensors on the rank's GPU: the host values of the shape check
+    /// and the trainer's flags failed there with NCCL's "Tensors must be CUDA and
+    /// dense" (seen on an H100). Host values travel through `all_reduce_host`, and a
+    /// tensor on the wrong device is refused naming both devices.
+    #[test]
+    fn nccl_collectives_work_on_the_ranks_gpu_and_gloo_on_the_host() {
+        assert_eq!(collective_device(Backend::Gloo, 3), Device::Cpu);
+        assert_eq!(collective_device(Backend::Nccl, 3), Device::Cuda(3));
+        assert!(device_matches(Device::Cuda(1), Device::Cuda(1)).is_ok());
+        let err = device_matches(Device::Cpu, Device::Cuda(1)).expect_err("host tensor");
+        assert!(err.contains("on cpu") && err.contains("cuda:1"), "{err}");
+        let err = device_matches(Device::Cuda(0), Device::Cuda(1)).expect_err("other GPU");
+        assert!(err.contains("cuda:0") && err.contains("cuda:1"), "{err}");
+
+        let mut group = gloo_world_of_one();
+        assert_eq!(group.device(), Device::Cpu);
+        let summed = group
+            .all_reduce_host(&Tensor::from_slice(&[2i64, 5]), ReduceOp::Sum)
+            .expect("host all-reduce");
+        assert_eq!(summed.device(), Device::Cpu);
+        assert_eq!(Vec::<i64>::try_from(&summed).expect("i64"), vec![2, 5]);
     }
 
     #[test]

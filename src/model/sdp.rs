@@ -15,6 +15,15 @@
 //!   kernel needs a multiple of 8 in half precision on sm80+; zero columns add
 //!   nothing to `q k^T`, the padded output columns are dropped, and the scale stays
 //!   that of the true head dimension;
+//! - the mask is made contiguous when its last dimension is not (VRT's bias is the
+//!   table's rows permuted to (heads, L, S)): every fused CUDA kernel needs the
+//!   mask's last stride to be 1 (`check_last_dim_stride_equals_1_dense` in
+//!   libtorch's `sdp_utils_cpp.h`), and SDPA otherwise takes its math kernel;
+//! - more than [`CUDA_MAX_BATCH`] sequences go to the kernels in slices: flash and
+//!   memory-efficient attention put the batch on a CUDA grid dimension of at most
+//!   65,535 blocks, and a larger batch fails the launch with "invalid argument"
+//!   (the spike branch's per-pixel attention runs `MAX_BATCH_TOKENS` = 65,536
+//!   sequences at once);
 //! - where SDPA would still fall back to its math kernel (which keeps the attention
 //!   matrix), a warning says so once per input shape.
 //!
@@ -29,6 +38,11 @@ use tch::{Kind, TchError, Tensor};
 /// The head dimension the memory-efficient kernel needs a multiple of (8 for
 /// float16/bfloat16 on sm80+, 4 for float32: 8 serves both).
 pub const CUDA_HEAD_DIM_ALIGN: i64 = 8;
+
+/// The most sequences (batch x windows) one fused CUDA attention launch takes: the
+/// flash and memory-efficient kernels put the batch on grid dimension y or z, whose
+/// limit is 65,535 blocks.
+pub const CUDA_MAX_BATCH: i64 = 65_535;
 
 /// SDPA's kernel numbers (`at::SDPBackend`), as `_fused_sdp_choice` returns them.
 const SDP_MATH: i64 = 0;
@@ -48,9 +62,56 @@ pub fn f_sdpa(
     let mask = mask.map(|m| m.f_to_kind(q.kind())).transpose()?;
     if q.device().is_cuda() {
         prefer_memory_efficient_kernel();
-        return f_sdpa_aligned(q, k, v, mask.as_ref(), CUDA_HEAD_DIM_ALIGN);
+        let mask = mask.as_ref().map(fused_kernel_mask).transpose()?;
+        return f_sdpa_in_batches(q, k, v, mask.as_ref(), CUDA_MAX_BATCH, |q, k, v, m| {
+            f_sdpa_aligned(q, k, v, m, CUDA_HEAD_DIM_ALIGN)
+        });
     }
     Tensor::f_scaled_dot_product_attention(q, k, v, mask.as_ref(), 0.0, false, None, false)
+}
+
+/// The mask as the fused CUDA kernels take it: its last dimension contiguous. A
+/// mask already so (or broadcast along that dimension) is returned as it is.
+pub fn fused_kernel_mask(mask: &Tensor) -> Result<Tensor, TchError> {
+    let last_is_unit = mask.stride().last().is_none_or(|&s| s == 1);
+    let last_is_single = mask.size().last().is_none_or(|&n| n <= 1);
+    if last_is_unit || last_is_single {
+        Ok(mask.shallow_clone())
+    } else {
+        mask.f_contiguous()
+    }
+}
+
+/// `attend` over at most `max_batch` sequences at a time, the results joined along
+/// the batch: the same attention as one call. A 4-D mask with the full batch is
+/// sliced with the inputs; one that broadcasts over the batch goes whole to each slice.
+pub fn f_sdpa_in_batches(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    max_batch: i64,
+    attend: impl Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor, TchError>,
+) -> Result<Tensor, TchError> {
+    let batch = q.size().first().copied().unwrap_or(1);
+    if batch <= max_batch {
+        return attend(q, k, v, mask);
+    }
+    let mask_has_batch = mask.is_some_and(|m| m.dim() == 4 && m.size()[0] == batch);
+    let mut outs = Vec::new();
+    let mut start = 0;
+    while start < batch {
+        let len = max_batch.min(batch - start);
+        let slice = |t: &Tensor| t.f_narrow(0, start, len);
+        let m = match mask {
+            Some(m) if mask_has_batch => Some(slice(m)?),
+            Some(m) => Some(m.shallow_clone()),
+            None => None,
+        };
+        outs.push(attend(&slice(q)?, &slice(k)?, &slice(v)?, m.as_ref())?);
+        start += len;
+    }
+    Tensor::f_cat(&outs, 0)
 }
 
 /// SDPA with the head dimension zero-padded to a multiple of `align` (the scale
@@ -196,6 +257,59 @@ mod tests {
             1e-5,
             false
         ));
+    }
+
+    /// VRT's relative position bias is the table's rows permuted to (heads, L, S): its
+    /// last stride is the head count, which sends every CUDA attention to the math
+    /// kernel (seen on an H100). The mask the fused kernels get is contiguous there.
+    #[test]
+    fn a_permuted_bias_reaches_the_fused_kernels_with_a_unit_last_stride() {
+        let (heads, n) = (6, 16);
+        let bias = Tensor::randn([n, n, heads], (Kind::Float, Device::Cpu)).permute([2, 0, 1]);
+        assert_ne!(bias.stride().last(), Some(&1), "the case under test");
+        let fused = fused_kernel_mask(&bias.unsqueeze(0)).unwrap();
+        assert_eq!(fused.stride().last(), Some(&1));
+        assert!(fused.equal(&bias.unsqueeze(0)));
+        // A mask already right, or broadcast along its last dimension, is not copied.
+        let expanded = Tensor::randn([1, heads, n, 1], (Kind::Float, Device::Cpu))
+            .expand([2, heads, n, 1], false);
+        let same = fused_kernel_mask(&expanded).unwrap();
+        assert_eq!(same.data_ptr(), expanded.data_ptr());
+        let contiguous = bias.contiguous();
+        assert_eq!(
+            fused_kernel_mask(&contiguous).unwrap().data_ptr(),
+            contiguous.data_ptr()
+        );
+    }
+
+    /// More sequences than one kernel launch takes (the spike branch's 65,536 on a
+    /// GPU, whose grid stops at 65,535) go in slices that compute the same attention,
+    /// with a per-sequence mask, a broadcast mask and none.
+    #[test]
+    fn attention_in_batch_slices_equals_one_call() {
+        let opts = (Kind::Double, Device::Cpu);
+        let (q, k, v) = (
+            Tensor::randn([7, 2, 5, 4], opts),
+            Tensor::randn([7, 2, 6, 4], opts),
+            Tensor::randn([7, 2, 6, 4], opts),
+        );
+        let per_sequence = Tensor::randn([7, 2, 5, 6], opts);
+        let broadcast = Tensor::randn([1, 2, 5, 6], opts);
+        let calls = std::cell::Cell::new(0);
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor, m: Option<&Tensor>| {
+            calls.set(calls.get() + 1);
+            assert!(q.size()[0] <= 3, "a slice over the limit");
+            Tensor::f_scaled_dot_product_attention(q, k, v, m, 0.0, false, None, false)
+        };
+        for mask in [Some(&per_sequence), Some(&broadcast), None] {
+            calls.set(0);
+            let whole =
+                Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, None, false)
+                    .unwrap();
+            let sliced = f_sdpa_in_batches(&q, &k, &v, mask, 3, attend).unwrap();
+            assert_eq!(calls.get(), 3, "7 sequences in slices of 3");
+            assert!(sliced.allclose(&whole, 1e-12, 1e-12, false));
+        }
     }
 
     /// The padded path (what CUDA runs for stage 8's 20-channel heads) computes the

@@ -175,8 +175,9 @@ impl Communication for DdpComm {
     }
 
     fn all_reduce(&mut self, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, TrainError> {
-        let mut t = Tensor::from_slice(values);
-        self.group.all_reduce(&mut t, op)?;
+        let t = self
+            .group
+            .all_reduce_host(&Tensor::from_slice(values), op)?;
         Ok(Vec::<f64>::try_from(&t)?)
     }
 

@@ -5,7 +5,7 @@
 
 use tch::{Device, Kind, Tensor};
 use vrtspike::model::precision::{cuda_autocast, AutocastDtype};
-use vrtspike::model::sdp::{f_sdpa, CUDA_HEAD_DIM_ALIGN};
+use vrtspike::model::sdp::{f_sdpa, fused_kernel_mask, CUDA_HEAD_DIM_ALIGN};
 
 use super::cuda;
 
@@ -124,4 +124,59 @@ fn a_learned_bias_gets_the_memory_efficient_kernel_and_right_gradients() {
         false,
     );
     eprintln!("SDPA's choice at head dim {head_dim}: {unpadded}; padded to a multiple of {CUDA_HEAD_DIM_ALIGN}: {choice} (0 math, 2 memory-efficient)");
+}
+
+/// The spike branch's per-pixel attention runs 65,536 sequences at once; the fused
+/// kernels' grid takes at most 65,535 (the baseline VRT-Spike failed its first
+/// forward with "CUDA error: invalid argument" from flash attention). Over the
+/// limit, attention goes in slices and still matches the CPU.
+#[test]
+fn more_sequences_than_one_launch_takes_match_the_cpu() {
+    let device = cuda();
+    let (batch, heads, tokens, head_dim) = (70_000, 4, 6, 16);
+    tch::manual_seed(9);
+    let make = || Tensor::randn([batch, heads, tokens, head_dim], (Kind::Float, Device::Cpu));
+    let (q, k, v) = (make(), make(), make());
+    let on_cpu = f_sdpa(&q, &k, &v, None).expect("CPU attention");
+    let on_gpu = f_sdpa(
+        &q.to_device(device),
+        &k.to_device(device),
+        &v.to_device(device),
+        None,
+    )
+    .expect("CUDA attention over 65,535 sequences");
+    tch::Cuda::synchronize(0);
+    let err = relative(&on_gpu, &on_cpu);
+    assert!(err < 1e-3, "CUDA attention off by {err} (relative)");
+}
+
+/// VRT's relative position bias is a permuted view (last stride = heads); as SDPA's
+/// mask it sent every window attention of the GoPro VRT to the math kernel on an
+/// H100. The mask f_sdpa hands the kernels gets the memory-efficient one.
+#[test]
+fn a_permuted_bias_gets_the_memory_efficient_kernel() {
+    let device = cuda();
+    let (windows, heads, tokens, head_dim) = (16, 6, 128, 16);
+    let opts = (Kind::BFloat16, device);
+    let input = || Tensor::randn([windows, heads, tokens, head_dim], opts);
+    let bias = Tensor::randn([tokens, tokens, heads], opts)
+        .permute([2, 0, 1])
+        .unsqueeze(0)
+        .set_requires_grad(true);
+    let choice = |mask: &Tensor| {
+        Tensor::internal_fused_sdp_choice(
+            &input().set_requires_grad(true),
+            &input().set_requires_grad(true),
+            &input().set_requires_grad(true),
+            Some(mask),
+            0.0,
+            false,
+            None,
+            false,
+        )
+    };
+    let raw = choice(&bias);
+    let fused = choice(&fused_kernel_mask(&bias).expect("mask"));
+    eprintln!("SDPA's choice for a permuted bias: {raw}; made contiguous: {fused}");
+    assert_eq!(fused, SDP_EFFICIENT, "not the memory-efficient kernel");
 }
