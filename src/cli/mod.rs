@@ -21,8 +21,24 @@ pub mod train;
 use anyhow::{bail, Result};
 use tch::Device;
 
-/// Parses `cpu`, `cuda` or `cuda:N`.
+/// Parses `cpu`, `cuda` or `cuda:N`, and refuses a CUDA device this process cannot
+/// see (libtorch would panic at the first tensor put there).
 pub fn parse_device(name: &str) -> Result<Device> {
+    let device = parse_device_name(name)?;
+    if let Device::Cuda(index) = device {
+        let visible = tch::Cuda::device_count();
+        if index as i64 >= visible {
+            bail!(
+                "--device {name}: no such CUDA device ({visible} visible to this process; \
+                 `vrtspike info` lists them)"
+            );
+        }
+    }
+    Ok(device)
+}
+
+/// The device `name` spells: `cpu`, `cuda` or `cuda:N`.
+fn parse_device_name(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         "cuda" => Ok(Device::Cuda(0)),
@@ -65,7 +81,14 @@ mod tests {
     #[test]
     fn devices_parse() {
         assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
-        assert_eq!(parse_device("cuda:1").unwrap(), Device::Cuda(1));
+        assert_eq!(parse_device_name("cuda:1").unwrap(), Device::Cuda(1));
+        assert_eq!(parse_device_name("cuda").unwrap(), Device::Cuda(0));
         assert!(parse_device("gpu").is_err());
+        // No machine has 4097 GPUs: an error naming the device, not tch's panic.
+        let err = parse_device("cuda:4096").unwrap_err().to_string();
+        assert!(
+            err.contains("cuda:4096") && err.contains("no such CUDA device"),
+            "{err}"
+        );
     }
 }

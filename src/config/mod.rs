@@ -253,8 +253,13 @@ fn typed(value: Value) -> Result<Config, (String, String)> {
             .strip_prefix("unknown field `")
             .and_then(|rest| rest.split('`').next())
         {
+            // serde_path_to_error's path already ends at the unknown key in a nested
+            // section; at the top level it is ".".
+            let last = key.rsplit('.').next().unwrap_or_default();
             key = if key == "." {
                 name.to_string()
+            } else if last == name {
+                key
             } else {
                 format!("{key}.{name}")
             };
@@ -296,8 +301,16 @@ mod tests {
     fn unknown_key_names_its_path() {
         let err = parse("DATA:\n  CROP_SIZ: 128\n").unwrap_err().to_string();
         assert!(err.contains("test.yaml"), "{err}");
-        assert!(err.contains("DATA"), "{err}");
-        assert!(err.contains("CROP_SIZ"), "{err}");
+        assert!(err.contains("DATA.CROP_SIZ:"), "{err}");
+        assert!(
+            !err.contains("CROP_SIZ.CROP_SIZ"),
+            "the key named once: {err}"
+        );
+        let err = parse("MODEL:\n  SPIKE:\n    BINZ: 4\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MODEL.SPIKE.BINZ:"), "{err}");
+        assert!(!err.contains("BINZ.BINZ"), "{err}");
     }
 
     #[test]
