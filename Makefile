@@ -1,7 +1,8 @@
 # vrtspike: every target does its own set-up on a fresh machine, idempotently.
 #   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent), then its plot
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
-#   make test   formatting, lints, then every unit and multi-process test
+#   make test   formatting, lints, the docs check, then every unit and multi-process test
+#   make check-docs  every link, path, make target and vrtspike command the docs name exists
 #   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
@@ -30,7 +31,7 @@ BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
 .PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link clean \
-	test-gpu gpu-bundle gpu-bundle-check
+	test-gpu gpu-bundle gpu-bundle-check check-docs
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -78,8 +79,15 @@ lint: setup
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --test gpu -- -D warnings
 
-test: setup lint
+test: setup lint check-docs
 	cargo test --workspace
+
+# README.md and docs/: every relative link and anchor, repository path, make target,
+# vrtspike / vrtspike-launch subcommand and flag they name exists (read from the
+# sources, so no build is needed); then the checker's own tests.
+check-docs:
+	$(PYTHON) $(ROOT)/scripts/check_docs.py
+	$(PYTHON) $(ROOT)/scripts/test_check_docs.py
 
 DEMO_DATA := $(ROOT)/data/demo
 DEMO_CONFIG := configs/demo/unet_spike_demo.yaml

@@ -12,7 +12,7 @@
 //! turned on here unless set) make one fault per 2 MiB. The VRT GoPro model at
 //! 6x64x64, forward and backward on 2 CPU threads: glibc's rule 19.6 GB in 36.6 s;
 //! pinned at 8 MiB with huge pages 14.1 GB in 36.7-37.8 s; at 1-2 MiB 13.8 GB but
-//! 40-46 s; at 16 MiB 16.9 GB (README, "Model memory").
+//! 40-46 s; at 16 MiB 16.9 GB (docs/benchmarks.md, "Model time and memory").
 //!
 //! `VRTSPIKE_MMAP_THRESHOLD` sets the threshold (`8M`, `1M`, ... or `glibc` for
 //! glibc's own dynamic rule); glibc's `MALLOC_MMAP_THRESHOLD_`, when set, is left to
