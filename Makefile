@@ -1,8 +1,9 @@
 # vrtspike: every target does its own set-up on a fresh machine, idempotently.
 #   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent), then its plot
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
-#   make test   formatting, lints, the docs check, then every unit and multi-process test
+#   make test   formatting, lints, the docs check, then every unit and multi-process test (with a real one-node SLURM)
 #   make check-docs  every link, path, make target and vrtspike command the docs name exists
+#   make test-slurm  only the sbatch template under a real one-node SLURM (~2 min; root)
 #   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
@@ -19,6 +20,9 @@ STAMPS := $(ROOT)/.stamps
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
 APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++ fonts-dejavu-core iproute2
+# The real one-node SLURM of launcher/tests/launch_slurm_real.rs: slurmctld, slurmd,
+# the client commands and munged (the test starts and stops them itself).
+SLURM_APT_PACKAGES := slurm-wlm munge
 
 # tch 0.24 binds libtorch 2.11.0 from the venv's torch wheel (torch-sys runs the
 # venv's `python` when VIRTUAL_ENV is set); build.rs sets the run-time rpath.
@@ -31,7 +35,7 @@ BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
 .PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link clean \
-	test-gpu gpu-bundle gpu-bundle-check check-docs
+	test-gpu gpu-bundle gpu-bundle-check check-docs test-slurm
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
 
@@ -42,6 +46,16 @@ $(STAMPS)/apt:
 	  echo "installing Debian packages: $(APT_PACKAGES)"; \
 	  $$SUDO apt-get update -qq; \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(APT_PACKAGES) >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMPS)/apt-slurm:
+	@mkdir -p $(STAMPS)
+	@if ! dpkg -s $(SLURM_APT_PACKAGES) >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] && echo "" || echo sudo ); \
+	  echo "installing Debian packages: $(SLURM_APT_PACKAGES)"; \
+	  $$SUDO apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SLURM_APT_PACKAGES) >/dev/null; \
 	fi
 	@touch $@
 
@@ -79,7 +93,7 @@ lint: setup
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --test gpu -- -D warnings
 
-test: setup lint check-docs
+test: setup lint check-docs $(STAMPS)/apt-slurm
 	cargo test --workspace
 
 # README.md and docs/: every relative link and anchor, repository path, make target,
@@ -88,6 +102,12 @@ test: setup lint check-docs
 check-docs:
 	$(PYTHON) $(ROOT)/scripts/check_docs.py
 	$(PYTHON) $(ROOT)/scripts/test_check_docs.py
+
+# The sbatch template under a real one-node SLURM (launcher/tests/launch_slurm_real.rs),
+# with its figures: signal to exit, requeue to resume. Needs root (slurmd).
+test-slurm: setup $(STAMPS)/apt-slurm
+	cargo build --workspace --bins
+	cargo test -p vrtspike-launch --test launch_slurm_real -- --nocapture
 
 DEMO_DATA := $(ROOT)/data/demo
 DEMO_CONFIG := configs/demo/unet_spike_demo.yaml

@@ -6,16 +6,20 @@
 //! fails the attempt like a crashed one, and so does another node's verdict (this
 //! node then saves its ranks' stacks too). A rank that fails while waiting in a
 //! collective for a stopped or hung rank is reported as waiting for it, and that
-//! rank as the cause.
+//! rank as the cause. Ranks that all exit 0 after a stop request were preempted,
+//! unless rank 0's summary of this attempt says they reached the end anyway (the
+//! request came during the final validation or checkpoint): completed is completed.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
+use vrtspike_contract::rundir::RunLayout;
+use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use crate::echo::LogEcho;
 use crate::hang::{self, HangCheck, HangWatch};
@@ -85,6 +89,7 @@ pub fn run_attempt(
     peer_stop: &dyn Fn() -> Option<Failure>,
     hang: HangCheck,
 ) -> Result<AttemptEnd> {
+    let started = SystemTime::now();
     let mut ranks: Vec<(u32, Supervised)> = Vec::with_capacity(launches.len());
     let mut echo = None;
     for launch in launches {
@@ -124,9 +129,44 @@ pub fn run_attempt(
     );
     let ids: Vec<(u32, u32)> = ranks.iter().map(|(rank, c)| (*rank, c.pid())).collect();
     let hang = HangWatch::new(hang, &ids, Instant::now());
-    let end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
+    let mut end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
+    if end.outcome == ExitKind::Preempted {
+        let train_summary = RunLayout::new(timing.run_dir).train_summary();
+        end.outcome = ending_after_stop(&train_summary, started);
+    }
     drop(echo);
     Ok(end)
+}
+
+/// How an attempt ended whose ranks all exited 0 after a stop request (SIGUSR2 or
+/// SIGTERM): `completed` when rank 0's summary written during this attempt (at or
+/// after `started`) says the run reached `TRAIN.TOTAL_STEPS` (the request came too
+/// late to stop anything: during the final validation or checkpoint), else
+/// `preempted`. A summary from an earlier attempt, none (stand-in ranks, rank 0 on
+/// another node not written yet) or one that does not read: `preempted`.
+pub fn ending_after_stop(train_summary: &Path, started: SystemTime) -> ExitKind {
+    let fresh = std::fs::metadata(train_summary)
+        .and_then(|m| m.modified())
+        .is_ok_and(|modified| modified >= started);
+    if !fresh {
+        return ExitKind::Preempted;
+    }
+    match RunSummary::read(train_summary) {
+        Ok(summary) if summary.status == TrainStatus::Completed => {
+            tracing::info!(
+                "the ranks reached the last step ({} of {}) before the stop request could \
+                 stop them: the job completed",
+                summary.steps,
+                summary.total_steps
+            );
+            ExitKind::Completed
+        }
+        Ok(_) => ExitKind::Preempted,
+        Err(e) => {
+            tracing::warn!("{e}: taking the attempt as preempted");
+            ExitKind::Preempted
+        }
+    }
 }
 
 fn supervise(
@@ -385,5 +425,49 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         log_tail: spawn::log_tail(&child.log, child.log_offset, LOG_TAIL_LINES),
         class: None,
         stuck: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn write_summary(dir: &Path, status: &str) -> PathBuf {
+        let path = dir.join("train_summary.json");
+        let text = json!({"status": status, "steps": 40, "total_steps": 40, "world_size": 2});
+        let summary: RunSummary = serde_json::from_value(text).unwrap_or_else(|e| panic!("{e}"));
+        summary.write(&path).unwrap_or_else(|e| panic!("{e}"));
+        path
+    }
+
+    #[test]
+    fn a_stop_request_that_came_after_the_last_step_leaves_the_job_completed() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let started = SystemTime::now() - Duration::from_secs(5);
+        let path = write_summary(dir.path(), "completed");
+        assert_eq!(ending_after_stop(&path, started), ExitKind::Completed);
+        let path = write_summary(dir.path(), "preempted");
+        assert_eq!(ending_after_stop(&path, started), ExitKind::Preempted);
+    }
+
+    #[test]
+    fn without_a_summary_of_this_attempt_the_job_was_preempted() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let missing = dir.path().join("train_summary.json");
+        assert_eq!(
+            ending_after_stop(&missing, SystemTime::now()),
+            ExitKind::Preempted
+        );
+        // An earlier attempt's `completed` (a requeued job that ran again).
+        let path = write_summary(dir.path(), "completed");
+        let later = SystemTime::now() + Duration::from_secs(60);
+        assert_eq!(ending_after_stop(&path, later), ExitKind::Preempted);
+        std::fs::write(&path, "{not json").unwrap_or_else(|e| panic!("{e}"));
+        let earlier = SystemTime::now() - Duration::from_secs(60);
+        assert_eq!(ending_after_stop(&path, earlier), ExitKind::Preempted);
     }
 }

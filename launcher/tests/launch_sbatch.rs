@@ -2,8 +2,10 @@
 //! one-node SLURM step, and like slurmstepd delivers a signal it gets to every
 //! process of the step: launcher, cache server, ranks) and `scontrol` (records a
 //! requeue) on PATH. SIGUSR2 to the batch script must reach every process, none
-//! may die of it, and the preempted job must be requeued; SIGTERM stops the job in
-//! order without a requeue.
+//! may die of it, and the preempted job must be requeued; SIGTERM to the script
+//! alone does the same through SIGUSR2 (a real srun turns SIGTERM into SIGKILL);
+//! a job whose ranks completed before the warning could stop them is not requeued.
+//! `launch_slurm_real` runs the template under a real one-node SLURM.
 
 mod common;
 
@@ -15,9 +17,26 @@ use nix::sys::signal::Signal;
 
 use common::{fake_slurm, launcher, signal, texts, wait_until, Job};
 
-/// Stand-in ranks that stop in order (a marker, exit 0) on SIGUSR2 or SIGTERM.
+/// Stand-in ranks that stop in order on SIGUSR2 or SIGTERM: a marker naming the
+/// signal that stopped them, exit 0.
 const STOPPABLE: &str = r#"
-trap 'touch "$VRTSPIKE_RUN_DIR/checkpoints/preempt.rank$RANK"; exit 0' USR2 TERM
+stop() { echo "$1" > "$VRTSPIKE_RUN_DIR/checkpoints/preempt.rank$RANK"; exit 0; }
+trap 'stop USR2' USR2
+trap 'stop TERM' TERM
+while :; do sleep 0.05; done
+"#;
+
+/// Stand-in ranks in their final validation: a stop request comes too late, rank 0
+/// writes its summary (`completed`) and every rank exits 0.
+const FINISHING: &str = r#"
+done_() {
+  if [ "$RANK" = 0 ]; then
+    printf '{"status": "completed", "steps": 5, "total_steps": 5, "world_size": 2}\n' \
+      > "$VRTSPIKE_RUN_DIR/train_summary.json"
+  fi
+  exit 0
+}
+trap done_ USR2 TERM
 while :; do sleep 0.05; done
 "#;
 
@@ -68,28 +87,36 @@ fn batch_job_signalled(job: &Job, sig: Signal) -> Output {
     output
 }
 
-fn assert_stopped_in_order(job: &Job, output: &Output) {
+/// The ranks stopped in order on SIGUSR2, the job is `preempted` and was requeued.
+fn assert_stopped_in_order_and_requeued(job: &Job, output: &Output) {
     let (stdout, stderr) = texts(output);
     assert!(
         output.status.success(),
         "stdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    assert!(job.run_dir.join("checkpoints/preempt.rank0").exists());
-    assert!(job.run_dir.join("checkpoints/preempt.rank1").exists());
+    for rank in 0..2 {
+        let marker = job.run_dir.join(format!("checkpoints/preempt.rank{rank}"));
+        let got = std::fs::read_to_string(&marker)
+            .unwrap_or_else(|e| panic!("{}: {e}\n{stdout}\n{stderr}", marker.display()));
+        assert_eq!(
+            got.trim(),
+            "USR2",
+            "rank {rank} was stopped by SIGUSR2 only"
+        );
+    }
     let summary = job.summary(0);
     assert_eq!(summary["exit"], "preempted", "{summary}");
     assert!(summary["failure"].is_null(), "no process died: {summary}");
+    let requeue = std::fs::read_to_string(job.tmp.path().join("scontrol.called"))
+        .unwrap_or_else(|e| panic!("scontrol was not called: {e}\n{stdout}"));
+    assert_eq!(requeue.trim(), "requeue 77");
 }
 
 #[test]
 fn sbatch_template_survives_preemption_at_every_process_and_requeues() {
     let job = Job::new(STOPPABLE);
     let output = batch_job_signalled(&job, Signal::SIGUSR2);
-    assert_stopped_in_order(&job, &output);
-    let (stdout, _) = texts(&output);
-    let requeue = std::fs::read_to_string(job.tmp.path().join("scontrol.called"))
-        .unwrap_or_else(|e| panic!("scontrol was not called: {e}\n{stdout}"));
-    assert_eq!(requeue.trim(), "requeue 77");
+    assert_stopped_in_order_and_requeued(&job, &output);
     // The cache server got the warning too and kept serving (it ignores it).
     let cache_log =
         std::fs::read_to_string(job.run_dir.join("logs/cache.node0.log")).unwrap_or_default();
@@ -99,13 +126,30 @@ fn sbatch_template_survives_preemption_at_every_process_and_requeues() {
     assert!(port.is_some_and(|p| p != "20077"));
 }
 
+/// `scancel --signal=TERM --batch`: the script passes SIGUSR2, not SIGTERM, to srun
+/// (a real srun answers SIGTERM with SIGKILL for the whole step).
 #[test]
-fn sbatch_template_stops_in_order_on_sigterm_without_a_requeue() {
+fn sbatch_template_checkpoints_and_requeues_on_sigterm_to_the_script() {
     let job = Job::new(STOPPABLE);
     let output = batch_job_signalled(&job, Signal::SIGTERM);
-    assert_stopped_in_order(&job, &output);
+    assert_stopped_in_order_and_requeued(&job, &output);
+}
+
+/// A warning during the final validation: every rank completed, so the job is
+/// `completed` and not requeued.
+#[test]
+fn sbatch_template_does_not_requeue_a_job_that_completed_under_a_warning() {
+    let job = Job::new(FINISHING);
+    let output = batch_job_signalled(&job, Signal::SIGUSR2);
+    let (stdout, stderr) = texts(&output);
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let summary = job.summary(0);
+    assert_eq!(summary["exit"], "completed", "{summary}");
     assert!(
         !job.tmp.path().join("scontrol.called").exists(),
-        "scancel or the time limit is no preemption to requeue"
+        "a completed job was requeued:\n{stdout}"
     );
 }
