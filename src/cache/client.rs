@@ -112,6 +112,25 @@ pub fn check_server(address: &str, server: Peer, trusted: &[u32]) -> Result<(), 
     })
 }
 
+/// The next message on `replies` within `timeout`. The wait is a `poll`, which a
+/// signal handler interrupts whatever its `SA_RESTART` (a profiler's, a job
+/// signal counted on this thread): nothing was read then, so it waits again for
+/// what is left of `timeout` rather than losing the reply.
+fn recv_within<T>(replies: &IpcReceiver<T>, timeout: Duration) -> Result<T, TryRecvError>
+where
+    T: for<'de> serde::Deserialize<'de> + serde::Serialize,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match replies.try_recv_timeout(left) {
+            Err(TryRecvError::IpcError(IpcError::Io(e)))
+                if e.kind() == std::io::ErrorKind::Interrupted => {}
+            other => return other,
+        }
+    }
+}
+
 /// Whether a socket read gave up at its timeout.
 fn is_timeout(e: &std::io::Error) -> bool {
     matches!(
@@ -271,8 +290,7 @@ impl CacheClient {
         stream
             .write_all(&[1])
             .map_err(|e| handshake_err(e.to_string()))?;
-        let welcome = replies
-            .try_recv_timeout(options.handshake_timeout)
+        let welcome = recv_within(&replies, options.handshake_timeout)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
         let welcome = Welcome::from_reply(welcome).map_err(handshake_err)?;
         let mapping = welcome.map(address, &stream).map_err(|e| match e {
@@ -327,7 +345,7 @@ impl CacheClient {
     }
 
     fn recv(&self, request: &'static str, timeout: Duration) -> Result<Reply, CacheError> {
-        match self.replies.try_recv_timeout(timeout) {
+        match recv_within(&self.replies, timeout) {
             Ok(reply) => Ok(reply),
             Err(TryRecvError::IpcError(IpcError::Disconnected)) => Err(CacheError::ServerGone {
                 address: self.address.clone(),
@@ -339,10 +357,14 @@ impl CacheClient {
                     waited_s: timeout.as_secs(),
                 })
             }
-            Err(TryRecvError::IpcError(e)) => Err(CacheError::Ipc {
-                op: request,
-                message: format!("{e:?}"),
-            }),
+            Err(TryRecvError::IpcError(e)) => {
+                // The reply may still come: the next request would read it as its own.
+                self.broken.set(true);
+                Err(CacheError::Ipc {
+                    op: request,
+                    message: format!("{e:?}"),
+                })
+            }
         }
     }
 
@@ -819,6 +841,63 @@ impl CacheError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A handler that does nothing, installed with `SA_RESTART` like the job's.
+    extern "C" fn nothing(_: libc::c_int) {}
+
+    /// Runs `wait` on a thread and sends SIGURG (with [`nothing`] as its handler)
+    /// to that thread every millisecond until it returns or `send_after` passed,
+    /// then sends 7 on `tx`.
+    fn interrupted<F>(tx: &IpcSender<u32>, send_after: Duration, wait: F) -> Result<u32, String>
+    where
+        F: FnOnce() -> Result<u32, TryRecvError> + Send + 'static,
+    {
+        use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+        let action = SigAction::new(
+            SigHandler::Handler(nothing),
+            SaFlags::SA_RESTART,
+            SigSet::empty(),
+        );
+        // SAFETY: the handler does nothing (async-signal-safe); SIGURG is ignored
+        // by default, so no other test relies on its disposition.
+        unsafe { sigaction(Signal::SIGURG, &action) }.expect("SIGURG handler");
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            // SAFETY: gettid has no arguments and cannot fail.
+            let _ = tid_tx.send(unsafe { libc::gettid() });
+            wait().map_err(|e| format!("{e:?}"))
+        });
+        let tid = tid_rx.recv().expect("the waiter's tid");
+        let pid = std::process::id() as libc::pid_t;
+        let start = Instant::now();
+        while !waiter.is_finished() && start.elapsed() < send_after {
+            // SAFETY: tgkill to a thread of this process that is alive (not
+            // finished) with a signal whose handler does nothing.
+            unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGURG) };
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The waiter may have given up and dropped its receiver already.
+        let _ = tx.send(7);
+        waiter.join().expect("the waiter panicked")
+    }
+
+    #[test]
+    fn a_reply_wait_interrupted_by_signal_handlers_still_gets_the_reply() {
+        // The stimulus is real: a bare wait fails with EINTR under it.
+        let (tx, rx) = ipc::channel::<u32>().expect("channel");
+        let bare = interrupted(&tx, Duration::from_secs(20), move || {
+            rx.try_recv_timeout(Duration::from_secs(60))
+        });
+        assert!(
+            bare.as_ref().is_err_and(|e| e.contains("Interrupted")),
+            "{bare:?}"
+        );
+        let (tx, rx) = ipc::channel::<u32>().expect("channel");
+        let waited = interrupted(&tx, Duration::from_millis(300), move || {
+            recv_within(&rx, Duration::from_secs(60))
+        });
+        assert_eq!(waited, Ok(7));
+    }
 
     #[test]
     fn a_server_of_an_untrusted_uid_is_refused_naming_its_uid_and_pid() {

@@ -11,15 +11,34 @@
 //!
 //! How: [`preinit`] runs from the executable's `.preinit_array` (see
 //! [`count_job_signals_from_the_first_instruction!`]), before any shared library's
-//! constructor (libtorch's take a while), and installs a handler that only counts
-//! both signals; it then unblocks them (a parent may have blocked them across
-//! `exec` with [`block_in_child`], which covers the dynamic loader's time). Once
-//! the process knows its role it calls [`settle`]: keep counting, ignore, or fall
-//! back to the default action (a count taken meanwhile is then re-raised, so a
-//! tool that got SIGTERM while starting still ends).
+//! constructor (libtorch's take a while), installs a handler that only counts
+//! both signals and **blocks** them in the main thread, so every thread started
+//! afterwards (libtorch's, OpenMP's, Gloo's, the loader's) inherits them blocked;
+//! one that arrives meanwhile stays pending (a parent may also have blocked them
+//! across `exec` with [`block_in_child`], which covers the dynamic loader's time).
+//! Once the process knows its role it calls [`settle`]:
+//!
+//! - [`Disposition::Count`]: the signal stays blocked in every thread, and one
+//!   thread of this module's own (`job-signals`) takes it with `sigtimedwait` and
+//!   counts it: no handler ever runs on a thread that computes.
+//! - [`Disposition::Ignore`] / [`Disposition::Default`]: ignore it, or fall back to
+//!   the default action (a count taken meanwhile is then re-raised, so a tool that
+//!   got SIGTERM while starting still ends), and unblock it in the calling thread.
+//!
+//! Why no handler may run on a computing thread: oneDNN's JIT f32 GEMM kernels
+//! (libtorch 2.11 bundles oneDNN 3.10.2; `jit_avx512_common_gemm_f32`, the GEMM of
+//! its `gemm:jit` convolutions, and the AVX2 one) point `rsp` at a workspace on the
+//! heap when K is larger than their on-stack buffer. A signal delivered to that
+//! thread then has the kernel write its frame (about 3 KiB with the AVX-512 state)
+//! below that pointer: over the heap chunk before the workspace, whatever the
+//! handler does. glibc aborts later ("corrupted size vs. prev_size"), far from the
+//! write (issue 26; oneDNN issue 4845, fixed upstream after 3.11 by keeping `rsp`
+//! on the stack).
 
 use std::io;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 /// The signals of a job: counted from the first instruction.
 pub const JOB_SIGNALS: [libc::c_int; 2] = [libc::SIGUSR2, libc::SIGTERM];
@@ -28,6 +47,17 @@ pub const JOB_SIGNALS: [libc::c_int; 2] = [libc::SIGUSR2, libc::SIGTERM];
 const SLOTS: usize = 65;
 
 static COUNTS: [AtomicU32; SLOTS] = [const { AtomicU32::new(0) }; SLOTS];
+
+/// The job's signals settled as [`Disposition::Count`], one bit per signal number:
+/// what the `job-signals` thread waits for.
+static WATCHED: AtomicU64 = AtomicU64::new(0);
+
+/// Whether the `job-signals` thread runs.
+static WATCHER: Mutex<bool> = Mutex::new(false);
+
+/// How long the `job-signals` thread waits before it reads [`WATCHED`] again (a
+/// signal that arrives meanwhile stays pending: it is only counted later).
+const WATCH_RECHECK: Duration = Duration::from_millis(200);
 
 /// What a process does with one of the job's signals once it knows its role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,23 +123,23 @@ fn set_plain(signal: libc::c_int, handler: libc::sighandler_t) -> io::Result<()>
     Ok(())
 }
 
-/// The set of the job's signals.
-fn job_set() -> libc::sigset_t {
+/// The set of `signals`.
+fn set_of(signals: impl IntoIterator<Item = libc::c_int>) -> libc::sigset_t {
     // SAFETY: `sigset_t` is plain data; sigemptyset initialises it and sigaddset
     // only sets bits for valid signal numbers.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for signal in JOB_SIGNALS {
+        for signal in signals {
             libc::sigaddset(&mut set, signal);
         }
         set
     }
 }
 
-/// Blocks or unblocks the job's signals in the calling thread.
-fn mask(how: libc::c_int) -> io::Result<()> {
-    let set = job_set();
+/// Blocks or unblocks `signals` in the calling thread.
+fn mask_signals(how: libc::c_int, signals: &[libc::c_int]) -> io::Result<()> {
+    let set = set_of(signals.iter().copied());
     // SAFETY: pthread_sigmask with a valid set and no old-set pointer; it is
     // async-signal-safe, so this may run in a forked child before exec.
     let rc = unsafe { libc::pthread_sigmask(how, &set, std::ptr::null_mut()) };
@@ -119,17 +149,75 @@ fn mask(how: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
+/// Blocks or unblocks the job's signals in the calling thread.
+fn mask(how: libc::c_int) -> io::Result<()> {
+    mask_signals(how, &JOB_SIGNALS)
+}
+
+/// The bit of `signal` in [`WATCHED`] (0 for a number out of range).
+fn watch_bit(signal: libc::c_int) -> u64 {
+    u32::try_from(signal)
+        .ok()
+        .and_then(|s| 1u64.checked_shl(s))
+        .unwrap_or(0)
+}
+
+/// The signals of [`WATCHED`].
+fn watched_set() -> libc::sigset_t {
+    let bits = WATCHED.load(Ordering::SeqCst);
+    set_of(
+        JOB_SIGNALS
+            .into_iter()
+            .filter(|s| bits & watch_bit(*s) != 0),
+    )
+}
+
+/// The `job-signals` thread: takes the watched signals, pending for the process
+/// because every thread blocks them, and counts them.
+fn watch() {
+    // Inherited blocked from the thread that started it; sigtimedwait needs them so.
+    let _ = mask(libc::SIG_BLOCK);
+    let recheck = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: libc::c_long::try_from(WATCH_RECHECK.as_nanos()).unwrap_or(100_000_000),
+    };
+    loop {
+        let set = watched_set();
+        // SAFETY: a valid set and timeout, no siginfo wanted; this only takes a
+        // pending signal off the queue (no handler runs).
+        let signal = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &recheck) };
+        // -1: the time-out (EAGAIN) or another signal (EINTR): look again.
+        if signal > 0 {
+            count(signal);
+        }
+    }
+}
+
+/// Starts the `job-signals` thread once.
+fn start_watcher() -> io::Result<()> {
+    let mut running = WATCHER.lock().unwrap_or_else(PoisonError::into_inner);
+    if !*running {
+        std::thread::Builder::new()
+            .name("job-signals".into())
+            .spawn(watch)?;
+        *running = true;
+    }
+    Ok(())
+}
+
 /// For a `pre_exec` hook: the child starts its new program with the job's signals
 /// blocked, so one that arrives while the dynamic loader maps its libraries stays
-/// pending until [`preinit`] has installed the handler. Only for programs that call
-/// [`preinit`] (a shell script would keep them blocked). Async-signal-safe.
+/// pending until the program settles it ([`settle`]). Only for programs that call
+/// [`preinit`] and [`settle`] (a shell script would keep them blocked).
+/// Async-signal-safe.
 pub fn block_in_child() -> io::Result<()> {
     mask(libc::SIG_BLOCK)
 }
 
-/// Installs the counting handler for the job's signals and unblocks them.
-/// Errors are ignored here (there is nowhere to report them this early); [`settle`]
-/// installs them again and reports.
+/// Installs the counting handler for the job's signals and blocks them in the
+/// main thread, so every thread started later inherits them blocked (see the
+/// module doc). Errors are ignored here (there is nowhere to report them this
+/// early); [`settle`] sets both up again and reports.
 pub extern "C" fn preinit(
     _argc: libc::c_int,
     _argv: *const *const libc::c_char,
@@ -138,7 +226,7 @@ pub extern "C" fn preinit(
     for signal in JOB_SIGNALS {
         let _ = count_signal(signal);
     }
-    let _ = mask(libc::SIG_UNBLOCK);
+    let _ = mask(libc::SIG_BLOCK);
 }
 
 /// Registers [`preinit`] in the executable's `.preinit_array`, which the dynamic
@@ -158,23 +246,46 @@ macro_rules! count_job_signals_from_the_first_instruction {
 }
 
 /// Settles what this process does with SIGUSR2 and SIGTERM once it knows its role
-/// (see the module doc), and unblocks them.
+/// (see the module doc). Call it from the main thread before starting threads:
+/// a thread that already runs keeps the mask it had (the preinit's: both blocked).
+/// Without the preinit (a library user), threads started before this call keep the
+/// signals unblocked and count them with the handler.
 pub fn settle(usr2: Disposition, term: Disposition) -> io::Result<()> {
+    let mut watched = Vec::new();
+    let mut delivered = Vec::new();
     for (signal, disposition) in [(libc::SIGUSR2, usr2), (libc::SIGTERM, term)] {
         match disposition {
-            Disposition::Count => count_signal(signal)?,
-            Disposition::Ignore => set_plain(signal, libc::SIG_IGN)?,
+            Disposition::Count => {
+                count_signal(signal)?;
+                watched.push(signal);
+            }
+            Disposition::Ignore => {
+                set_plain(signal, libc::SIG_IGN)?;
+                delivered.push(signal);
+            }
             Disposition::Default => {
                 set_plain(signal, libc::SIG_DFL)?;
                 if received(signal) > 0 {
                     // SAFETY: raise with a valid signal number; its default action
-                    // is what a process without a handler would have met.
+                    // is what a process without a handler would have met (once
+                    // unblocked below).
                     unsafe { libc::raise(signal) };
                 }
+                delivered.push(signal);
             }
         }
     }
-    mask(libc::SIG_UNBLOCK)
+    for signal in &delivered {
+        WATCHED.fetch_and(!watch_bit(*signal), Ordering::SeqCst);
+    }
+    if !watched.is_empty() {
+        mask_signals(libc::SIG_BLOCK, &watched)?;
+        for signal in &watched {
+            WATCHED.fetch_or(watch_bit(*signal), Ordering::SeqCst);
+        }
+        start_watcher()?;
+    }
+    mask_signals(libc::SIG_UNBLOCK, &delivered)
 }
 
 #[cfg(test)]
@@ -202,7 +313,7 @@ mod tests {
     }
 
     #[test]
-    fn a_blocked_signal_waits_for_the_handler() {
+    fn a_signal_blocked_across_exec_stays_pending_through_the_preinit() {
         // In a child process: blocking is per thread, and the test harness runs
         // other tests in this process.
         // SAFETY: fork in a test; the child only makes async-signal-safe calls
@@ -210,20 +321,45 @@ mod tests {
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
+            let before = received(libc::SIGTERM);
             let ok = block_in_child().is_ok()
                 // SAFETY: kill to ourselves with a blocked signal: it stays pending.
                 && unsafe { libc::kill(libc::getpid(), libc::SIGTERM) } == 0
                 && pending(libc::SIGTERM);
             preinit(0, std::ptr::null(), std::ptr::null());
-            let counted = received(libc::SIGTERM) == 1;
+            // Still blocked, so neither delivered nor lost.
+            let kept = pending(libc::SIGTERM) && received(libc::SIGTERM) == before;
+            // Unblocked, it reaches the counting handler the preinit installed.
+            let counted = mask(libc::SIG_UNBLOCK).is_ok() && received(libc::SIGTERM) == before + 1;
+            let code = match (ok, kept, counted) {
+                (true, true, true) => 0,
+                (false, _, _) => 1,
+                (_, false, _) => 2,
+                _ => 3,
+            };
             // SAFETY: _exit ends the forked child without running the parent's
             // atexit handlers.
-            unsafe { libc::_exit(if ok && counted { 0 } else { 1 }) };
+            unsafe { libc::_exit(code) };
         }
         let mut status = 0;
         // SAFETY: waitpid on our own child with a valid status pointer.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(libc::WIFEXITED(status), "the child died of the signal");
-        assert_eq!(libc::WEXITSTATUS(status), 0);
+        let why = [
+            "",
+            "not pending before the preinit",
+            "the preinit delivered or lost it",
+            "not counted once unblocked",
+        ];
+        let code = libc::WEXITSTATUS(status);
+        assert_eq!(code, 0, "{}", why.get(code as usize).unwrap_or(&"?"));
+    }
+
+    #[test]
+    fn watch_bits_are_one_per_signal() {
+        assert_eq!(watch_bit(libc::SIGUSR2), 1 << 12);
+        assert_eq!(watch_bit(libc::SIGTERM), 1 << 15);
+        assert_eq!(watch_bit(-1), 0);
+        assert_eq!(watch_bit(64), 0);
     }
 }
