@@ -606,9 +606,7 @@ fn connect_peers(args: &Args, topology: &cluster::Topology, run_dir: &RunDir) ->
         master_addr: topology.master_addr.clone(),
         port: args.control_port,
         control_file: run_dir.layout.control_file(),
-        secret: std::env::var(peers::auth::SECRET_ENV)
-            .ok()
-            .filter(|s| !s.trim().is_empty()),
+        secret: peers::auth::given_secret(std::env::var(peers::auth::SECRET_ENV).ok())?,
         timeout: Duration::from_secs_f64(args.peer_timeout_s),
     })
 }

@@ -163,6 +163,42 @@ fn second_node_offsets_ranks() {
 }
 
 #[test]
+fn a_job_secret_under_128_bits_is_refused_naming_the_variable() {
+    let job = Job::new("exit 0");
+    let control_port = common::free_port().to_string();
+    let mut command = job.command(&[
+        "--gpus",
+        "0",
+        "--ranks",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--control-port",
+        &control_port,
+        "--peer-timeout-s",
+        "1",
+    ]);
+    // 16 hex digits: 64 bits, found offline from one recorded handshake.
+    command.env("VRTSPIKE_JOB_SECRET", "0123456789abcdef");
+    let output = common::run_with_limit(command, LIMIT);
+    let (stdout, stderr) = texts(&output);
+    assert!(!output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains("VRTSPIKE_JOB_SECRET has 16 characters")
+            && stderr.contains("at least 32"),
+        "the error names the variable and the minimum: {stderr}"
+    );
+    assert!(
+        !job.run_dir.join("env.rank2.attempt0").exists(),
+        "no rank started with a weak secret"
+    );
+}
+
+#[test]
 fn slurm_step_sets_node_ranks_and_master() {
     let job = Job::new("exit 0");
     let control_port = common::free_port();

@@ -8,7 +8,11 @@
 //!
 //! The secret comes from `VRTSPIKE_JOB_SECRET` when the batch script passes one,
 //! else node 0 makes one (32 random bytes) and publishes it in the run directory's
-//! control file, readable by the job's user only (see [`super::control`]).
+//! control file, readable by the job's user only (see [`super::control`]). The
+//! nonces and proofs travel in clear, so whoever sees one handshake can try secrets
+//! offline: a given secret must carry at least [`MIN_SECRET_BITS`] bits, which the
+//! launcher takes as at least [`MIN_SECRET_CHARS`] characters (32 hex digits; the
+//! batch template makes 64), and refuses a shorter one naming the variable.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -21,6 +25,38 @@ use sha2::Sha256;
 pub const SECRET_ENV: &str = "VRTSPIKE_JOB_SECRET";
 /// Node 0's greeting.
 const GREETING: &str = "VRTSPIKE-CONTROL 1";
+/// The fewest bits of a secret given in [`SECRET_ENV`].
+pub const MIN_SECRET_BITS: usize = 128;
+/// The fewest characters of a secret given in [`SECRET_ENV`]: what
+/// [`MIN_SECRET_BITS`] takes in hex digits (4 bits each). A secret in another
+/// alphabet needs as many characters: the launcher cannot tell how random they are.
+pub const MIN_SECRET_CHARS: usize = MIN_SECRET_BITS / 4;
+
+/// A secret in [`SECRET_ENV`] too short to resist an offline search.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{SECRET_ENV} has {chars} characters; it must have at least {MIN_SECRET_CHARS} \
+     ({MIN_SECRET_BITS} random bits as hex digits), since the handshake's nonces and \
+     proofs travel in clear: make one with `od -An -N32 -tx1 /dev/urandom | tr -d ' \\n'`, \
+     or leave it unset for node 0 to make one"
+)]
+pub struct WeakSecret {
+    /// Characters the given secret has.
+    pub chars: usize,
+}
+
+/// The job's secret from the value of [`SECRET_ENV`]: `None` when unset or blank
+/// (node 0 makes one), an error when shorter than [`MIN_SECRET_CHARS`].
+pub fn given_secret(value: Option<String>) -> Result<Option<String>, WeakSecret> {
+    let Some(secret) = value.filter(|s| !s.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let chars = secret.chars().count();
+    if chars < MIN_SECRET_CHARS {
+        return Err(WeakSecret { chars });
+    }
+    Ok(Some(secret))
+}
 
 /// Why a handshake failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -188,6 +224,21 @@ mod tests {
         });
         assert_eq!(join(&mut client, "s3cret", 1), Err(AuthError::BadProof));
         assert_eq!(imposter.join().ok(), Some(Ok(())));
+    }
+
+    #[test]
+    fn a_given_secret_must_carry_128_bits() {
+        assert_eq!(given_secret(None), Ok(None));
+        assert_eq!(given_secret(Some("  ".into())), Ok(None), "blank: node 0 makes one");
+        let short = given_secret(Some("0123456789abcdef".into()));
+        assert_eq!(short, Err(WeakSecret { chars: 16 }));
+        let message = short.map_err(|e| e.to_string()).err().unwrap_or_default();
+        assert!(
+            message.contains(SECRET_ENV) && message.contains("at least 32"),
+            "{message}"
+        );
+        let enough = "ab".repeat(16);
+        assert_eq!(given_secret(Some(enough.clone())), Ok(Some(enough)));
     }
 
     #[test]
