@@ -10,7 +10,10 @@
 //! Every operation first checks everything that can refuse it, then makes its
 //! changes, none of which can fail: a refused request leaves the store's records,
 //! extents and memory as they were (it may only have learnt of reads that clients
-//! made, which refreshes the LRU order, and counted the refusal).
+//! made, which refreshes the LRU order, and counted the refusal). One exception: a
+//! commit refused because the filler's page has no room for the record's lease
+//! ends the fill (its client gave the ticket up with the request), so other readers
+//! of the key do not wait for the fill timeout.
 
 pub mod arena;
 pub mod connections;
@@ -267,6 +270,19 @@ impl Store {
         })
     }
 
+    /// Refuses a request that would end in a lease when `client`'s page has no
+    /// room for one (its clients pin hits themselves, so a page fills up between
+    /// a reserve and its commit too).
+    fn check_lease_room(&self, client: ClientId) -> Result<(), RequestError> {
+        let page = self.connections.get(client)?.page;
+        if self.pins.page(page).lease_count() >= LEASES_PER_CONNECTION {
+            return Err(RequestError::TooManyLeases {
+                max: LEASES_PER_CONNECTION,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether a lease of any live connection pins `slot`.
     fn pinned(&self, slot: SlotIdx) -> bool {
         self.connections
@@ -285,6 +301,7 @@ impl Store {
     ) -> Result<(u64, u64), RequestError> {
         let fill = self.fills.held(client, ticket)?;
         let key = fill.key.clone();
+        self.check_lease_room(client)?;
         if fill.slot.is_some() {
             return Err(RequestError::TicketState {
                 ticket,
@@ -471,11 +488,14 @@ impl Store {
         let slot = fill
             .slot
             .ok_or_else(|| not_filling("commit before reserve"))?;
-        let page = self.connections.get(client)?.page;
-        if self.pins.page(page).lease_count() >= LEASES_PER_CONNECTION {
-            return Err(RequestError::TooManyLeases {
-                max: LEASES_PER_CONNECTION,
-            });
+        if let Err(refusal) = self.check_lease_room(client) {
+            // The client gave its ticket and writable map up with this request: a
+            // fill left in flight would keep every other reader of the key waiting
+            // for the whole fill timeout. It ends here; the next reader fills.
+            if let Some(fill) = self.fills.finish(ticket) {
+                self.given_up(&fill);
+            }
+            return Err(refusal);
         }
         let placed = self
             .arena

@@ -406,13 +406,42 @@ fn a_connection_holds_at_most_its_pages_leases() {
     let GetOutcome::Miss(t) = store.get(c, "other").unwrap() else {
         panic!()
     };
+    // No room for the lease the commit would give: refused before any byte is
+    // filled, the fill left for the client to abort.
+    assert_eq!(
+        store.reserve(c, t, 10),
+        Err(RequestError::TooManyLeases {
+            max: LEASES_PER_CONNECTION
+        })
+    );
+    assert!(store.is_filling("other"));
+    store.abort(c, t).unwrap();
+}
+
+/// The client pins hits in its own page, so its page may fill up between a reserve
+/// and the commit: the refused commit ends the fill, and the next reader of the
+/// key fills it instead of waiting for the whole fill timeout.
+#[test]
+fn a_commit_refused_for_its_lease_ends_the_fill() {
+    let mut store = Store::on_heap(1, MB, None);
+    let (c, page) = store.connect("a".into(), 1).unwrap();
+    let other = store.connect("b".into(), 2).unwrap().0;
+    fill_released(&mut store, c, "k", 10);
+    let slot = store.index.get("k").unwrap();
+    let GetOutcome::Miss(t) = store.get(c, "late").unwrap() else {
+        panic!()
+    };
     store.reserve(c, t, 10).unwrap();
+    for _ in 0..LEASES_PER_CONNECTION {
+        store.pin_page(page).take(slot).unwrap();
+    }
+    let before = store.stats(0).filling_bytes;
     assert!(matches!(
         store.commit(c, t),
         Err(RequestError::TooManyLeases { .. })
     ));
-    assert!(
-        store.is_filling("other"),
-        "the fill can still be committed later"
-    );
+    assert!(!store.is_filling("late"), "the refused fill is still in flight");
+    assert!(matches!(store.get(other, "late"), Ok(GetOutcome::Miss(_))));
+    let s = store.stats(0);
+    assert_eq!((before, s.filling_bytes, s.totals.fills_abandoned), (P, 0, 1));
 }
