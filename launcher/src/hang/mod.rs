@@ -1,7 +1,8 @@
 //! Finding a stopped or hung rank (`--stall-timeout-s`, `--hang-timeout-s`): the
 //! launcher reads each rank's heartbeat (the contract's `heartbeat` record: step,
 //! phase, collectives entered and completed, liveness tick) about once a second
-//! and notes when each rank last moved and when its tick last changed. The verdict
+//! and notes when each rank last moved (inside the Reducer's backward, each
+//! gradient bucket it launches is a move) and when its tick last changed. The verdict
 //! ([`verdict`]) names the rank whose tick went stale (stopped), or the one still
 //! for the hang timeout while another got further (hung: the rank that never
 //! entered the collective the others wait in), with its phase, step and
@@ -279,6 +280,7 @@ mod tests {
                 entered,
                 completed: entered.saturating_sub(1),
                 last: Some(CollectiveOp::AllReduce),
+                buckets: 0,
             },
         }
     }
