@@ -10,10 +10,11 @@
 //! counter, so two test binaries cannot collide.
 //!
 //! - One job: `kill -9` of node 1's rank after a checkpoint -> both nodes restart
-//!   together; then node 1's rank is stopped (SIGSTOP) and node 0's launcher, which
-//!   sees it only through the shared run dir (node 1's own watch is off), names it
-//!   -> both restart again; the job completes on both nodes with the same final
-//!   parameters, and nothing is left in either namespace.
+//!   together; then node 1's rank is stopped (SIGSTOP): node 1's launcher names it
+//!   from its own ticks (node 0 never judges another node's rank, whose record on a
+//!   shared file system may be late), node 0 hears it on the control link and
+//!   saves its own stacks -> both restart again; the job completes on both nodes
+//!   with the same final parameters, and nothing is left in either namespace.
 //! - `kill -9` of node 1's launcher -> node 0 ends, naming node 1.
 
 mod common;
@@ -270,9 +271,9 @@ fn two_namespace_nodes_restart_together_name_a_stopped_rank_and_agree_at_the_end
             .spawn()
             .unwrap_or_else(|e| panic!("starting node {node}: {e}"))
     };
-    // Node 1 does not watch its ranks: a stopped rank there is node 0's to name.
+    // Each node watches its own ranks.
     let mut node0 = launch(0, &["--stall-timeout-s", "5"]);
-    let mut node1 = launch(1, &["--stall-timeout-s", "0", "--hang-timeout-s", "0"]);
+    let mut node1 = launch(1, &["--stall-timeout-s", "5"]);
 
     // Attempt 0: kill -9 of node 1's rank after a checkpoint.
     let victim = rank1_running(&run, 0, 4).unwrap_or_else(|| panic!("no checkpoint in attempt 0"));
@@ -316,15 +317,24 @@ fn two_namespace_nodes_restart_together_name_a_stopped_rank_and_agree_at_the_end
     let killed = &summary1["attempts"][0]["failure"];
     assert_eq!(
         (killed["rank"].as_u64(), killed["signal"].as_str()),
-        (Some(1), Some("SIGKILL"))
+        (Some(1), Some("SIGKILL")),
+        "{summary1}\n{context}"
     );
     assert_eq!(summary0["attempts"][0]["failure"]["process"], "node 1");
-    // Node 0 named node 1's stopped rank itself, from the shared run dir.
-    let cause = summary0["attempts"][1]["failure"]["cause"]
+    // Node 1 named its stopped rank; node 0 heard it from node 1.
+    let cause1 = summary1["attempts"][1]["failure"]["cause"]
         .as_str()
         .unwrap_or("");
     assert!(
-        cause.starts_with("stopped: rank 1 (node 1) in phase "),
+        cause1.starts_with("stopped: rank 1 (node 1) in phase "),
+        "{summary1}"
+    );
+    let heard = &summary0["attempts"][1]["failure"];
+    assert_eq!(heard["process"], "node 1", "{summary0}");
+    assert!(
+        heard["cause"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("node 1: stopped: rank 1 (node 1)")),
         "{summary0}"
     );
     assert!(
@@ -354,7 +364,7 @@ fn two_namespace_nodes_restart_together_name_a_stopped_rank_and_agree_at_the_end
     };
     println!(
         "launch_netns: restart after kill -9 of node 1's rank: {:.2} s (node 0) / {:.2} s (node 1); \
-         stopped rank named by node 0 in {named_s:.1} s, restart {:.2} s / {:.2} s; final hash {}",
+         stopped rank named by node 1 in {named_s:.1} s, restart {:.2} s / {:.2} s; final hash {}",
         latency(&summary0, 1),
         latency(&summary1, 1),
         latency(&summary0, 2),

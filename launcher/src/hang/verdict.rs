@@ -8,7 +8,8 @@
 //! gradient all-reduce, which spans a whole backward pass and is entered before any
 //! gradient exists, a rank that launched fewer gradient buckets is behind one that
 //! launched more: a rank wedged in a backward kernel is named, not the peers that
-//! wait for its buckets.
+//! wait for its buckets. Only this node's ranks are named here (see
+//! [`RankView::local`]); another node's count only as a standard to compare with.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -36,6 +37,10 @@ pub struct RankView {
     pub pid: Option<u32>,
     /// Its process state from `/proc` (`R`, `S`, `D`, `T`, ...) when it runs here.
     pub state: Option<char>,
+    /// Whether it runs on this launcher's node, which judges it from its own
+    /// reading of its ticks; another node's rank (as its launcher told) is only
+    /// compared with, never named here.
+    pub local: bool,
 }
 
 impl RankView {
@@ -127,20 +132,22 @@ pub struct Timeouts {
     pub stall: Option<Duration>,
 }
 
-/// The stopped or hung rank among `views` of a job of `world_size` ranks, if one
-/// is (see the module doc): a stopped rank first (the longest silent, then the
-/// lowest); else of the ranks still for the hang timeout, the one furthest behind
-/// (then the longest still, then the lowest rank), when it is the job's only rank
-/// or another rank got further.
+/// The stopped or hung rank of this node among `views` of a job of `world_size`
+/// ranks, if one is (see the module doc): a stopped rank first (the longest silent,
+/// then the lowest); else of this node's ranks still for the hang timeout, the one
+/// furthest behind (then the longest still, then the lowest rank), when it is the
+/// job's only rank or another rank (of any node) got further.
 pub fn find_hang(views: &[RankView], timeouts: Timeouts, world_size: u32) -> Option<Hang> {
-    if let Some(stopped) = timeouts.stall.and_then(|stall| most_silent(views, stall)) {
+    let local: Vec<RankView> = views.iter().filter(|v| v.local).copied().collect();
+    if let Some(stopped) = timeouts.stall.and_then(|stall| most_silent(&local, stall)) {
         return Some(Hang::of(HangKind::Stopped, stopped, views));
     }
     let timeout = timeouts.hang?;
     if views.iter().all(|v| v.progress.is_none()) {
         return None;
     }
-    let mut candidates: Vec<&RankView> = views.iter().filter(|v| v.still_for >= timeout).collect();
+    let mut candidates: Vec<&RankView> =
+        local.iter().filter(|v| v.still_for >= timeout).collect();
     candidates.sort_by(|a, b| {
         (a.standing(), std::cmp::Reverse(a.still_for), a.rank).cmp(&(
             b.standing(),
@@ -177,7 +184,8 @@ fn most_silent(views: &[RankView], stall: Duration) -> Option<&RankView> {
 /// waiting for, if the records say so. A rank that has not ticked for `silence`
 /// is stopped; else a rank that never entered the collective `failed` was inside,
 /// or is inside it too having launched fewer gradient buckets (and has been still
-/// at least as long), is hung. `None`: its own failure.
+/// at least as long, and at least `silence`: a rank that has not moved since its
+/// last word a moment ago is no culprit), is hung. `None`: its own failure.
 pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<Hang> {
     let victim = views.iter().find(|v| v.rank == failed)?;
     let others: Vec<RankView> = views.iter().filter(|v| v.rank != failed).copied().collect();
@@ -192,7 +200,7 @@ pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<
     };
     let laggard = others
         .iter()
-        .filter(|v| behind(v) && v.still_for >= victim.still_for)
+        .filter(|v| behind(v) && v.still_for >= victim.still_for.max(silence))
         .min_by_key(|v| (v.standing(), v.rank))?;
     Some(Hang::of(kind_of(laggard), laggard, views))
 }
@@ -327,6 +335,7 @@ mod tests {
             silent_for: progress.map(|_| Duration::from_millis(300)),
             pid: None,
             state: None,
+            local: true,
         }
     }
 
@@ -466,10 +475,33 @@ mod tests {
         // Rank 0's collective timed out: rank 1 is the one it waited for.
         let victim = culprit_of(0, &[waiting, wedged], Duration::from_secs(5));
         assert_eq!(victim.map(|h| (h.kind, h.rank.rank)), Some((HangKind::Hung, 1)));
+        // Another node's rank whose last word (a moment ago) is behind is no
+        // culprit: it has not been still for long.
+        let mut remote = view(2, None, 0);
+        remote.local = false;
+        let mut victim = waiting;
+        victim.still_for = Duration::ZERO;
+        assert_eq!(culprit_of(0, &[victim, remote], Duration::from_secs(5)), None);
         // Both launched every bucket: nobody is behind.
         wedged.collectives = buckets(coll(129, 128), 4);
         assert_eq!(find_hang(&[waiting, wedged], T, 2), None);
         assert_eq!(culprit_of(0, &[waiting, wedged], Duration::from_secs(5)), None);
+    }
+
+    /// Another node's rank is named by its own launcher, from its own ticks: here
+    /// it only counts to compare with.
+    #[test]
+    fn another_node_s_rank_is_compared_with_never_named_here() {
+        let mut remote_stopped = silent(view(2, at(3, Phase::Forward), 30), 30);
+        remote_stopped.local = false;
+        let waiting = view(0, at(3, Phase::AllReduce), 20);
+        assert_eq!(find_hang(&[waiting, remote_stopped], T, 4), None);
+        // A rank of this node behind a rank of another is named.
+        let mut remote_ahead = view(2, at(3, Phase::AllReduce), 20);
+        remote_ahead.local = false;
+        let behind = view(0, at(3, Phase::Forward), 20);
+        let hang = find_hang(&[behind, remote_ahead], T, 4).map(|h| h.rank.rank);
+        assert_eq!(hang, Some(0));
     }
 
     #[test]

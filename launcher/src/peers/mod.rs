@@ -16,7 +16,10 @@
 //! alone. A rank failing on any node stops the ranks of every node at once
 //! (`FAIL`/`HUNG`, forwarded by node 0), node 0 decides whether to restart, and
 //! a node whose launcher gives up, is interrupted or dies (its link closes without
-//! `DONE` or `QUIT`) ends the job on every node, naming it.
+//! `DONE` or `QUIT`) ends the job on every node, naming it. Each launcher also
+//! tells the others how its ranks stand (`VIEW`, from its own reading of their
+//! heartbeats), so every node judges its own ranks against all the job's, and
+//! names a stopped or hung rank of its own only (see [`crate::hang`]).
 
 pub mod auth;
 pub mod control;
@@ -45,6 +48,7 @@ pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(5);
 /// Something another node said, as this launcher must act on it: a line of the
 /// protocol.
 pub use wire::Message as PeerEvent;
+pub use wire::Standing;
 
 /// Where this launcher meets the others.
 #[derive(Debug, Clone)]
@@ -70,12 +74,23 @@ pub struct LinkSpec {
 struct Shared {
     /// Open links: (node at the other end, stream).
     links: Mutex<Vec<(u32, TcpStream)>>,
-    /// What the other nodes said, in order.
+    /// What the other nodes said, in order (but how their ranks stand).
     events: Mutex<Vec<PeerEvent>>,
+    /// How each other node's rank stands, by rank: the last word.
+    standings: Mutex<HashMap<u32, Standing>>,
 }
 
 impl Shared {
+    /// Keeps `message`: a rank's standing replaces the last of that rank; any
+    /// other line is kept in order.
     fn push(&self, event: PeerEvent) {
+        if let PeerEvent::View(standing) = event {
+            self.standings
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(standing.rank, standing);
+            return;
+        }
         self.events
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -218,6 +233,29 @@ impl PeerLinks {
         );
     }
 
+    /// Tells the other nodes how this node's ranks stand (they compare their own
+    /// ranks with them).
+    pub fn relay_standings(&self, standings: &[Standing]) {
+        for standing in standings {
+            self.shared.send(&PeerEvent::View(*standing), None);
+        }
+    }
+
+    /// How the other nodes' ranks stood in attempt `attempt` when their launchers
+    /// last said.
+    pub fn standings(&self, attempt: u32) -> Vec<Standing> {
+        let standings = self
+            .shared
+            .standings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        standings
+            .values()
+            .filter(|s| s.attempt == attempt)
+            .copied()
+            .collect()
+    }
+
     /// Tells the other nodes how this launcher ends: `Some(cause)` = it gives up.
     pub fn report_end(&self, gave_up: Option<&str>) {
         let message = match gave_up {
@@ -241,7 +279,7 @@ impl PeerLinks {
             .find(|event| match event {
                 PeerEvent::Fail { attempt: a, .. } => *a == attempt,
                 PeerEvent::Quit { .. } => true,
-                PeerEvent::Start { .. } | PeerEvent::Done { .. } => false,
+                PeerEvent::Start { .. } | PeerEvent::Done { .. } | PeerEvent::View(_) => false,
             })
             .cloned()
     }
@@ -266,6 +304,18 @@ impl PeerLinks {
     /// The nodes that ended normally (a restart would wait for their ranks forever).
     pub fn ended_nodes(&self) -> Vec<u32> {
         (0..self.nnodes).filter(|n| self.ended(*n)).collect()
+    }
+}
+
+/// The hang watch tells the other nodes how this node's ranks stand, and hears
+/// theirs, over the links.
+impl crate::hang::Relay for PeerLinks {
+    fn send(&self, standings: &[Standing]) {
+        self.relay_standings(standings);
+    }
+
+    fn heard(&self, attempt: u32) -> Vec<Standing> {
+        self.standings(attempt)
     }
 }
 
