@@ -159,8 +159,8 @@ mod tests {
     fn the_helpers_start_protected_from_the_job_signals() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let vrtspike = spawn::mask_reporting_vrtspike(dir.path());
-        let facts = config_facts(&vrtspike, Path::new("c.yaml"), &[])
-            .unwrap_or_else(|e| panic!("{e:#}"));
+        let facts =
+            config_facts(&vrtspike, Path::new("c.yaml"), &[]).unwrap_or_else(|e| panic!("{e:#}"));
         assert!(facts.ram_cache, "config show started unprotected");
         let shown = stats(&vrtspike, "some-address").unwrap_or_default();
         assert_eq!(shown["protected"], true, "cache stats: {shown}");

@@ -38,7 +38,11 @@ fn layout(root: &Path) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
     let kept = real.join("torch/__init__.py");
     let standin = root.join("standin");
     let work = root.join("work");
-    for dir in [real.join("torch"), standin.join("site-packages"), work.clone()] {
+    for dir in [
+        real.join("torch"),
+        standin.join("site-packages"),
+        work.clone(),
+    ] {
         std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     }
     std::fs::write(&kept, "real").unwrap_or_else(|e| panic!("{e}"));

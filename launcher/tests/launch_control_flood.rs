@@ -195,10 +195,7 @@ fn a_flood_on_the_control_port_neither_grows_node_0_nor_keeps_node_1_out() {
         .map(|s| s.join().unwrap_or(u64::MAX))
         .collect();
     std::fs::write(job.run_dir.join("stop"), "").unwrap_or_else(|e| panic!("{e}"));
-    let codes = (
-        exit_code(&mut node0, LIMIT),
-        exit_code(&mut node1, LIMIT),
-    );
+    let codes = (exit_code(&mut node0, LIMIT), exit_code(&mut node1, LIMIT));
     let log = std::fs::read_to_string(&log0).unwrap_or_default();
     let context = format!("node 0's log:\n{log}");
 

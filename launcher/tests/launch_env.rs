@@ -197,10 +197,12 @@ fn a_job_secret_under_128_bits_is_refused_naming_the_variable() {
     command.env("VRTSPIKE_JOB_SECRET", "0123456789abcdef");
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
-    assert!(!output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(
-        stderr.contains("VRTSPIKE_JOB_SECRET has 16 characters")
-            && stderr.contains("at least 32"),
+        !output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("VRTSPIKE_JOB_SECRET has 16 characters") && stderr.contains("at least 32"),
         "the error names the variable and the minimum: {stderr}"
     );
     assert!(

@@ -188,7 +188,10 @@ fn assert_rank_1_named_in_backward(output: &Output, run: &Path) {
     assert_eq!(output.status.code(), Some(1), "{context}");
     let summary = read_json(&layout.launcher_summary(0));
     let failure = &summary["failure"];
-    assert_eq!(failure["rank"], 1, "rank 1 is the cause: {summary}\n{context}");
+    assert_eq!(
+        failure["rank"], 1,
+        "rank 1 is the cause: {summary}\n{context}"
+    );
     let cause = failure["cause"].as_str().unwrap_or("");
     assert!(
         cause.starts_with("hang: rank 1 in phase backward at step 5, inside all_reduce #")

@@ -62,9 +62,7 @@ fn signal_every_process(sig: Signal, when: When) {
         if in_window || when != When::StartingUp {
             return;
         }
-        eprintln!(
-            "try {attempt}: a rank got past its start before the signals went out; again"
-        );
+        eprintln!("try {attempt}: a rank got past its start before the signals went out; again");
     }
     panic!(
         "in {STARTING_UP_TRIES} jobs the signals never went out while both ranks were \

@@ -285,7 +285,9 @@ const CRASH_SIGNALS: [libc::c_int; 7] = [
 /// error) rather than being killed from outside.
 fn is_crash(status: ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
-    status.signal().is_none_or(|sig| CRASH_SIGNALS.contains(&sig))
+    status
+        .signal()
+        .is_none_or(|sig| CRASH_SIGNALS.contains(&sig))
 }
 
 /// `SIGSEGV`, `signal 40` or `exit status 3`.
@@ -621,7 +623,12 @@ fn probe_in_worker(path: &Path) -> Reply {
     let mut killed = String::new();
     for _ in 0..PROBE_TRIES {
         match worker_probe(path) {
-            WorkerEnd::Answered(error) => return Reply { error, unjudged: None },
+            WorkerEnd::Answered(error) => {
+                return Reply {
+                    error,
+                    unjudged: None,
+                }
+            }
             WorkerEnd::Killed(why) => killed = why,
         }
     }
@@ -914,7 +921,10 @@ mod tests {
         for outside in [libc::SIGTERM, libc::SIGUSR2, libc::SIGKILL, libc::SIGINT] {
             assert!(!is_crash(killed_by(outside)), "signal {outside}");
         }
-        assert!(is_crash(ExitStatus::from_raw(3 << 8)), "an exit status is its own");
+        assert!(
+            is_crash(ExitStatus::from_raw(3 << 8)),
+            "an exit status is its own"
+        );
     }
 
     #[test]

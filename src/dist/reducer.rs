@@ -391,7 +391,9 @@ mod tests {
             .iter()
             .position(|h| h.starts_with("enter broadcast #"))
             .expect("the broadcast");
-        let b: u64 = heard[first]["enter broadcast #".len()..].parse().expect("seq");
+        let b: u64 = heard[first]["enter broadcast #".len()..]
+            .parse()
+            .expect("seq");
         let pass = |seq: u64| {
             vec![
                 format!("enter all_reduce #{seq}"),

@@ -149,7 +149,9 @@ impl CollectiveObserver for Observer {
 
     fn bucket_launching(&self, _seq: u64, index: u32) {
         let hang = self.0.hang.filter(|h| {
-            h.at.phase == Phase::Backward && h.bucket == Some(index) && self.0.progress() == Some(h.at)
+            h.at.phase == Phase::Backward
+                && h.bucket == Some(index)
+                && self.0.progress() == Some(h.at)
         });
         if let Some(hang) = hang {
             hang.hang(&self.0, &format!("as it launches gradient bucket {index}"));
@@ -344,7 +346,11 @@ mod tests {
         observer.completed(41);
         assert_eq!(read().collectives.describe(), "last all_reduce #41 done");
         observer.entered(CollectiveOp::AllReduce, 42);
-        assert_eq!(read().collectives.buckets, 0, "counted anew in each collective");
+        assert_eq!(
+            read().collectives.buckets,
+            0,
+            "counted anew in each collective"
+        );
         // The liveness thread ticks while this thread does nothing.
         let tick = read().tick;
         std::thread::sleep(TICK_INTERVAL * 3);

@@ -455,7 +455,10 @@ mod tests {
         }
         fn heard(&self, attempt: u32) -> Vec<Standing> {
             let mine = self.mine.lock().unwrap_or_else(|p| p.into_inner());
-            mine.iter().filter(|s| s.attempt == attempt).copied().collect()
+            mine.iter()
+                .filter(|s| s.attempt == attempt)
+                .copied()
+                .collect()
         }
     }
 
@@ -500,8 +503,14 @@ mod tests {
         tick(2);
         assert_eq!(node0.poll(s(6)), None, "rank 2 is node 1's to name");
         let seen: Vec<u32> = node0.views(s(6)).iter().map(|v| v.rank).collect();
-        assert_eq!(seen, [0, 1, 2, 3], "the other node's ranks, from its launcher");
-        let hang = node1.poll(s(6)).unwrap_or_else(|| panic!("node 1 named nobody"));
+        assert_eq!(
+            seen,
+            [0, 1, 2, 3],
+            "the other node's ranks, from its launcher"
+        );
+        let hang = node1
+            .poll(s(6))
+            .unwrap_or_else(|| panic!("node 1 named nobody"));
         assert_eq!(
             (hang.kind, hang.rank.rank, hang.rank.node),
             (HangKind::Stopped, 2, 1)

@@ -146,8 +146,7 @@ pub fn find_hang(views: &[RankView], timeouts: Timeouts, world_size: u32) -> Opt
     if views.iter().all(|v| v.progress.is_none()) {
         return None;
     }
-    let mut candidates: Vec<&RankView> =
-        local.iter().filter(|v| v.still_for >= timeout).collect();
+    let mut candidates: Vec<&RankView> = local.iter().filter(|v| v.still_for >= timeout).collect();
     candidates.sort_by(|a, b| {
         (a.standing(), std::cmp::Reverse(a.still_for), a.rank).cmp(&(
             b.standing(),
@@ -474,18 +473,27 @@ mod tests {
         );
         // Rank 0's collective timed out: rank 1 is the one it waited for.
         let victim = culprit_of(0, &[waiting, wedged], Duration::from_secs(5));
-        assert_eq!(victim.map(|h| (h.kind, h.rank.rank)), Some((HangKind::Hung, 1)));
+        assert_eq!(
+            victim.map(|h| (h.kind, h.rank.rank)),
+            Some((HangKind::Hung, 1))
+        );
         // Another node's rank whose last word (a moment ago) is behind is no
         // culprit: it has not been still for long.
         let mut remote = view(2, None, 0);
         remote.local = false;
         let mut victim = waiting;
         victim.still_for = Duration::ZERO;
-        assert_eq!(culprit_of(0, &[victim, remote], Duration::from_secs(5)), None);
+        assert_eq!(
+            culprit_of(0, &[victim, remote], Duration::from_secs(5)),
+            None
+        );
         // Both launched every bucket: nobody is behind.
         wedged.collectives = buckets(coll(129, 128), 4);
         assert_eq!(find_hang(&[waiting, wedged], T, 2), None);
-        assert_eq!(culprit_of(0, &[waiting, wedged], Duration::from_secs(5)), None);
+        assert_eq!(
+            culprit_of(0, &[waiting, wedged], Duration::from_secs(5)),
+            None
+        );
     }
 
     /// Another node's rank is named by its own launcher, from its own ticks: here

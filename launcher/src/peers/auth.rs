@@ -220,7 +220,11 @@ pub fn join(
         .to_string();
     let mine = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
     let hello = proof(secret, &format!("hello {node} {nonce} {mine}"));
-    send(reader.get_ref(), &format!("HELLO {node} {mine} {hello}"), deadline)?;
+    send(
+        reader.get_ref(),
+        &format!("HELLO {node} {mine} {hello}"),
+        deadline,
+    )?;
     let welcome = read_line(reader, deadline)?;
     if let Some(why) = welcome.strip_prefix("REFUSED ") {
         return Err(AuthError::Refused(why.to_string()));
@@ -264,7 +268,10 @@ mod tests {
     fn another_secret_is_refused_on_both_sides() {
         let (mut server, mut client) = pair();
         let joined = std::thread::spawn(move || join(&mut client, "other", 1, soon()));
-        assert_eq!(accept(&mut server, "s3cret", soon()), Err(AuthError::BadProof));
+        assert_eq!(
+            accept(&mut server, "s3cret", soon()),
+            Err(AuthError::BadProof)
+        );
         drop(server);
         let refused = joined.join().ok();
         assert!(
@@ -279,7 +286,10 @@ mod tests {
             read_line(&mut server, soon())?;
             send(server.get_ref(), "WELCOME 00", soon())
         });
-        assert_eq!(join(&mut client, "s3cret", 1, soon()), Err(AuthError::BadProof));
+        assert_eq!(
+            join(&mut client, "s3cret", 1, soon()),
+            Err(AuthError::BadProof)
+        );
         assert_eq!(imposter.join().ok(), Some(Ok(())));
     }
 
@@ -332,7 +342,11 @@ mod tests {
     #[test]
     fn a_given_secret_must_carry_128_bits() {
         assert_eq!(given_secret(None), Ok(None));
-        assert_eq!(given_secret(Some("  ".into())), Ok(None), "blank: node 0 makes one");
+        assert_eq!(
+            given_secret(Some("  ".into())),
+            Ok(None),
+            "blank: node 0 makes one"
+        );
         let short = given_secret(Some("0123456789abcdef".into()));
         assert_eq!(short, Err(WeakSecret { chars: 16 }));
         let message = short.map_err(|e| e.to_string()).err().unwrap_or_default();

@@ -424,12 +424,15 @@ struct Pending {
     by_addr: HashMap<IpAddr, usize>,
 }
 
+/// When an address's refusals were last logged, and how many since.
+type RefusalLog = HashMap<IpAddr, (Option<Instant>, u64)>;
+
 /// Node 0's gate before the handshake: the handshakes in flight, and when each
 /// address's refusals were last logged.
 #[derive(Clone, Default)]
 struct Gate {
     pending: Arc<Mutex<Pending>>,
-    logged: Arc<Mutex<HashMap<IpAddr, (Option<Instant>, u64)>>>,
+    logged: Arc<Mutex<RefusalLog>>,
 }
 
 /// A handshake's place at the gate, given back when dropped.
@@ -488,7 +491,10 @@ impl Gate {
         }
         let others = match *unlogged {
             0 => String::new(),
-            n => format!(" ({n} more refused from {} since the last report)", peer.ip()),
+            n => format!(
+                " ({n} more refused from {} since the last report)",
+                peer.ip()
+            ),
         };
         tracing::warn!("refused a control connection from {peer}: {why}{others}");
         (*at, *unlogged) = (Some(now), 0);

@@ -250,8 +250,16 @@ mod tests {
         assert_eq!(Message::parse("NOPE 1"), None);
         assert_eq!(Message::parse("FAIL x 1 y"), None);
         assert_eq!(Message::parse("START 1 70000"), None);
-        assert_eq!(Message::parse("VIEW 0 1 - 3 - 0 0 - 0 0 -"), None, "a step without phase");
-        assert_eq!(Message::parse("VIEW 0 1 - - - 0 0 - 0 0"), None, "a field short");
+        assert_eq!(
+            Message::parse("VIEW 0 1 - 3 - 0 0 - 0 0 -"),
+            None,
+            "a step without phase"
+        );
+        assert_eq!(
+            Message::parse("VIEW 0 1 - - - 0 0 - 0 0"),
+            None,
+            "a field short"
+        );
         let multi = Message::Quit {
             node: 1,
             cause: "a\nb".into(),

@@ -471,8 +471,14 @@ fn a_commit_refused_for_its_lease_ends_the_fill() {
         store.commit(c, t),
         Err(RequestError::TooManyLeases { .. })
     ));
-    assert!(!store.is_filling("late"), "the refused fill is still in flight");
+    assert!(
+        !store.is_filling("late"),
+        "the refused fill is still in flight"
+    );
     assert!(matches!(store.get(other, "late"), Ok(GetOutcome::Miss(_))));
     let s = store.stats(0);
-    assert_eq!((before, s.filling_bytes, s.totals.fills_abandoned), (P, 0, 1));
+    assert_eq!(
+        (before, s.filling_bytes, s.totals.fills_abandoned),
+        (P, 0, 1)
+    );
 }
