@@ -93,17 +93,19 @@ fn main() -> Result<()> {
 impl Command {
     /// What this process does with the job's signals (`vrtspike_contract::signals`):
     /// a rank (`train`) counts SIGUSR2 and SIGTERM as its stop request; the cache
-    /// server a launcher or rank started and the HDF5 probe child end with their
-    /// parent and ignore both; every other subcommand ignores SIGUSR2 (it may run
-    /// inside a job: the launcher's plan check, `cache stats`) and keeps SIGTERM's
-    /// default.
+    /// server a launcher or rank started, the HDF5 probe child and a helper the
+    /// launcher runs to its end (`VRTSPIKE_JOB_HELPER=1`: plan check, config
+    /// facts, cache stats) ignore both; every other subcommand ignores SIGUSR2 (it
+    /// may run inside a job) and keeps SIGTERM's default.
     fn settle_job_signals(&self) -> Result<()> {
+        let helper = signals::is_job_helper(&|name| std::env::var(name).ok());
         let (usr2, term) = match self {
             Command::Train(_) => (Disposition::Count, Disposition::Count),
             Command::H5Probe(_) => (Disposition::Ignore, Disposition::Ignore),
             Command::Cache(cmd) if cmd.ends_with_parent() => {
                 (Disposition::Ignore, Disposition::Ignore)
             }
+            _ if helper => (Disposition::Ignore, Disposition::Ignore),
             _ => (Disposition::Ignore, Disposition::Default),
         };
         signals::settle(usr2, term).context("setting up SIGUSR2 and SIGTERM")

@@ -1,8 +1,10 @@
 //! A pin belongs to exactly one lease, so a stale release is a no-op: a raw
 //! `Release` followed by the lease's own drop leaves a later lease of the same
 //! record pinned, and a connection the server dropped keeps its leases pinned (its
-//! page is not handed to a new client) until its client is gone. Each is checked
-//! under eviction pressure: the pinned record must survive, byte for byte.
+//! page is not handed to a new client) until its client is gone, and the extent it
+//! was filling is not handed to another fill while it may still write into it. Each
+//! is checked under eviction pressure: the pinned record must survive, byte for
+//! byte.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::time::Duration;
 
 use common::{fill_pattern, has_pattern, wait_until, ServerProc};
 use vrtspike::cache::protocol::{Reply, Request, RequestError};
-use vrtspike::cache::{CacheClient, CacheError};
+use vrtspike::cache::{CacheClient, CacheError, Lookup};
 use vrtspike::testkit::fault::send_undecodable_request;
 
 const REC: usize = 64 * 1024;
@@ -100,4 +102,55 @@ fn a_dropped_connections_leases_pin_until_its_client_is_gone() {
         observer.stats().unwrap()
     );
     observer.invalidate("k").unwrap();
+}
+
+#[test]
+fn a_dropped_fillers_extent_is_kept_while_it_may_still_write() {
+    let server = ServerProc::start("dropped-filler", &["--cap", "256K"]);
+    let filler = server.client("filler");
+    let observer = server.client("observer");
+    let Lookup::Miss(mut ticket) = filler.get("k").unwrap() else {
+        panic!("expected a miss");
+    };
+    ticket.reserve(REC as u64).unwrap();
+    // The server drops the filler's connection; its client still maps the extent.
+    send_undecodable_request(&filler).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || observer
+            .stats()
+            .unwrap()
+            .retired_connections
+            == 1),
+        "the server did not drop the connection: {:?}",
+        observer.stats().unwrap()
+    );
+    // Another client takes the key over at once, and fills more under pressure.
+    fill_pattern(&observer, "k", REC);
+    churn(&observer, "churn");
+    let kept: Vec<String> = (0..12)
+        .map(|i| format!("churn/{i}"))
+        .chain(["k".to_string()])
+        .collect();
+    // The dropped client writes on into its map.
+    ticket.slot_mut().unwrap().fill(0xAB);
+    for key in &kept {
+        if let Some(lease) = observer.peek(key).unwrap() {
+            assert!(
+                has_pattern(key, &lease),
+                "{key} was written over by a client the server had dropped"
+            );
+        }
+    }
+    assert_eq!(observer.stats().unwrap().filling_bytes, REC as u64);
+    // The dropped client goes: its extent is free.
+    drop(ticket);
+    drop(filler);
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let s = observer.stats().unwrap();
+            s.retired_connections == 0 && s.filling_bytes == 0
+        }),
+        "the gone client's extent was kept: {:?}",
+        observer.stats().unwrap()
+    );
 }

@@ -7,7 +7,7 @@
 //! launcher stops it with SIGINT.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -77,7 +77,7 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
 
 /// The server's statistics as JSON, or `None` if it does not answer.
 pub fn stats(vrtspike: &Path, address: &str) -> Option<Value> {
-    let output = Command::new(vrtspike)
+    let output = spawn::vrtspike_helper(vrtspike)
         .args(["cache", "stats", "--json", "--address", address])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -100,7 +100,7 @@ pub struct ConfigFacts {
 
 /// [`ConfigFacts`] of the resolved config, asked of `vrtspike config show --json`.
 pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Result<ConfigFacts> {
-    let mut command = Command::new(vrtspike);
+    let mut command = spawn::vrtspike_helper(vrtspike);
     command
         .args(["config", "show", "--json", "--config"])
         .arg(config);
@@ -147,4 +147,22 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
 pub fn address(node_rank: u32) -> String {
     let job = format!("n{node_rank}-{}", std::process::id());
     vrtspike_contract::cache_addr::own_cache_address(&job)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The launcher's `config show` and `cache stats` helpers start with the job's
+    /// signals blocked and are told to ignore them.
+    #[test]
+    fn the_helpers_start_protected_from_the_job_signals() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let vrtspike = spawn::mask_reporting_vrtspike(dir.path());
+        let facts =
+            config_facts(&vrtspike, Path::new("c.yaml"), &[]).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(facts.ram_cache, "config show started unprotected");
+        let shown = stats(&vrtspike, "some-address").unwrap_or_default();
+        assert_eq!(shown["protected"], true, "cache stats: {shown}");
+    }
 }

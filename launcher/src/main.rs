@@ -322,13 +322,16 @@ impl Job {
             let event = peers.as_ref()?.stop_reason(restart_count)?;
             Some(peer_failure(&event))
         };
-        let hang = hang::HangCheck::new(
+        let mut hang = hang::HangCheck::new(
             args.hang_timeout_s,
             args.stall_timeout_s,
             self.run_dir.path.clone(),
             restart_count,
             (self.world_size, self.local_world_size),
         );
+        if let Some(links) = &self.peers {
+            hang = hang.with_relay(std::sync::Arc::new(links.clone()));
+        }
         let timing = GangSettings {
             node_rank: setup.topology.node_rank,
             grace: Duration::from_secs_f64(args.grace_s),
@@ -606,9 +609,7 @@ fn connect_peers(args: &Args, topology: &cluster::Topology, run_dir: &RunDir) ->
         master_addr: topology.master_addr.clone(),
         port: args.control_port,
         control_file: run_dir.layout.control_file(),
-        secret: std::env::var(peers::auth::SECRET_ENV)
-            .ok()
-            .filter(|s| !s.trim().is_empty()),
+        secret: peers::auth::given_secret(std::env::var(peers::auth::SECRET_ENV).ok())?,
         timeout: Duration::from_secs_f64(args.peer_timeout_s),
     })
 }
@@ -666,6 +667,7 @@ fn peer_failure(event: &PeerEvent) -> Failure {
         PeerEvent::Quit { node, cause } => (*node, cause.clone(), false),
         PeerEvent::Done { node } => (*node, "ended".to_string(), false),
         PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
+        PeerEvent::View(s) => (0, format!("told how rank {} stands", s.rank), false),
     };
     Failure {
         node,

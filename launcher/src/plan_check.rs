@@ -38,7 +38,7 @@ pub struct Verdict {
 
 /// The planner's command line for `request`.
 fn command(request: &PlanRequest) -> Command {
-    let mut command = Command::new(request.vrtspike);
+    let mut command = crate::spawn::vrtspike_helper(request.vrtspike);
     command
         .args(["plan", "--json", "--gpus", &request.gpus.to_string()])
         .args(["--ranks", &request.ranks.to_string()])
@@ -119,6 +119,28 @@ pub fn check(request: &PlanRequest) -> Result<Verdict> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SLURM sends the job's SIGUSR2 and SIGTERM to every process of the step: the
+    /// planner, which loads libtorch for a while, must start with them blocked and
+    /// ignore them (the launcher decides what the job does).
+    #[test]
+    fn the_planner_starts_protected_from_the_job_signals() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let vrtspike = crate::spawn::mask_reporting_vrtspike(dir.path());
+        let request = PlanRequest {
+            vrtspike: &vrtspike,
+            config: Path::new("c.yaml"),
+            overrides: &[],
+            gpus: 0,
+            ranks: 1,
+            cache_size: None,
+        };
+        let verdict = check(&request).unwrap_or_else(|e| panic!("{e:#}"));
+        assert!(
+            verdict.warnings[0].starts_with("protected=true"),
+            "{verdict:?}"
+        );
+    }
 
     #[test]
     fn verdicts_and_command_lines() {

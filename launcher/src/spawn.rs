@@ -90,6 +90,23 @@ pub fn spawn(
     })
 }
 
+/// The command of a `vrtspike` helper the launcher runs to its end (the plan
+/// check, the config facts, the cache server's stats): like every child of the
+/// job it starts with the job's signals blocked across `exec`, so a SIGUSR2 or
+/// SIGTERM sent to the whole job while it loads its libraries does not kill it,
+/// and it ignores them once counted (`VRTSPIKE_JOB_HELPER`): it ends on its own,
+/// and the launcher decides what the job does.
+pub fn vrtspike_helper(vrtspike: &Path) -> Command {
+    let mut command = Command::new(vrtspike);
+    command.env(vrtspike_contract::signals::HELPER_ENV, "1");
+    // SAFETY: the hook runs in the forked child before exec and only calls
+    // pthread_sigmask (async-signal-safe); it allocates nothing.
+    unsafe {
+        command.pre_exec(vrtspike_contract::signals::block_in_child);
+    }
+    command
+}
+
 /// Opens a log for appending, creating it.
 pub fn open_log(path: &Path) -> io::Result<File> {
     OpenOptions::new().create(true).append(true).open(path)
@@ -190,6 +207,30 @@ pub fn log_tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
         .iter()
         .map(|l| l.to_string())
         .collect()
+}
+
+/// A stand-in `vrtspike` for tests of the launcher's helpers: a bash script (bash
+/// keeps the signal mask it inherits; dash clears it) that answers `plan`, `config`
+/// and `cache` with the JSON the launcher reads, saying `protected` (`true` when it
+/// started with SIGUSR2 and SIGTERM blocked and `VRTSPIKE_JOB_HELPER=1`): in the
+/// plan's warning, as `DATA.USE_RAM_CACHE`, and as the stats' `protected`.
+#[cfg(test)]
+pub(crate) fn mask_reporting_vrtspike(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let exe = dir.join("vrtspike");
+    let script = r#"#!/bin/bash
+mask=$(grep SigBlk /proc/$$/status | tr -dc '0-9a-f\n' | tail -c 17)
+if (( (16#$mask & 0x4800) == 0x4800 )) && [[ "${VRTSPIKE_JOB_HELPER:-}" == 1 ]]; then ok=true; else ok=false; fi
+case "$1" in
+  plan) echo "{\"warnings\": [\"protected=$ok mask=$mask\"], \"misfits\": []}" ;;
+  config) echo "{\"keys\": {\"DATA.USE_RAM_CACHE\": {\"value\": $ok}, \"DIST.TIMEOUT_S\": {\"value\": 30}}}" ;;
+  cache) echo "{\"protected\": $ok, \"mask\": \"$mask\"}" ;;
+esac
+"#;
+    std::fs::write(&exe, script).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("{e}"));
+    exe
 }
 
 #[cfg(test)]

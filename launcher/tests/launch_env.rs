@@ -112,6 +112,12 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
     }
 }
 
+/// What a launcher said on the control link, but how its ranks stand (`VIEW`,
+/// about once a second).
+fn besides_standings(said: &str) -> Vec<&str> {
+    said.lines().filter(|l| !l.starts_with("VIEW ")).collect()
+}
+
 #[test]
 fn second_node_offsets_ranks() {
     let job = Job::new("exit 0");
@@ -151,15 +157,58 @@ fn second_node_offsets_ranks() {
         assert_eq!(get("MASTER_ADDR"), Some("127.0.0.1"));
         assert_eq!(get("MASTER_PORT"), Some(master_port.as_str()));
     }
-    // Node 1's launcher proved the job's secret to node 0's and said it ended well.
+    // Node 1's launcher proved the job's secret to node 0's, told how its ranks
+    // stood, and said it ended well.
     let said = node0.join().unwrap_or_default();
-    assert_eq!(said, "DONE 1\n");
+    assert_eq!(besides_standings(&said), ["DONE 1"], "{said}");
+    assert!(
+        said.contains("VIEW 0 2 ") && said.contains("VIEW 0 3 "),
+        "{said}"
+    );
     // Rank 0 runs elsewhere: nothing is echoed, and node 1 names its summary.
     assert!(!stdout.contains("[rank0]"), "{stdout}");
     let summary = job.summary(1);
     assert_eq!(summary["exit"], "completed");
     assert_eq!(summary["node_rank"], 1);
     assert_eq!(summary["nnodes"], 2);
+}
+
+#[test]
+fn a_job_secret_under_128_bits_is_refused_naming_the_variable() {
+    let job = Job::new("exit 0");
+    let control_port = common::free_port().to_string();
+    let mut command = job.command(&[
+        "--gpus",
+        "0",
+        "--ranks",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--control-port",
+        &control_port,
+        "--peer-timeout-s",
+        "1",
+    ]);
+    // 16 hex digits: 64 bits, found offline from one recorded handshake.
+    command.env("VRTSPIKE_JOB_SECRET", "0123456789abcdef");
+    let output = common::run_with_limit(command, LIMIT);
+    let (stdout, stderr) = texts(&output);
+    assert!(
+        !output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("VRTSPIKE_JOB_SECRET has 16 characters") && stderr.contains("at least 32"),
+        "the error names the variable and the minimum: {stderr}"
+    );
+    assert!(
+        !job.run_dir.join("env.rank2.attempt0").exists(),
+        "no rank started with a weak secret"
+    );
 }
 
 #[test]
@@ -204,7 +253,8 @@ fn slurm_step_sets_node_ranks_and_master() {
         assert_eq!(get("MASTER_PORT"), Some(master_port.to_string().as_str()));
     }
     assert_eq!(job.summary(1)["exit"], "completed");
-    assert_eq!(node0.join().unwrap_or_default(), "DONE 1\n");
+    let said = node0.join().unwrap_or_default();
+    assert_eq!(besides_standings(&said), ["DONE 1"], "{said}");
 }
 
 #[test]

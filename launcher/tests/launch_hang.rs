@@ -142,3 +142,86 @@ fn a_hang_with_no_restart_left_fails_the_job_with_the_hang_as_cause() {
     assert!(error.starts_with(HANG_CAUSE), "{summary}");
     assert_stacks_saved(&run);
 }
+
+/// Runs the launcher with rank 1 hanging inside its backward pass of step 5 in
+/// the first attempt (`extra` environment picks where), no restart left, and a
+/// collective timeout (30 s) well above the hang timeout.
+fn launch_hung_in_backward(tmp: &Path, extra: &[(&str, &str)]) -> (Output, PathBuf) {
+    let data = synth_tiny(tmp);
+    let config = write_tiny_config(
+        tmp,
+        &data,
+        &TinyTrain {
+            total_steps: TOTAL_STEPS,
+            ckpt_every: 2,
+            timeout_s: 30,
+        },
+    );
+    let run = tmp.join("run");
+    let mut command = common::launcher_command(&config, &run);
+    command
+        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
+        .args(["--hang-timeout-s", "3", "--grace-s", "2"])
+        .args(["--cache-size", "64M"])
+        .env("VRTSPIKE_TEST_HANG_AT_STEP", "5")
+        .env("VRTSPIKE_TEST_HANG_RANK", "1")
+        .env("VRTSPIKE_TEST_HANG_PHASE", "backward")
+        .env("PATH", run.join("no-tools"));
+    for (name, value) in extra {
+        command.env(name, value);
+    }
+    (run_with_limit(command, LIMIT), run)
+}
+
+/// With the Reducer the whole backward pass is one collective, entered before any
+/// gradient exists: rank 1 wedged inside it (ticking) and rank 0 waiting there for
+/// its buckets look alike but for the buckets each launched. Rank 1 must be named
+/// from them within the hang timeout; before, nobody was, and rank 0 timed out in
+/// its collective and was blamed.
+fn assert_rank_1_named_in_backward(output: &Output, run: &Path) {
+    let (stdout, stderr) = texts(output);
+    let layout = RunLayout::new(run);
+    let context = format!(
+        "stdout:\n{stdout}\nstderr:\n{stderr}\nrank 1:\n{}",
+        std::fs::read_to_string(layout.rank_log(1)).unwrap_or_default()
+    );
+    assert_eq!(output.status.code(), Some(1), "{context}");
+    let summary = read_json(&layout.launcher_summary(0));
+    let failure = &summary["failure"];
+    assert_eq!(
+        failure["rank"], 1,
+        "rank 1 is the cause: {summary}\n{context}"
+    );
+    let cause = failure["cause"].as_str().unwrap_or("");
+    assert!(
+        cause.starts_with("hang: rank 1 in phase backward at step 5, inside all_reduce #")
+            && cause.ends_with("no gradient bucket launched"),
+        "{cause}"
+    );
+    assert!(
+        stderr.contains("waiting for it: rank 0 inside all_reduce #")
+            && stderr.contains(" gradient bucket")
+            && stderr.contains(" launched)"),
+        "rank 0 is reported as waiting for rank 1's buckets: {context}"
+    );
+    assert!(
+        !cause.contains("timed out"),
+        "named before any collective timed out: {cause}"
+    );
+    assert_stacks_saved(run);
+}
+
+#[test]
+fn a_rank_stalled_inside_backward_is_named_not_the_rank_waiting_for_it() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (output, run) = launch_hung_in_backward(tmp.path(), &[]);
+    assert_rank_1_named_in_backward(&output, &run);
+}
+
+#[test]
+fn a_rank_stalled_in_its_gradient_bucket_all_reduce_is_named() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    // Inside the Reducer's communication hook, about to launch its first bucket.
+    let (output, run) = launch_hung_in_backward(tmp.path(), &[("VRTSPIKE_TEST_HANG_BUCKET", "0")]);
+    assert_rank_1_named_in_backward(&output, &run);
+}

@@ -5,7 +5,9 @@
 //! makes torchrun restart both ranks, which resume from the last checkpoint (the
 //! failed attempt's store keys stay under its own prefix) and complete, leaving
 //! nothing behind. torchrun comes from the project's virtualenv (`VIRTUAL_ENV`, or
-//! the workspace's `.venv`); without one the tests say so and pass.
+//! the workspace's `.venv`): where the build found none the tests are ignored
+//! (counted as such in cargo's closing line, see `launcher/build.rs`); under
+//! `CI=true`, or when it is missing at run time, they fail saying so.
 
 mod common;
 
@@ -128,12 +130,13 @@ fn assert_nothing_left(seen: &BTreeMap<u32, String>) {
 }
 
 #[test]
+#[cfg_attr(
+    vrtspike_no_torchrun,
+    ignore = "needs torchrun in VIRTUAL_ENV or the workspace's .venv"
+)]
 fn torchrun_ranks_train_through_the_node_cache() {
     let Some(torchrun) = torchrun() else {
-        println!(
-            "skipped: no torchrun in VIRTUAL_ENV or the workspace's .venv (make test creates it)"
-        );
-        return;
+        panic!("this test needs torchrun in VIRTUAL_ENV or the workspace's .venv (make setup creates it)");
     };
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let config = tiny(tmp.path());
@@ -172,12 +175,13 @@ fn torchrun_ranks_train_through_the_node_cache() {
 }
 
 #[test]
+#[cfg_attr(
+    vrtspike_no_torchrun,
+    ignore = "needs torchrun in VIRTUAL_ENV or the workspace's .venv"
+)]
 fn a_rank_killed_under_torchrun_restarts_both_from_the_checkpoint() {
     let Some(torchrun) = torchrun() else {
-        println!(
-            "skipped: no torchrun in VIRTUAL_ENV or the workspace's .venv (make test creates it)"
-        );
-        return;
+        panic!("this test needs torchrun in VIRTUAL_ENV or the workspace's .venv (make setup creates it)");
     };
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let config = tiny(tmp.path());
@@ -241,12 +245,13 @@ fn a_rank_killed_under_torchrun_restarts_both_from_the_checkpoint() {
 }
 
 #[test]
+#[cfg_attr(
+    vrtspike_no_torchrun,
+    ignore = "needs torchrun in VIRTUAL_ENV or the workspace's .venv"
+)]
 fn kill_9_of_local_rank_0_takes_its_cache_server_along() {
     let Some(torchrun) = torchrun() else {
-        println!(
-            "skipped: no torchrun in VIRTUAL_ENV or the workspace's .venv (make test creates it)"
-        );
-        return;
+        panic!("this test needs torchrun in VIRTUAL_ENV or the workspace's .venv (make setup creates it)");
     };
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let config = tiny(tmp.path());

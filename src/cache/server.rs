@@ -3,9 +3,12 @@
 //! channels, and serves each connection on its own thread over one locked store.
 //! Hits on cached records never reach it: clients pin them in their own pin pages
 //! themselves. Concurrent misses on a key wait for the first fill. When a
-//! connection ends its fills are abandoned; its leases keep pinning until the
-//! client's rendezvous socket closes too (the client, and every lease it handed out,
-//! is gone then), and only then is its pin page cleared and reused.
+//! connection ends (the client closed it, or sent a frame that decodes to no
+//! request: it gets no reply, the server cannot tell what it meant) its fills are
+//! abandoned and their keys go to other readers; their extents stay taken and its
+//! leases keep pinning until the client's rendezvous socket closes too (the client,
+//! its writable fill maps and every lease it handed out are gone then), and only
+//! then are the extents freed and its pin page cleared and reused.
 //!
 //! A panic in a request is caught on its connection's thread. It may have left the
 //! store half-updated (the lock it held is poisoned), so the server does not go on

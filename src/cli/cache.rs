@@ -147,6 +147,10 @@ pub struct ServeArgs {
     /// the server's own user gets in; others are refused at accept.
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
+    /// Seconds a connecting client has to finish its handshake; a handshake still
+    /// unfinished then is dropped and its place given back.
+    #[arg(long, default_value_t = 10)]
+    handshake_timeout_s: u64,
     /// Exit when the parent process dies (set by the launcher, or by the rank that
     /// started it); such a server ignores SIGUSR2 and SIGTERM, which SLURM sends
     /// to every process of a job: its parent stops it (SIGINT or `cache shutdown`).
@@ -217,6 +221,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let mut config = ServerConfig::new(args.address.resolve(), cap);
     config.record_bytes = args.record_bytes;
     config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
+    config.handshake_timeout = Duration::from_secs(args.handshake_timeout_s.max(1));
     if let Some(headroom) = args.reserve_headroom {
         config.reserve_headroom = headroom;
     }

@@ -34,6 +34,17 @@ pub enum DataError {
     /// A request does not fit the data (crop out of bounds, unknown sequence, ...).
     #[error("{0}")]
     Request(String),
+    /// A check of the file could not finish for a reason outside it (its probe
+    /// process killed by a signal from outside, again and again): no verdict on the
+    /// file, so `DATA.SKIP_BAD_FRAMES` never skips it (one rank would then train
+    /// without a file the others keep).
+    #[error("{path}: {why}")]
+    Unjudged {
+        /// The file that could not be checked.
+        path: PathBuf,
+        /// Why not.
+        why: String,
+    },
 }
 
 impl DataError {
@@ -51,6 +62,15 @@ impl DataError {
             path: path.into(),
             message: message.into(),
         }
+    }
+}
+
+impl DataError {
+    /// Whether the error says something about the data (a missing, unreadable or
+    /// malformed file; a request it cannot serve), which `DATA.SKIP_BAD_FRAMES` may
+    /// skip; `false` for a check that never reached a verdict.
+    pub fn judges_the_data(&self) -> bool {
+        !matches!(self, DataError::Unjudged { .. })
     }
 }
 

@@ -14,6 +14,17 @@
 //! by path, size, mtime, ctime, inode and a CRC of the file's bytes (all of a
 //! file up to 8 MiB, else its first and last MiB).
 //!
+//! Only a crash says the file is corrupt: a child or worker that died of a signal
+//! a fault raises in the process itself (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL,
+//! SIGSYS, SIGTRAP). One killed from outside (the job's SIGTERM or SIGUSR2 while it
+//! loads its libraries, SIGKILL from the OOM killer) says nothing about the file:
+//! the file is probed again, up to [`PROBE_TRIES`] times, and then the check fails
+//! with [`DataError::Unjudged`], which `DATA.SKIP_BAD_FRAMES` never skips (one rank
+//! would then drop a healthy file the others keep). The child starts with the job's
+//! signals blocked across `exec`, as every child of the job does
+//! (`vrtspike_contract::signals`): it counts them from its first instruction, then
+//! ignores them.
+//!
 //! The child executable, first match: [`set_probe_executable`]; the environment
 //! variable `VRTSPIKE_H5_PROBE` (a path, or `off` to open files in-process without
 //! a probe, giving up the isolation); the current executable when it is named
@@ -70,6 +81,10 @@ const MAX_PROBE_FRAME_BYTES: usize = 512 << 20;
 
 /// Chunks per dataset whose index entries the child reads at most.
 const MAX_PROBE_CHUNKS: usize = 1 << 20;
+
+/// Probes of one file whose process was killed from outside before the check
+/// gives up without a verdict (see the module doc).
+pub const PROBE_TRIES: u32 = 3;
 
 /// How a process checks session files before opening them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,6 +218,7 @@ impl State {
     /// Probes `path` in the serving child (spawned or replaced as needed). `Err`
     /// when no child could answer at all (not cached); the verdict otherwise.
     fn probe(&mut self, exe: &Path, timeout: Duration, path: &Path) -> Result<Verdict> {
+        let mut killed_from_outside = 0;
         loop {
             let mut child = match self.child.take() {
                 Some(c) if c.last_used.elapsed() < REUSE_WITHIN => c,
@@ -212,13 +228,22 @@ impl State {
                 }
             };
             let fresh = child.probed == 0;
-            match child.ask(path, timeout) {
+            let unjudged = match child.ask(path, timeout) {
                 Answer::Verdict(verdict) => {
                     self.child = Some(child);
                     return Ok(verdict);
                 }
+                Answer::Died(status) if !is_crash(status) => format!(
+                    "its HDF5 probe process was killed by {} from outside",
+                    how_it_ended(status)
+                ),
+                Answer::Unjudged(why) => {
+                    self.child = Some(child);
+                    why
+                }
                 Answer::Died(_) if !fresh => {
                     tracing::debug!(file = %path.display(), "h5 probe child died; probing again in a fresh one");
+                    continue;
                 }
                 Answer::Died(status) => return Ok(Err(died_message(status))),
                 Answer::TimedOut => return Ok(Err(timeout_message(timeout))),
@@ -228,20 +253,57 @@ impl State {
                         format!("the HDF5 probe {} answered {line:?}", exe.display()),
                     ))
                 }
+            };
+            killed_from_outside += 1;
+            if killed_from_outside >= PROBE_TRIES {
+                return Err(DataError::Unjudged {
+                    path: path.to_path_buf(),
+                    why: format!(
+                        "{unjudged} in each of {PROBE_TRIES} tries (not a verdict on the file: \
+                         it was not opened, and DATA.SKIP_BAD_FRAMES does not skip it)"
+                    ),
+                });
             }
+            tracing::warn!(file = %path.display(), "{unjudged}; probing the file again");
         }
     }
 }
 
-fn died_message(status: ExitStatus) -> String {
+/// Signals a fault raises in the process itself: a crash there is a verdict on the
+/// file it was reading.
+const CRASH_SIGNALS: [libc::c_int; 7] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGABRT,
+    libc::SIGFPE,
+    libc::SIGILL,
+    libc::SIGSYS,
+    libc::SIGTRAP,
+];
+
+/// Whether a probe process that ended with `status` crashed (or exited with an
+/// error) rather than being killed from outside.
+fn is_crash(status: ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
-    let how = match status.signal() {
+    status
+        .signal()
+        .is_none_or(|sig| CRASH_SIGNALS.contains(&sig))
+}
+
+/// `SIGSEGV`, `signal 40` or `exit status 3`.
+fn how_it_ended(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status.signal() {
         Some(sig) => nix::sys::signal::Signal::try_from(sig)
             .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned()),
         None => format!("exit status {}", status.code().unwrap_or(-1)),
-    };
+    }
+}
+
+fn died_message(status: ExitStatus) -> String {
     format!(
-        "reading it with libhdf5 crashed a probe process ({how}, `vrtspike h5-probe`): the file is corrupt; it was not opened"
+        "reading it with libhdf5 crashed a probe process ({}, `vrtspike h5-probe`): the file is corrupt; it was not opened",
+        how_it_ended(status)
     )
 }
 
@@ -256,6 +318,8 @@ fn timeout_message(timeout: Duration) -> String {
 #[derive(Debug)]
 enum Answer {
     Verdict(Verdict),
+    /// The child's worker was killed from outside each time: no verdict.
+    Unjudged(String),
     Died(ExitStatus),
     TimedOut,
     Garbled(String),
@@ -294,6 +358,7 @@ impl ProbeChild {
             .stdout(Stdio::from(stdout))
             .stderr(Stdio::inherit());
         close_inherited_files(&mut command);
+        block_job_signals(&mut command);
         let child = command
             .spawn()
             .map_err(|e| fail(format!("{}: {e}", exe.display())))?;
@@ -331,8 +396,12 @@ impl ProbeChild {
         };
         self.last_used = Instant::now();
         match serde_json::from_str::<Reply>(&line) {
-            Ok(Reply { error: None }) => Answer::Verdict(Ok(())),
-            Ok(Reply { error: Some(e) }) => Answer::Verdict(Err(e)),
+            Ok(Reply {
+                unjudged: Some(why),
+                ..
+            }) => Answer::Unjudged(why),
+            Ok(Reply { error: None, .. }) => Answer::Verdict(Ok(())),
+            Ok(Reply { error: Some(e), .. }) => Answer::Verdict(Err(e)),
             Err(_) => Answer::Garbled(line),
         }
     }
@@ -409,6 +478,19 @@ fn close_inherited_files(command: &mut Command) {
     }
 }
 
+/// Starts the child with the job's signals blocked across `exec`: a SIGTERM or
+/// SIGUSR2 sent to the whole job while the child loads its libraries (libtorch's
+/// take a while) stays pending until it counts them from its first instruction and
+/// then ignores them (`vrtspike h5-probe`), instead of killing it.
+fn block_job_signals(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the hook runs in the forked child before exec and only calls
+    // pthread_sigmask (async-signal-safe); it allocates nothing.
+    unsafe {
+        command.pre_exec(vrtspike_contract::signals::block_in_child);
+    }
+}
+
 fn is_timeout(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
@@ -416,10 +498,13 @@ fn is_timeout(e: &std::io::Error) -> bool {
     )
 }
 
-/// The child's answer for one file: `error` is `None` when the file is usable.
+/// The child's answer for one file: `error` is `None` when the file is usable;
+/// `unjudged` says why there is no verdict (its worker was killed from outside).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Reply {
     error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    unjudged: Option<String>,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -529,27 +614,59 @@ pub fn probe_here(path: &Path) -> Result<()> {
 /// libhdf5 kills the worker, and the child reports it and goes on serving. Without
 /// the worker each crash would cost the parent a fresh child, which first runs
 /// libtorch_cuda's kernel registrations (a quarter second idle, seconds on a busy
-/// machine). The verdict: `None` when the file is usable, else the message. Where no
+/// machine). The reply's verdict: no error when the file is usable, else the
+/// message; a worker killed from outside is forked again, and after
+/// [`PROBE_TRIES`] such kills the reply says why there is no verdict. Where no
 /// worker can be forked the child probes the file itself (a crash then ends the
 /// child, which the parent handles as before).
-fn probe_in_worker(path: &Path) -> Option<String> {
+fn probe_in_worker(path: &Path) -> Reply {
+    let mut killed = String::new();
+    for _ in 0..PROBE_TRIES {
+        match worker_probe(path) {
+            WorkerEnd::Answered(error) => {
+                return Reply {
+                    error,
+                    unjudged: None,
+                }
+            }
+            WorkerEnd::Killed(why) => killed = why,
+        }
+    }
+    Reply {
+        error: None,
+        unjudged: Some(format!("{killed}, {PROBE_TRIES} times")),
+    }
+}
+
+/// How one forked worker's probe ended.
+enum WorkerEnd {
+    /// A verdict: `None` when the file is usable, else the message (its own error,
+    /// or the crash it caused).
+    Answered(Option<String>),
+    /// No verdict: the worker was killed from outside, or could not be waited for.
+    Killed(String),
+}
+
+/// [`probe_here`] in one forked worker (see [`probe_in_worker`]).
+fn worker_probe(path: &Path) -> WorkerEnd {
     use nix::unistd::{fork, ForkResult};
     use std::io::Read;
     let Ok((from_worker, to_server)) = nix::unistd::pipe() else {
-        return probe_here(path).err().map(message_of);
+        return WorkerEnd::Answered(probe_here(path).err().map(message_of));
     };
     // SAFETY: the serving child is single-threaded (`vrtspike h5-probe --serve` runs
     // nothing but this loop; libtorch starts no thread at load), so the worker
     // inherits no lock held by another thread; it only probes, writes to its pipe
     // and leaves with `_exit`.
     match unsafe { fork() } {
-        Err(_) => probe_here(path).err().map(message_of),
+        Err(_) => WorkerEnd::Answered(probe_here(path).err().map(message_of)),
         Ok(ForkResult::Child) => {
             drop(from_worker);
             // A killed child (the parent's timeout) takes its worker with it.
             let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
             let reply = Reply {
                 error: probe_here(path).err().map(message_of),
+                unjudged: None,
             };
             let text = serde_json::to_string(&reply).unwrap_or_default();
             let written = std::fs::File::from(to_server).write_all(text.as_bytes());
@@ -562,16 +679,21 @@ fn probe_in_worker(path: &Path) -> Option<String> {
             drop(to_server);
             let mut text = String::new();
             let read = std::fs::File::from(from_worker).read_to_string(&mut text);
-            let status = reap(child.as_raw());
-            match (status, read) {
+            match (reap(child.as_raw()), read) {
                 (Some(status), Ok(_)) if status.success() => {
-                    match serde_json::from_str::<Reply>(&text) {
+                    WorkerEnd::Answered(match serde_json::from_str::<Reply>(&text) {
                         Ok(reply) => reply.error,
                         Err(_) => Some(format!("the probe worker answered {text:?}")),
-                    }
+                    })
                 }
-                (Some(status), _) => Some(died_message(status)),
-                (None, _) => Some("the probe worker could not be waited for".to_string()),
+                (Some(status), _) if is_crash(status) => {
+                    WorkerEnd::Answered(Some(died_message(status)))
+                }
+                (Some(status), _) => WorkerEnd::Killed(format!(
+                    "its probe worker was killed by {} from outside",
+                    how_it_ended(status)
+                )),
+                (None, _) => WorkerEnd::Killed("its probe worker could not be waited for".into()),
             }
         }
     }
@@ -600,6 +722,7 @@ fn message_of(err: DataError) -> String {
         DataError::Missing { why, .. } => format!("missing ({why})"),
         DataError::Io { source, .. } => source.to_string(),
         DataError::Request(message) => message,
+        DataError::Unjudged { why, .. } => why,
     }
 }
 
@@ -615,11 +738,14 @@ pub fn serve(input: impl BufRead, mut output: impl Write) -> std::io::Result<()>
             Err(e) if is_timeout(&e) => return Ok(()),
             Err(e) => return Err(e),
         };
-        let error = match unhex(line.trim()) {
+        let reply = match unhex(line.trim()) {
             Some(bytes) => probe_in_worker(Path::new(&std::ffi::OsString::from_vec(bytes))),
-            None => Some(format!("bad probe request {line:?}")),
+            None => Reply {
+                error: Some(format!("bad probe request {line:?}")),
+                unjudged: None,
+            },
         };
-        let reply = serde_json::to_string(&Reply { error }).map_err(std::io::Error::other)?;
+        let reply = serde_json::to_string(&reply).map_err(std::io::Error::other)?;
         writeln!(output, "{reply}")?;
         output.flush()?;
     }
@@ -714,6 +840,91 @@ mod tests {
         std::fs::write(&good, b"changed").unwrap();
         prober.check(&good).unwrap();
         assert_eq!(requests(dir.path(), &good), 2);
+    }
+
+    /// One line of `/proc/<pid>/status` of a process started the probe child's way:
+    /// a bash script (bash keeps the mask it inherits) answering with its own line.
+    #[test]
+    fn the_child_starts_with_the_job_signals_blocked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let exe = dir.path().join("mask-probe");
+        let script = format!(
+            "#!/bin/bash\necho '{GREETING}'\nwhile read line; do\n  mask=$(grep SigBlk /proc/$$/status | tr -dc '0-9a-f' | tail -c 16)\n  echo \"{{\\\"error\\\":\\\"mask=$mask\\\"}}\"\ndone\n"
+        );
+        std::fs::write(&exe, script).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&good).unwrap_err().to_string();
+        let mask = err
+            .rsplit("mask=")
+            .next()
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .unwrap_or_else(|| panic!("{err}"));
+        let bit = |signal: i32| 1u64 << (signal - 1);
+        let job = bit(libc::SIGUSR2) | bit(libc::SIGTERM);
+        assert_eq!(mask & job, job, "{err}");
+    }
+
+    /// A child killed from outside (the job's signal, the OOM killer: SIGKILL here,
+    /// which no mask holds back) says nothing about the file: probed again.
+    #[test]
+    fn a_child_killed_from_outside_is_no_verdict_and_the_file_is_probed_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let marker = dir.path().join("killed-once");
+        let once = format!(
+            "if [ ! -e '{}' ]; then touch '{}'; kill -KILL $$; fi\n  echo '{{\"error\":null}}'",
+            marker.display(),
+            marker.display()
+        );
+        let exe = fake_probe(dir.path(), GREETING, &once);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        prober.check(&good).unwrap();
+        assert_eq!((requests(dir.path(), &good), prober.spawns()), (2, 2));
+    }
+
+    #[test]
+    fn a_child_killed_from_outside_every_time_gives_no_verdict_and_is_never_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let exe = fake_probe(dir.path(), GREETING, "kill -KILL $$");
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&good).unwrap_err();
+        assert!(!err.judges_the_data(), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("good.h5") && text.contains("SIGKILL") && text.contains("not a verdict"),
+            "{text}"
+        );
+        let tries = PROBE_TRIES as usize;
+        assert_eq!(requests(dir.path(), &good), tries);
+        // Not cached: the next check probes again.
+        assert!(prober.check(&good).is_err());
+        assert_eq!(requests(dir.path(), &good), 2 * tries);
+        // The same when the child's worker is what was killed each time.
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = files(dir.path());
+        let answer = r#"echo '{"error":null,"unjudged":"its probe worker was killed by SIGTERM from outside, 3 times"}'"#;
+        let exe = fake_probe(dir.path(), GREETING, answer);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        let err = prober.check(&good).unwrap_err();
+        assert!(matches!(err, DataError::Unjudged { .. }), "{err}");
+        assert_eq!(requests(dir.path(), &good), tries);
+    }
+
+    #[test]
+    fn crash_signals_are_verdicts_and_others_are_not() {
+        use std::os::unix::process::ExitStatusExt;
+        let killed_by = |sig: i32| ExitStatus::from_raw(sig);
+        assert!(is_crash(killed_by(libc::SIGSEGV)) && is_crash(killed_by(libc::SIGBUS)));
+        for outside in [libc::SIGTERM, libc::SIGUSR2, libc::SIGKILL, libc::SIGINT] {
+            assert!(!is_crash(killed_by(outside)), "signal {outside}");
+        }
+        assert!(
+            is_crash(ExitStatus::from_raw(3 << 8)),
+            "an exit status is its own"
+        );
     }
 
     #[test]

@@ -336,13 +336,14 @@ impl DatasetIndex {
 
     /// Turns `err` into a counted skip when allowed, or returns it.
     fn skip_or_fail(&mut self, err: DataError) -> Result<()> {
-        if !self.options.skip_bad {
+        if !self.options.skip_bad || !err.judges_the_data() {
             return Err(err);
         }
         let path = match &err {
             DataError::Io { path, .. }
             | DataError::Missing { path, .. }
-            | DataError::Format { path, .. } => path.clone(),
+            | DataError::Format { path, .. }
+            | DataError::Unjudged { path, .. } => path.clone(),
             DataError::Request(_) => PathBuf::new(),
         };
         self.skipped.push(SkippedFrame {

@@ -10,6 +10,11 @@ pub(crate) struct RawGroup {
     _private: [u8; 0],
 }
 
+/// What the shim's Reducer calls before (`launched` 0) and after (1) handing a
+/// gradient bucket to its communication hook, with the buckets launched so far in
+/// the pass (`vs_bucket_fn`).
+pub(crate) type BucketFn = extern "C" fn(ctx: *mut c_void, count: i64, launched: c_int);
+
 /// Opaque handle to the shim's gradient Reducer (`struct vs_reducer`).
 #[repr(C)]
 pub(crate) struct RawReducer {
@@ -114,6 +119,11 @@ extern "C" {
     ) -> *mut c_char;
     pub(crate) fn vs_reducer_free(reducer: *mut RawReducer);
     pub(crate) fn vs_reducer_forward(reducer: *mut RawReducer, count: c_int) -> *mut c_char;
+    pub(crate) fn vs_reducer_watch(
+        reducer: *mut RawReducer,
+        on_bucket: Option<BucketFn>,
+        ctx: *mut c_void,
+    );
     pub(crate) fn vs_reducer_backward(
         group: *mut RawGroup,
         reducer: *mut RawReducer,

@@ -248,6 +248,16 @@ impl ProcessGroup {
         self.observer = Some(observer);
     }
 
+    /// Who hears of this group's collectives (and of the Reducer's buckets).
+    pub(crate) fn observer(&self) -> Option<Arc<dyn CollectiveObserver>> {
+        self.observer.clone()
+    }
+
+    /// The number the next collective this rank enters will get.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.entered
+    }
+
     /// Numbers the collective this rank enters now and tells the observer.
     fn enter(&mut self, op: CollectiveOp) -> u64 {
         let seq = self.entered;

@@ -23,6 +23,8 @@
 //! a few more all-reduces once.
 
 use std::ffi::{c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tch::Tensor;
@@ -32,6 +34,7 @@ use super::ddp::{verify_shapes, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::error::DistError;
 use super::ffi;
 use super::group::ProcessGroup;
+use super::progress::CollectiveObserver;
 
 /// How gradient buckets travel (`DIST.GRAD_COMPRESSION`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -39,7 +42,7 @@ pub enum GradCompression {
     /// In the gradients' own dtype (the Reducer's default all-reduce).
     #[default]
     None,
-    /// Cast to float16 for the all-reduce (libtorch's built-in `FP16_COMPRESS` hook).
+    /// Cast to float16 for the all-reduce (as libtorch's built-in `FP16_COMPRESS` hook).
     Fp16,
     /// Cast to bfloat16 for the all-reduce (the shim's hook: libtorch has it only in Python).
     Bf16,
@@ -239,6 +242,11 @@ impl GradReducer {
         };
         match sync {
             GradSync::Reduce => {
+                let buckets = BucketProgress {
+                    observer: group.observer(),
+                    seq: group.next_seq(),
+                };
+                let _watch = BucketWatch::new(reducer, &buckets);
                 group.run_collective(CollectiveOp::AllReduce, call)?;
                 self.reduced_once = true;
             }
@@ -253,6 +261,54 @@ impl GradReducer {
             }
         }
         Ok(Duration::from_nanos(u64::try_from(exposed_ns).unwrap_or(0)))
+    }
+}
+
+/// Whom a reducing backward pass tells of its gradient buckets: the group's
+/// observer, with the number of the collective the pass is.
+struct BucketProgress {
+    observer: Option<Arc<dyn CollectiveObserver>>,
+    seq: u64,
+}
+
+/// The shim's Reducer calls this around each bucket it launches (see
+/// `ffi::BucketFn`); `ctx` is the [`BucketProgress`] of the pass.
+extern "C" fn on_bucket(ctx: *mut c_void, count: i64, launched: c_int) {
+    // SAFETY: `ctx` is the `BucketProgress` a live `BucketWatch` handed to the shim;
+    // the watch clears it before the value goes, and the shim calls this only during
+    // the backward pass that the watch spans.
+    let progress = unsafe { &*(ctx as *const BucketProgress) };
+    let Some(observer) = &progress.observer else {
+        return;
+    };
+    let count = u32::try_from(count).unwrap_or(u32::MAX);
+    // A panic must not unwind into the autograd engine's C++ frames.
+    let _ = catch_unwind(AssertUnwindSafe(|| match launched {
+        0 => observer.bucket_launching(progress.seq, count),
+        _ => observer.buckets_launched(progress.seq, count),
+    }));
+}
+
+/// Points the shim's Reducer at a pass's [`BucketProgress`] while it lives.
+struct BucketWatch {
+    reducer: *mut ffi::RawReducer,
+}
+
+impl BucketWatch {
+    fn new(reducer: *mut ffi::RawReducer, progress: &BucketProgress) -> BucketWatch {
+        let ctx = progress as *const BucketProgress as *mut c_void;
+        // SAFETY: `reducer` is the live Reducer of the caller; `ctx` outlives the
+        // watch (the caller keeps `progress` until the watch is dropped).
+        unsafe { ffi::vs_reducer_watch(reducer, Some(on_bucket), ctx) };
+        BucketWatch { reducer }
+    }
+}
+
+impl Drop for BucketWatch {
+    fn drop(&mut self) {
+        // SAFETY: the Reducer is still alive (its owner outlives this guard); nobody
+        // hears of its buckets from now on.
+        unsafe { ffi::vs_reducer_watch(self.reducer, None, std::ptr::null_mut()) };
     }
 }
 
@@ -276,6 +332,82 @@ mod tests {
             vec![GradSync::Accumulate, GradSync::Accumulate, GradSync::Reduce]
         );
         assert_eq!(GradSync::for_micro_batch(0, 1), GradSync::Reduce);
+    }
+
+    /// Records what the group and the Reducer say of collectives and buckets.
+    #[derive(Default)]
+    struct Heard(std::sync::Mutex<Vec<String>>);
+
+    impl Heard {
+        fn push(&self, line: String) {
+            if let Ok(mut heard) = self.0.lock() {
+                heard.push(line);
+            }
+        }
+    }
+
+    impl CollectiveObserver for Heard {
+        fn entered(&self, op: CollectiveOp, seq: u64) {
+            self.push(format!("enter {} #{seq}", op.name()));
+        }
+        fn completed(&self, seq: u64) {
+            self.push(format!("done #{seq}"));
+        }
+        fn bucket_launching(&self, seq: u64, index: u32) {
+            self.push(format!("#{seq}: launching bucket {index}"));
+        }
+        fn buckets_launched(&self, seq: u64, launched: u32) {
+            self.push(format!("#{seq}: {launched} launched"));
+        }
+    }
+
+    /// The heartbeat hears of each gradient bucket a reducing backward pass
+    /// launches, inside that pass's collective (the static graph's first pass
+    /// launches them all once backward is done); a pass that only accumulates
+    /// launches none.
+    #[test]
+    fn a_reducing_backward_tells_the_observer_of_each_bucket() {
+        let mut group = crate::dist::group::gloo_world_of_one();
+        let heard = Arc::new(Heard::default());
+        group.observe(heard.clone());
+        let w = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
+        let v = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let options = ReducerOptions {
+            first_bucket_bytes: 4,
+            bucket_bytes: 4,
+            ..ReducerOptions::default()
+        };
+        let params = vec![w.shallow_clone(), v.shallow_clone()];
+        let mut reducer = GradReducer::new(&mut group, params, options).expect("reducer");
+        for sync in [GradSync::Reduce, GradSync::Accumulate, GradSync::Reduce] {
+            reducer.before_forward(sync).expect("before forward");
+            let loss = (&w.sum(tch::Kind::Float) * &v).sum(tch::Kind::Float);
+            reducer.backward(&mut group, &loss, sync).expect("backward");
+        }
+        // The shape check's all-reduces and the broadcast of rank 0's values come
+        // first; the passes follow.
+        let heard = heard.0.lock().expect("lock").clone();
+        let first = heard
+            .iter()
+            .position(|h| h.starts_with("enter broadcast #"))
+            .expect("the broadcast");
+        let b: u64 = heard[first]["enter broadcast #".len()..]
+            .parse()
+            .expect("seq");
+        let pass = |seq: u64| {
+            vec![
+                format!("enter all_reduce #{seq}"),
+                format!("#{seq}: launching bucket 0"),
+                format!("#{seq}: 1 launched"),
+                format!("#{seq}: launching bucket 1"),
+                format!("#{seq}: 2 launched"),
+                format!("done #{seq}"),
+            ]
+        };
+        let mut expected = vec![format!("enter broadcast #{b}"), format!("done #{b}")];
+        expected.extend(pass(b + 1));
+        expected.extend(pass(b + 2));
+        assert_eq!(heard[first..], expected[..]);
     }
 
     #[test]

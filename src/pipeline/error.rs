@@ -16,5 +16,16 @@ pub enum PipelineError {
     Request(String),
 }
 
+impl PipelineError {
+    /// Whether the error says something about the data, which
+    /// `DATA.SKIP_BAD_FRAMES` may skip (see `DataError::judges_the_data`).
+    pub fn judges_the_data(&self) -> bool {
+        match self {
+            PipelineError::Data(e) => e.judges_the_data(),
+            PipelineError::Cache(_) | PipelineError::Request(_) => true,
+        }
+    }
+}
+
 /// Result of the pipeline.
 pub type Result<T, E = PipelineError> = std::result::Result<T, E>;

@@ -310,7 +310,11 @@ fn worker_loop<S: RecordSource>(
                         failure = Some(err);
                         break;
                     }
-                    Err(err) if options.skip_bad && attempt + 1 < clips.clips.len().min(16) => {
+                    Err(err)
+                        if options.skip_bad
+                            && err.judges_the_data()
+                            && attempt + 1 < clips.clips.len().min(16) =>
+                    {
                         counters.skipped.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(error = %err, "DATA.SKIP_BAD_FRAMES: clip replaced by the next one");
                         attempt += 1;

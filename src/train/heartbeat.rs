@@ -5,7 +5,8 @@
 //! collective keeps ticking; a stopped or wedged process does not); the loop
 //! calls [`beat`] with its step and phase (rewritten only when they change); and
 //! the process group reports each collective it enters and completes through
-//! [`observer`]. The record of a thread's rank is per thread (the thread that runs
+//! [`observer`], and inside the Reducer's gradient all-reduce (one collective for
+//! a whole backward pass) each gradient bucket it launches. The record of a thread's rank is per thread (the thread that runs
 //! the training loop), so ranks run as threads of one test process keep their own
 //! records.
 //!
@@ -15,7 +16,12 @@
 //! it enters phase P at step S in its first attempt (restart count 0): it sleeps
 //! forever, or with `VRTSPIKE_TEST_HANG_HOW=stop` it stops itself with SIGSTOP (a
 //! stopped process: no thread runs, no tick); with phase `allreduce` and `stop` it
-//! stops inside the gradient all-reduce, after entering the collective.
+//! stops inside the gradient all-reduce, after entering the collective. With phase
+//! `backward` it hangs inside the backward pass, when backward reaches the loss
+//! (with the Reducer: after entering its collective, before any gradient exists,
+//! as a rank wedged in a backward kernel), or with `VRTSPIKE_TEST_HANG_BUCKET=J`
+//! inside the Reducer's communication hook, as it is about to launch its gradient
+//! bucket J (in launch order, from 0).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,6 +45,9 @@ pub const TEST_HANG_RANK: &str = "VRTSPIKE_TEST_HANG_RANK";
 pub const TEST_HANG_PHASE: &str = "VRTSPIKE_TEST_HANG_PHASE";
 /// Test-only: how it hangs, `sleep` (default) or `stop` (SIGSTOP to itself).
 pub const TEST_HANG_HOW: &str = "VRTSPIKE_TEST_HANG_HOW";
+/// Test-only: with phase `backward`, the gradient bucket (in launch order) whose
+/// launch it hangs in, inside the Reducer's communication hook.
+pub const TEST_HANG_BUCKET: &str = "VRTSPIKE_TEST_HANG_BUCKET";
 
 /// How the test hook hangs a rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +63,24 @@ enum HangHow {
 struct TestHang {
     at: Progress,
     how: HangHow,
+    /// In phase backward: the bucket whose launch it hangs in (else when backward
+    /// reaches the loss).
+    bucket: Option<u32>,
+}
+
+impl TestHang {
+    /// Hangs the calling thread (sleep) or the whole process (stop), for good.
+    fn hang(&self, shared: &Shared, place: &str) {
+        match self.how {
+            HangHow::Sleep => {
+                tracing::warn!(step = self.at.step, phase = %self.at.phase, "{TEST_HANG_AT_STEP}: this rank hangs {place} (test hook)");
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
+            HangHow::Stop => shared.stop_here(self.at, place),
+        }
+    }
 }
 
 /// A rank's record and what it says, shared by the training thread, the liveness
@@ -103,6 +130,7 @@ impl CollectiveObserver for Observer {
         self.0.update(|beat| {
             beat.collectives.entered = seq + 1;
             beat.collectives.last = Some(op);
+            beat.collectives.buckets = 0;
         });
         let stop_in_allreduce = self.0.hang.filter(|h| {
             h.how == HangHow::Stop
@@ -117,6 +145,25 @@ impl CollectiveObserver for Observer {
 
     fn completed(&self, seq: u64) {
         self.0.update(|beat| beat.collectives.completed = seq + 1);
+    }
+
+    fn bucket_launching(&self, _seq: u64, index: u32) {
+        let hang = self.0.hang.filter(|h| {
+            h.at.phase == Phase::Backward
+                && h.bucket == Some(index)
+                && self.0.progress() == Some(h.at)
+        });
+        if let Some(hang) = hang {
+            hang.hang(&self.0, &format!("as it launches gradient bucket {index}"));
+        }
+    }
+
+    fn buckets_launched(&self, seq: u64, launched: u32) {
+        self.0.update(|beat| {
+            if beat.collectives.entered == seq + 1 {
+                beat.collectives.buckets = launched;
+            }
+        });
     }
 }
 
@@ -199,16 +246,29 @@ pub fn beat(step: u64, phase: Phase) {
     let Some(hang) = shared.hang.filter(|h| h.at == progress) else {
         return;
     };
-    match hang.how {
-        HangHow::Sleep => {
-            tracing::warn!(step, phase = %phase, "{TEST_HANG_AT_STEP}: this rank hangs here (test hook)");
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
+    match (hang.how, phase) {
+        // Inside backward (see `in_backward` and `Observer`).
+        (_, Phase::Backward) => {}
         // Inside the collective, once entered (see `Observer`).
-        HangHow::Stop if phase == Phase::AllReduce => {}
-        HangHow::Stop => shared.stop_here(progress, "here"),
+        (HangHow::Stop, Phase::AllReduce) => {}
+        _ => hang.hang(&shared, "here"),
+    }
+}
+
+/// Test hook: `loss` as it is, or, where this rank hangs in phase backward when
+/// backward reaches the loss (see the module doc), with that hang attached.
+pub fn in_backward(loss: &tch::Tensor) -> Result<tch::Tensor, crate::model::ModelError> {
+    let shared = HEARTBEAT.with(|cell| cell.borrow().clone());
+    let hang = shared.as_ref().and_then(|s| {
+        s.hang
+            .filter(|h| h.at.phase == Phase::Backward && h.bucket.is_none())
+            .filter(|h| s.progress() == Some(h.at))
+    });
+    match (shared, hang) {
+        (Some(shared), Some(hang)) => crate::model::checkpoint::on_backward(loss, move || {
+            hang.hang(&shared, "inside its backward pass")
+        }),
+        _ => Ok(loss.shallow_clone()),
     }
 }
 
@@ -227,9 +287,11 @@ fn test_hang(env: &RankEnv, var: &dyn Fn(&str) -> Option<String>) -> Option<Test
         Some("stop") => HangHow::Stop,
         Some(_) => return None,
     };
+    let bucket = var(TEST_HANG_BUCKET).and_then(|b| b.trim().parse().ok());
     (env.rank == rank && env.restart_count == 0).then_some(TestHang {
         at: Progress { step, phase },
         how,
+        bucket,
     })
 }
 
@@ -274,8 +336,21 @@ mod tests {
         let observer = observer().unwrap_or_else(|| panic!("no observer"));
         observer.entered(CollectiveOp::AllReduce, 41);
         assert_eq!(read().collectives.describe(), "inside all_reduce #41");
+        observer.buckets_launched(41, 2);
+        assert_eq!(
+            read().collectives.describe(),
+            "inside all_reduce #41 (2 gradient buckets launched)"
+        );
+        observer.buckets_launched(40, 5);
+        assert_eq!(read().collectives.buckets, 2, "an older collective's count");
         observer.completed(41);
         assert_eq!(read().collectives.describe(), "last all_reduce #41 done");
+        observer.entered(CollectiveOp::AllReduce, 42);
+        assert_eq!(
+            read().collectives.buckets,
+            0,
+            "counted anew in each collective"
+        );
         // The liveness thread ticks while this thread does nothing.
         let tick = read().tick;
         std::thread::sleep(TICK_INTERVAL * 3);
@@ -294,6 +369,7 @@ mod tests {
         let sleep = Some(TestHang {
             at,
             how: HangHow::Sleep,
+            bucket: None,
         });
         {
             let var = |name: &str| vars.get(name).map(|v| v.to_string());
@@ -313,6 +389,14 @@ mod tests {
         assert_eq!(
             stop.map(|h| (h.at.phase, h.how)),
             Some((Phase::AllReduce, HangHow::Stop))
+        );
+        vars.insert(TEST_HANG_PHASE, "backward");
+        vars.insert(TEST_HANG_BUCKET, "2");
+        let var = |name: &str| vars.get(name).map(|v| v.to_string());
+        let in_bucket = test_hang(&env_of(1, 0, tmp.path()), &var);
+        assert_eq!(
+            in_bucket.map(|h| (h.at.phase, h.bucket)),
+            Some((Phase::Backward, Some(2)))
         );
     }
 }

@@ -632,6 +632,7 @@ impl Run<'_> {
                 let site = site.in_phase(OomPhase::Backward);
                 oom::test_hook(OomPhase::Backward, device).map_err(|e| site.torch(e))?;
                 let scaled = self.state.scaler.scale_loss(&loss);
+                let scaled = heartbeat::in_backward(&scaled).map_err(|e| site.model(e))?;
                 self.comm.backward(&scaled, sync).map_err(|e| match e {
                     BackwardFailure::Torch(e) => site.torch(e),
                     BackwardFailure::Comm(e) => e,

@@ -2,7 +2,9 @@
 //! `<run dir>/heartbeat/rank<R>`, saying which step it is at, in which phase
 //! (data, forward, backward, all-reduce, ...), since when (unix time), in which
 //! attempt, how far it got in the process group's collectives (the sequence
-//! number of the last one entered and completed, and its kind), and a liveness
+//! number of the last one entered and completed, and its kind; inside the
+//! Reducer's gradient all-reduce, which spans a whole backward pass, also the
+//! gradient buckets it has launched), and a liveness
 //! tick: a counter that a thread of its own advances about twice a second. A
 //! stopped or wedged process stops ticking; a rank waiting in a collective for a
 //! stopped peer keeps ticking, which is how the launcher tells the two apart (the
@@ -25,7 +27,7 @@ pub const STACKS_DIR: &str = "stacks";
 /// Bytes of one record (text padded with spaces, ending in a newline).
 pub const RECORD_LEN: usize = 256;
 /// The first word of every record (the format's version).
-const MAGIC: &str = "vrtspike-heartbeat-v2";
+const MAGIC: &str = "vrtspike-heartbeat-v3";
 /// How often a rank's liveness thread advances its tick.
 pub const TICK_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -137,7 +139,10 @@ impl CollectiveOp {
 
 /// How far a rank got in its process group's collectives: they are numbered
 /// from 0 in the order every rank issues them, so a rank inside collective `#k`
-/// has entered `k + 1` and completed `k`.
+/// has entered `k + 1` and completed `k`. The Reducer's gradient all-reduce is
+/// one collective for a whole backward pass, entered before any gradient exists:
+/// how far a rank got inside it is the gradient buckets it has launched, so a rank
+/// wedged in backward (fewer) is told from its peers waiting for its buckets (all).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Collectives {
     /// Collectives entered.
@@ -146,6 +151,9 @@ pub struct Collectives {
     pub completed: u64,
     /// The kind of the last one entered.
     pub last: Option<CollectiveOp>,
+    /// Gradient buckets launched inside the last collective entered (0 for any
+    /// other than the Reducer's).
+    pub buckets: u32,
 }
 
 impl Collectives {
@@ -154,10 +162,16 @@ impl Collectives {
         (self.entered > self.completed).then(|| self.entered - 1)
     }
 
-    /// `inside all_reduce #128`, `last all_reduce #127`, `none yet`.
+    /// `inside all_reduce #128`, `inside all_reduce #128 (3 gradient buckets
+    /// launched)`, `last all_reduce #127 done`, `no collective yet`.
     pub fn describe(&self) -> String {
         let op = self.last.map_or("collective", CollectiveOp::name);
         match (self.inside(), self.entered) {
+            (Some(seq), _) if self.buckets > 0 => format!(
+                "inside {op} #{seq} ({} gradient bucket{} launched)",
+                self.buckets,
+                if self.buckets == 1 { "" } else { "s" }
+            ),
             (Some(seq), _) => format!("inside {op} #{seq}"),
             (None, 0) => "no collective yet".to_string(),
             (None, entered) => format!("last {op} #{} done", entered - 1),
@@ -229,7 +243,7 @@ impl Beat {
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let c = &self.collectives;
         let body = format!(
-            "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={} tick={} coll={}/{} op={}",
+            "{MAGIC} step={} phase={} unix_ms={} attempt={} pid={} tick={} coll={}/{} op={} bw={}",
             self.progress.step,
             self.progress.phase,
             self.unix_ms,
@@ -238,11 +252,12 @@ impl Beat {
             self.tick,
             c.entered,
             c.completed,
-            c.last.map_or("-", CollectiveOp::name)
+            c.last.map_or("-", CollectiveOp::name),
+            c.buckets
         );
         let line = format!("{body} sum={:08x}", checksum(body.as_bytes()));
         let mut record = [b' '; RECORD_LEN];
-        // The longest line (every number at its maximum) is 233 bytes.
+        // The longest line (every number at its maximum) is 247 bytes.
         let len = line.len().min(RECORD_LEN - 1);
         record[..len].copy_from_slice(&line.as_bytes()[..len]);
         record[RECORD_LEN - 1] = b'\n';
@@ -289,6 +304,7 @@ impl Beat {
             "-" => None,
             name => Some(CollectiveOp::parse(name).ok_or_else(|| format!("unknown op {name:?}"))?),
         };
+        let buckets = number("bw", field("bw")?)?;
         Ok(Beat {
             progress: Progress { step, phase },
             unix_ms,
@@ -299,6 +315,7 @@ impl Beat {
                 entered: number("entered", entered)?,
                 completed: number("completed", completed)?,
                 last,
+                buckets: u32::try_from(buckets).map_err(|_| "bw out of range".to_string())?,
             },
         })
     }
@@ -401,6 +418,7 @@ mod tests {
                 entered: 129,
                 completed: 128,
                 last: Some(CollectiveOp::AllReduce),
+                buckets: 3,
             },
         }
     }
@@ -427,6 +445,7 @@ mod tests {
                 entered: u64::MAX,
                 completed: u64::MAX,
                 last: Some(CollectiveOp::Broadcast),
+                buckets: u32::MAX,
             },
         };
         let mut fresh = beat(0, Phase::Start);
@@ -474,11 +493,18 @@ mod tests {
             entered: 129,
             completed: 128,
             last: Some(CollectiveOp::AllReduce),
+            buckets: 0,
         };
         assert_eq!(
             (c.inside(), c.describe().as_str()),
             (Some(128), "inside all_reduce #128")
         );
+        c.buckets = 3;
+        assert_eq!(
+            c.describe(),
+            "inside all_reduce #128 (3 gradient buckets launched)"
+        );
+        c.buckets = 0;
         c.completed = 129;
         assert_eq!(
             (c.inside(), c.describe().as_str()),

@@ -7,7 +7,12 @@
 //!   request to checkpoint and exit 0; every other process ignores it.
 //! - **SIGTERM** (scancel, the end of the time limit, a launcher stopping its
 //!   gang): ranks and the launcher stop in order (a checkpoint if time allows);
-//!   the cache server and helpers that end with their parent ignore it.
+//!   the cache server and helpers that end with their parent, or that their parent
+//!   runs to its end ([`HELPER_ENV`]), ignore it.
+//!
+//! Every child a process of the job starts from the `vrtspike` binary gets the job's
+//! signals blocked across `exec` ([`block_in_child`]): the ranks, the cache server,
+//! the HDF5 probe children and the launcher's helpers.
 //!
 //! How: [`preinit`] runs from the executable's `.preinit_array` (see
 //! [`count_job_signals_from_the_first_instruction!`]), before any shared library's
@@ -42,6 +47,17 @@ use std::time::Duration;
 
 /// The signals of a job: counted from the first instruction.
 pub const JOB_SIGNALS: [libc::c_int; 2] = [libc::SIGUSR2, libc::SIGTERM];
+
+/// Set (to `1`) in the environment of a `vrtspike` helper that a process of the job
+/// runs to its end (the launcher's plan check, config facts and cache stats): the
+/// helper ignores both of the job's signals once it counts them, as its parent
+/// decides what the job does. Spawn such helpers with [`block_in_child`] too.
+pub const HELPER_ENV: &str = "VRTSPIKE_JOB_HELPER";
+
+/// Whether this process is a job's helper (see [`HELPER_ENV`]).
+pub fn is_job_helper(var: &dyn Fn(&str) -> Option<String>) -> bool {
+    var(HELPER_ENV).is_some_and(|v| v == "1")
+}
 
 /// Signal numbers are below this on Linux (SIGRTMAX is 64).
 const SLOTS: usize = 65;

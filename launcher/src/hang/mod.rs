@@ -1,31 +1,60 @@
 //! Finding a stopped or hung rank (`--stall-timeout-s`, `--hang-timeout-s`): the
 //! launcher reads each rank's heartbeat (the contract's `heartbeat` record: step,
 //! phase, collectives entered and completed, liveness tick) about once a second
-//! and notes when each rank last moved and when its tick last changed. The verdict
+//! and notes when each rank last moved (inside the Reducer's backward, each
+//! gradient bucket it launches is a move) and when its tick last changed. The verdict
 //! ([`verdict`]) names the rank whose tick went stale (stopped), or the one still
 //! for the hang timeout while another got further (hung: the rank that never
 //! entered the collective the others wait in), with its phase, step and
 //! collective; the launcher saves every rank's stacks ([`crate::stacks`]) and
 //! fails the attempt, which stops the gang and restarts it from the last
-//! checkpoint. Other nodes' ranks count when their records are visible (a shared
-//! run dir), and any launcher that sees a verdict acts on it (the peer links tell
-//! the other nodes, which save their own ranks' stacks). When a rank fails on its
-//! own first (its collective timed out), the records say whether it was waiting for
-//! another rank: that rank is named instead ([`HangWatch::culprit_of`]). Ranks that
-//! write no heartbeat at all are not judged.
+//! checkpoint. Each launcher reads its own node's records only, and judges its own
+//! ranks only, from its own reading of their ticks: a record on a shared file
+//! system (NFS) reaches another node at writeback, about as late as a short stall
+//! timeout, so a healthy remote rank would look stopped there. The other nodes'
+//! ranks come from their launchers over the control link ([`Relay`]: how each
+//! stands, sent about once a second) and count only to compare with: whether one
+//! of this node's ranks is behind them, or whom a rank of this node that failed was
+//! waiting for. A verdict goes to the other nodes (the peer links tell them, and
+//! they save their own ranks' stacks). When a rank fails on its own first (its
+//! collective timed out), the records say whether it was waiting for another rank:
+//! that rank is named instead ([`HangWatch::culprit_of`]). Ranks that write no
+//! heartbeat at all are not judged.
 
 pub mod verdict;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrtspike_contract::heartbeat::{self, Beat, Collectives, Progress};
 
 use crate::gang::LOG_TAIL_LINES;
+use crate::peers::Standing;
 use crate::spawn::{self, Supervised};
 use crate::stacks;
 use crate::summary::Failure;
 pub use verdict::{Hang, HangKind, RankView, Timeouts};
+
+/// How a node's watch tells the other nodes how its ranks stand, and hears how
+/// theirs do (the control link, [`crate::peers::PeerLinks`]).
+pub trait Relay: Send + Sync {
+    /// Tells the other nodes how this node's ranks stand.
+    fn send(&self, standings: &[Standing]);
+    /// How the other nodes' ranks stood in attempt `attempt` when their launchers
+    /// last said.
+    fn heard(&self, attempt: u32) -> Vec<Standing>;
+}
+
+/// A shared [`Relay`].
+#[derive(Clone)]
+pub struct RelayHandle(pub Arc<dyn Relay>);
+
+impl std::fmt::Debug for RelayHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RelayHandle")
+    }
+}
 
 /// How hangs are found in one attempt.
 #[derive(Debug, Clone)]
@@ -40,6 +69,8 @@ pub struct HangCheck {
     pub world_size: u32,
     /// Ranks on each node (a rank's node is rank / this).
     pub ranks_per_node: u32,
+    /// The other nodes' ranks (a multi-node job).
+    pub relay: Option<RelayHandle>,
 }
 
 impl HangCheck {
@@ -62,17 +93,24 @@ impl HangCheck {
             attempt,
             world_size,
             ranks_per_node: ranks_per_node.max(1),
+            relay: None,
         }
+    }
+
+    /// The check, comparing this node's ranks with the other nodes' ones that
+    /// `relay` tells of (and telling them of this node's).
+    pub fn with_relay(mut self, relay: Arc<dyn Relay>) -> HangCheck {
+        self.relay = Some(RelayHandle(relay));
+        self
     }
 }
 
-/// What the launcher tracks of one rank.
+/// What the launcher tracks of one of its node's ranks.
 #[derive(Debug, Clone, Copy)]
 struct Track {
     rank: u32,
-    /// Its pid when this launcher started it (another node's rank counts only
-    /// once seen).
-    local_pid: Option<u32>,
+    /// Its pid, as this launcher started it.
+    pid: u32,
     /// Its last record's step, phase and collectives, and since when they hold.
     moved: Option<(Progress, Collectives)>,
     since: Instant,
@@ -93,8 +131,8 @@ pub struct HangWatch {
 }
 
 impl HangWatch {
-    /// Watches the job's ranks from `now`, the start of the attempt; `local` are
-    /// this node's (rank, pid).
+    /// Watches this node's ranks, `local` (rank, pid), from `now`, the start of
+    /// the attempt.
     pub fn new(check: HangCheck, local: &[(u32, u32)], now: Instant) -> HangWatch {
         let shortest = [check.timeouts.hang, check.timeouts.stall]
             .into_iter()
@@ -102,17 +140,12 @@ impl HangWatch {
             .min()
             .unwrap_or(Duration::from_secs(1));
         let interval = (shortest / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
-        let pid_of = |rank: u32| local.iter().find(|(r, _)| *r == rank).map(|(_, p)| *p);
-        let beyond = local
-            .iter()
-            .map(|(rank, _)| *rank)
-            .filter(|r| *r >= check.world_size);
         HangWatch {
-            tracks: (0..check.world_size)
-                .chain(beyond)
-                .map(|rank| Track {
+            tracks: local
+                .iter()
+                .map(|&(rank, pid)| Track {
                     rank,
-                    local_pid: pid_of(rank),
+                    pid,
                     moved: None,
                     since: now,
                     tick: None,
@@ -144,11 +177,16 @@ impl HangWatch {
         }
     }
 
-    /// The ranks as of `now` (this node's, and others' once seen).
+    /// The ranks as of `now`: this node's from its own reading of their records,
+    /// the other nodes' as their launchers last said (at most about a second ago).
+    /// Those are not aged: a rank's progress only grows, so a late word
+    /// understates how far it got, how long it has been still and how long its
+    /// tick has: another node's rank is never taken for stiller or further behind
+    /// than its own launcher saw it.
     pub fn views(&self, now: Instant) -> Vec<RankView> {
-        self.tracks
+        let mut views: Vec<RankView> = self
+            .tracks
             .iter()
-            .filter(|t| t.local_pid.is_some() || t.moved.is_some())
             .map(|t| RankView {
                 rank: t.rank,
                 node: t.rank / self.check.ranks_per_node,
@@ -156,13 +194,61 @@ impl HangWatch {
                 collectives: t.moved.map(|(_, c)| c).unwrap_or_default(),
                 still_for: now.saturating_duration_since(t.since),
                 silent_for: t.tick.map(|_| now.saturating_duration_since(t.tick_since)),
-                pid: t.tick.map(|(pid, _)| pid).or(t.local_pid),
-                state: t.local_pid.and_then(process_state),
+                pid: Some(t.tick.map_or(t.pid, |(pid, _)| pid)),
+                state: process_state(t.pid),
+                local: true,
+            })
+            .collect();
+        let heard = self
+            .check
+            .relay
+            .as_ref()
+            .map(|relay| relay.0.heard(self.check.attempt))
+            .unwrap_or_default();
+        for standing in heard {
+            if views.iter().all(|v| v.rank != standing.rank) {
+                views.push(self.remote_view(&standing));
+            }
+        }
+        views.sort_by_key(|v| v.rank);
+        views
+    }
+
+    /// Another node's rank as its launcher last said.
+    fn remote_view(&self, standing: &Standing) -> RankView {
+        RankView {
+            rank: standing.rank,
+            node: standing.rank / self.check.ranks_per_node,
+            progress: standing.progress,
+            collectives: standing.collectives,
+            still_for: Duration::from_millis(standing.still_ms),
+            silent_for: standing.silent_ms.map(Duration::from_millis),
+            pid: standing.pid,
+            state: None,
+            local: false,
+        }
+    }
+
+    /// How this node's ranks stand as of `now`, for the other nodes.
+    fn standings(&self, now: Instant) -> Vec<Standing> {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        self.views(now)
+            .iter()
+            .filter(|v| v.local)
+            .map(|v| Standing {
+                attempt: self.check.attempt,
+                rank: v.rank,
+                pid: v.pid,
+                progress: v.progress,
+                collectives: v.collectives,
+                still_ms: ms(v.still_for),
+                silent_ms: v.silent_for.map(ms),
             })
             .collect()
     }
 
-    /// Reads every rank's record.
+    /// Reads this node's ranks' records (never another node's: see the module
+    /// doc).
     fn read_all(&mut self, now: Instant) {
         let ranks: Vec<u32> = self.tracks.iter().map(|t| t.rank).collect();
         for rank in ranks {
@@ -191,6 +277,9 @@ impl HangWatch {
         }
         self.next_read = now + self.interval;
         self.read_all(now);
+        if let Some(relay) = &self.check.relay {
+            relay.0.send(&self.standings(now));
+        }
         let timeouts = self.check.timeouts;
         if timeouts.hang.is_none() && timeouts.stall.is_none() {
             return None;
@@ -279,6 +368,7 @@ mod tests {
                 entered,
                 completed: entered.saturating_sub(1),
                 last: Some(CollectiveOp::AllReduce),
+                buckets: 0,
             },
         }
     }
@@ -322,37 +412,108 @@ mod tests {
         assert_eq!(quiet.poll(s(600)), None, "no verdict when both are off");
     }
 
+    fn write_to(dir: &std::path::Path, rank: u32, b: &Beat) {
+        let writer = HeartbeatWriter::create(dir, rank).unwrap_or_else(|e| panic!("{e}"));
+        writer.write(b).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// On NFS another node's record reaches this one at writeback (about 30 s): a
+    /// healthy remote rank's tick looks stale. Node 0 must not judge it.
     #[test]
-    fn polling_reads_every_node_s_records_from_a_shared_run_dir() {
+    fn another_node_s_records_in_a_shared_run_dir_are_never_judged() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let write = |rank: u32, b: &Beat| {
-            let writer =
-                HeartbeatWriter::create(tmp.path(), rank).unwrap_or_else(|e| panic!("{e}"));
-            writer.write(b).unwrap_or_else(|e| panic!("{e}"));
-        };
-        // Rank 2 (node 1) stopped after all_reduce #3; the others wait in #4.
-        for rank in [0, 1, 3] {
-            write(rank, &beat(4, Phase::AllReduce, 1, 5));
+        for rank in [0, 1] {
+            write_to(tmp.path(), rank, &beat(4, Phase::AllReduce, 1, 5));
         }
-        write(2, &beat(4, Phase::Forward, 1, 4));
+        // Rank 2 (node 1) as a stale page of a shared file system shows it.
+        write_to(tmp.path(), 2, &beat(4, Phase::Forward, 1, 4));
         let start = Instant::now();
         let s = |secs| start + Duration::from_secs(secs);
         let mut node0 =
             HangWatch::new(check(tmp.path().to_path_buf(), 4), &[(0, 1), (1, 2)], start);
         assert_eq!(node0.poll(s(0)), None);
-        assert_eq!(
-            node0.views(s(0)).len(),
-            4,
-            "a shared run dir shows every rank"
-        );
-        for rank in [0, 1, 3] {
-            write(rank, &beat(4, Phase::AllReduce, 2, 5));
+        for rank in [0, 1] {
+            write_to(tmp.path(), rank, &beat(4, Phase::AllReduce, 2, 5));
         }
-        let hang = node0.poll(s(6)).unwrap_or_else(|| panic!("no verdict"));
+        assert_eq!(node0.poll(s(6)), None, "a remote rank judged from a file");
+        let seen: Vec<u32> = node0.views(s(6)).iter().map(|v| v.rank).collect();
+        assert_eq!(seen, [0, 1], "only this node's records are read");
+        assert_eq!(node0.culprit_of(0, s(7)), None);
+    }
+
+    /// One end of an in-memory control link between two watches.
+    struct LinkEnd {
+        mine: Arc<std::sync::Mutex<Vec<Standing>>>,
+        theirs: Arc<std::sync::Mutex<Vec<Standing>>>,
+    }
+
+    impl Relay for LinkEnd {
+        fn send(&self, standings: &[Standing]) {
+            let mut theirs = self.theirs.lock().unwrap_or_else(|p| p.into_inner());
+            theirs.retain(|s| standings.iter().all(|n| n.rank != s.rank));
+            theirs.extend_from_slice(standings);
+        }
+        fn heard(&self, attempt: u32) -> Vec<Standing> {
+            let mine = self.mine.lock().unwrap_or_else(|p| p.into_inner());
+            mine.iter()
+                .filter(|s| s.attempt == attempt)
+                .copied()
+                .collect()
+        }
+    }
+
+    fn link() -> (Arc<dyn Relay>, Arc<dyn Relay>) {
+        let (a, b) = (Arc::default(), Arc::default());
+        let end = |mine: &Arc<_>, theirs: &Arc<_>| {
+            Arc::new(LinkEnd {
+                mine: Arc::clone(mine),
+                theirs: Arc::clone(theirs),
+            }) as Arc<dyn Relay>
+        };
+        (end(&a, &b), end(&b, &a))
+    }
+
+    /// Each node judges its own ranks from its own reading of their ticks and
+    /// compares them with the others' as their launchers tell: node 1 names its
+    /// stopped rank 2 with node 0's ranks waiting for it; node 0 names nobody, but
+    /// knows whom its rank 0 waited for.
+    #[test]
+    fn each_node_names_its_own_rank_and_hears_the_others_over_the_link() {
+        let (dir0, dir1) = (tempfile::tempdir(), tempfile::tempdir());
+        let (dir0, dir1) = (
+            dir0.unwrap_or_else(|e| panic!("{e}")),
+            dir1.unwrap_or_else(|e| panic!("{e}")),
+        );
+        let (end0, end1) = link();
+        let start = Instant::now();
+        let s = |secs| start + Duration::from_secs(secs);
+        let check0 = check(dir0.path().to_path_buf(), 4).with_relay(end0);
+        let check1 = check(dir1.path().to_path_buf(), 4).with_relay(end1);
+        let mut node0 = HangWatch::new(check0, &[(0, 1), (1, 2)], start);
+        let mut node1 = HangWatch::new(check1, &[(2, 3), (3, 4)], start);
+        let tick = |t: u64| {
+            for rank in [0, 1] {
+                write_to(dir0.path(), rank, &beat(4, Phase::AllReduce, t, 5));
+            }
+            write_to(dir1.path(), 3, &beat(4, Phase::AllReduce, t, 5));
+        };
+        write_to(dir1.path(), 2, &beat(4, Phase::Forward, 1, 4));
+        tick(1);
+        assert_eq!((node0.poll(s(0)), node1.poll(s(0))), (None, None));
+        tick(2);
+        assert_eq!(node0.poll(s(6)), None, "rank 2 is node 1's to name");
+        let seen: Vec<u32> = node0.views(s(6)).iter().map(|v| v.rank).collect();
+        assert_eq!(
+            seen,
+            [0, 1, 2, 3],
+            "the other node's ranks, from its launcher"
+        );
+        let hang = node1
+            .poll(s(6))
+            .unwrap_or_else(|| panic!("node 1 named nobody"));
         assert_eq!(
             (hang.kind, hang.rank.rank, hang.rank.node),
-            (HangKind::Stopped, 2, 1),
-            "node 0 names node 1's rank"
+            (HangKind::Stopped, 2, 1)
         );
         assert!(
             hang.report()
@@ -360,7 +521,7 @@ mod tests {
             "{}",
             hang.report()
         );
-        let victim = node0.culprit_of(0, s(7)).map(|h| h.rank.rank);
+        let victim = node0.culprit_of(0, s(8)).map(|h| h.rank.rank);
         assert_eq!(victim, Some(2), "rank 0's timeout is rank 2's doing");
     }
 }

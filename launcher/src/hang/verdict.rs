@@ -4,7 +4,12 @@
 //! not moved (step, phase or collectives) for the hang timeout while another rank
 //! got further is **hung** (alive, but stuck in a driver call, a D-state read, a
 //! loop). The others are reported as waiting for it (in the collective the culprit
-//! never entered or never completed), not as the cause.
+//! never entered or never completed), not as the cause. Inside the Reducer's
+//! gradient all-reduce, which spans a whole backward pass and is entered before any
+//! gradient exists, a rank that launched fewer gradient buckets is behind one that
+//! launched more: a rank wedged in a backward kernel is named, not the peers that
+//! wait for its buckets. Only this node's ranks are named here (see
+//! [`RankView::local`]); another node's count only as a standard to compare with.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -32,24 +37,44 @@ pub struct RankView {
     pub pid: Option<u32>,
     /// Its process state from `/proc` (`R`, `S`, `D`, `T`, ...) when it runs here.
     pub state: Option<char>,
+    /// Whether it runs on this launcher's node, which judges it from its own
+    /// reading of its ticks; another node's rank (as its launcher told) is only
+    /// compared with, never named here.
+    pub local: bool,
 }
 
 impl RankView {
-    /// How far it got: its step and phase, then the collectives it entered.
-    fn standing(&self) -> (Option<Progress>, u64) {
-        (self.progress, self.collectives.entered)
+    /// How far it got: its step and phase, then the collectives it entered, then
+    /// the gradient buckets it launched inside the last.
+    fn standing(&self) -> (Option<Progress>, u64, u32) {
+        (
+            self.progress,
+            self.collectives.entered,
+            self.collectives.buckets,
+        )
     }
 
-    /// `phase forward at step 3, last all_reduce #127 done`, or `phase start (no
-    /// heartbeat yet)`.
+    /// `phase forward at step 3, last all_reduce #127 done`, `phase backward at
+    /// step 3, inside all_reduce #128, no gradient bucket launched`, or `phase
+    /// start (no heartbeat yet)`.
     pub fn whereabouts(&self) -> String {
         match self.progress {
-            Some(p) => format!(
-                "phase {} at step {}, {}",
-                p.phase,
-                p.step,
-                self.collectives.describe()
-            ),
+            Some(p) => {
+                let in_backward = p.phase == Phase::Backward
+                    && self.collectives.inside().is_some()
+                    && self.collectives.buckets == 0;
+                format!(
+                    "phase {} at step {}, {}{}",
+                    p.phase,
+                    p.step,
+                    self.collectives.describe(),
+                    if in_backward {
+                        ", no gradient bucket launched"
+                    } else {
+                        ""
+                    }
+                )
+            }
             None => format!("phase {} (no heartbeat yet)", Phase::Start),
         }
     }
@@ -107,20 +132,21 @@ pub struct Timeouts {
     pub stall: Option<Duration>,
 }
 
-/// The stopped or hung rank among `views` of a job of `world_size` ranks, if one
-/// is (see the module doc): a stopped rank first (the longest silent, then the
-/// lowest); else of the ranks still for the hang timeout, the one furthest behind
-/// (then the longest still, then the lowest rank), when it is the job's only rank
-/// or another rank got further.
+/// The stopped or hung rank of this node among `views` of a job of `world_size`
+/// ranks, if one is (see the module doc): a stopped rank first (the longest silent,
+/// then the lowest); else of this node's ranks still for the hang timeout, the one
+/// furthest behind (then the longest still, then the lowest rank), when it is the
+/// job's only rank or another rank (of any node) got further.
 pub fn find_hang(views: &[RankView], timeouts: Timeouts, world_size: u32) -> Option<Hang> {
-    if let Some(stopped) = timeouts.stall.and_then(|stall| most_silent(views, stall)) {
+    let local: Vec<RankView> = views.iter().filter(|v| v.local).copied().collect();
+    if let Some(stopped) = timeouts.stall.and_then(|stall| most_silent(&local, stall)) {
         return Some(Hang::of(HangKind::Stopped, stopped, views));
     }
     let timeout = timeouts.hang?;
     if views.iter().all(|v| v.progress.is_none()) {
         return None;
     }
-    let mut candidates: Vec<&RankView> = views.iter().filter(|v| v.still_for >= timeout).collect();
+    let mut candidates: Vec<&RankView> = local.iter().filter(|v| v.still_for >= timeout).collect();
     candidates.sort_by(|a, b| {
         (a.standing(), std::cmp::Reverse(a.still_for), a.rank).cmp(&(
             b.standing(),
@@ -155,8 +181,10 @@ fn most_silent(views: &[RankView], stall: Duration) -> Option<&RankView> {
 
 /// Why rank `failed`, which exited with an error, did: another rank it was
 /// waiting for, if the records say so. A rank that has not ticked for `silence`
-/// is stopped; else a rank that never entered the collective `failed` was inside
-/// (and has been still at least as long) is hung. `None`: its own failure.
+/// is stopped; else a rank that never entered the collective `failed` was inside,
+/// or is inside it too having launched fewer gradient buckets (and has been still
+/// at least as long, and at least `silence`: a rank that has not moved since its
+/// last word a moment ago is no culprit), is hung. `None`: its own failure.
 pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<Hang> {
     let victim = views.iter().find(|v| v.rank == failed)?;
     let others: Vec<RankView> = views.iter().filter(|v| v.rank != failed).copied().collect();
@@ -164,9 +192,14 @@ pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<
         return Some(Hang::of(HangKind::Stopped, stopped, views));
     }
     let waited_in = victim.collectives.inside()?;
+    let behind = |v: &RankView| {
+        v.collectives.entered <= waited_in
+            || (v.collectives.inside() == Some(waited_in)
+                && v.collectives.buckets < victim.collectives.buckets)
+    };
     let laggard = others
         .iter()
-        .filter(|v| v.collectives.entered <= waited_in && v.still_for >= victim.still_for)
+        .filter(|v| behind(v) && v.still_for >= victim.still_for.max(silence))
         .min_by_key(|v| (v.standing(), v.rank))?;
     Some(Hang::of(kind_of(laggard), laggard, views))
 }
@@ -282,7 +315,13 @@ mod tests {
             entered,
             completed,
             last: Some(CollectiveOp::AllReduce),
+            buckets: 0,
         }
+    }
+
+    fn buckets(mut c: Collectives, launched: u32) -> Collectives {
+        c.buckets = launched;
+        c
     }
 
     fn view(rank: u32, progress: Option<Progress>, still_s: u64) -> RankView {
@@ -295,6 +334,7 @@ mod tests {
             silent_for: progress.map(|_| Duration::from_millis(300)),
             pid: None,
             state: None,
+            local: true,
         }
     }
 
@@ -397,6 +437,79 @@ mod tests {
             "{}",
             hang.cause()
         );
+    }
+
+    /// The Reducer's backward is one collective, entered before any gradient: a
+    /// rank wedged in a backward kernel (still ticking) and its peer waiting for
+    /// its buckets are in the same collective, the same phase; the buckets each
+    /// launched tell them apart.
+    #[test]
+    fn a_rank_wedged_inside_backward_is_named_not_its_peer() {
+        let mut waiting = view(0, at(5, Phase::Backward), 12);
+        waiting.collectives = buckets(coll(129, 128), 4);
+        let mut wedged = view(1, at(5, Phase::Backward), 13);
+        wedged.collectives = buckets(coll(129, 128), 1);
+        let hang = find_hang(&[waiting, wedged], T, 2).unwrap_or_else(|| panic!("none"));
+        assert_eq!((hang.kind, hang.rank.rank), (HangKind::Hung, 1));
+        assert_eq!(
+            hang.cause(),
+            "hang: rank 1 in phase backward at step 5, inside all_reduce #128 \
+             (1 gradient bucket launched)"
+        );
+        assert!(
+            hang.report().contains(
+                "waiting for it: rank 0 inside all_reduce #128 (4 gradient buckets launched)"
+            ),
+            "{}",
+            hang.report()
+        );
+        // None launched yet: wedged before its first bucket.
+        wedged.collectives = coll(129, 128);
+        let hang = find_hang(&[waiting, wedged], T, 2).unwrap_or_else(|| panic!("none"));
+        assert!(
+            hang.cause().ends_with("no gradient bucket launched"),
+            "{}",
+            hang.cause()
+        );
+        // Rank 0's collective timed out: rank 1 is the one it waited for.
+        let victim = culprit_of(0, &[waiting, wedged], Duration::from_secs(5));
+        assert_eq!(
+            victim.map(|h| (h.kind, h.rank.rank)),
+            Some((HangKind::Hung, 1))
+        );
+        // Another node's rank whose last word (a moment ago) is behind is no
+        // culprit: it has not been still for long.
+        let mut remote = view(2, None, 0);
+        remote.local = false;
+        let mut victim = waiting;
+        victim.still_for = Duration::ZERO;
+        assert_eq!(
+            culprit_of(0, &[victim, remote], Duration::from_secs(5)),
+            None
+        );
+        // Both launched every bucket: nobody is behind.
+        wedged.collectives = buckets(coll(129, 128), 4);
+        assert_eq!(find_hang(&[waiting, wedged], T, 2), None);
+        assert_eq!(
+            culprit_of(0, &[waiting, wedged], Duration::from_secs(5)),
+            None
+        );
+    }
+
+    /// Another node's rank is named by its own launcher, from its own ticks: here
+    /// it only counts to compare with.
+    #[test]
+    fn another_node_s_rank_is_compared_with_never_named_here() {
+        let mut remote_stopped = silent(view(2, at(3, Phase::Forward), 30), 30);
+        remote_stopped.local = false;
+        let waiting = view(0, at(3, Phase::AllReduce), 20);
+        assert_eq!(find_hang(&[waiting, remote_stopped], T, 4), None);
+        // A rank of this node behind a rank of another is named.
+        let mut remote_ahead = view(2, at(3, Phase::AllReduce), 20);
+        remote_ahead.local = false;
+        let behind = view(0, at(3, Phase::Forward), 20);
+        let hang = find_hang(&[behind, remote_ahead], T, 4).map(|h| h.rank.rank);
+        assert_eq!(hang, Some(0));
     }
 
     #[test]

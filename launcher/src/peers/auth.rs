@@ -4,14 +4,22 @@
 //! node 0 checks it and answers with an HMAC of its own, which the other node
 //! checks (so it never takes a stale control file's port, now another program's,
 //! for node 0). The secret never travels. A connection that fails is refused and
-//! closed; node 0 logs it with the peer's address.
+//! closed; node 0 logs it with the peer's address. Before anyone has proved the
+//! secret nothing it sends is trusted: each handshake line is at most
+//! [`MAX_LINE`] bytes and the whole handshake has one deadline (not a time limit
+//! per read, which a client sending a byte at a time would never meet).
 //!
 //! The secret comes from `VRTSPIKE_JOB_SECRET` when the batch script passes one,
 //! else node 0 makes one (32 random bytes) and publishes it in the run directory's
-//! control file, readable by the job's user only (see [`super::control`]).
+//! control file, readable by the job's user only (see [`super::control`]). The
+//! nonces and proofs travel in clear, so whoever sees one handshake can try secrets
+//! offline: a given secret must carry at least [`MIN_SECRET_BITS`] bits, which the
+//! launcher takes as at least [`MIN_SECRET_CHARS`] characters (32 hex digits; the
+//! batch template makes 64), and refuses a shorter one naming the variable.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Write};
 use std::net::TcpStream;
+use std::time::Instant;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -21,6 +29,40 @@ use sha2::Sha256;
 pub const SECRET_ENV: &str = "VRTSPIKE_JOB_SECRET";
 /// Node 0's greeting.
 const GREETING: &str = "VRTSPIKE-CONTROL 1";
+/// The longest handshake line (the longest the protocol sends is about 120 bytes).
+pub const MAX_LINE: usize = 256;
+/// The fewest bits of a secret given in [`SECRET_ENV`].
+pub const MIN_SECRET_BITS: usize = 128;
+/// The fewest characters of a secret given in [`SECRET_ENV`]: what
+/// [`MIN_SECRET_BITS`] takes in hex digits (4 bits each). A secret in another
+/// alphabet needs as many characters: the launcher cannot tell how random they are.
+pub const MIN_SECRET_CHARS: usize = MIN_SECRET_BITS / 4;
+
+/// A secret in [`SECRET_ENV`] too short to resist an offline search.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{SECRET_ENV} has {chars} characters; it must have at least {MIN_SECRET_CHARS} \
+     ({MIN_SECRET_BITS} random bits as hex digits), since the handshake's nonces and \
+     proofs travel in clear: make one with `od -An -N32 -tx1 /dev/urandom | tr -d ' \\n'`, \
+     or leave it unset for node 0 to make one"
+)]
+pub struct WeakSecret {
+    /// Characters the given secret has.
+    pub chars: usize,
+}
+
+/// The job's secret from the value of [`SECRET_ENV`]: `None` when unset or blank
+/// (node 0 makes one), an error when shorter than [`MIN_SECRET_CHARS`].
+pub fn given_secret(value: Option<String>) -> Result<Option<String>, WeakSecret> {
+    let Some(secret) = value.filter(|s| !s.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let chars = secret.chars().count();
+    if chars < MIN_SECRET_CHARS {
+        return Err(WeakSecret { chars });
+    }
+    Ok(Some(secret))
+}
 
 /// Why a handshake failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,27 +116,68 @@ fn proves(secret: &str, text: &str, given: &str) -> bool {
             == 0
 }
 
-fn read_line(reader: &mut BufReader<TcpStream>) -> Result<String, AuthError> {
-    let mut line = String::new();
-    match reader.read_line(&mut line) {
-        Ok(0) => Err(AuthError::Io("closed during the handshake".into())),
-        Ok(_) => Ok(line.trim_end().to_string()),
-        Err(e) => Err(AuthError::Io(format!("during the handshake: {e}"))),
+/// The time left until `deadline`, or the error of a handshake past it.
+fn time_left(deadline: Instant) -> Result<std::time::Duration, AuthError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(AuthError::Io("the handshake ran past its deadline".into()));
+    }
+    Ok(left)
+}
+
+/// One line of at most [`MAX_LINE`] bytes, read before `deadline`.
+fn read_line(reader: &mut BufReader<TcpStream>, deadline: Instant) -> Result<String, AuthError> {
+    let io = |e: std::io::Error| AuthError::Io(format!("during the handshake: {e}"));
+    let mut line = Vec::new();
+    loop {
+        reader
+            .get_ref()
+            .set_read_timeout(Some(time_left(deadline)?))
+            .map_err(io)?;
+        let available = match reader.fill_buf() {
+            Ok([]) => return Err(AuthError::Io("closed during the handshake".into())),
+            Ok(bytes) => bytes,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io(e)),
+        };
+        let (taken, ended) = match available.iter().position(|&b| b == b'\n') {
+            Some(end) => (end, true),
+            None => (available.len(), false),
+        };
+        line.extend_from_slice(&available[..taken.min(MAX_LINE + 1)]);
+        reader.consume(taken + usize::from(ended));
+        if line.len() > MAX_LINE {
+            return Err(AuthError::Protocol(format!(
+                "a handshake line longer than {MAX_LINE} bytes"
+            )));
+        }
+        if ended {
+            let text = String::from_utf8_lossy(&line);
+            return Ok(text.trim_end().to_string());
+        }
     }
 }
 
-fn send(mut stream: &TcpStream, line: &str) -> Result<(), AuthError> {
+/// Sends one line before `deadline`.
+fn send(mut stream: &TcpStream, line: &str, deadline: Instant) -> Result<(), AuthError> {
+    let io = |e: std::io::Error| AuthError::Io(format!("during the handshake: {e}"));
     stream
-        .write_all(format!("{line}\n").as_bytes())
-        .map_err(|e| AuthError::Io(format!("during the handshake: {e}")))
+        .set_write_timeout(Some(time_left(deadline)?))
+        .map_err(io)?;
+    stream.write_all(format!("{line}\n").as_bytes()).map_err(io)
 }
 
-/// Node 0's side: greets, checks the proof, answers; returns the node rank the
-/// other launcher proved.
-pub fn accept(reader: &mut BufReader<TcpStream>, secret: &str) -> Result<u32, AuthError> {
+/// Node 0's side: greets, checks the proof, answers, all before `deadline`;
+/// returns the node rank the other launcher proved.
+pub fn accept(
+    reader: &mut BufReader<TcpStream>,
+    secret: &str,
+    deadline: Instant,
+) -> Result<u32, AuthError> {
     let nonce = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
-    send(reader.get_ref(), &format!("{GREETING} {nonce}"))?;
-    let hello = read_line(reader)?;
+    send(reader.get_ref(), &format!("{GREETING} {nonce}"), deadline)?;
+    let hello = read_line(reader, deadline)?;
     let fields: Vec<&str> = hello.split(' ').collect();
     let [word, node, their_nonce, their_proof] = fields[..] else {
         return Err(AuthError::Protocol(format!("{hello:?}")));
@@ -111,18 +194,24 @@ pub fn accept(reader: &mut BufReader<TcpStream>, secret: &str) -> Result<u32, Au
         let _ = send(
             reader.get_ref(),
             &format!("REFUSED {}", AuthError::BadProof),
+            deadline,
         );
         return Err(AuthError::BadProof);
     }
     let answer = proof(secret, &format!("welcome {node} {their_nonce} {nonce}"));
-    send(reader.get_ref(), &format!("WELCOME {answer}"))?;
+    send(reader.get_ref(), &format!("WELCOME {answer}"), deadline)?;
     Ok(node)
 }
 
 /// Another node's side: answers node 0's greeting as node `node` and checks its
-/// answer.
-pub fn join(reader: &mut BufReader<TcpStream>, secret: &str, node: u32) -> Result<(), AuthError> {
-    let greeting = read_line(reader)?;
+/// answer, all before `deadline`.
+pub fn join(
+    reader: &mut BufReader<TcpStream>,
+    secret: &str,
+    node: u32,
+    deadline: Instant,
+) -> Result<(), AuthError> {
+    let greeting = read_line(reader, deadline)?;
     let nonce = greeting
         .strip_prefix(GREETING)
         .map(str::trim)
@@ -131,8 +220,12 @@ pub fn join(reader: &mut BufReader<TcpStream>, secret: &str, node: u32) -> Resul
         .to_string();
     let mine = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
     let hello = proof(secret, &format!("hello {node} {nonce} {mine}"));
-    send(reader.get_ref(), &format!("HELLO {node} {mine} {hello}"))?;
-    let welcome = read_line(reader)?;
+    send(
+        reader.get_ref(),
+        &format!("HELLO {node} {mine} {hello}"),
+        deadline,
+    )?;
+    let welcome = read_line(reader, deadline)?;
     if let Some(why) = welcome.strip_prefix("REFUSED ") {
         return Err(AuthError::Refused(why.to_string()));
     }
@@ -151,6 +244,10 @@ mod tests {
 
     use super::*;
 
+    fn soon() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(10)
+    }
+
     fn pair() -> (BufReader<TcpStream>, BufReader<TcpStream>) {
         let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap_or_else(|e| panic!("{e}"));
         let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
@@ -162,16 +259,19 @@ mod tests {
     #[test]
     fn the_same_secret_links_and_the_node_is_proved() {
         let (mut server, mut client) = pair();
-        let joined = std::thread::spawn(move || join(&mut client, "s3cret", 2));
-        assert_eq!(accept(&mut server, "s3cret"), Ok(2));
+        let joined = std::thread::spawn(move || join(&mut client, "s3cret", 2, soon()));
+        assert_eq!(accept(&mut server, "s3cret", soon()), Ok(2));
         assert_eq!(joined.join().ok(), Some(Ok(())));
     }
 
     #[test]
     fn another_secret_is_refused_on_both_sides() {
         let (mut server, mut client) = pair();
-        let joined = std::thread::spawn(move || join(&mut client, "other", 1));
-        assert_eq!(accept(&mut server, "s3cret"), Err(AuthError::BadProof));
+        let joined = std::thread::spawn(move || join(&mut client, "other", 1, soon()));
+        assert_eq!(
+            accept(&mut server, "s3cret", soon()),
+            Err(AuthError::BadProof)
+        );
         drop(server);
         let refused = joined.join().ok();
         assert!(
@@ -182,12 +282,80 @@ mod tests {
         let (server, mut client) = pair();
         let imposter = std::thread::spawn(move || {
             let mut server = server;
-            send(server.get_ref(), &format!("{GREETING} abc"))?;
-            read_line(&mut server)?;
-            send(server.get_ref(), "WELCOME 00")
+            send(server.get_ref(), &format!("{GREETING} abc"), soon())?;
+            read_line(&mut server, soon())?;
+            send(server.get_ref(), "WELCOME 00", soon())
         });
-        assert_eq!(join(&mut client, "s3cret", 1), Err(AuthError::BadProof));
+        assert_eq!(
+            join(&mut client, "s3cret", 1, soon()),
+            Err(AuthError::BadProof)
+        );
         assert_eq!(imposter.join().ok(), Some(Ok(())));
+    }
+
+    /// A stranger streaming bytes without a newline is cut off after one line's
+    /// worth, not buffered without end.
+    #[test]
+    fn a_line_past_the_bound_is_refused_after_reading_little() {
+        let (mut server, client) = pair();
+        let streamer = std::thread::spawn(move || {
+            let mut stream = client.into_inner();
+            let zeros = [0u8; 4096];
+            let mut sent = 0usize;
+            while sent < (64 << 20) && stream.write_all(&zeros).is_ok() {
+                sent += zeros.len();
+            }
+            sent
+        });
+        let got = accept(&mut server, "s3cret", soon());
+        assert!(
+            matches!(&got, Err(AuthError::Protocol(why)) if why.contains("longer than 256")),
+            "{got:?}"
+        );
+        drop(server);
+        let sent = streamer.join().unwrap_or(usize::MAX);
+        assert!(sent < (64 << 20), "node 0 took all {sent} bytes");
+    }
+
+    /// The deadline is the whole handshake's: a byte every few milliseconds (each
+    /// read well within any per-read limit) does not keep it open.
+    #[test]
+    fn a_handshake_dripping_bytes_ends_at_its_deadline() {
+        let (mut server, client) = pair();
+        let dripper = std::thread::spawn(move || {
+            let mut stream = client.into_inner();
+            while stream.write_all(b"H").is_ok() {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        });
+        let deadline = Instant::now() + std::time::Duration::from_millis(500);
+        let got = accept(&mut server, "s3cret", deadline);
+        assert!(
+            matches!(&got, Err(AuthError::Io(why)) if why.contains("deadline")),
+            "{got:?}"
+        );
+        assert!(Instant::now() >= deadline);
+        drop(server);
+        let _ = dripper.join();
+    }
+
+    #[test]
+    fn a_given_secret_must_carry_128_bits() {
+        assert_eq!(given_secret(None), Ok(None));
+        assert_eq!(
+            given_secret(Some("  ".into())),
+            Ok(None),
+            "blank: node 0 makes one"
+        );
+        let short = given_secret(Some("0123456789abcdef".into()));
+        assert_eq!(short, Err(WeakSecret { chars: 16 }));
+        let message = short.map_err(|e| e.to_string()).err().unwrap_or_default();
+        assert!(
+            message.contains(SECRET_ENV) && message.contains("at least 32"),
+            "{message}"
+        );
+        let enough = "ab".repeat(16);
+        assert_eq!(given_secret(Some(enough.clone())), Ok(Some(enough)));
     }
 
     #[test]
@@ -199,9 +367,10 @@ mod tests {
                 .try_clone()
                 .unwrap_or_else(|e| panic!("{e}")),
             "QUIT 1 bye",
+            soon(),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let got = accept(&mut server, "s3cret");
+        let got = accept(&mut server, "s3cret", soon());
         assert!(
             matches!(got, Err(AuthError::Protocol(ref l)) if l.contains("QUIT")),
             "{got:?}"

@@ -3,7 +3,11 @@
 //! on every interface), on `--control-port` or a port the kernel picks, published
 //! with the job's secret in the run directory ([`control`]); a launcher joins only
 //! by proving it knows the secret ([`auth`]), and node 0 logs and closes any other
-//! connection, naming its address.
+//! connection, naming its address. Until a connection has proved the secret it
+//! costs node 0 little: a bounded line, one deadline for its whole handshake, and
+//! at most [`MAX_PENDING_PER_ADDR`] handshakes in flight from one address
+//! ([`MAX_PENDING`] in all); a connection past those is closed at once. Refusals
+//! are logged at most once per [`REFUSAL_LOG_EVERY`] per address, with a count.
 //!
 //! Node 0 coordinates ([`wire`] has the lines): it waits until every node has
 //! joined, then starts each attempt with `START <attempt> <port>` (rank 0's
@@ -12,14 +16,18 @@
 //! alone. A rank failing on any node stops the ranks of every node at once
 //! (`FAIL`/`HUNG`, forwarded by node 0), node 0 decides whether to restart, and
 //! a node whose launcher gives up, is interrupted or dies (its link closes without
-//! `DONE` or `QUIT`) ends the job on every node, naming it.
+//! `DONE` or `QUIT`) ends the job on every node, naming it. Each launcher also
+//! tells the others how its ranks stand (`VIEW`, from its own reading of their
+//! heartbeats), so every node judges its own ranks against all the job's, and
+//! names a stopped or hung rank of its own only (see [`crate::hang`]).
 
 pub mod auth;
 pub mod control;
 pub mod wire;
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,12 +36,19 @@ use anyhow::{bail, Context, Result};
 
 use control::Control;
 
-/// How long a connection may take over the handshake.
+/// How long a connection may take over its whole handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in flight from one address, at most.
+pub const MAX_PENDING_PER_ADDR: usize = 4;
+/// Handshakes in flight in all, at most.
+pub const MAX_PENDING: usize = 64;
+/// How often node 0 logs the refusals of one address.
+pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(5);
 
 /// Something another node said, as this launcher must act on it: a line of the
 /// protocol.
 pub use wire::Message as PeerEvent;
+pub use wire::Standing;
 
 /// Where this launcher meets the others.
 #[derive(Debug, Clone)]
@@ -59,12 +74,23 @@ pub struct LinkSpec {
 struct Shared {
     /// Open links: (node at the other end, stream).
     links: Mutex<Vec<(u32, TcpStream)>>,
-    /// What the other nodes said, in order.
+    /// What the other nodes said, in order (but how their ranks stand).
     events: Mutex<Vec<PeerEvent>>,
+    /// How each other node's rank stands, by rank: the last word.
+    standings: Mutex<HashMap<u32, Standing>>,
 }
 
 impl Shared {
+    /// Keeps `message`: a rank's standing replaces the last of that rank; any
+    /// other line is kept in order.
     fn push(&self, event: PeerEvent) {
+        if let PeerEvent::View(standing) = event {
+            self.standings
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(standing.rank, standing);
+            return;
+        }
         self.events
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -207,6 +233,29 @@ impl PeerLinks {
         );
     }
 
+    /// Tells the other nodes how this node's ranks stand (they compare their own
+    /// ranks with them).
+    pub fn relay_standings(&self, standings: &[Standing]) {
+        for standing in standings {
+            self.shared.send(&PeerEvent::View(*standing), None);
+        }
+    }
+
+    /// How the other nodes' ranks stood in attempt `attempt` when their launchers
+    /// last said.
+    pub fn standings(&self, attempt: u32) -> Vec<Standing> {
+        let standings = self
+            .shared
+            .standings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        standings
+            .values()
+            .filter(|s| s.attempt == attempt)
+            .copied()
+            .collect()
+    }
+
     /// Tells the other nodes how this launcher ends: `Some(cause)` = it gives up.
     pub fn report_end(&self, gave_up: Option<&str>) {
         let message = match gave_up {
@@ -230,7 +279,7 @@ impl PeerLinks {
             .find(|event| match event {
                 PeerEvent::Fail { attempt: a, .. } => *a == attempt,
                 PeerEvent::Quit { .. } => true,
-                PeerEvent::Start { .. } | PeerEvent::Done { .. } => false,
+                PeerEvent::Start { .. } | PeerEvent::Done { .. } | PeerEvent::View(_) => false,
             })
             .cloned()
     }
@@ -255,6 +304,18 @@ impl PeerLinks {
     /// The nodes that ended normally (a restart would wait for their ranks forever).
     pub fn ended_nodes(&self) -> Vec<u32> {
         (0..self.nnodes).filter(|n| self.ended(*n)).collect()
+    }
+}
+
+/// The hang watch tells the other nodes how this node's ranks stand, and hears
+/// theirs, over the links.
+impl crate::hang::Relay for PeerLinks {
+    fn send(&self, standings: &[Standing]) {
+        self.relay_standings(standings);
+    }
+
+    fn heard(&self, attempt: u32) -> Vec<Standing> {
+        self.standings(attempt)
     }
 }
 
@@ -347,37 +408,144 @@ fn try_join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
         .with_context(|| format!("{} resolves to nothing", spec.master_addr))?;
     let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .with_context(|| format!("connecting to {addr}"))?;
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut reader = BufReader::new(stream.try_clone()?);
-    auth::join(&mut reader, &secret, spec.node_rank).with_context(|| format!("at {addr}"))?;
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    auth::join(&mut reader, &secret, spec.node_rank, deadline)
+        .with_context(|| format!("at {addr}"))?;
     stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
     Ok((stream, reader))
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes: u32) {
-    for stream in listener.incoming().flatten() {
-        let (shared, secret) = (shared.clone(), secret.to_string());
-        let _ = std::thread::Builder::new()
-            .name("peer-link".into())
-            .spawn(move || admit(stream, &shared, &secret, nnodes));
+/// Handshakes in flight, in all and by address.
+#[derive(Default)]
+struct Pending {
+    total: usize,
+    by_addr: HashMap<IpAddr, usize>,
+}
+
+/// When an address's refusals were last logged, and how many since.
+type RefusalLog = HashMap<IpAddr, (Option<Instant>, u64)>;
+
+/// Node 0's gate before the handshake: the handshakes in flight, and when each
+/// address's refusals were last logged.
+#[derive(Clone, Default)]
+struct Gate {
+    pending: Arc<Mutex<Pending>>,
+    logged: Arc<Mutex<RefusalLog>>,
+}
+
+/// A handshake's place at the gate, given back when dropped.
+struct PendingSlot {
+    gate: Gate,
+    addr: IpAddr,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let mut pending = self.gate.pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending.total = pending.total.saturating_sub(1);
+        if let Some(count) = pending.by_addr.get_mut(&self.addr) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                pending.by_addr.remove(&self.addr);
+            }
+        }
     }
 }
 
-/// Node 0: the handshake of one connection, then its lines until it closes.
-fn admit(stream: TcpStream, shared: &Shared, secret: &str, nnodes: u32) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
-    let refuse = |why: &str| tracing::warn!("refused a control connection from {peer}: {why}");
+impl Gate {
+    /// A place for a handshake from `addr`, or why there is none.
+    fn enter(&self, addr: IpAddr) -> Result<PendingSlot, String> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let from_addr = pending.by_addr.get(&addr).copied().unwrap_or(0);
+        if from_addr >= MAX_PENDING_PER_ADDR {
+            return Err(format!(
+                "{from_addr} handshakes from this address in flight already"
+            ));
+        }
+        if pending.total >= MAX_PENDING {
+            return Err(format!("{MAX_PENDING} handshakes in flight already"));
+        }
+        pending.total += 1;
+        *pending.by_addr.entry(addr).or_default() += 1;
+        Ok(PendingSlot {
+            gate: self.clone(),
+            addr,
+        })
+    }
+
+    /// Logs the refusal of `peer` (at most once per [`REFUSAL_LOG_EVERY`] per
+    /// address, counting the others).
+    fn refused(&self, peer: SocketAddr, why: &str) {
+        let mut logged = self.logged.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let recent = |at: &Option<Instant>| at.is_some_and(|at| now - at < REFUSAL_LOG_EVERY);
+        if logged.len() > 4096 {
+            logged.retain(|_, (at, _)| recent(at));
+        }
+        let (at, unlogged) = logged.entry(peer.ip()).or_insert((None, 0));
+        if recent(at) {
+            *unlogged += 1;
+            return;
+        }
+        let others = match *unlogged {
+            0 => String::new(),
+            n => format!(
+                " ({n} more refused from {} since the last report)",
+                peer.ip()
+            ),
+        };
+        tracing::warn!("refused a control connection from {peer}: {why}{others}");
+        (*at, *unlogged) = (Some(now), 0);
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes: u32) {
+    let gate = Gate::default();
+    for stream in listener.incoming().flatten() {
+        let Ok(peer) = stream.peer_addr() else {
+            continue;
+        };
+        let slot = match gate.enter(peer.ip()) {
+            Ok(slot) => slot,
+            Err(why) => {
+                gate.refused(peer, &why);
+                continue;
+            }
+        };
+        let (shared, secret, gate) = (shared.clone(), secret.to_string(), gate.clone());
+        let spawned = std::thread::Builder::new()
+            .name("peer-link".into())
+            .spawn(move || admit(stream, peer, slot, &gate, &shared, &secret, nnodes));
+        if let Err(e) = spawned {
+            tracing::warn!("no thread for a control connection from {peer}: {e}");
+        }
+    }
+}
+
+/// Node 0: the handshake of one connection (holding its place at the gate), then
+/// its lines until it closes.
+fn admit(
+    stream: TcpStream,
+    peer: SocketAddr,
+    slot: PendingSlot,
+    gate: &Gate,
+    shared: &Shared,
+    secret: &str,
+    nnodes: u32,
+) {
+    let refuse = |why: &str| gate.refused(peer, why);
     let Ok(clone) = stream.try_clone() else {
         return;
     };
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let mut reader = BufReader::new(clone);
-    let node = match auth::accept(&mut reader, secret) {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let node = match auth::accept(&mut reader, secret, deadline) {
         Ok(node) => node,
         Err(e) => return refuse(&e.to_string()),
     };
+    drop(slot);
     if node == 0 || node >= nnodes {
         return refuse(&format!("node {node} is not among nodes 1..{nnodes}"));
     }
@@ -385,6 +553,7 @@ fn admit(stream: TcpStream, shared: &Shared, secret: &str, nnodes: u32) {
         return refuse(&format!("node {node} has joined already"));
     }
     let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
     tracing::info!("node {node} joined from {peer}");
     shared
         .links
@@ -533,6 +702,27 @@ mod tests {
         assert_eq!(node0.quit(), None);
         assert_eq!(node0.stop_reason(0), None);
         assert!(node0.shared.linked().is_empty());
+    }
+
+    #[test]
+    fn handshakes_in_flight_are_capped_per_address_and_in_all() {
+        let gate = Gate::default();
+        let ip = |last: u8| IpAddr::from([10, 0, 0, last]);
+        let held: Vec<PendingSlot> = (0..MAX_PENDING_PER_ADDR)
+            .map(|_| gate.enter(ip(1)).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        let refused = gate.enter(ip(1)).err().unwrap_or_default();
+        assert!(refused.contains("from this address"), "{refused}");
+        assert!(gate.enter(ip(2)).is_ok(), "another address still gets in");
+        drop(held);
+        let all: Vec<PendingSlot> = (0..MAX_PENDING)
+            .map(|i| gate.enter(ip(10 + (i / MAX_PENDING_PER_ADDR) as u8)))
+            .collect::<Result<_, _>>()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let refused = gate.enter(ip(250)).err().unwrap_or_default();
+        assert!(refused.contains("64 handshakes"), "{refused}");
+        drop(all);
+        assert!(gate.enter(ip(1)).is_ok(), "places come back");
     }
 
     #[test]

@@ -8,6 +8,92 @@
 //!   or hung: every node saves its ranks' stacks before stopping them.
 //! - `QUIT <node> <cause>`: that node left the job for good: give up.
 //! - `DONE <node>`: that node ended normally.
+//! - `VIEW <attempt> <rank> <pid> <step> <phase> <entered> <completed> <op>
+//!   <buckets> <still_ms> <silent_ms>`: how a rank stands, as the launcher of its
+//!   node sees it from its own ticks (`-` for what it does not know yet); each
+//!   launcher sends its ranks' about once a second, node 0 passes them on, and a
+//!   launcher compares its own ranks with the others' by them (see `crate::hang`):
+//!   nothing judges another node's rank from files of a shared run dir.
+
+use vrtspike_contract::heartbeat::{CollectiveOp, Collectives, Phase, Progress};
+
+/// How one rank stands, as the launcher of its node sees it (a `VIEW` line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// The attempt its record belongs to.
+    pub attempt: u32,
+    /// The rank.
+    pub rank: u32,
+    /// Its process, once known.
+    pub pid: Option<u32>,
+    /// Its step and phase (`None`: no heartbeat yet).
+    pub progress: Option<Progress>,
+    /// Its collectives.
+    pub collectives: Collectives,
+    /// Milliseconds since its step, phase or collectives last changed.
+    pub still_ms: u64,
+    /// Milliseconds since its liveness tick last changed (`None`: no tick yet).
+    pub silent_ms: Option<u64>,
+}
+
+impl Standing {
+    fn fields(&self) -> String {
+        let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        let c = &self.collectives;
+        format!(
+            "{} {} {} {} {} {} {} {} {} {} {}",
+            self.attempt,
+            self.rank,
+            or_dash(self.pid.map(|p| p.to_string())),
+            or_dash(self.progress.map(|p| p.step.to_string())),
+            or_dash(self.progress.map(|p| p.phase.name().to_string())),
+            c.entered,
+            c.completed,
+            c.last.map_or("-", CollectiveOp::name),
+            c.buckets,
+            self.still_ms,
+            or_dash(self.silent_ms.map(|s| s.to_string())),
+        )
+    }
+
+    fn parse(rest: &str) -> Option<Standing> {
+        let f: Vec<&str> = rest.split(' ').collect();
+        let [attempt, rank, pid, step, phase, entered, completed, op, buckets, still, silent] =
+            f[..]
+        else {
+            return None;
+        };
+        fn maybe(text: &str) -> Option<&str> {
+            (text != "-").then_some(text)
+        }
+        let progress = match (maybe(step), maybe(phase)) {
+            (Some(step), Some(phase)) => Some(Progress {
+                step: step.parse().ok()?,
+                phase: Phase::parse(phase)?,
+            }),
+            (None, None) => None,
+            _ => return None,
+        };
+        let last = match maybe(op) {
+            Some(name) => Some(CollectiveOp::parse(name)?),
+            None => None,
+        };
+        Some(Standing {
+            attempt: attempt.parse().ok()?,
+            rank: rank.parse().ok()?,
+            pid: maybe(pid).map(str::parse::<u32>).transpose().ok()?,
+            progress,
+            collectives: Collectives {
+                entered: entered.parse().ok()?,
+                completed: completed.parse().ok()?,
+                last,
+                buckets: buckets.parse().ok()?,
+            },
+            still_ms: still.parse().ok()?,
+            silent_ms: maybe(silent).map(str::parse::<u64>).transpose().ok()?,
+        })
+    }
+}
 
 /// One line of the protocol, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,6 +128,8 @@ pub enum Message {
         /// The node.
         node: u32,
     },
+    /// How a rank stands, from its node's launcher.
+    View(Standing),
 }
 
 impl Message {
@@ -75,6 +163,7 @@ impl Message {
             "DONE" => Some(Message::Done {
                 node: rest.trim().parse().ok()?,
             }),
+            "VIEW" => Standing::parse(rest.trim_end()).map(Message::View),
             _ => None,
         }
     }
@@ -96,6 +185,7 @@ impl Message {
             ),
             Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
             Message::Done { node } => format!("DONE {node}\n"),
+            Message::View(standing) => format!("VIEW {}\n", standing.fields()),
         }
     }
 }
@@ -128,12 +218,48 @@ mod tests {
                 cause: "no restart left".into(),
             },
             Message::Done { node: 4 },
+            Message::View(Standing {
+                attempt: 1,
+                rank: 3,
+                pid: Some(4242),
+                progress: Some(Progress {
+                    step: 7,
+                    phase: Phase::Backward,
+                }),
+                collectives: Collectives {
+                    entered: 30,
+                    completed: 29,
+                    last: Some(CollectiveOp::AllReduce),
+                    buckets: 2,
+                },
+                still_ms: 1500,
+                silent_ms: Some(250),
+            }),
+            Message::View(Standing {
+                attempt: 0,
+                rank: 2,
+                pid: None,
+                progress: None,
+                collectives: Collectives::default(),
+                still_ms: 0,
+                silent_ms: None,
+            }),
         ] {
             assert_eq!(Message::parse(&message.line()), Some(message.clone()));
         }
         assert_eq!(Message::parse("NOPE 1"), None);
         assert_eq!(Message::parse("FAIL x 1 y"), None);
         assert_eq!(Message::parse("START 1 70000"), None);
+        assert_eq!(
+            Message::parse("VIEW 0 1 - 3 - 0 0 - 0 0 -"),
+            None,
+            "a step without phase"
+        );
+        assert_eq!(
+            Message::parse("VIEW 0 1 - - - 0 0 - 0 0"),
+            None,
+            "a field short"
+        );
         let multi = Message::Quit {
             node: 1,
             cause: "a\nb".into(),

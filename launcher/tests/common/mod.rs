@@ -286,7 +286,7 @@ pub fn free_port() -> u16 {
 
 /// The job secret the fake node 0 and the launchers under test share
 /// (`VRTSPIKE_JOB_SECRET`).
-pub const TEST_SECRET: &str = "test-secret-0123456789";
+pub const TEST_SECRET: &str = "test-secret-0123456789abcdef0123456789";
 
 fn hmac_hex(text: &str) -> String {
     use hmac::{Hmac, Mac};

@@ -2,7 +2,8 @@
 //! by the client that missed first; other clients asking for the key wait for it.
 //! A fill ends committed, aborted, or abandoned when its client disconnects; then
 //! the key is free again and the next client to ask takes the fill over with a
-//! ticket of its own.
+//! ticket of its own. An abandoned fill's extent is an *orphan* of its client until
+//! the client is gone for good (it may still write into it).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -30,6 +31,8 @@ pub struct Fills {
     tickets: HashMap<TicketId, Fill>,
     by_key: HashMap<String, TicketId>,
     by_client: HashMap<ClientId, HashSet<TicketId>>,
+    /// Extents of fills abandoned by a disconnect, by client, until it is gone.
+    orphans: HashMap<ClientId, Vec<SlotIdx>>,
 }
 
 impl Fills {
@@ -108,13 +111,23 @@ impl Fills {
         Some(fill)
     }
 
-    /// Ends every fill of `client` (it disconnected); returns them.
+    /// Ends every fill of `client` (it disconnected) and keeps their extents as
+    /// its orphans (see [`Fills::take_orphans`]); returns the fills.
     pub fn abandon_all(&mut self, client: ClientId) -> Vec<Fill> {
         let tickets = self.by_client.remove(&client).unwrap_or_default();
-        tickets
+        let abandoned: Vec<Fill> = tickets
             .into_iter()
             .filter_map(|ticket| self.finish(ticket))
-            .collect()
+            .collect();
+        let slots = abandoned.iter().filter_map(|fill| fill.slot);
+        self.orphans.entry(client).or_default().extend(slots);
+        abandoned
+    }
+
+    /// The extents of `client`'s abandoned fills, once it is gone for good: they
+    /// may be freed now.
+    pub fn take_orphans(&mut self, client: ClientId) -> Vec<SlotIdx> {
+        self.orphans.remove(&client).unwrap_or_default()
     }
 
     /// Fills in flight.
@@ -175,5 +188,17 @@ mod tests {
         fills.start(4, "a", 200).unwrap();
         assert_eq!(fills.held(200, 4).map(|f| f.key.as_str()), Ok("a"));
         assert!(fills.abandon_all(100).is_empty());
+    }
+
+    #[test]
+    fn abandoned_extents_stay_the_clients_until_taken() {
+        let mut fills = Fills::new();
+        fills.start(1, "a", 100).unwrap();
+        fills.start(2, "b", 100).unwrap();
+        fills.set_slot(1, 7);
+        assert_eq!(fills.abandon_all(100).len(), 2);
+        assert!(!fills.is_filling("a"), "the key is free at once");
+        assert_eq!(fills.take_orphans(100), vec![7], "b had no extent yet");
+        assert!(fills.take_orphans(100).is_empty(), "taken once");
     }
 }

@@ -10,7 +10,16 @@
 //! Every operation first checks everything that can refuse it, then makes its
 //! changes, none of which can fail: a refused request leaves the store's records,
 //! extents and memory as they were (it may only have learnt of reads that clients
-//! made, which refreshes the LRU order, and counted the refusal).
+//! made, which refreshes the LRU order, and counted the refusal). One exception: a
+//! commit refused because the filler's page has no room for the record's lease
+//! ends the fill (its client gave the ticket up with the request), so other readers
+//! of the key do not wait for the fill timeout.
+//!
+//! A connection that ends (its client closed it, or the server dropped it for a
+//! frame that is no request) gives its fills' keys up at once, so other readers
+//! take them over, but not their extents: the client may still hold a writable map
+//! of them and write on. They are freed with its pin page, once the client's
+//! rendezvous socket has closed too ([`Store::forget`]).
 
 pub mod arena;
 pub mod connections;
@@ -165,8 +174,10 @@ impl Store {
     }
 
     /// Ends a connection: its shared counters are folded into the totals and its
-    /// fills abandoned; its leases keep pinning until [`forget`](Self::forget).
-    /// Returns the number of fills abandoned (waiters must be woken).
+    /// fills abandoned (their keys free for other readers to fill); their extents
+    /// stay taken, and its leases keep pinning, until [`forget`](Self::forget): the
+    /// client may still write into its fills' maps. Returns the number of fills
+    /// abandoned (waiters must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
         let pins = &self.pins;
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
@@ -175,14 +186,18 @@ impl Store {
         self.stats.disconnected(client, gone.shared_hits);
         let abandoned = self.fills.abandon_all(client);
         for fill in &abandoned {
-            self.given_up(fill);
+            self.stats.count(fill.client, Event::FillAbandoned);
         }
         abandoned.len()
     }
 
     /// The client of an ended connection is gone for good (its socket closed): its
-    /// leases are released and its page is free for another connection.
+    /// leases are released, its abandoned fills' extents freed, and its page is
+    /// free for another connection.
     pub fn forget(&mut self, client: ClientId) -> bool {
+        for slot in self.fills.take_orphans(client) {
+            self.free_fill_extent(slot);
+        }
         let pins = &self.pins;
         self.connections.forget(client, |p| pins.page(p))
     }
@@ -267,6 +282,19 @@ impl Store {
         })
     }
 
+    /// Refuses a request that would end in a lease when `client`'s page has no
+    /// room for one (its clients pin hits themselves, so a page fills up between
+    /// a reserve and its commit too).
+    fn check_lease_room(&self, client: ClientId) -> Result<(), RequestError> {
+        let page = self.connections.get(client)?.page;
+        if self.pins.page(page).lease_count() >= LEASES_PER_CONNECTION {
+            return Err(RequestError::TooManyLeases {
+                max: LEASES_PER_CONNECTION,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether a lease of any live connection pins `slot`.
     fn pinned(&self, slot: SlotIdx) -> bool {
         self.connections
@@ -285,6 +313,7 @@ impl Store {
     ) -> Result<(u64, u64), RequestError> {
         let fill = self.fills.held(client, ticket)?;
         let key = fill.key.clone();
+        self.check_lease_room(client)?;
         if fill.slot.is_some() {
             return Err(RequestError::TicketState {
                 ticket,
@@ -471,11 +500,14 @@ impl Store {
         let slot = fill
             .slot
             .ok_or_else(|| not_filling("commit before reserve"))?;
-        let page = self.connections.get(client)?.page;
-        if self.pins.page(page).lease_count() >= LEASES_PER_CONNECTION {
-            return Err(RequestError::TooManyLeases {
-                max: LEASES_PER_CONNECTION,
-            });
+        if let Err(refusal) = self.check_lease_room(client) {
+            // The client gave its ticket and writable map up with this request: a
+            // fill left in flight would keep every other reader of the key waiting
+            // for the whole fill timeout. It ends here; the next reader fills.
+            if let Some(fill) = self.fills.finish(ticket) {
+                self.given_up(&fill);
+            }
+            return Err(refusal);
         }
         let placed = self
             .arena
@@ -507,14 +539,21 @@ impl Store {
         Ok(())
     }
 
-    /// Frees the extent of a fill that ended without a commit, and counts it.
+    /// Frees the extent of a fill that ended without a commit while its client
+    /// is connected (it no longer writes: it aborted, or gave its map up to
+    /// commit), and counts it.
     fn given_up(&mut self, fill: &Fill) {
         if let Some(slot) = fill.slot {
-            if let Some(gone) = self.arena.release(slot) {
-                self.set_free(slot, gone.generation);
-            }
+            self.free_fill_extent(slot);
         }
         self.stats.count(fill.client, Event::FillAbandoned);
+    }
+
+    /// Frees the extent of a fill that will never be committed.
+    fn free_fill_extent(&mut self, slot: SlotIdx) {
+        if let Some(gone) = self.arena.release(slot) {
+            self.set_free(slot, gone.generation);
+        }
     }
 
     /// Releases exactly the lease `lease` of the client (a lease's own drop does

@@ -244,24 +244,55 @@ fn a_disconnect_abandons_fills_and_its_leases_pin_until_the_client_is_gone() {
     assert_eq!(store.disconnect(a), 1);
     let s = store.stats(0);
     assert_eq!((s.fills_in_flight, s.totals.fills_abandoned), (0, 1));
-    // The server dropped a, but its client may still read "held": it stays pinned,
-    // and a's page is not given to a new connection.
-    assert_eq!((s.pinned_bytes, s.retired_connections), (MB, 1));
+    // The server dropped a, but its client may still read "held" and write "half":
+    // "held" stays pinned, "half"'s extent taken, and a's page is not given to a
+    // new connection.
+    assert_eq!((s.pinned_bytes, s.filling_bytes), (MB, MB));
+    assert_eq!(s.retired_connections, 1);
     let (c, page_c) = store.connect("c".into(), 3).unwrap();
     assert_ne!(page_c, page_a);
-    fill(&mut store, b, "x", MB);
-    let GetOutcome::Miss(t) = store.get(b, "y").unwrap() else {
+    let GetOutcome::Miss(t) = store.get(b, "x").unwrap() else {
         panic!()
     };
     assert!(matches!(
         store.reserve(b, t, MB),
         Err(RequestError::StoreFull { .. })
     ));
-    // a's client is gone for good: its lease goes, the page is free again.
+    // a's client is gone for good: its lease goes, its extent is free again.
     assert!(store.forget(a));
-    assert_eq!(store.stats(0).pinned_bytes, MB, "only b's lease is left");
+    let s = store.stats(0);
+    assert_eq!((s.pinned_bytes, s.filling_bytes), (0, 0));
+    store.reserve(b, t, MB).unwrap();
+    store.commit(b, t).unwrap();
+    let GetOutcome::Miss(t) = store.get(b, "y").unwrap() else {
+        panic!()
+    };
     store.reserve(b, t, MB).unwrap();
     assert!(store.peek(c, "held").unwrap().is_none(), "evicted for y");
+}
+
+/// A client the server dropped (an undecodable frame) still holds its writable map
+/// of the extent it was filling: that extent must not go to another fill (whose
+/// record the dropped client would overwrite) until the client is gone.
+#[test]
+fn a_dropped_fillers_extent_is_not_handed_out_until_it_is_gone() {
+    let mut store = Store::on_heap(1, 2 * MB, None);
+    let a = store.connect("a".into(), 1).unwrap().0;
+    let b = store.connect("b".into(), 2).unwrap().0;
+    let GetOutcome::Miss(t) = store.get(a, "k").unwrap() else {
+        panic!()
+    };
+    let (a_writes_at, _) = store.reserve(a, t, MB).unwrap();
+    store.disconnect(a);
+    // b takes the key over at once, in another extent.
+    let b_at = fill_released(&mut store, b, "k", MB);
+    assert_ne!(b_at, a_writes_at);
+    // Under pressure the store evicts "k" rather than hand a's extent out.
+    let x_at = fill_released(&mut store, b, "x", MB);
+    assert_ne!(x_at, a_writes_at);
+    assert!(store.peek(b, "k").unwrap().is_none(), "k made room for x");
+    store.forget(a);
+    assert_eq!(fill_released(&mut store, b, "y", MB), a_writes_at);
 }
 
 #[test]
@@ -406,13 +437,48 @@ fn a_connection_holds_at_most_its_pages_leases() {
     let GetOutcome::Miss(t) = store.get(c, "other").unwrap() else {
         panic!()
     };
+    // No room for the lease the commit would give: refused before any byte is
+    // filled, the fill left for the client to abort.
+    assert_eq!(
+        store.reserve(c, t, 10),
+        Err(RequestError::TooManyLeases {
+            max: LEASES_PER_CONNECTION
+        })
+    );
+    assert!(store.is_filling("other"));
+    store.abort(c, t).unwrap();
+}
+
+/// The client pins hits in its own page, so its page may fill up between a reserve
+/// and the commit: the refused commit ends the fill, and the next reader of the
+/// key fills it instead of waiting for the whole fill timeout.
+#[test]
+fn a_commit_refused_for_its_lease_ends_the_fill() {
+    let mut store = Store::on_heap(1, MB, None);
+    let (c, page) = store.connect("a".into(), 1).unwrap();
+    let other = store.connect("b".into(), 2).unwrap().0;
+    fill_released(&mut store, c, "k", 10);
+    let slot = store.index.get("k").unwrap();
+    let GetOutcome::Miss(t) = store.get(c, "late").unwrap() else {
+        panic!()
+    };
     store.reserve(c, t, 10).unwrap();
+    for _ in 0..LEASES_PER_CONNECTION {
+        store.pin_page(page).take(slot).unwrap();
+    }
+    let before = store.stats(0).filling_bytes;
     assert!(matches!(
         store.commit(c, t),
         Err(RequestError::TooManyLeases { .. })
     ));
     assert!(
-        store.is_filling("other"),
-        "the fill can still be committed later"
+        !store.is_filling("late"),
+        "the refused fill is still in flight"
+    );
+    assert!(matches!(store.get(other, "late"), Ok(GetOutcome::Miss(_))));
+    let s = store.stats(0);
+    assert_eq!(
+        (before, s.filling_bytes, s.totals.fills_abandoned),
+        (P, 0, 1)
     );
 }

@@ -78,11 +78,22 @@ struct vs_group {
 };
 
 // PyTorch DDP's Reducer over one group's parameters (see vs_reducer_new).
+// Hears of the gradient buckets a reducing backward pass launches (for the
+// rank's heartbeat): `launched` 0 right before the bucket numbered `count` (in
+// launch order, from 0) is handed to the communication hook, 1 right after, with
+// `count` the buckets launched so far. Called on the autograd thread.
+typedef void (*vs_bucket_fn)(void* ctx, int64_t count, int launched);
+
 struct vs_reducer {
   std::unique_ptr<c10d::Reducer> reducer;
   bool static_graph = false;
   // Backward passes that reduced gradients so far.
   uint64_t synced_backwards = 0;
+  // Buckets the current reducing backward pass launched, and who hears of them
+  // (set with vs_reducer_watch for the pass; null otherwise).
+  int64_t launched = 0;
+  vs_bucket_fn on_bucket = nullptr;
+  void* on_bucket_ctx = nullptr;
 };
 
 // What the linked libtorch offers on the CUDA side (mirrors `RawCudaRuntime`).
@@ -527,30 +538,77 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(vs_group* group) {
   return group->process_group;
 }
 
-// Averages a bucket in bfloat16: libtorch has FP16_COMPRESS built in but its
-// bfloat16 twin only in Python (torch.distributed.algorithms.ddp_comm_hooks).
-// Divides before the all-reduce so the sum cannot overflow, then writes the
-// result back into the bucket in its own dtype.
-class Bf16CompressHook
+// Averages a bucket: divides it by the world size, then sums it over the ranks
+// in place (what libtorch's ALLREDUCE hook does, and the Reducer's own path
+// without a hook; the hook classes libtorch builds in are not exported from
+// libtorch_cpu, so the shim has its own).
+class AverageHook
     : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
  public:
-  explicit Bf16CompressHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+  explicit AverageHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
       : CppCommHookInterface(pg) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+    tensors[0].div_(state_->getSize());
+    return state_->allreduce(tensors)->getFuture();
+  }
+};
+
+// Averages a bucket in a narrower float dtype (float16: libtorch's FP16_COMPRESS;
+// bfloat16: its twin, which libtorch has only in Python,
+// torch.distributed.algorithms.ddp_comm_hooks). Divides before the all-reduce so
+// the sum cannot overflow, then writes the result back into the bucket in its own
+// dtype.
+class CompressHook
+    : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  CompressHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::ScalarType dtype)
+      : CppCommHookInterface(pg), dtype_(dtype) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(dtype_);
     compressed.div_(state_->getSize());
     std::vector<at::Tensor> tensors{compressed};
     auto reduced = state_->allreduce(tensors)->getFuture();
     at::Tensor target = bucket.getBufferRef();
     auto back = [target](c10::ivalue::Future& done) {
       auto result = done.value().toTensorVector();
-      TORCH_CHECK(!result.empty(), "bf16 all-reduce returned no tensor");
+      TORCH_CHECK(!result.empty(), "compressed all-reduce returned no tensor");
       target.copy_(result[0]);
       return c10::IValue(target);
     };
     return reduced->then(back, reduced->elementType());
   }
+
+ private:
+  at::ScalarType dtype_;
+};
+
+// Counts the buckets a backward pass launches and tells the reducer's watcher
+// (vs_reducer_watch) before and after each, then hands the bucket to the hook
+// that reduces it (AverageHook or CompressHook): every Reducer gets one.
+class CountingHook : public c10d::CommHookInterface {
+ public:
+  CountingHook(std::unique_ptr<c10d::CommHookInterface> inner, vs_reducer* state)
+      : inner_(std::move(inner)), state_(state) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    const int64_t before = state_->launched;
+    if (state_->on_bucket != nullptr) state_->on_bucket(state_->on_bucket_ctx, before, 0);
+    auto future = inner_->runHook(bucket);
+    state_->launched = before + 1;
+    if (state_->on_bucket != nullptr) state_->on_bucket(state_->on_bucket_ctx, before + 1, 1);
+    return future;
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return inner_->parseHookResult(result);
+  }
+
+ private:
+  std::unique_ptr<c10d::CommHookInterface> inner_;
+  vs_reducer* state_;  // owns the Reducer that owns this hook: outlives it
 };
 
 }  // namespace
@@ -602,11 +660,15 @@ char* vs_reducer_new(vs_group* group, at::Tensor* const* params, size_t n,
       state->reducer->set_static_graph();
       state->static_graph = true;
     }
+    std::unique_ptr<c10d::CommHookInterface> hook;
     if (compression == kCompressFp16) {
-      state->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+      hook = std::make_unique<CompressHook>(pg, at::kHalf);
     } else if (compression == kCompressBf16) {
-      state->reducer->register_comm_hook(std::make_unique<Bf16CompressHook>(pg));
+      hook = std::make_unique<CompressHook>(pg, at::kBFloat16);
+    } else {
+      hook = std::make_unique<AverageHook>(pg);
     }
+    state->reducer->register_comm_hook(std::make_unique<CountingHook>(std::move(hook), state.get()));
     *out = state.release();
   });
 }
@@ -617,6 +679,14 @@ void vs_reducer_free(vs_reducer* reducer) {
   } catch (...) {
     // ~Reducer is noexcept(false); nothing is left to report to.
   }
+}
+
+// Sets who hears of the buckets the next reducing backward passes launch
+// (`on_bucket` with `ctx`), or nobody (null): the caller sets it for one pass and
+// clears it before `ctx` goes.
+void vs_reducer_watch(vs_reducer* reducer, vs_bucket_fn on_bucket, void* ctx) {
+  reducer->on_bucket = on_bucket;
+  reducer->on_bucket_ctx = on_bucket == nullptr ? nullptr : ctx;
 }
 
 // Before a forward pass with grad: rebuilds the buckets once gradients arrived in
@@ -645,6 +715,7 @@ char* vs_reducer_backward(vs_group* group, vs_reducer* reducer, at::Tensor* loss
   }
   return collective(group, "all_reduce", [&] {
     const auto started = std::chrono::steady_clock::now();
+    reducer->launched = 0;
     reducer->reducer->prepare_for_backward({});
     torch::autograd::backward({*loss});
     reducer->synced_backwards += 1;
