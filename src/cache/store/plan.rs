@@ -14,6 +14,11 @@
 //! not kept until the step is consumed). Readers of different plans move in
 //! lockstep (the ranks of one job meet at every all-reduce), so uses of different
 //! plans compare by how far ahead of their own reader's progress they lie.
+//!
+//! The store learns of most reads late (clients record hits in their pin pages,
+//! read when a record needs room), when the reader's progress may have passed the
+//! read's step: a read uses up the plan's earliest use not used yet, past or not,
+//! and past uses are dropped only once they are [`GRACE`] steps behind.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -27,6 +32,9 @@ pub const MAX_PLAN_USES: usize = 1 << 24;
 pub const MAX_PLAN_KEYS: usize = 1 << 22;
 /// Most reader connections one plan may name.
 pub const MAX_PLAN_READERS: usize = 1024;
+/// Steps a use stays after the reader's progress passed it, for a read the store
+/// learns of late to use it up (rather than a use to come).
+pub const GRACE: u64 = 4096;
 
 /// Where a record stands for the planned policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -83,32 +91,40 @@ struct Stream {
 }
 
 impl Stream {
-    /// The record's first use at or after the reader's progress; past ones go.
-    fn next_use(&mut self, key: &str) -> Option<u64> {
-        let now = self.now;
+    /// The record's uses not used up yet, those more than [`GRACE`] steps behind
+    /// the reader dropped.
+    fn pending_uses(&mut self, key: &str) -> Option<&mut VecDeque<u64>> {
+        let horizon = self.now.saturating_sub(GRACE);
         let steps = self.uses.get_mut(key)?;
-        while steps.front().is_some_and(|&step| step < now) {
+        while steps.front().is_some_and(|&step| step < horizon) {
             steps.pop_front();
             self.pending -= 1;
         }
-        let next = steps.front().copied();
-        if next.is_none() {
+        if steps.is_empty() {
             self.uses.remove(key);
+            return None;
         }
-        next
+        self.uses.get_mut(key)
     }
 
-    /// A reader read the record: its next use is used up.
+    /// The record's first use at or after the reader's progress.
+    fn next_use(&mut self, key: &str) -> Option<u64> {
+        let now = self.now;
+        let steps = self.pending_uses(key)?;
+        steps.iter().copied().find(|&step| step >= now)
+    }
+
+    /// A reader read the record: the earliest use not used up yet is (a read the
+    /// store learns of after the reader moved on is still its own step's).
     fn consume(&mut self, key: &str) {
-        if self.next_use(key).is_none() {
+        let Some(steps) = self.pending_uses(key) else {
             return;
-        }
-        if let Some(steps) = self.uses.get_mut(key) {
-            steps.pop_front();
-            self.pending -= 1;
-            if steps.is_empty() {
-                self.uses.remove(key);
-            }
+        };
+        steps.pop_front();
+        let empty = steps.is_empty();
+        self.pending -= 1;
+        if empty {
+            self.uses.remove(key);
         }
     }
 }
@@ -334,7 +350,7 @@ mod tests {
     }
 
     #[test]
-    fn the_nearest_use_over_plans_counts_and_past_uses_go() {
+    fn the_nearest_use_over_plans_counts_and_reads_use_up_the_earliest() {
         let mut plans = Plans::new();
         // Plan of connection 1 (page 0): a at 10 and 13, b at 11; connection 2's
         // (page 1): b at 100.
@@ -356,7 +372,10 @@ mod tests {
             Standing::Needed { distance: 1 },
             "plan 2's"
         );
-        // Reader 5 reads a: its use at 13 is used up.
+        // Reader 5's read of a at step 10, learnt only now: it uses up step 10's
+        // use, not step 13's.
+        plans.read(5, "a");
+        assert_eq!(plans.standing("a"), Standing::Needed { distance: 1 });
         plans.read(5, "a");
         assert_eq!(plans.standing("a"), Standing::Unneeded);
         // A read by a connection that reads for no plan changes nothing.
@@ -366,9 +385,13 @@ mod tests {
         assert_eq!(
             plans.standing("b"),
             Standing::Unneeded,
-            "plan 1 read it at 11"
+            "plan 1's use at 11 is past"
         );
         assert_eq!(plans.len(), 1);
+        assert_eq!(plans.pending_uses(), 1, "b's past use, within the grace");
+        // Far past, it goes.
+        plans.refresh(progress([12 + GRACE, 0]));
+        assert_eq!(plans.standing("b"), Standing::Unneeded);
         assert_eq!(plans.pending_uses(), 0);
     }
 

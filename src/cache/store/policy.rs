@@ -90,13 +90,15 @@ pub enum PrefetchOutcome {
 }
 
 impl Store {
-    /// Replaces `client`'s plan (see [`PlanAnnouncement`]).
+    /// Replaces `client`'s plan (see [`PlanAnnouncement`]). Reads clients made
+    /// before are counted against the old plan first.
     pub fn announce_plan(
         &mut self,
         client: ClientId,
         plan: PlanAnnouncement,
     ) -> Result<(), RequestError> {
         let page = self.connections.get(client)?.page;
+        self.learn_reads();
         self.plans.announce(client, page, plan)
     }
 

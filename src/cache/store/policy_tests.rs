@@ -353,3 +353,65 @@ fn a_read_no_plan_names_evicts_only_records_no_plan_needs() {
     assert_eq!(rig.cached(), HashSet::from(["b".into(), "v".into()]));
     assert_eq!(rig.store.stats(0).plan.unplanned_declined, 1);
 }
+
+#[test]
+fn reads_learnt_after_the_reader_moved_on_use_up_their_own_step() {
+    // Hits taken in shared memory reach the store only at the next eviction, when
+    // the reader's progress has moved past them: each must use up the use of its
+    // own step, not one to come. Clips of 3 frames of 8 sequences of 12 in a
+    // shuffled order, 3 epochs, each announced with the next (if any) at its
+    // start, a read a step; the store's choices are a brute-force Belady's.
+    let clips: Vec<(usize, usize)> = (0..8).flat_map(|s| (0..10).map(move |f| (s, f))).collect();
+    let order_of = |epoch: u64| {
+        let mut order: Vec<(usize, usize)> = clips.clone();
+        let mut rng = SplitMix64::from_parts(&[3, epoch]);
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        order
+            .into_iter()
+            .flat_map(|(s, f)| (f..f + 3).map(move |g| format!("seq{s}/{g:03}")))
+            .collect::<Vec<String>>()
+    };
+    let per_epoch = clips.len() as u64 * 3;
+    let records = 10;
+    let mut rig = Rig::new(records);
+    let reader_page = 1;
+    assert_eq!(
+        rig.store.connections.get(rig.reader).unwrap().page,
+        reader_page
+    );
+    let (planner, reader) = (rig.planner, rig.reader);
+    let mut stream = Vec::new();
+    let mut got = Vec::new();
+    for epoch in 0..3 {
+        let this = order_of(epoch);
+        let next = if epoch < 2 {
+            order_of(epoch + 1)
+        } else {
+            Vec::new()
+        };
+        let steps: Vec<Vec<&str>> = this.iter().chain(&next).map(|k| vec![k.as_str()]).collect();
+        rig.announce(planner, epoch * per_epoch, &steps, &[reader]);
+        for (i, key) in this.iter().enumerate() {
+            rig.progress(rig.planner_page, epoch * per_epoch + i as u64);
+            let before = rig.cached();
+            if before.contains(key) {
+                // A hit in shared memory: recorded in the reader's page only.
+                let slot = rig.store.index.get(key).unwrap();
+                rig.store.pin_page(reader_page).record_read(slot);
+                got.push(Ok(()));
+            } else {
+                rig.fill(reader, key);
+                let gone: Vec<String> = before.difference(&rig.cached()).cloned().collect();
+                got.push(Err(gone.into_iter().next()));
+            }
+            stream.push(key.clone());
+        }
+    }
+    let stream: Vec<&str> = stream.iter().map(String::as_str).collect();
+    let want = brute_force_belady(&stream, records as usize);
+    let first_difference = got.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(first_difference, None, "got {got:?}, want {want:?}");
+    assert!(got.iter().filter(|o| o.is_ok()).count() > stream.len() / 4);
+}
