@@ -8,6 +8,10 @@ use vrtspike_contract::signals::{self, Disposition};
 
 mod cli;
 
+// What `cli/cache.rs` names through `crate::`: the library's modules here, the
+// `vrtspike-cache` binary's own copies there.
+use vrtspike::{cache, config, util};
+
 // SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
 // them from before libtorch's constructors run, until `settle_job_signals` says
 // what this subcommand does with them.
@@ -72,7 +76,7 @@ fn main() -> Result<()> {
         tracing::debug!(?heap, "heap policy for tensor memory");
     }
     match cli.command {
-        Command::Cache(cmd) => cli::cache::run(cmd),
+        Command::Cache(cmd) => cli::cache::run(cmd, cli::cache::Serving::OwnBinary),
         Command::Bench(cmd) => cli::bench::run(cmd),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info(args) => cli::info::run(args),
