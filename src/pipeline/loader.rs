@@ -176,60 +176,6 @@ pub struct Batch {
     pub samples: Vec<Sample>,
 }
 
-impl Batch {
-    /// Blur, sharp and voxels stacked as (B, L, 3, h, w), (B, L, 3, h, w) and
-    /// (B, L, K, h_s, w_s) f32 tensors on `device`; on CUDA through pinned host memory
-    /// with a non-blocking copy. Samples of different shapes are an error.
-    pub fn to_tensors(
-        &self,
-        device: tch::Device,
-    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
-        let first = self
-            .samples
-            .first()
-            .ok_or_else(|| PipelineError::Request("empty batch".into()))?;
-        let (rgb, vox) = (first.rgb_shape(), first.voxel_shape());
-        if self
-            .samples
-            .iter()
-            .any(|s| s.rgb_shape() != rgb || s.voxel_shape() != vox)
-        {
-            return Err(PipelineError::Request("batch mixes sample shapes".into()));
-        }
-        let b = self.samples.len() as i64;
-        let stack =
-            |get: &dyn Fn(&Sample) -> &Vec<f32>, shape: [usize; 4]| -> Result<tch::Tensor> {
-                let mut flat = Vec::with_capacity(self.samples.len() * get(first).len());
-                for s in &self.samples {
-                    flat.extend_from_slice(get(s));
-                }
-                let dims = [
-                    b,
-                    shape[0] as i64,
-                    shape[1] as i64,
-                    shape[2] as i64,
-                    shape[3] as i64,
-                ];
-                let torch = |e: tch::TchError| PipelineError::Request(format!("libtorch: {e}"));
-                let host = tch::Tensor::f_from_slice(&flat)
-                    .and_then(|t| t.f_view(dims))
-                    .map_err(torch)?;
-                if device.is_cuda() {
-                    host.f_pin_memory(device)
-                        .and_then(|p| p.f_to_device_(device, tch::Kind::Float, true, false))
-                        .map_err(torch)
-                } else {
-                    Ok(host)
-                }
-            };
-        Ok((
-            stack(&|s| &s.blur, rgb)?,
-            stack(&|s| &s.sharp, rgb)?,
-            stack(&|s| &s.voxel, vox)?,
-        ))
-    }
-}
-
 /// Loader figures since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct LoaderStats {
@@ -474,7 +420,10 @@ impl Loader {
             &self.options.client_name,
             source,
             readers,
-            self.options.cache_prefetch,
+            // As many samples ahead of the workers as they have in flight.
+            self.options
+                .cache_prefetch
+                .then_some((self.options.prefetch_batches * self.options.batch_size) as u64),
             self.counters.reads.clone(),
         );
         match feed {

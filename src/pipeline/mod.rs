@@ -11,6 +11,7 @@ pub mod plan;
 pub mod sample;
 pub mod sampler;
 pub mod source;
+pub mod tensors;
 pub mod transform;
 
 pub use error::PipelineError;

@@ -10,7 +10,10 @@
 //! With `DATA.CACHE_PREFETCH` a thread of the loader walks the plan ahead of the
 //! batches already handed to the workers and fills the records that are not
 //! cached, in order, each only if the server finds room for it without evicting a
-//! record needed sooner, and never further ahead than the records of the cap.
+//! record needed sooner: at most as many steps ahead as the workers have in flight
+//! (so what it brings is needed soon, and not pushed out again before its use by a
+//! read needed sooner), and never further than this rank's share of the cap (the
+//! cap over the plans live on the server, which it asks every half second).
 //!
 //! Nothing here can fail a batch: a plan the server refuses, or a prefetch that
 //! fails, is logged, and the cache goes on by LRU for what no plan names.
@@ -19,7 +22,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 
@@ -172,8 +175,12 @@ impl PlanSource {
 /// Where the rank's consumer and dispatcher are, for the prefetch thread.
 #[derive(Debug, Default)]
 struct Progress {
+    /// Steps past the dispatched one the prefetch may fill.
+    lookahead: u64,
     /// The first step not yet handed to the workers.
     dispatched: AtomicU64,
+    /// The first step the consumer has not taken yet.
+    consumed: AtomicU64,
 }
 
 /// One rank's announcer of its plan (and its prefetch thread).
@@ -191,20 +198,24 @@ pub struct PlanFeed {
 
 impl PlanFeed {
     /// Connects the announcing connection (`name`/plan) to the server at `address`;
-    /// `readers` are the loader's worker connections. With `prefetch`, a thread
-    /// fills records ahead of the workers, counting them in `counters`.
+    /// `readers` are the loader's worker connections. With `prefetch` (`Some(n)`), a
+    /// thread fills records up to `n` steps ahead of the workers, counting them in
+    /// `counters`.
     pub fn connect(
         address: &str,
         name: &str,
         source: PlanSource,
         readers: Vec<ClientId>,
-        prefetch: bool,
+        prefetch: Option<u64>,
         counters: Arc<CacheCounters>,
     ) -> Result<PlanFeed, CacheError> {
         let client = CacheClient::connect(address, &format!("{name}/plan"))?;
         let source = Arc::new(source);
-        let progress = Arc::new(Progress::default());
-        let prefetch = match prefetch {
+        let progress = Arc::new(Progress {
+            lookahead: prefetch.unwrap_or(0).max(1),
+            ..Progress::default()
+        });
+        let prefetch = match prefetch.is_some() {
             true => Some(Prefetcher::start(
                 address.to_string(),
                 format!("{name}/prefetch"),
@@ -243,6 +254,9 @@ impl PlanFeed {
         let order = self.source.order_from(epoch, position);
         let plan = self.source.announcement(&order, &self.readers);
         self.client.set_plan_progress(order.first_step);
+        self.progress
+            .consumed
+            .store(order.first_step, Ordering::Release);
         match self.client.announce_plan(plan) {
             Ok(()) => {
                 self.announced = Some(epoch);
@@ -259,8 +273,9 @@ impl PlanFeed {
 
     /// The consumer has taken every sample before `position` of `epoch`.
     pub fn consumed(&self, epoch: u64, position: usize) {
-        self.client
-            .set_plan_progress(self.source.step(epoch, position));
+        let step = self.source.step(epoch, position);
+        self.client.set_plan_progress(step);
+        self.progress.consumed.store(step, Ordering::Release);
         if let Some(prefetch) = &self.prefetch {
             prefetch.wake();
         }
@@ -336,6 +351,33 @@ impl Drop for Prefetcher {
 
 /// How long the prefetch thread waits for the consumer before it looks again.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
+/// How often the prefetch thread asks how many plans share the cache.
+const SHARE_EVERY: Duration = Duration::from_millis(500);
+
+/// This rank's share of the cap: the cap over the plans live on the server (the
+/// ranks of the node, as a rule), asked for again every [`SHARE_EVERY`].
+#[derive(Debug, Default)]
+struct Share {
+    bytes: u64,
+    asked: Option<Instant>,
+}
+
+impl Share {
+    fn of(&mut self, client: &CacheClient) -> u64 {
+        if self.asked.is_none_or(|at| at.elapsed() >= SHARE_EVERY) {
+            let plans = match client.stats() {
+                Ok(report) => report.plan.plans.max(1),
+                Err(error) => {
+                    tracing::debug!(%error, "prefetch: no stats; the whole cap is this rank's");
+                    1
+                }
+            };
+            self.bytes = client.cap_bytes() / plans as u64;
+            self.asked = Some(Instant::now());
+        }
+        self.bytes
+    }
+}
 
 /// Why a walk over the plan stopped.
 enum Stop {
@@ -358,6 +400,7 @@ struct Walk<'a> {
 impl Walk<'_> {
     fn run(&self, orders: &Receiver<ReadOrder>, wake: &Receiver<()>) {
         let mut order: Option<ReadOrder> = None;
+        let mut share = Share::default();
         loop {
             // Take the newest order; stop when the loader is gone.
             loop {
@@ -368,7 +411,8 @@ impl Walk<'_> {
                 }
             }
             if let Some(order) = &order {
-                match self.ahead(order) {
+                let budget = share.of(self.client);
+                match self.ahead(order, budget) {
                     Stop::Quit => return,
                     Stop::Again => continue,
                     Stop::Wait => {}
@@ -381,23 +425,29 @@ impl Walk<'_> {
         }
     }
 
-    /// Fills, in order, the records of the steps the workers have not been given
-    /// yet, up to a cap's worth of records ahead; stops at the first the server
-    /// declines (everything it could evict is needed sooner).
-    fn ahead(&self, order: &ReadOrder) -> Stop {
-        let cap = self.client.cap_bytes();
+    /// Fills, in order, the records of the next steps the workers have not been
+    /// given yet (up to the lookahead), as long as the records from the consumer's
+    /// step on (those the workers read now included) fit the cap; stops at the
+    /// first the server declines (everything it could evict is needed sooner).
+    fn ahead(&self, order: &ReadOrder, budget: u64) -> Stop {
         let mut seen = HashSet::new();
         let mut ahead_bytes = 0u64;
-        let from = self.progress.dispatched.load(Ordering::Acquire);
-        for step in from.max(order.first_step)..order.end() {
+        let consumed = self.progress.consumed.load(Ordering::Acquire);
+        let dispatched = self.progress.dispatched.load(Ordering::Acquire);
+        let end = order.end().min(dispatched + self.progress.lookahead);
+        for step in consumed.max(order.first_step)..end {
             for &record in order.at(step).unwrap_or(&[]) {
                 if !seen.insert(record) {
                     continue;
                 }
                 let len = self.source.record_len(record);
                 ahead_bytes += len;
-                if ahead_bytes > cap {
+                if ahead_bytes > budget {
                     return Stop::Wait;
+                }
+                if step < dispatched {
+                    // The workers read it: it takes room, the prefetch leaves it.
+                    continue;
                 }
                 let key = self.source.key(record);
                 if self.client.is_cached(key) {
