@@ -1,17 +1,21 @@
-// Included by build.rs (not a crate): the build id of the cache server's sources,
+// Included by build.rs (not a crate): the build id of `vrtspike-cache`'s sources,
 // which the `vrtspike` and `vrtspike-cache` binaries both carry, so `vrtspike cache
-// serve` hands over only to a `vrtspike-cache` built from the same sources.
+// serve` and `vrtspike bench` hand over only to a `vrtspike-cache` built from the
+// same sources.
 
-/// What `vrtspike-cache` is compiled from (folders are walked).
+/// What `vrtspike-cache` is compiled from (folders are walked; a little more than
+/// it uses, never less).
 const CACHE_SERVER_SOURCES: &[&str] = &[
     "src/bin/vrtspike-cache",
+    "src/bench",
     "src/cache",
-    "src/config",
+    "src/cli/bench.rs",
     "src/cli/cache.rs",
-    "src/util/bytes.rs",
-    "src/util/logging.rs",
-    "src/util/meminfo.rs",
-    "src/util/rng.rs",
+    "src/config",
+    "src/dataset",
+    "src/pipeline",
+    "src/testkit",
+    "src/util",
     "launcher/contract/src",
 ];
 

@@ -75,3 +75,56 @@ fn a_server_binary_of_other_sources_is_not_used() {
         assert!(said.contains(why), "{said}");
     }
 }
+
+#[test]
+fn the_loader_benchmark_runs_without_libtorch() {
+    // `vrtspike bench loader` hands over to `vrtspike-cache`, which runs the ranks
+    // (dataset, pipeline, the planned policy's plans) and the server without
+    // libtorch: a process that loads it holds far more than 100 MB.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let options = vrtspike::synth::SynthOptions {
+        train_seqs: 2,
+        test_seqs: 0,
+        frames: 6,
+        height: 64,
+        width: 96,
+        seed: 1,
+    };
+    vrtspike::synth::generate_folder(&data, &options, &|_| {}).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+        .args(["bench", "loader", "--json", "--root"])
+        .arg(&data)
+        .args([
+            "--ranks",
+            "2",
+            "--workers",
+            "1",
+            "--epochs",
+            "2",
+            "--clip",
+            "2",
+        ])
+        .args([
+            "--crop",
+            "32",
+            "--bins",
+            "4",
+            "--cache-percent",
+            "30",
+            "--lockstep",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["samples_last_epoch"], 10, "{report}");
+    assert_eq!(report["store"]["plans_announced"], 4, "{report}");
+    let own = report["server_memory"]["overhead_mb"].as_f64().unwrap();
+    assert!(
+        own < 100.0,
+        "the server holds {own} MB of its own: {report}"
+    );
+    assert!(!stderr.contains("runs in this process"), "{stderr}");
+}

@@ -1,17 +1,21 @@
 //! `vrtspike bench cache` (the shared-memory cache benchmark) and `vrtspike bench
 //! loader` (loader processes against one cache server): one JSON object each with
 //! `--json`, and the hidden worker subcommands they run in their child processes.
+//! None of them runs a model: `vrtspike bench` hands over to `vrtspike-cache` (see
+//! `cache.rs`), so every process of a benchmark runs without libtorch, and the same
+//! file is that binary's `bench`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
-use vrtspike::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
-use vrtspike::bench::loader as loader_bench;
-use vrtspike::bench::policy as policy_bench;
-use vrtspike::config::CachePolicy;
-use vrtspike::util::bytes::{human, parse_size};
+use super::cache::{hand_over, Where};
+use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
+use crate::bench::loader as loader_bench;
+use crate::bench::policy as policy_bench;
+use crate::config::CachePolicy;
+use crate::util::bytes::{human, parse_size};
 
 /// The benchmarks.
 #[derive(Subcommand)]
@@ -76,7 +80,11 @@ pub struct CacheBenchArgs {
 }
 
 /// Runs a benchmark subcommand.
-pub fn run(command: BenchCommand) -> Result<()> {
+/// Runs a benchmark subcommand; `place` says where.
+pub fn run(command: BenchCommand, place: Where) -> Result<()> {
+    if place == Where::WithoutLibtorch {
+        hand_over();
+    }
     match command {
         BenchCommand::Loader(args) => run_loader_bench(args),
         BenchCommand::LoaderWorker { options } => run_loader_worker(&options),

@@ -1,13 +1,14 @@
 //! `vrtspike cache serve | stats | shutdown | pin`: run the node's cache server, or
 //! query and stop a running one. The same file is the command line of
-//! `vrtspike-cache` (the server without libtorch, `src/bin/vrtspike-cache/`), which
-//! compiles it against its own copy of the cache and config modules: it names them
-//! through `crate::`, and `vrtspike`'s `main.rs` brings the library's in.
+//! `vrtspike-cache` (what never runs a model, without libtorch:
+//! `src/bin/vrtspike-cache/`), which compiles it against its own copy of the
+//! library's modules: it names them through `crate::`, and `vrtspike`'s `main.rs`
+//! brings the library's in.
 //!
-//! `vrtspike cache serve` hands over to `vrtspike-cache` (it `exec`s it in its own
-//! process, with the same arguments), so the server holds the data and not
-//! libtorch; it serves in this process only when no `vrtspike-cache` of the same
-//! sources is beside it (or at `$VRTSPIKE_CACHE_SERVER`), and says so.
+//! `vrtspike cache serve` (and `vrtspike bench`) hand over to `vrtspike-cache` (they
+//! `exec` it in their own process, with the same arguments), so the server holds the
+//! data and not libtorch; they run in this process only when no `vrtspike-cache` of
+//! the same sources is beside it (or at `$VRTSPIKE_CACHE_SERVER`), and say so.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -26,14 +27,14 @@ pub const SERVER_ENV: &str = "VRTSPIKE_CACHE_SERVER";
 /// The build id of the cache server's sources (see `build/cache_build_id.rs`).
 pub const BUILD_ID: &str = env!("VRTSPIKE_CACHE_BUILD_ID");
 
-/// Where `serve` runs the server.
+/// Where a command that never runs a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[allow(dead_code)] // each binary uses one of them
-pub enum Serving {
-    /// In the `vrtspike-cache` binary (this process is it, or becomes it).
-    OwnBinary,
+pub enum Where {
+    /// In the `vrtspike-cache` binary, without libtorch (this process becomes it).
+    WithoutLibtorch,
     /// In this process, whatever it links.
-    HereAlways,
+    Here,
 }
 
 /// The cache subcommands.
@@ -192,12 +193,12 @@ pub struct StatsArgs {
     watch: Option<f64>,
 }
 
-/// Runs a cache subcommand; `serving` says where `serve` runs the server.
-pub fn run(command: CacheCommand, serving: Serving) -> Result<()> {
+/// Runs a cache subcommand; `place` says where `serve` runs the server.
+pub fn run(command: CacheCommand, place: Where) -> Result<()> {
     match command {
         CacheCommand::Serve(args) => {
-            if serving == Serving::OwnBinary {
-                hand_over_to_the_server_binary();
+            if place == Where::WithoutLibtorch {
+                hand_over();
             }
             serve(args)
         }
@@ -283,10 +284,10 @@ fn build_id_of(path: &Path) -> Option<String> {
 }
 
 /// Replaces this process by `vrtspike-cache` with the same arguments, if there is
-/// one of these sources; returns only when it cannot (then the caller serves here).
-/// The process, its pid, its readiness pipe, its parent-death signal and ignored
-/// signals stay what they were, so whoever started it sees no difference.
-fn hand_over_to_the_server_binary() {
+/// one of these sources; returns only when it cannot (then the caller runs the
+/// command here). The process, its pid, its readiness pipe, its parent-death signal
+/// and ignored signals stay what they were, so whoever started it sees no difference.
+pub fn hand_over() {
     use std::os::unix::process::CommandExt;
     let Some(server) = server_binary() else {
         return;
