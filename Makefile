@@ -8,6 +8,8 @@
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
+#   make bench-policy  the cache's eviction policies (LRU, planned, Belady's offline bound) at 5-50% caps, 1 and 4 ranks
+#   make bench-throttled  the loader's stall on a read-throttled loop device: LRU, planned, planned + prefetch (root)
 #   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose)
 #   make test-gpu  the GPU test suite (needs a CUDA device; fails without one)
 #   make gpu-bundle  one folder under 64 MiB that runs on a GPU host with its own torch
@@ -34,7 +36,8 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link clean \
+.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
+	bench-throttled clean \
 	test-gpu gpu-bundle gpu-bundle-check check-docs test-slurm
 
 setup: $(STAMPS)/apt $(STAMPS)/venv
@@ -146,8 +149,30 @@ bench: build
 	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
 	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/peer.out
 	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)
+	$(MAKE) --no-print-directory bench-policy
 	$(MAKE) --no-print-directory bench-model
 	$(MAKE) --no-print-directory bench-link
+
+# The cache's eviction policies (issue 28 §2): one recorded access stream (the ranks'
+# shuffled clips of 6 frames, 3 epochs, the last two counted) read by the loader under
+# LRU and under the planned policy (ranks in lockstep, no prefetch), beside Belady's
+# offline bound computed from the stream, at caps of 5, 10, 25 and 50% of the compact
+# size, with 1 and 4 ranks. The set has GoPro's shape (22 sequences of 100 frames) at
+# 64x96, so the 16 runs take a few minutes.
+POLICY_DATA := $(ROOT)/data/bench-policy-gopro
+
+bench-policy: build
+	@test -f $(POLICY_DATA)/dataset.yaml || \
+	  $(BIN) synth --seqs 22 --test-seqs 0 --frames 100 --height 64 --width 96 --blur-frames 7 --out $(POLICY_DATA)
+	@mkdir -p $(BENCH_OUT)
+	$(BIN) bench loader --policy-table --root $(POLICY_DATA) --workers 2 --clip 6 --crop 32 \
+	  --bins 8 --epochs 3 | tee $(BENCH_OUT)/policy-table.md
+
+# The loader on a slow store (issue 28 §3): the data on a loop device whose reads a
+# cgroup throttles to 200 MB/s, the demo's loader and step time, the cache at 25%
+# (root; see scripts/throttled_store.sh for the settings).
+bench-throttled: build
+	bash $(ROOT)/scripts/throttled_store.sh $(BENCH_OUT)/throttled
 
 # Model memory (issue 10): `vrtspike profile --json` of the VRT GoPro config at 6x64x64,
 # forward + backward, 2 threads: the heap before issue 10, then checkpointing off and

@@ -139,11 +139,15 @@ fn shim_cuda_includes(torch_root: &std::path::Path) -> Result<Vec<std::path::Pat
 }
 
 /// Links `libtorch_cuda.so` and `libc10_cuda.so` as NEEDED into every target of
-/// the package (binaries, tests, examples, benches), whatever the linker's
-/// `--as-needed` would decide, and tells the crate (`VRTSPIKE_LINKED_TORCH_CUDA`)
-/// so a test can check they are mapped at run time.
+/// the package that links libtorch (the `vrtspike` binary, tests, examples,
+/// benches), whatever the linker's `--as-needed` would decide, and tells the crate
+/// (`VRTSPIKE_LINKED_TORCH_CUDA`) so a test can check they are mapped at run time.
+/// Not into `vrtspike-cache`, the cache server, which links no libtorch.
 fn link_torch_cuda() {
-    println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,-lc10_cuda,--pop-state");
+    let arg = "-Wl,--push-state,--no-as-needed,-ltorch_cuda,-lc10_cuda,--pop-state";
+    for target in ["-bin=vrtspike=", "-tests=", "-benches=", "-examples="] {
+        println!("cargo:rustc-link-arg{target}{arg}");
+    }
     println!("cargo:rustc-env=VRTSPIKE_LINKED_TORCH_CUDA=1");
 }
 

@@ -2,7 +2,7 @@
 # Puts together the GPU-host bundle (`make gpu-bundle`): one folder that runs on a
 # GPU host holding only python3 + torch (2.11, CUDA 13 wheel), with nothing to fetch.
 #   scripts/gpu_bundle.sh BUNDLE_DIR GPU_TEST_BIN [VRT_REF]
-# BUNDLE_DIR is made anew: bin/ (vrtspike, vrtspike-launch, gpu-tests; stripped),
+# BUNDLE_DIR is made anew: bin/ (vrtspike, vrtspike-cache, vrtspike-launch, gpu-tests; stripped),
 # lib/ (the shared libraries the binaries need beyond libtorch, the C and C++
 # runtimes: found with ldd), configs/, run-on-gpu.sh, scripts/gpu_run.sh, the
 # reference peer baselines/vrt_reference_step.py and, when VRT_REF is given (a
@@ -21,6 +21,7 @@ mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/scripts" "$bundle/baselines"
 
 # Binaries, stripped (debug info makes vrtspike 119 MB; stripped it is ~8 MB).
 install -m 755 "$root/target/release/vrtspike" "$bundle/bin/vrtspike"
+install -m 755 "$root/target/release/vrtspike-cache" "$bundle/bin/vrtspike-cache"
 install -m 755 "$root/target/release/vrtspike-launch" "$bundle/bin/vrtspike-launch"
 install -m 755 "$gpu_tests" "$bundle/bin/gpu-tests"
 strip "$bundle"/bin/*

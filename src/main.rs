@@ -8,6 +8,10 @@ use vrtspike_contract::signals::{self, Disposition};
 
 mod cli;
 
+// What `cli/cache.rs` and `cli/bench.rs` name through `crate::`: the library's
+// modules here, the `vrtspike-cache` binary's own copies there.
+use vrtspike::{bench, cache, config, util};
+
 // SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
 // them from before libtorch's constructors run, until `settle_job_signals` says
 // what this subcommand does with them.
@@ -72,8 +76,8 @@ fn main() -> Result<()> {
         tracing::debug!(?heap, "heap policy for tensor memory");
     }
     match cli.command {
-        Command::Cache(cmd) => cli::cache::run(cmd),
-        Command::Bench(cmd) => cli::bench::run(cmd),
+        Command::Cache(cmd) => cli::cache::run(cmd, cli::cache::Where::WithoutLibtorch),
+        Command::Bench(cmd) => cli::bench::run(cmd, cli::cache::Where::WithoutLibtorch),
         Command::Demo(args) => cli::demo::run(args),
         Command::Info(args) => cli::info::run(args),
         Command::Config(cmd) => cli::config::run(cmd),

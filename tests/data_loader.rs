@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use vrtspike::cache::{spawn_server, CacheClient, ServerConfig};
-use vrtspike::config::Augment;
+use vrtspike::config::{Augment, CachePolicy};
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
 use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
@@ -46,6 +46,8 @@ fn options(workers: usize, cache: Option<&str>) -> LoaderOptions {
         cache_address: cache.map(str::to_owned),
         client_name: "test".into(),
         skip_bad: false,
+        cache_policy: CachePolicy::Lru,
+        cache_prefetch: false,
     }
 }
 
@@ -266,6 +268,71 @@ fn disk_and_cache_give_identical_ordered_batches() {
     let t = first[0].to_tensors(tch::Device::Cpu).unwrap();
     assert_eq!(t.0.size(), vec![2, 4, 3, 32, 32]);
     assert_eq!(t.2.size(), vec![2, 4, 8, 16, 16]);
+}
+
+#[test]
+fn the_planned_policy_and_its_prefetch_give_the_same_batches() {
+    // 5 sequences of 6 frames (about 200 KB a record), 25 clips of 2 frames, in a
+    // shuffled order, through a cache a third of the data: the loader announces each
+    // epoch's reads and prefetches ahead; the batches are the disk's, a resume
+    // mid-epoch included.
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed(dir.path());
+    let (index, clips) = (&data.0, &data.1);
+    let cap = (0..5).flat_map(|s| record_lens(index, s)).sum::<u64>() / 3;
+    let mut disk = loader(&data, sampler(clips), 2, None);
+    let reference: Vec<Vec<Batch>> = (0..3).map(|e| epoch(&mut disk, e)).collect();
+    let address = format!("vrtspike-test-loader-planned-{}", std::process::id());
+    let _server = spawn_server(ServerConfig::new(address.clone(), cap)).unwrap();
+    let planned = LoaderOptions {
+        cache_policy: CachePolicy::Planned,
+        cache_prefetch: true,
+        ..options(2, Some(&address))
+    };
+    let mut cached = Loader::new(
+        index.clone(),
+        clips.clone(),
+        sampler(clips),
+        planned.clone(),
+    )
+    .unwrap();
+    for (e, expected) in reference.iter().enumerate() {
+        let got = epoch(&mut cached, e as u64);
+        assert_same(
+            expected,
+            &got,
+            &format!("epoch {e}: planned, through the cache"),
+        );
+    }
+    let s = cached.stats();
+    assert_eq!(s.samples, 3 * 25, "{s:?}");
+    assert!(s.disk_bytes > 0, "{s:?}");
+    let check = CacheClient::connect(&address, "check").unwrap();
+    let server = check.stats().unwrap();
+    assert_eq!(server.plan.plans, 1, "{:?}", server.plan);
+    assert_eq!(
+        server.plan.announced, 3,
+        "one plan an epoch: {:?}",
+        server.plan
+    );
+    assert!(
+        server.plan.prefetched + server.plan.prefetch_declined > 0,
+        "the prefetch thread asked: {:?}",
+        server.plan
+    );
+    assert!(server.evictions > 0, "{server:?}");
+    // A rank that resumes mid-epoch announces from there and reads the same.
+    cached.set_epoch(1);
+    let _ = cached.next_batch().unwrap().unwrap();
+    let state = cached.state();
+    drop(cached);
+    let mut resumed = Loader::new(index.clone(), clips.clone(), sampler(clips), planned).unwrap();
+    resumed.restore(&state).unwrap();
+    let rest: Vec<Batch> = std::iter::from_fn(|| resumed.next_batch())
+        .map(|b| b.unwrap())
+        .collect();
+    let done = reference[1].len() - rest.len();
+    assert_same(&reference[1][done..], &rest, "resumed mid-epoch, planned");
 }
 
 #[test]

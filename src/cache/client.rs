@@ -24,7 +24,9 @@ use tracing::warn;
 use super::admission::{peer_of, Peer};
 use super::fdpass;
 use super::pins::LeaseWord;
-use super::protocol::{ClientId, LeaseGrant, LeaseId, Reply, Request, RequestError, TicketId};
+use super::protocol::{
+    ClientId, LeaseGrant, LeaseId, PlanAnnouncement, Reply, Request, RequestError, TicketId,
+};
 use super::rendezvous::{self, Greeting};
 use super::server::{read_frame, socket_addr};
 use super::shm::{self, FillMap, Mapping, OwnPage, StoreFd};
@@ -164,6 +166,16 @@ pub struct CacheClient {
     /// Held open for the connection's life: the server frees this connection's
     /// page of pins only once it closes (the client, and its leases, are gone).
     _rendezvous: UnixStream,
+}
+
+/// A prefetch's result (the planned policy).
+pub enum Prefetch<'c> {
+    /// Cached already, or being filled by someone.
+    Present,
+    /// The server keeps no room for it now: it would evict a record needed sooner.
+    Declined,
+    /// Room is reserved: write the record, then commit.
+    Fill(FillTicket<'c>),
 }
 
 /// A lookup's result: a lease on the cached record, or the ticket to fill it.
@@ -559,6 +571,66 @@ impl CacheClient {
         }
     }
 
+    /// The store's byte cap.
+    pub fn cap_bytes(&self) -> u64 {
+        self.arena_bytes
+    }
+
+    /// Whether `key` is cached now, from the shared table (no message, no lease:
+    /// it may be evicted right after).
+    pub fn is_cached(&self, key: &str) -> bool {
+        key.len() <= MAX_KEY_BYTES
+            && self.table.candidates(table::key_hash(key)).any(|slot| {
+                let ready = self
+                    .table
+                    .state(slot)
+                    .is_some_and(|s| s.code == SlotCode::Ready);
+                ready && self.table.key_is(slot, key)
+            })
+    }
+
+    /// Tells the server what this connection's reader will read, in order (the
+    /// planned policy); it replaces what it announced before. Then report progress
+    /// with [`set_plan_progress`](Self::set_plan_progress).
+    pub fn announce_plan(&self, plan: PlanAnnouncement) -> Result<(), CacheError> {
+        self.request(Request::Plan(plan)).map(drop)
+    }
+
+    /// The step the reader of this connection's plan has reached: uses at earlier
+    /// steps are past. Written into this connection's pin page (no message).
+    pub fn set_plan_progress(&self, step: u64) {
+        self.own.page().set_progress(step);
+    }
+
+    /// Room to fill `key`'s record of `len` bytes ahead of its announced use, if the
+    /// server finds it worth it (see [`Prefetch`]).
+    pub fn prefetch(&self, key: &str, len: u64) -> Result<Prefetch<'_>, CacheError> {
+        let reply = self.request(Request::Prefetch {
+            key: key.to_string(),
+            len,
+        })?;
+        match reply {
+            Reply::Done => Ok(Prefetch::Present),
+            Reply::Declined => Ok(Prefetch::Declined),
+            Reply::Reserved {
+                ticket,
+                offset,
+                len,
+            } => {
+                let mut fill = FillTicket {
+                    client: self,
+                    ticket,
+                    key: key.to_string(),
+                    fill: None,
+                    finished: false,
+                };
+                fill.fill = Some(self.mapping.fill_map(offset, len, self.arena_bytes)?);
+                Ok(Prefetch::Fill(fill))
+            }
+            other => Err(Self::unexpected("prefetch", other)),
+        }
+    }
+
     /// Drops a cached record that no one holds.
     pub fn invalidate(&self, key: &str) -> Result<(), CacheError> {
         self.request(Request::Invalidate {
@@ -740,6 +812,12 @@ impl<'c> FillTicket<'c> {
                 self.fill = Some(client.mapping.fill_map(offset, len, client.arena_bytes)?);
                 Ok(())
             }
+            Reply::Declined => Err(CacheError::Refused {
+                request: "reserve",
+                error: RequestError::Declined {
+                    key: self.key.clone(),
+                },
+            }),
             other => Err(CacheClient::unexpected("reserve", other)),
         }
     }

@@ -1,6 +1,8 @@
 //! The node-wide data cache: one server process holds the only RAM copy of the
-//! dataset, in compact records in one shared-memory store with a byte cap and LRU
-//! eviction; every loader thread of every rank reads records zero-copy under a lease.
+//! dataset, in compact records in one shared-memory store with a byte cap; it
+//! evicts the record whose next use is farthest in the order the ranks announced
+//! (LRU for what no plan names), and every loader thread of every rank reads
+//! records zero-copy under a lease.
 //!
 //! [`store`] is the bookkeeping, [`shm`] the memory, [`table`] the record
 //! descriptors and index in shared memory (read-only to clients, who find hits there
@@ -24,7 +26,7 @@ pub mod store;
 pub mod table;
 
 pub use address::default_address;
-pub use client::{CacheClient, ClientOptions, FillTicket, Lease, Lookup};
+pub use client::{CacheClient, ClientOptions, FillTicket, Lease, Lookup, Prefetch};
 pub use protocol::RequestError;
 pub use server::{spawn_server, Server, ServerConfig, ServerHandle};
 pub use stats::StatsReport;

@@ -70,6 +70,37 @@ pub enum Request {
     Stats,
     /// Stop the server.
     Shutdown,
+    /// What this connection's reader will read, in order (the planned policy): it
+    /// replaces what the connection announced before. The reader writes how far it
+    /// has got into its own pin page ([`PinPage::set_progress`](super::pins::PinPage::set_progress)).
+    Plan(PlanAnnouncement),
+    /// Fill `key` ahead of its announced use if it is worth it: a reserved extent of
+    /// `len` bytes (`Reserved`, then write and commit as after a miss), `Done` when
+    /// it is cached or being filled, `Declined` when making room would evict a
+    /// record needed sooner (or no plan needs the key).
+    Prefetch {
+        /// The record's key.
+        key: String,
+        /// Exact record length in bytes.
+        len: u64,
+    },
+}
+
+/// A reader's announced reads: `steps[i]` are the indices in `keys` of the records
+/// it reads at step `first_step + i`. Steps count the reader's samples (epoch after
+/// epoch); readers that move in lockstep (ranks of one job) are compared by how
+/// far ahead of their own progress a use lies.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanAnnouncement {
+    /// The step of `steps[0]`.
+    pub first_step: u64,
+    /// The records named, each once.
+    pub keys: Vec<String>,
+    /// Per step, indices into `keys`.
+    pub steps: Vec<Vec<u32>>,
+    /// The connections whose reads are this plan's (the reader's loader threads):
+    /// a read by one of them uses up the record's next announced use.
+    pub readers: Vec<ClientId>,
 }
 
 /// Decodes the reply channel of a `Hello`. ipc-channel looks the channel up by an
@@ -104,6 +135,8 @@ impl Request {
             Request::Invalidate { .. } => "invalidate",
             Request::Stats => "stats",
             Request::Shutdown => "shutdown",
+            Request::Plan(_) => "plan",
+            Request::Prefetch { .. } => "prefetch",
         }
     }
 }
@@ -169,6 +202,9 @@ pub enum Reply {
     Done,
     /// Live statistics.
     Stats(Box<StatsReport>),
+    /// The server will not keep this record now (the planned policy): making room
+    /// for it would evict a record needed sooner. Read it without the cache.
+    Declined,
     /// The request was refused; the connection stays usable.
     Error(RequestError),
 }
@@ -307,6 +343,22 @@ pub enum RequestError {
     StorePoisoned {
         /// The panic, and the request it happened in.
         cause: String,
+    },
+    /// The planned policy will not keep this record now: room for it would evict a
+    /// record needed sooner (the server answers [`Reply::Declined`]; the reader
+    /// reads it without the cache).
+    #[error(
+        "the cache keeps no room for {key:?} now: every record it could evict is needed sooner"
+    )]
+    Declined {
+        /// The record's key.
+        key: String,
+    },
+    /// A plan that names more than the server keeps, or keys it does not list.
+    #[error("plan refused: {problem}")]
+    BadPlan {
+        /// What is wrong with it.
+        problem: String,
     },
     /// A request that makes no sense at this point of the protocol.
     #[error("protocol error: {0}")]

@@ -38,7 +38,7 @@ use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::rendezvous::{self, Greeting};
 use super::shm::Segment;
 use super::store::reserve::Reservations;
-use super::store::{GetOutcome, Store};
+use super::store::{GetOutcome, PrefetchOutcome, Store};
 use super::table::{extent_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
@@ -646,15 +646,35 @@ fn serve(shared: &Shared, client: ClientId, request: Request) -> Result<Reply, R
             .store()?
             .peek(client, &key)
             .map(|g| g.map_or(Reply::NotCached, Reply::Hit)),
-        Request::Reserve { ticket, len } => {
-            shared
-                .store()?
-                .reserve(client, ticket, len)
-                .map(|(offset, len)| Reply::Reserved {
+        Request::Reserve { ticket, len } => match shared.store()?.reserve(client, ticket, len) {
+            Ok((offset, len)) => Ok(Reply::Reserved {
+                ticket,
+                offset,
+                len,
+            }),
+            // The planned policy's choice, not a failure: not logged or counted.
+            Err(RequestError::Declined { .. }) => Ok(Reply::Declined),
+            Err(error) => Err(error),
+        },
+        Request::Plan(plan) => shared
+            .store()?
+            .announce_plan(client, plan)
+            .map(|()| Reply::Done),
+        Request::Prefetch { key, len } => {
+            let outcome = shared.store()?.prefetch(client, &key, len)?;
+            Ok(match outcome {
+                PrefetchOutcome::Present => Reply::Done,
+                PrefetchOutcome::Declined => Reply::Declined,
+                PrefetchOutcome::Reserved {
                     ticket,
                     offset,
                     len,
-                })
+                } => Reply::Reserved {
+                    ticket,
+                    offset,
+                    len,
+                },
+            })
         }
         Request::Commit { ticket } => {
             let grant = shared.store()?.commit(client, ticket);

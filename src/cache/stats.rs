@@ -45,6 +45,24 @@ impl Counters {
     }
 }
 
+/// The planned policy's figures (see the store's `plan`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanStats {
+    /// Plans live now (one per rank loader that announced its order).
+    pub plans: usize,
+    /// Announced uses still ahead, over every plan.
+    pub pending_uses: usize,
+    /// Plans announced since the server started.
+    pub announced: u64,
+    /// Records brought in ahead of their use.
+    pub prefetched: u64,
+    /// Prefetches declined: room only by evicting a record needed sooner.
+    pub prefetch_declined: u64,
+    /// Reads of records no plan names that got no room (everything evictable was
+    /// needed by a plan) and were read without the cache.
+    pub unplanned_declined: u64,
+}
+
 /// One client's view.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClientStats {
@@ -195,6 +213,9 @@ pub struct StatsReport {
     pub hit_rate: f64,
     /// Fill latency, recent fills.
     pub fill_latency_ms: LatencyMs,
+    /// The planned policy.
+    #[serde(default)]
+    pub plan: PlanStats,
     /// Connected clients.
     pub clients: Vec<ClientStats>,
 }
@@ -257,6 +278,14 @@ impl fmt::Display for StatsReport {
             "fills {} (abandoned {}, in flight {})  fill latency ms: mean {:.2} p50 {:.2} p99 {:.2} max {:.2}",
             t.fills, t.fills_abandoned, self.fills_in_flight, l.mean, l.p50, l.p99, l.max
         )?;
+        let p = &self.plan;
+        if p.plans > 0 || p.announced > 0 {
+            writeln!(
+                f,
+                "plans {} ({} announced, {} uses ahead)  prefetched {}  declined: {} prefetches, {} unplanned reads",
+                p.plans, p.announced, p.pending_uses, p.prefetched, p.prefetch_declined, p.unplanned_declined
+            )?;
+        }
         if self.retired_connections > 0 {
             writeln!(
                 f,

@@ -1,15 +1,21 @@
 //! `vrtspike bench cache` (the shared-memory cache benchmark) and `vrtspike bench
 //! loader` (loader processes against one cache server): one JSON object each with
 //! `--json`, and the hidden worker subcommands they run in their child processes.
+//! None of them runs a model: `vrtspike bench` hands over to `vrtspike-cache` (see
+//! `cache.rs`), so every process of a benchmark runs without libtorch, and the same
+//! file is that binary's `bench`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
-use vrtspike::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
-use vrtspike::bench::loader as loader_bench;
-use vrtspike::util::bytes::{human, parse_size};
+use super::cache::{hand_over, Where};
+use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
+use crate::bench::loader as loader_bench;
+use crate::bench::policy as policy_bench;
+use crate::config::CachePolicy;
+use crate::util::bytes::{human, parse_size};
 
 /// The benchmarks.
 #[derive(Subcommand)]
@@ -74,7 +80,11 @@ pub struct CacheBenchArgs {
 }
 
 /// Runs a benchmark subcommand.
-pub fn run(command: BenchCommand) -> Result<()> {
+/// Runs a benchmark subcommand; `place` says where.
+pub fn run(command: BenchCommand, place: Where) -> Result<()> {
+    if place == Where::WithoutLibtorch {
+        hand_over();
+    }
     match command {
         BenchCommand::Loader(args) => run_loader_bench(args),
         BenchCommand::LoaderWorker { options } => run_loader_worker(&options),
@@ -206,6 +216,32 @@ pub struct LoaderBenchArgs {
     /// Cache size in GiB.
     #[arg(long, default_value_t = 2.0)]
     pub cache_gb: f64,
+    /// Cache size as a percentage of the split's compact size (over --cache-gb).
+    #[arg(long)]
+    pub cache_percent: Option<f64>,
+    /// What the cache evicts: `planned` (the ranks announce their reads) or `lru`.
+    #[arg(long, default_value = "planned", value_parser = parse_policy)]
+    pub policy: CachePolicy,
+    /// With `--policy planned`: no prefetch thread in the loaders.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// The ranks meet after every batch, as training ranks do at the all-reduce.
+    #[arg(long)]
+    pub lockstep: bool,
+    /// A training step's compute after each batch, ms (the consumer sleeps).
+    #[arg(long, default_value_t = 0.0)]
+    pub step_ms: f64,
+    /// Print the policy table instead: LRU, planned and Belady's offline bound at
+    /// each of --table-caps (percent of the compact size) with each of --table-ranks
+    /// ranks in lockstep (--policy, --cache-gb and --ranks are ignored).
+    #[arg(long)]
+    pub policy_table: bool,
+    /// The table's rank counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub table_ranks: Vec<usize>,
+    /// The table's caps, percent of the compact size.
+    #[arg(long, value_delimiter = ',', default_value = "5,10,25,50")]
+    pub table_caps: Vec<f64>,
     /// Read from disk (no cache server).
     #[arg(long)]
     pub no_cache: bool,
@@ -230,26 +266,77 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
         crop: args.crop,
         bins: args.bins,
         seed: args.seed,
+        policy: args.policy,
+        cache_prefetch: args.policy == CachePolicy::Planned && !args.no_prefetch,
+        lockstep: args.lockstep,
+        step_ms: args.step_ms,
     };
     let exe = std::env::current_exe().context("finding the vrtspike binary")?;
-    let cache = (!args.no_cache).then_some(args.cache_gb);
+    if args.policy_table {
+        let say = |line: &str| eprintln!("policy table: {line}");
+        let table = policy_bench::run(&exe, &template, &args.table_ranks, &args.table_caps, &say)?;
+        match args.json {
+            true => println!("{}", serde_json::to_string(&table)?),
+            false => print!("{table}"),
+        }
+        return Ok(());
+    }
+    let cache = match (args.no_cache, args.cache_percent) {
+        (true, _) => None,
+        (false, Some(percent)) => {
+            let bytes = loader_bench::split_bytes(&args.root, &args.split)?;
+            Some((bytes as f64 * percent / 100.0) as u64)
+        }
+        (false, None) => Some((args.cache_gb * (1u64 << 30) as f64) as u64),
+    };
     let report = loader_bench::run(&exe, &template, cache)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
-            "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
-            report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
-            report.bypass_last_epoch, report.bypass_total
-        );
-        if let Some(store) = &report.store {
-            println!(
-                "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
-                store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
-            );
-        }
+        print_loader(&report);
     }
     Ok(())
+}
+
+fn print_loader(report: &loader_bench::LoaderBenchReport) {
+    println!(
+        "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
+        report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
+        report.bypass_last_epoch, report.bypass_total
+    );
+    let w = &report.warm;
+    println!(
+        "warm epochs ({:?}{}{}): hit rate {:.3}, {:.1} MB from disk, {} prefetched, stall {:.2}% of the step time ({} ms a step)",
+        report.policy,
+        if report.cache_prefetch { " + prefetch" } else { "" },
+        if report.lockstep { ", lockstep" } else { "" },
+        report.warm_hit_rate,
+        w.disk_bytes as f64 / 1e6,
+        w.prefetched,
+        100.0 * report.warm_stall_share,
+        report.step_ms
+    );
+    if let Some(store) = &report.store {
+        println!(
+            "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
+            store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
+        );
+    }
+    if let Some(m) = &report.server_memory {
+        println!(
+            "cache server: Pss {:.1} MB = {:.1} MB of cached data + {:.1} MB of its own",
+            m.pss_mb, m.pss_shmem_mb, m.overhead_mb
+        );
+    }
+}
+
+/// `planned` or `lru`.
+fn parse_policy(text: &str) -> Result<CachePolicy, String> {
+    match text {
+        "planned" => Ok(CachePolicy::Planned),
+        "lru" => Ok(CachePolicy::Lru),
+        other => Err(format!("{other:?}: expected planned or lru")),
+    }
 }
 
 /// Runs one hidden `bench loader-worker` process.

@@ -1,15 +1,41 @@
-//! `vrtspike cache serve | stats | shutdown`: run the node's cache server, or query
-//! and stop a running one.
+//! `vrtspike cache serve | stats | shutdown | pin`: run the node's cache server, or
+//! query and stop a running one. The same file is the command line of
+//! `vrtspike-cache` (what never runs a model, without libtorch:
+//! `src/bin/vrtspike-cache/`), which compiles it against its own copy of the
+//! library's modules: it names them through `crate::`, and `vrtspike`'s `main.rs`
+//! brings the library's in.
+//!
+//! `vrtspike cache serve` (and `vrtspike bench`) hand over to `vrtspike-cache` (they
+//! `exec` it in their own process, with the same arguments), so the server holds the
+//! data and not libtorch; they run in this process only when no `vrtspike-cache` of
+//! the same sources is beside it (or at `$VRTSPIKE_CACHE_SERVER`), and say so.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 
-use vrtspike::cache::{self, CacheClient, ClientOptions, Server, ServerConfig};
-use vrtspike::config::Config;
-use vrtspike::util::bytes::parse_size;
+use crate::cache::{self, CacheClient, ClientOptions, Server, ServerConfig};
+use crate::config::Config;
+use crate::util::bytes::parse_size;
+
+/// Where `vrtspike cache serve` finds the cache server binary (over the one beside
+/// its own binary).
+pub const SERVER_ENV: &str = "VRTSPIKE_CACHE_SERVER";
+
+/// The build id of the cache server's sources (see `build/cache_build_id.rs`).
+pub const BUILD_ID: &str = env!("VRTSPIKE_CACHE_BUILD_ID");
+
+/// Where a command that never runs a model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(dead_code)] // each binary uses one of them
+pub enum Where {
+    /// In the `vrtspike-cache` binary, without libtorch (this process becomes it).
+    WithoutLibtorch,
+    /// In this process, whatever it links.
+    Here,
+}
 
 /// The cache subcommands.
 #[derive(Subcommand)]
@@ -171,10 +197,15 @@ pub struct StatsArgs {
     watch: Option<f64>,
 }
 
-/// Runs a cache subcommand.
-pub fn run(command: CacheCommand) -> Result<()> {
+/// Runs a cache subcommand; `place` says where `serve` runs the server.
+pub fn run(command: CacheCommand, place: Where) -> Result<()> {
     match command {
-        CacheCommand::Serve(args) => serve(args),
+        CacheCommand::Serve(args) => {
+            if place == Where::WithoutLibtorch {
+                hand_over();
+            }
+            serve(args)
+        }
         CacheCommand::Stats(args) => stats(args),
         CacheCommand::Shutdown(args) => {
             let (address, client) = args.connect("vrtspike cache shutdown")?;
@@ -206,6 +237,69 @@ fn pin(args: PinArgs) -> Result<()> {
             .stats()
             .with_context(|| format!("holding {} leases", leases.len()))?;
     }
+}
+
+/// The `vrtspike-cache` binary to hand `serve` over to: `$VRTSPIKE_CACHE_SERVER`,
+/// else the one beside this binary; `None` (and a warning) when there is none, or
+/// when it was built from other sources than this binary.
+fn server_binary() -> Option<PathBuf> {
+    let path = match std::env::var_os(SERVER_ENV) {
+        Some(path) => PathBuf::from(path),
+        None => std::env::current_exe()
+            .ok()?
+            .with_file_name("vrtspike-cache"),
+    };
+    if !path.is_file() {
+        tracing::warn!(
+            server = %path.display(),
+            "no vrtspike-cache binary: the cache server runs in this process, with libtorch \
+             mapped (build the workspace for the server without it)"
+        );
+        return None;
+    }
+    let id = build_id_of(&path);
+    match id.as_deref() {
+        Some(BUILD_ID) => Some(path),
+        other => {
+            tracing::warn!(
+                server = %path.display(),
+                its_build = other.unwrap_or("unknown"),
+                this_build = BUILD_ID,
+                "vrtspike-cache was built from other sources than this binary: the cache \
+                 server runs in this process (rebuild the workspace)"
+            );
+            None
+        }
+    }
+}
+
+/// What `path --build-id` prints.
+fn build_id_of(path: &Path) -> Option<String> {
+    let output = std::process::Command::new(path)
+        .arg("--build-id")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Replaces this process by `vrtspike-cache` with the same arguments, if there is
+/// one of these sources; returns only when it cannot (then the caller runs the
+/// command here). The process, its pid, its readiness pipe, its parent-death signal
+/// and ignored signals stay what they were, so whoever started it sees no difference.
+pub fn hand_over() {
+    use std::os::unix::process::CommandExt;
+    let Some(server) = server_binary() else {
+        return;
+    };
+    let error = std::process::Command::new(&server)
+        .args(std::env::args_os().skip(1))
+        .exec();
+    tracing::warn!(server = %server.display(), %error, "cannot run vrtspike-cache: the cache server runs in this process");
 }
 
 fn serve(args: ServeArgs) -> Result<()> {

@@ -30,6 +30,14 @@ pub struct DataConfig {
     /// Read through the node cache (`false`: every read goes to disk).
     #[serde(rename = "USE_RAM_CACHE")]
     pub use_ram_cache: bool,
+    /// What the node cache evicts when the data does not fit: `planned` (the
+    /// training ranks announce their order, the record needed last goes) or `lru`.
+    #[serde(rename = "CACHE_POLICY")]
+    pub cache_policy: CachePolicy,
+    /// With `planned`: each training rank's loader fills records ahead of the step
+    /// that needs them (never evicting one needed sooner).
+    #[serde(rename = "CACHE_PREFETCH")]
+    pub cache_prefetch: bool,
     /// Consecutive frames in one sample (the clip length `L`).
     #[serde(rename = "CLIP_LEN")]
     pub clip_len: u32,
@@ -52,6 +60,20 @@ pub struct DataConfig {
     /// `false`: the `.dat` spike streams; `null`: whichever the sequence has.
     #[serde(rename = "USE_PRECOMPUTED_VOXELS")]
     pub use_precomputed_voxels: Option<bool>,
+}
+
+/// How the node cache chooses what to evict (`DATA.CACHE_POLICY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum CachePolicy {
+    /// Each training rank announces its sample order (a pure function of seed,
+    /// epoch and sampler settings); the cache evicts the record whose next use is
+    /// farthest, and reads no plan names by LRU among records no plan needs.
+    #[default]
+    #[serde(rename = "planned")]
+    Planned,
+    /// Least recently used, with no announcement (for comparison).
+    #[serde(rename = "lru")]
+    Lru,
 }
 
 /// Which folder holds the blurred frames (GoPro ships both).
@@ -157,6 +179,8 @@ impl Default for DataConfig {
             val_tile_overlap: 32,
             cache_size_gb: 20.0,
             use_ram_cache: true,
+            cache_policy: CachePolicy::Planned,
+            cache_prefetch: true,
             clip_len: 6,
             spike_bins: 32,
             blur_dir: BlurDir::Blur,
@@ -242,6 +266,15 @@ mod tests {
         assert!(c.data.skip_bad_frames);
         assert!(c.data.augment.hflip && !c.data.augment.vflip && !c.data.augment.rot90);
         assert_eq!(c.data.chunk_cache_mb, 8);
+        assert_eq!(
+            c.data.cache_policy,
+            super::CachePolicy::Planned,
+            "the default"
+        );
+        assert!(c.data.cache_prefetch);
+        let c = parse("DATA:\n  CACHE_POLICY: lru\n  CACHE_PREFETCH: false\n").unwrap();
+        assert_eq!(c.data.cache_policy, super::CachePolicy::Lru);
+        assert!(!c.data.cache_prefetch);
         let c = parse("DATA:\n  AUGMENT: false\n").unwrap();
         assert_eq!(c.data.augment, super::Augment::all(false));
     }
@@ -258,5 +291,12 @@ mod tests {
         assert!(err.contains("DATA.AUGMENT"), "{err}");
         let err = parse("DATA:\n  CLIP_LEN: 0\n").unwrap_err().to_string();
         assert!(err.contains("DATA.CLIP_LEN"), "{err}");
+        let err = parse("DATA:\n  CACHE_POLICY: belady\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DATA.CACHE_POLICY") && err.contains("planned") && err.contains("lru"),
+            "{err}"
+        );
     }
 }

@@ -12,11 +12,14 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::cache::protocol::ClientId;
 use crate::cache::CacheClient;
+use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
 use crate::util::rng::SplitMix64;
 
 use super::error::{PipelineError, Result};
+use super::plan::{PlanFeed, PlanSource};
 use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
@@ -87,6 +90,10 @@ pub struct LoaderOptions {
     pub client_name: String,
     /// Replace a clip that fails to load with the next one (counted, reported).
     pub skip_bad: bool,
+    /// With a cache: announce this rank's reads to it (`Planned`, training) or not.
+    pub cache_policy: CachePolicy,
+    /// With `Planned`: fill records ahead of the workers (a thread of its own).
+    pub cache_prefetch: bool,
 }
 
 impl LoaderOptions {
@@ -146,6 +153,14 @@ impl LoaderOptions {
             },
             client_name: format!("rank{rank}"),
             skip_bad: data.skip_bad_frames,
+            // Validation reads are no plan's: the cache keeps them only where no
+            // training record needs the room.
+            cache_policy: if train {
+                data.cache_policy
+            } else {
+                CachePolicy::Lru
+            },
+            cache_prefetch: train && data.cache_prefetch,
         }
     }
 }
@@ -159,60 +174,6 @@ pub struct Batch {
     pub end_position: usize,
     /// The samples, in sampler order.
     pub samples: Vec<Sample>,
-}
-
-impl Batch {
-    /// Blur, sharp and voxels stacked as (B, L, 3, h, w), (B, L, 3, h, w) and
-    /// (B, L, K, h_s, w_s) f32 tensors on `device`; on CUDA through pinned host memory
-    /// with a non-blocking copy. Samples of different shapes are an error.
-    pub fn to_tensors(
-        &self,
-        device: tch::Device,
-    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
-        let first = self
-            .samples
-            .first()
-            .ok_or_else(|| PipelineError::Request("empty batch".into()))?;
-        let (rgb, vox) = (first.rgb_shape(), first.voxel_shape());
-        if self
-            .samples
-            .iter()
-            .any(|s| s.rgb_shape() != rgb || s.voxel_shape() != vox)
-        {
-            return Err(PipelineError::Request("batch mixes sample shapes".into()));
-        }
-        let b = self.samples.len() as i64;
-        let stack =
-            |get: &dyn Fn(&Sample) -> &Vec<f32>, shape: [usize; 4]| -> Result<tch::Tensor> {
-                let mut flat = Vec::with_capacity(self.samples.len() * get(first).len());
-                for s in &self.samples {
-                    flat.extend_from_slice(get(s));
-                }
-                let dims = [
-                    b,
-                    shape[0] as i64,
-                    shape[1] as i64,
-                    shape[2] as i64,
-                    shape[3] as i64,
-                ];
-                let torch = |e: tch::TchError| PipelineError::Request(format!("libtorch: {e}"));
-                let host = tch::Tensor::f_from_slice(&flat)
-                    .and_then(|t| t.f_view(dims))
-                    .map_err(torch)?;
-                if device.is_cuda() {
-                    host.f_pin_memory(device)
-                        .and_then(|p| p.f_to_device_(device, tch::Kind::Float, true, false))
-                        .map_err(torch)
-                } else {
-                    Ok(host)
-                }
-            };
-        Ok((
-            stack(&|s| &s.blur, rgb)?,
-            stack(&|s| &s.sharp, rgb)?,
-            stack(&|s| &s.voxel, vox)?,
-        ))
-    }
 }
 
 /// Loader figures since it started.
@@ -235,6 +196,10 @@ pub struct LoaderStats {
     pub cache_bypass: u64,
     /// hits / (hits + misses) of this rank's reads.
     pub hit_rate: f64,
+    /// Records the prefetch thread filled ahead of their use.
+    pub cache_prefetched: u64,
+    /// Bytes decoded from disk: misses, bypasses and prefetches.
+    pub disk_bytes: u64,
     /// Clips replaced under `DATA.SKIP_BAD_FRAMES`.
     pub skipped: u64,
 }
@@ -269,6 +234,8 @@ pub struct Loader {
     ready: BTreeMap<u64, Result<Batch>>,
     consumed_position: usize,
     stats: LoaderStats,
+    /// The planned policy's announcer (`None`: no cache, or LRU).
+    plan: Option<PlanFeed>,
 }
 
 fn worker_loop<S: RecordSource>(
@@ -366,7 +333,8 @@ impl Loader {
         }
         let (task_tx, task_rx) = crossbeam_channel::unbounded::<Task>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
-        let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<()>>(options.workers);
+        let (ready_tx, ready_rx) =
+            crossbeam_channel::bounded::<Result<Option<ClientId>>>(options.workers);
         let counters = Arc::new(SharedCounters::default());
         let mut threads = Vec::with_capacity(options.workers);
         for w in 0..options.workers {
@@ -386,7 +354,7 @@ impl Loader {
                         &format!("{}/{name}", options_w.client_name),
                     ) {
                         Ok(client) => {
-                            let _ = ready.send(Ok(()));
+                            let _ = ready.send(Ok(Some(client.id())));
                             let source = CacheSource::new(client, counters.reads.clone());
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
@@ -395,7 +363,7 @@ impl Loader {
                         }
                     },
                     None => {
-                        let _ = ready.send(Ok(()));
+                        let _ = ready.send(Ok(None));
                         worker_loop(
                             DiskSource::default(),
                             &index,
@@ -423,16 +391,52 @@ impl Loader {
             ready: BTreeMap::new(),
             consumed_position: 0,
             stats: LoaderStats::default(),
+            plan: None,
         };
+        let mut readers = Vec::with_capacity(loader.options.workers);
         for _ in 0..loader.options.workers {
             match ready_rx.recv_timeout(Duration::from_secs(60)) {
-                Ok(Ok(())) => {}
+                Ok(Ok(client)) => readers.extend(client),
                 Ok(Err(err)) => return Err(err),
                 Err(_) => return Err(PipelineError::Request("loader worker did not start".into())),
             }
         }
+        loader.plan = loader.plan_feed(clips, readers);
         loader.consumed_position = loader.sampler.position();
         Ok(loader)
+    }
+
+    /// The planned policy's announcer when reading through a cache with
+    /// `CachePolicy::Planned`; a failure leaves the cache's LRU (logged).
+    fn plan_feed(&self, clips: Arc<ClipIndex>, readers: Vec<ClientId>) -> Option<PlanFeed> {
+        let address = self.options.cache_address.as_deref()?;
+        if self.options.cache_policy != CachePolicy::Planned {
+            return None;
+        }
+        let per_epoch = self.sampler.num_samples();
+        let read_per_epoch = match self.options.drop_last_batch {
+            true => per_epoch - per_epoch % self.options.batch_size,
+            false => per_epoch,
+        };
+        let source = PlanSource::new(self.index.clone(), clips, &self.sampler, read_per_epoch);
+        let feed = PlanFeed::connect(
+            address,
+            &self.options.client_name,
+            source,
+            readers,
+            // As many samples ahead of the workers as they have in flight.
+            self.options
+                .cache_prefetch
+                .then_some((self.options.prefetch_batches * self.options.batch_size) as u64),
+            self.counters.reads.clone(),
+        );
+        match feed {
+            Ok(feed) => Some(feed),
+            Err(error) => {
+                tracing::warn!(%error, "cannot announce this rank's reads to the cache; it evicts by LRU");
+                None
+            }
+        }
     }
 
     /// The dataset index it reads.
@@ -483,6 +487,9 @@ impl Loader {
 
     /// Sends the next batch of sampler positions to the workers; false at epoch end.
     fn dispatch_one(&mut self) -> bool {
+        if let Some(plan) = &mut self.plan {
+            plan.dispatching(self.sampler.epoch(), self.sampler.position());
+        }
         let mut items = Vec::with_capacity(self.options.batch_size);
         while items.len() < self.options.batch_size {
             match self.sampler.next_index() {
@@ -508,6 +515,9 @@ impl Loader {
             return false;
         }
         self.next_seq_no += 1;
+        if let Some(plan) = &self.plan {
+            plan.dispatched(self.sampler.epoch(), self.sampler.position());
+        }
         true
     }
 
@@ -540,6 +550,9 @@ impl Loader {
             self.consumed_position = batch.end_position;
             self.stats.batches += 1;
             self.stats.samples += batch.samples.len() as u64;
+            if let Some(plan) = &self.plan {
+                plan.consumed(batch.epoch, batch.end_position);
+            }
         }
         // Keep the window full.
         while self.next_seq_no - self.next_to_yield < self.options.prefetch_batches as u64 {
@@ -556,6 +569,8 @@ impl Loader {
         stats.cache_hits = self.counters.reads.hits.load(Ordering::Relaxed);
         stats.cache_misses = self.counters.reads.misses.load(Ordering::Relaxed);
         stats.cache_bypass = self.counters.reads.bypass.load(Ordering::Relaxed);
+        stats.cache_prefetched = self.counters.reads.prefetched.load(Ordering::Relaxed);
+        stats.disk_bytes = self.counters.reads.disk_bytes.load(Ordering::Relaxed);
         stats.skipped = self.counters.skipped.load(Ordering::Relaxed);
         let reads = stats.cache_hits + stats.cache_misses;
         stats.hit_rate = if reads > 0 {
@@ -574,6 +589,8 @@ impl Loader {
 
 impl Drop for Loader {
     fn drop(&mut self) {
+        // The prefetch thread first: it decodes as the workers do.
+        self.plan = None;
         self.tasks = None;
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -62,6 +62,10 @@ pub struct CacheCounters {
     pub misses: AtomicU64,
     /// Reads the cache could not take, decoded into a worker's own buffer.
     pub bypass: AtomicU64,
+    /// Records the loader's prefetch thread filled ahead of their use.
+    pub prefetched: AtomicU64,
+    /// Bytes of records decoded from disk (misses, bypasses and prefetches).
+    pub disk_bytes: AtomicU64,
 }
 
 /// Reads through the node cache with one worker's own connection.
@@ -145,7 +149,12 @@ impl RecordSource for CacheSource {
             }
             Some(Lookup::Miss(ticket)) => {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                fill(index, seq, frame, ticket)?
+                let lease = fill(index, seq, frame, ticket)?;
+                if lease.is_some() {
+                    let len = index.record_layout(seq, frame).byte_len() as u64;
+                    self.counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
+                }
+                lease
             }
             None => None,
         };
@@ -153,6 +162,8 @@ impl RecordSource for CacheSource {
             Some(lease) => read(RecordView::parse(&lease, &key)?),
             None => {
                 self.counters.bypass.fetch_add(1, Ordering::Relaxed);
+                let len = index.record_layout(seq, frame).byte_len() as u64;
+                self.counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
                 self.fallback.with_record(index, seq, frame, read)
             }
         }

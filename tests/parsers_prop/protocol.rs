@@ -9,7 +9,7 @@
 use ipc_channel::ipc::IpcMessage;
 use proptest::prelude::*;
 
-use vrtspike::cache::protocol::{LeaseGrant, Reply, Request, RequestError};
+use vrtspike::cache::protocol::{LeaseGrant, PlanAnnouncement, Reply, Request, RequestError};
 use vrtspike::cache::store::{GetOutcome, Store};
 
 use super::{accepted, bounded_by_input, check, largest_allocation, mutated, names};
@@ -35,6 +35,16 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Request::Invalidate { key: key.clone() },
         Request::Stats,
         Request::Shutdown,
+        Request::Plan(PlanAnnouncement {
+            first_step: 40,
+            keys: vec![key.clone(), "b".into()],
+            steps: vec![vec![0, 1], vec![], vec![1]],
+            readers: vec![3, 4],
+        }),
+        Request::Prefetch {
+            key: key.clone(),
+            len: 123,
+        },
     ];
     let replies = [
         Reply::Hit(grant),
@@ -48,6 +58,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Reply::Committed(grant),
         Reply::NotCached,
         Reply::Done,
+        Reply::Declined,
         Reply::Welcome {
             client: 1,
             store_id: 2,
@@ -129,6 +140,11 @@ enum Op {
     Invalidate(u8),
     /// The peer writes a nonsense read into its own pin page.
     RecordRead(u64),
+    /// A plan with any first step, key indices (some past its list) and readers.
+    Plan(u64, Vec<Vec<u8>>, Vec<u64>),
+    /// The peer writes any progress into its own pin page.
+    Progress(u64),
+    Prefetch(u8, u64),
     Disconnect,
 }
 
@@ -147,6 +163,14 @@ fn op() -> impl Strategy<Value = Op> {
         (held, any::<u64>()).prop_map(|(h, l)| Op::Release(h, l)),
         (0u8..6).prop_map(Op::Invalidate),
         any::<u64>().prop_map(Op::RecordRead),
+        (
+            any::<u64>(),
+            prop::collection::vec(prop::collection::vec(0u8..8, 0..4), 0..8),
+            prop::collection::vec(any::<u64>(), 0..3),
+        )
+            .prop_map(|(first, steps, readers)| Op::Plan(first, steps, readers)),
+        any::<u64>().prop_map(Op::Progress),
+        ((0u8..6), any_len()).prop_map(|(k, len)| Op::Prefetch(k, len)),
         Just(Op::Disconnect),
     ]
 }
@@ -224,6 +248,30 @@ fn apply(store: &mut Store, peer: &mut Peer, op: &Op) -> Result<(), TestCaseErro
             }
         }
         Op::RecordRead(slot) => store.pin_page(peer.page).record_read(*slot as usize),
+        Op::Plan(first_step, steps, readers) => {
+            // Six keys listed; indices 6 and 7 name none.
+            let plan = PlanAnnouncement {
+                first_step: *first_step,
+                keys: (0u8..6).map(|k| key(&k)).collect(),
+                steps: steps
+                    .iter()
+                    .map(|s| s.iter().map(|&k| u32::from(k)).collect())
+                    .collect(),
+                readers: readers.clone(),
+            };
+            if let Err(e) = store.announce_plan(peer.client, plan) {
+                refused(e, "names key".into())?;
+            }
+        }
+        Op::Progress(step) => store.pin_page(peer.page).set_progress(*step),
+        Op::Prefetch(k, len) => {
+            use vrtspike::cache::store::PrefetchOutcome;
+            match store.prefetch(peer.client, &key(k), *len) {
+                Ok(PrefetchOutcome::Reserved { ticket, .. }) => peer.tickets.push(ticket),
+                Ok(_) => {}
+                Err(e) => refused(e, key(k))?,
+            }
+        }
         Op::Disconnect => {
             store.disconnect(peer.client);
             store.forget(peer.client);

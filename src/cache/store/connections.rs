@@ -140,15 +140,19 @@ impl Connections {
         self.retired.len()
     }
 
-    /// The reads connected clients recorded since the last call, slots below `slots`.
-    pub fn drain_reads<'p>(
+    /// The reads connected clients recorded since the last call, slots below
+    /// `slots`, each with the client that made it.
+    pub fn drain_reads_by_client<'p>(
         &mut self,
         slots: usize,
         page_of: impl Fn(usize) -> PinPage<'p>,
-        out: &mut Vec<usize>,
+        out: &mut Vec<(ClientId, usize)>,
     ) {
-        for c in self.by_id.values() {
-            page_of(c.page).drain_reads(&mut self.read_tails[c.page], slots, out);
+        let mut reads = Vec::new();
+        for (&id, c) in &self.by_id {
+            reads.clear();
+            page_of(c.page).drain_reads(&mut self.read_tails[c.page], slots, &mut reads);
+            out.extend(reads.iter().map(|&slot| (id, slot)));
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The store's bookkeeping, a small facade over one part per job: the record
 //! [`arena`] (extents of any size, carved on demand), the [`recency`] of records
-//! (the LRU), the plans that make [`room`] for a record, the record [`index`], the
+//! (the LRU), the readers' announced [`plan`]s (the planned policy: evict the
+//! record needed last, prefetch ahead of use; the store's side in `policy`), the
+//! plans that make [`room`] for a record, the record [`index`], the
 //! [`connections`] with their pin pages, single-flight [`fills`], the [`stats`]
 //! counters and the [`reserve`]d memory under the carved bytes. The server wraps it
 //! in a mutex; every record is mirrored into the shared [`TableWriter`], where
@@ -25,6 +27,8 @@ pub mod arena;
 pub mod connections;
 pub mod fills;
 pub mod index;
+pub mod plan;
+mod policy;
 pub mod recency;
 mod report;
 pub mod reserve;
@@ -39,12 +43,15 @@ use arena::{Arena, Placed, SlotIdx, SlotUse};
 use connections::Connections;
 use fills::{Fill, Fills};
 use index::RecordIndex;
+use plan::Plans;
+use policy::{EvictionOrder, Incoming};
 use recency::Recency;
 use reserve::{NoReserve, Reservations, ReserveRefusal};
 use room::{Evictable, Plan};
 use stats::{Event, StoreStats};
 
 pub use super::table::{extent_for, SLOT_ALIGN};
+pub use policy::PrefetchOutcome;
 
 /// Outcome of a `get`.
 #[derive(Debug, PartialEq, Eq)]
@@ -67,6 +74,8 @@ pub struct Store {
     pins: PinPages,
     arena: Arena,
     recency: Recency,
+    /// The readers' announced plans (none: plain LRU).
+    plans: Plans,
     index: RecordIndex,
     connections: Connections,
     fills: Fills,
@@ -87,10 +96,12 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// The store as the eviction planner sees it: a record may go if it is committed
-/// and no live pin page holds a lease on it.
+/// The store as the eviction planner sees it: a record may go if it is committed,
+/// no live pin page holds a lease on it and (with plans) the policy lets it go.
 struct Occupants<'a> {
     store: &'a Store,
+    /// The planned policy's order; `None`: LRU.
+    order: Option<&'a EvictionOrder>,
 }
 
 impl Evictable for Occupants<'_> {
@@ -99,7 +110,10 @@ impl Evictable for Occupants<'_> {
         if !ready || self.store.pinned(slot) {
             return None;
         }
-        self.store.recency.stamp(slot)
+        match self.order {
+            Some(order) => order.rank(slot),
+            None => self.store.recency.stamp(slot),
+        }
     }
 }
 
@@ -119,6 +133,7 @@ impl Store {
             table,
             pins,
             recency: Recency::new(),
+            plans: Plans::new(),
             index: RecordIndex::new(),
             connections: Connections::new(),
             fills: Fills::new(),
@@ -179,6 +194,7 @@ impl Store {
     /// client may still write into its fills' maps. Returns the number of fills
     /// abandoned (waiters must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
+        self.plans.forget(client);
         let pins = &self.pins;
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
@@ -275,6 +291,7 @@ impl Store {
                 max: LEASES_PER_CONNECTION,
             })?;
         self.recency.touch(slot);
+        self.plan_read(client, slot);
         Ok(LeaseGrant {
             lease: lease.0,
             offset: placed.offset,
@@ -303,8 +320,10 @@ impl Store {
     }
 
     /// Reserves room for a ticket's record of `len` bytes: a free extent, the end
-    /// of the carved part, or what evicting least recently used unpinned records
-    /// frees. Returns where to write it.
+    /// of the carved part, or what evicting unpinned records frees (least recently
+    /// used first; with plans, the record needed last first). Returns where to
+    /// write it; `Declined` when the planned policy keeps no room for a record no
+    /// plan names.
     pub fn reserve(
         &mut self,
         client: ClientId,
@@ -328,7 +347,8 @@ impl Store {
         let Some(extent) = extent_for(len).filter(|&e| e <= cap) else {
             return Err(RequestError::RecordTooLarge { key, len, cap });
         };
-        let (slot, placed) = self.make_room(&key, len, extent)?;
+        let incoming = self.demand(&key);
+        let (slot, placed) = self.make_room(&key, len, extent, incoming)?;
         let state = table::SlotState {
             generation: placed.generation,
             code: SlotCode::Filling,
@@ -338,12 +358,14 @@ impl Store {
         Ok((placed.offset, len))
     }
 
-    /// Room for a record of `len` bytes in `extent` bytes, or the refusal.
+    /// Room for a record of `len` bytes in `extent` bytes, evicting only what
+    /// `incoming` may push out, or the refusal.
     fn make_room(
         &mut self,
         key: &str,
         len: u64,
         extent: u64,
+        incoming: Incoming,
     ) -> Result<(SlotIdx, Placed), RequestError> {
         self.learn_reads();
         let mut refused = None;
@@ -354,9 +376,21 @@ impl Store {
                 Err(refusal) => refused = Some(refusal),
             }
         }
-        let occupants = Occupants { store: self };
-        let victims = self.recency.oldest_first();
-        let plans = room::by_eviction(&self.arena, extent, victims, &occupants, refused.is_none());
+        let order = self.eviction_order(incoming);
+        let occupants = Occupants {
+            store: self,
+            order: order.as_ref(),
+        };
+        let may_grow = refused.is_none();
+        let plans = match &order {
+            Some(order) => {
+                room::by_eviction(&self.arena, extent, order.victims(), &occupants, may_grow)
+            }
+            None => {
+                let victims = self.recency.oldest_first();
+                room::by_eviction(&self.arena, extent, victims, &occupants, may_grow)
+            }
+        };
         for plan in &plans {
             match self.carry_out(plan, extent, len) {
                 Ok(Some(placed)) => return Ok(placed),
@@ -366,6 +400,14 @@ impl Store {
         }
         if let Some(refusal) = refused {
             return Err(self.out_of_memory(key, len, refusal));
+        }
+        if order.is_some() && incoming.is_restricted() {
+            if incoming == Incoming::Unplanned {
+                self.plans.count_unplanned_declined();
+            }
+            return Err(RequestError::Declined {
+                key: key.to_string(),
+            });
         }
         self.stats.refused_full();
         let (pinned_bytes, filling_bytes) = self.held_bytes();
@@ -378,15 +420,17 @@ impl Store {
         })
     }
 
-    /// Folds the reads clients recorded in their pages into the LRU.
+    /// Folds the reads clients recorded in their pages into the LRU (and into
+    /// the plans they read for).
     fn learn_reads(&mut self) {
         let mut reads = Vec::new();
         let pins = &self.pins;
         let slots = self.table.slots();
         self.connections
-            .drain_reads(slots, |p| pins.page(p), &mut reads);
-        for slot in reads {
+            .drain_reads_by_client(slots, |p| pins.page(p), &mut reads);
+        for (client, slot) in reads {
             self.recency.touch(slot);
+            self.plan_read(client, slot);
         }
     }
 

@@ -71,6 +71,7 @@ impl Store {
             totals,
             hit_rate: totals.hit_rate(),
             fill_latency_ms: self.stats.fill_latency(),
+            plan: self.plan_stats(),
             clients,
         }
     }

@@ -1,0 +1,97 @@
+//! `vrtspike-cache`: what never runs a model, as processes without libtorch: the
+//! node's cache server, and the benchmarks' processes (`bench cache`, `bench
+//! loader` and their workers). Every process that links libtorch carries its CUDA
+//! libraries' relocations and static initialisers (about 120 MB of private memory,
+//! and more than 250 MB of Pss in all); these never touch a tensor, so this binary
+//! is built from the library's modules they need, compiled here again through
+//! `#[path]` (the library itself links libtorch; the pipeline's one function that
+//! makes tensors lives in `pipeline/tensors.rs`, which is left out), and its Pss is
+//! the data it holds plus a few MB.
+//!
+//! Its command line is `vrtspike`'s (`src/cli/cache.rs` and `src/cli/bench.rs`, the
+//! same files): `vrtspike-cache serve | stats | shutdown | pin ...` and
+//! `vrtspike-cache bench ...`, also with a leading `cache` as `vrtspike cache serve`
+//! passes it on when it `exec`s this binary. `--build-id` prints the id of the
+//! sources it was built from, which `vrtspike` checks before it hands over.
+
+use std::ffi::OsString;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use vrtspike_contract::signals::{self, Disposition};
+
+#[allow(dead_code, unused_imports)]
+mod bench;
+#[allow(dead_code, unused_imports)]
+#[path = "../../cache/mod.rs"]
+mod cache;
+#[allow(dead_code)]
+mod cli;
+#[allow(dead_code, unused_imports)]
+#[path = "../../config/mod.rs"]
+mod config;
+#[allow(dead_code, unused_imports)]
+#[path = "../../dataset/mod.rs"]
+mod dataset;
+#[allow(dead_code, unused_imports)]
+mod pipeline;
+#[allow(dead_code, unused_imports)]
+mod testkit;
+#[allow(dead_code, unused_imports)]
+mod util;
+
+// A server that a job started ignores SLURM's SIGUSR2 and SIGTERM from its first
+// instruction, as `vrtspike` does.
+vrtspike_contract::count_job_signals_from_the_first_instruction!();
+
+/// The node's shared-memory cache server and the benchmarks, without libtorch.
+#[derive(Parser)]
+#[command(
+    name = "vrtspike-cache",
+    version,
+    about = "The node's cache server and the benchmarks of vrtspike, without libtorch"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    #[command(flatten)]
+    Cache(cli::cache::CacheCommand),
+    /// Benchmarks that print one JSON object.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
+}
+
+/// The arguments without a leading `cache` (`vrtspike cache serve ...` passes its
+/// own on when it hands over).
+fn arguments() -> Vec<OsString> {
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "cache") {
+        args.remove(1);
+    }
+    args
+}
+
+fn main() -> Result<()> {
+    util::logging::init();
+    let args = arguments();
+    if args.len() == 2 && args[1] == "--build-id" {
+        println!("{}", cli::cache::BUILD_ID);
+        return Ok(());
+    }
+    let cli = Cli::parse_from(args);
+    let ends_with_parent = matches!(&cli.command, Command::Cache(c) if c.ends_with_parent());
+    let (usr2, term) = match ends_with_parent {
+        true => (Disposition::Ignore, Disposition::Ignore),
+        false => (Disposition::Ignore, Disposition::Default),
+    };
+    signals::settle(usr2, term).context("setting up SIGUSR2 and SIGTERM")?;
+    let here = cli::cache::Where::Here;
+    match cli.command {
+        Command::Cache(command) => cli::cache::run(command, here),
+        Command::Bench(command) => cli::bench::run(command, here),
+    }
+}

@@ -1,0 +1,446 @@
+//! The planned policy's bookkeeping: what each reader announced it will read, step
+//! by step, how far it has got, and which connections read for it. A training
+//! rank's order is a pure function of the seed, the epoch and the sampler's
+//! settings, so it can tell the cache its future; from these plans the store knows
+//! each record's next use and evicts the record needed last (Belady's rule) instead
+//! of the one used longest ago.
+//!
+//! A plan belongs to the connection that announced it (a rank's loader) and goes
+//! with it: a rank that restarts, or a plan whose steps are all behind its reader,
+//! leaves its records unneeded, and the store evicts those by LRU as before. A
+//! use is past once the reader's progress (a word it writes into its own pin page,
+//! no message) is beyond its step, or once one of the plan's reader connections
+//! has read the record for it (so a record read early in the prefetch window is
+//! not kept until the step is consumed). Readers of different plans move in
+//! lockstep (the ranks of one job meet at every all-reduce), so uses of different
+//! plans compare by how far ahead of their own reader's progress they lie.
+//!
+//! The store learns of most reads late (clients record hits in their pin pages,
+//! read when a record needs room), when the reader's progress may have passed the
+//! read's step: a read uses up the plan's earliest use not used yet, past or not,
+//! and past uses are dropped only once they are [`GRACE`] steps behind.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::super::ids::ClientId;
+use super::super::protocol::{PlanAnnouncement, RequestError};
+use super::super::table::MAX_KEY_BYTES;
+
+/// Most uses one plan may announce (two epochs of a million clips of 6 frames fit).
+pub const MAX_PLAN_USES: usize = 1 << 24;
+/// Most records one plan may name.
+pub const MAX_PLAN_KEYS: usize = 1 << 22;
+/// Most reader connections one plan may name.
+pub const MAX_PLAN_READERS: usize = 1024;
+/// Steps a use stays after the reader's progress passed it, for a read the store
+/// learns of late to use it up (rather than a use to come).
+pub const GRACE: u64 = 4096;
+
+/// Where a record stands for the planned policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Standing {
+    /// Some plan reads it `distance` steps ahead of that plan's reader (the nearest
+    /// such use over every plan).
+    Needed {
+        /// Steps between the reader's progress and the use.
+        distance: u64,
+    },
+    /// No plan reads it again.
+    Unneeded,
+}
+
+/// Eviction ranks: smaller goes first. Unneeded records by their LRU stamp, then
+/// needed ones, the farthest next use first.
+const NEEDED: u64 = 1 << 63;
+const MAX_DISTANCE: u64 = (1 << 62) - 1;
+
+impl Standing {
+    /// The record's eviction rank, given its LRU `stamp` (smaller: older).
+    pub fn rank(self, stamp: u64) -> u64 {
+        match self {
+            Standing::Unneeded => stamp.min(NEEDED - 1),
+            Standing::Needed { distance } => NEEDED + (MAX_DISTANCE - distance.min(MAX_DISTANCE)),
+        }
+    }
+
+    /// The rank below which every record is needed later than a use `distance`
+    /// steps ahead (or not at all).
+    pub fn later_than(distance: u64) -> u64 {
+        Standing::Needed { distance }.rank(0)
+    }
+
+    /// Whether a record of this rank is needed by no plan.
+    pub fn rank_is_unneeded(rank: u64) -> bool {
+        rank < NEEDED
+    }
+}
+
+/// One reader's announced uses.
+#[derive(Debug)]
+struct Stream {
+    /// The announcing connection's pin page, where its reader writes its progress.
+    page: usize,
+    /// The reader's progress as last read: uses at earlier steps are past.
+    now: u64,
+    /// Pending uses per record, steps ascending.
+    uses: HashMap<String, VecDeque<u64>>,
+    /// Connections that read for this plan.
+    readers: Vec<ClientId>,
+    /// Uses still pending (some past ones are dropped only when looked at).
+    pending: usize,
+}
+
+impl Stream {
+    /// The record's uses not used up yet, those more than [`GRACE`] steps behind
+    /// the reader dropped.
+    fn pending_uses(&mut self, key: &str) -> Option<&mut VecDeque<u64>> {
+        let horizon = self.now.saturating_sub(GRACE);
+        let steps = self.uses.get_mut(key)?;
+        while steps.front().is_some_and(|&step| step < horizon) {
+            steps.pop_front();
+            self.pending -= 1;
+        }
+        if steps.is_empty() {
+            self.uses.remove(key);
+            return None;
+        }
+        self.uses.get_mut(key)
+    }
+
+    /// The record's first use at or after the reader's progress.
+    fn next_use(&mut self, key: &str) -> Option<u64> {
+        let now = self.now;
+        let steps = self.pending_uses(key)?;
+        steps.iter().copied().find(|&step| step >= now)
+    }
+
+    /// A reader read the record: the earliest use not used up yet is (a read the
+    /// store learns of after the reader moved on is still its own step's).
+    fn consume(&mut self, key: &str) {
+        let Some(steps) = self.pending_uses(key) else {
+            return;
+        };
+        steps.pop_front();
+        let empty = steps.is_empty();
+        self.pending -= 1;
+        if empty {
+            self.uses.remove(key);
+        }
+    }
+}
+
+/// What the planned policy did, for the stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanCounters {
+    /// Plans announced.
+    pub announced: u64,
+    /// Prefetches given room.
+    pub prefetched: u64,
+    /// Prefetches declined (room only by evicting a record needed sooner).
+    pub prefetch_declined: u64,
+    /// Reads of records no plan names that got no room (everything evictable was
+    /// needed by a plan): read without the cache.
+    pub unplanned_declined: u64,
+}
+
+/// Every live plan.
+#[derive(Debug, Default)]
+pub struct Plans {
+    /// By the connection that announced it.
+    streams: HashMap<ClientId, Stream>,
+    /// Reader connection -> the plan it reads for.
+    reader_of: HashMap<ClientId, ClientId>,
+    counters: PlanCounters,
+}
+
+impl Plans {
+    /// No plan.
+    pub fn new() -> Plans {
+        Plans::default()
+    }
+
+    /// Whether no plan is live (the store evicts by LRU alone then).
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// Plans live now.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Uses still pending over every plan.
+    pub fn pending_uses(&self) -> usize {
+        self.streams.values().map(|s| s.pending).sum()
+    }
+
+    /// What the policy did so far.
+    pub fn counters(&self) -> PlanCounters {
+        self.counters
+    }
+
+    /// Counts a prefetch given room (`true`) or declined.
+    pub fn count_prefetch(&mut self, given_room: bool) {
+        match given_room {
+            true => self.counters.prefetched += 1,
+            false => self.counters.prefetch_declined += 1,
+        }
+    }
+
+    /// Counts a read of an unplanned record that got no room.
+    pub fn count_unplanned_declined(&mut self) {
+        self.counters.unplanned_declined += 1;
+    }
+
+    /// Replaces `owner`'s plan by `plan`; `page` is `owner`'s pin page (its
+    /// progress). A plan beyond the limits, or naming keys it does not list, is
+    /// refused and the old one stays.
+    pub fn announce(
+        &mut self,
+        owner: ClientId,
+        page: usize,
+        plan: PlanAnnouncement,
+    ) -> Result<(), RequestError> {
+        check(&plan)?;
+        self.forget(owner);
+        let PlanAnnouncement {
+            first_step,
+            keys,
+            steps,
+            readers,
+        } = plan;
+        let mut uses: HashMap<String, VecDeque<u64>> = HashMap::with_capacity(keys.len());
+        let mut pending = 0;
+        for (i, step_keys) in steps.iter().enumerate() {
+            let step = first_step.saturating_add(i as u64);
+            for &k in step_keys {
+                let key = &keys[k as usize];
+                let steps = match uses.get_mut(key.as_str()) {
+                    Some(steps) => steps,
+                    None => uses.entry(key.clone()).or_default(),
+                };
+                if steps.back() != Some(&step) {
+                    steps.push_back(step);
+                    pending += 1;
+                }
+            }
+        }
+        for &reader in &readers {
+            if let Some(other) = self.reader_of.insert(reader, owner) {
+                if let Some(stream) = self.streams.get_mut(&other) {
+                    stream.readers.retain(|&r| r != reader);
+                }
+            }
+        }
+        self.streams.insert(
+            owner,
+            Stream {
+                page,
+                now: 0,
+                uses,
+                readers,
+                pending,
+            },
+        );
+        self.counters.announced += 1;
+        Ok(())
+    }
+
+    /// Connection `client` ended: its plan goes (its records become unneeded unless
+    /// another plan reads them), and it reads for no plan any more.
+    pub fn forget(&mut self, client: ClientId) {
+        if let Some(stream) = self.streams.remove(&client) {
+            for reader in stream.readers {
+                if self.reader_of.get(&reader) == Some(&client) {
+                    self.reader_of.remove(&reader);
+                }
+            }
+        }
+        if let Some(owner) = self.reader_of.remove(&client) {
+            if let Some(stream) = self.streams.get_mut(&owner) {
+                stream.readers.retain(|&r| r != client);
+            }
+        }
+    }
+
+    /// Reads every reader's progress (`progress` of a pin page).
+    pub fn refresh(&mut self, progress: impl Fn(usize) -> u64) {
+        for stream in self.streams.values_mut() {
+            stream.now = progress(stream.page);
+        }
+    }
+
+    /// Connection `reader` read `key`'s record: if it reads for a plan, the
+    /// record's next use in that plan is used up.
+    pub fn read(&mut self, reader: ClientId, key: &str) {
+        let Some(owner) = self.reader_of.get(&reader) else {
+            return;
+        };
+        if let Some(stream) = self.streams.get_mut(owner) {
+            stream.consume(key);
+        }
+    }
+
+    /// `key`'s next use over every plan.
+    pub fn standing(&mut self, key: &str) -> Standing {
+        let mut nearest = None;
+        for stream in self.streams.values_mut() {
+            if let Some(step) = stream.next_use(key) {
+                let distance = step - stream.now;
+                nearest = Some(nearest.map_or(distance, |d: u64| d.min(distance)));
+            }
+        }
+        match nearest {
+            Some(distance) => Standing::Needed { distance },
+            None => Standing::Unneeded,
+        }
+    }
+}
+
+/// Refuses a plan beyond the limits or naming keys it does not list.
+fn check(plan: &PlanAnnouncement) -> Result<(), RequestError> {
+    let bad = |problem: String| Err(RequestError::BadPlan { problem });
+    if plan.keys.len() > MAX_PLAN_KEYS {
+        return bad(format!("{} keys, at most {MAX_PLAN_KEYS}", plan.keys.len()));
+    }
+    if plan.readers.len() > MAX_PLAN_READERS {
+        return bad(format!(
+            "{} readers, at most {MAX_PLAN_READERS}",
+            plan.readers.len()
+        ));
+    }
+    if let Some(key) = plan.keys.iter().find(|k| k.len() > MAX_KEY_BYTES) {
+        return bad(format!(
+            "key {key:?} is {} bytes long; keys are at most {MAX_KEY_BYTES} bytes",
+            key.len()
+        ));
+    }
+    let uses: usize = plan.steps.iter().map(Vec::len).sum();
+    if uses > MAX_PLAN_USES {
+        return bad(format!("{uses} uses, at most {MAX_PLAN_USES}"));
+    }
+    let keys = plan.keys.len();
+    for (i, step) in plan.steps.iter().enumerate() {
+        if let Some(&k) = step.iter().find(|&&k| k as usize >= keys) {
+            return bad(format!(
+                "step {} names key {k} of a list of {keys}",
+                plan.first_step.saturating_add(i as u64)
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(
+        first_step: u64,
+        keys: &[&str],
+        steps: &[&[u32]],
+        readers: &[ClientId],
+    ) -> PlanAnnouncement {
+        PlanAnnouncement {
+            first_step,
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            steps: steps.iter().map(|s| s.to_vec()).collect(),
+            readers: readers.to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_nearest_use_over_plans_counts_and_reads_use_up_the_earliest() {
+        let mut plans = Plans::new();
+        // Plan of connection 1 (page 0): a at 10 and 13, b at 11; connection 2's
+        // (page 1): b at 100.
+        plans
+            .announce(1, 0, plan(10, &["a", "b"], &[&[0], &[1], &[], &[0]], &[5]))
+            .unwrap();
+        plans
+            .announce(2, 1, plan(100, &["b"], &[&[0]], &[]))
+            .unwrap();
+        let progress = |now: [u64; 2]| move |page: usize| now[page];
+        plans.refresh(progress([10, 99]));
+        assert_eq!(plans.standing("a"), Standing::Needed { distance: 0 });
+        assert_eq!(plans.standing("b"), Standing::Needed { distance: 1 });
+        assert_eq!(plans.standing("c"), Standing::Unneeded);
+        plans.refresh(progress([12, 99]));
+        assert_eq!(plans.standing("a"), Standing::Needed { distance: 1 });
+        assert_eq!(
+            plans.standing("b"),
+            Standing::Needed { distance: 1 },
+            "plan 2's"
+        );
+        // Reader 5's read of a at step 10, learnt only now: it uses up step 10's
+        // use, not step 13's.
+        plans.read(5, "a");
+        assert_eq!(plans.standing("a"), Standing::Needed { distance: 1 });
+        plans.read(5, "a");
+        assert_eq!(plans.standing("a"), Standing::Unneeded);
+        // A read by a connection that reads for no plan changes nothing.
+        plans.read(9, "b");
+        assert_eq!(plans.standing("b"), Standing::Needed { distance: 1 });
+        plans.forget(2);
+        assert_eq!(
+            plans.standing("b"),
+            Standing::Unneeded,
+            "plan 1's use at 11 is past"
+        );
+        assert_eq!(plans.len(), 1);
+        assert_eq!(plans.pending_uses(), 1, "b's past use, within the grace");
+        // Far past, it goes.
+        plans.refresh(progress([12 + GRACE, 0]));
+        assert_eq!(plans.standing("b"), Standing::Unneeded);
+        assert_eq!(plans.pending_uses(), 0);
+    }
+
+    #[test]
+    fn ranks_put_unneeded_records_first_then_the_farthest_use() {
+        let unneeded_old = Standing::Unneeded.rank(3);
+        let unneeded_new = Standing::Unneeded.rank(9);
+        let far = Standing::Needed { distance: 50 }.rank(1);
+        let near = Standing::Needed { distance: 2 }.rank(100);
+        assert!(unneeded_old < unneeded_new && unneeded_new < far && far < near);
+        assert!(Standing::rank_is_unneeded(unneeded_new) && !Standing::rank_is_unneeded(far));
+        assert!(far < Standing::later_than(2) && near >= Standing::later_than(2));
+    }
+
+    #[test]
+    fn a_bad_plan_is_refused_and_the_old_one_stays() {
+        let mut plans = Plans::new();
+        plans.announce(1, 0, plan(0, &["a"], &[&[0]], &[])).unwrap();
+        let err = plans
+            .announce(1, 0, plan(7, &["a"], &[&[0, 1]], &[]))
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("step 7 names key 1 of a list of 1"),
+            "{err}"
+        );
+        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        let err = plans
+            .announce(1, 0, plan(0, &[&long], &[&[0]], &[]))
+            .unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
+        assert_eq!(plans.standing("a"), Standing::Needed { distance: 0 });
+    }
+
+    #[test]
+    fn a_reader_moved_to_another_plan_reads_for_that_one() {
+        let mut plans = Plans::new();
+        plans
+            .announce(1, 0, plan(0, &["a"], &[&[0]], &[7]))
+            .unwrap();
+        plans
+            .announce(2, 1, plan(0, &["a"], &[&[], &[0]], &[7]))
+            .unwrap();
+        plans.read(7, "a");
+        // Plan 2's use went; plan 1's stays.
+        plans.forget(1);
+        assert_eq!(plans.standing("a"), Standing::Unneeded);
+        plans.forget(7);
+        plans.forget(2);
+        assert!(plans.is_empty());
+    }
+}

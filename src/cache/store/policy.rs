@@ -1,0 +1,243 @@
+//! The store's side of the planned policy: plans announced by connections, the
+//! prefetch of a record ahead of its use, and the order in which records may go
+//! when room is made for another one. With no plan live the order is the LRU's,
+//! unchanged. With plans: records no plan needs first (least recently used first),
+//! then the record whose next use is farthest; a record coming in ahead of its use
+//! (a prefetch) may only evict records needed later than itself, and a record no
+//! plan names (validation, inference, tools) only records no plan needs. None of
+//! this is on the hit path: clients find hits in the shared table without a
+//! message, and the plans are looked at only when a record needs room.
+
+use super::super::ids::{ClientId, TicketId};
+use super::super::protocol::{PlanAnnouncement, RequestError};
+use super::super::stats::PlanStats;
+use super::super::table::{self, extent_for, SlotCode};
+use super::arena::{SlotIdx, SlotUse};
+use super::plan::Standing;
+use super::{check_key, Store};
+
+/// What a record coming in may push out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Incoming {
+    /// Read now and named by a plan (or no plan is live): any unpinned record may
+    /// go, the one needed last first.
+    Demand,
+    /// Read now but named by no live plan: only records no plan needs may go.
+    Unplanned,
+    /// Brought in `distance` steps ahead of its use (a prefetch): only records
+    /// needed later than that, or not at all, may go.
+    Ahead {
+        /// Steps between its reader's progress and the use.
+        distance: u64,
+    },
+}
+
+impl Incoming {
+    /// Whether a record of eviction rank `rank` may go for this one.
+    fn may_evict(self, rank: u64) -> bool {
+        match self {
+            Incoming::Demand => true,
+            Incoming::Unplanned => Standing::rank_is_unneeded(rank),
+            Incoming::Ahead { distance } => rank < Standing::later_than(distance),
+        }
+    }
+
+    /// Whether this record gets room only at the expense of records the policy
+    /// ranks below it (a refusal is then the policy's decline, not a full store).
+    pub(super) fn is_restricted(self) -> bool {
+        self != Incoming::Demand
+    }
+}
+
+/// The records that may go for one incoming record, in the order they should.
+#[derive(Debug)]
+pub(super) struct EvictionOrder {
+    /// Eviction rank by slot (`None`: may not go).
+    ranks: Vec<Option<u64>>,
+    /// The slots that may go, the first to go first.
+    victims: Vec<SlotIdx>,
+}
+
+impl EvictionOrder {
+    /// `slot`'s rank if it may go (smaller goes first).
+    pub(super) fn rank(&self, slot: SlotIdx) -> Option<u64> {
+        self.ranks.get(slot).copied().flatten()
+    }
+
+    /// The slots that may go, the first to go first.
+    pub(super) fn victims(&self) -> impl Iterator<Item = SlotIdx> + '_ {
+        self.victims.iter().copied()
+    }
+}
+
+/// The outcome of a prefetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchOutcome {
+    /// Cached already, or being filled.
+    Present,
+    /// Not worth it now: no plan needs the record, or room for it would evict a
+    /// record needed sooner.
+    Declined,
+    /// Room reserved: write `len` bytes at `offset`, then commit `ticket`.
+    Reserved {
+        /// The fill's ticket.
+        ticket: TicketId,
+        /// Byte offset of the room in the store.
+        offset: u64,
+        /// The record's length.
+        len: u64,
+    },
+}
+
+impl Store {
+    /// Replaces `client`'s plan (see [`PlanAnnouncement`]). Reads clients made
+    /// before are counted against the old plan first.
+    pub fn announce_plan(
+        &mut self,
+        client: ClientId,
+        plan: PlanAnnouncement,
+    ) -> Result<(), RequestError> {
+        let page = self.connections.get(client)?.page;
+        self.learn_reads();
+        self.plans.announce(client, page, plan)
+    }
+
+    /// Brings `key`'s record of `len` bytes in ahead of its announced use if room
+    /// can be had without evicting a record needed sooner.
+    pub fn prefetch(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        len: u64,
+    ) -> Result<PrefetchOutcome, RequestError> {
+        self.connections.get(client)?;
+        check_key(key)?;
+        if self.index.get(key).is_some() || self.fills.is_filling(key) {
+            return Ok(PrefetchOutcome::Present);
+        }
+        if len == 0 {
+            return Err(RequestError::EmptyRecord {
+                key: key.to_string(),
+            });
+        }
+        let cap = self.arena.cap();
+        let Some(extent) = extent_for(len).filter(|&e| e <= cap) else {
+            return Err(RequestError::RecordTooLarge {
+                key: key.to_string(),
+                len,
+                cap,
+            });
+        };
+        self.learn_reads();
+        self.refresh_plans();
+        let Standing::Needed { distance } = self.plans.standing(key) else {
+            self.plans.count_prefetch(false);
+            return Ok(PrefetchOutcome::Declined);
+        };
+        let ticket = self.next_id;
+        self.fills.start(ticket, key, client)?;
+        self.next_id += 1;
+        match self.make_room(key, len, extent, Incoming::Ahead { distance }) {
+            Ok((slot, placed)) => {
+                let state = table::SlotState {
+                    generation: placed.generation,
+                    code: SlotCode::Filling,
+                };
+                self.table.set_state(slot, state);
+                self.fills.set_slot(ticket, slot);
+                self.plans.count_prefetch(true);
+                Ok(PrefetchOutcome::Reserved {
+                    ticket,
+                    offset: placed.offset,
+                    len,
+                })
+            }
+            Err(error) => {
+                self.fills.finish(ticket);
+                match error {
+                    RequestError::Declined { .. } => {
+                        self.plans.count_prefetch(false);
+                        Ok(PrefetchOutcome::Declined)
+                    }
+                    error => Err(error),
+                }
+            }
+        }
+    }
+
+    /// What a record read now may push out: anything if a plan names it (or no
+    /// plan is live), else only records no plan needs.
+    pub(super) fn demand(&mut self, key: &str) -> Incoming {
+        if self.plans.is_empty() {
+            return Incoming::Demand;
+        }
+        self.refresh_plans();
+        match self.plans.standing(key) {
+            Standing::Needed { .. } => Incoming::Demand,
+            Standing::Unneeded => Incoming::Unplanned,
+        }
+    }
+
+    /// The planned policy's figures.
+    pub(super) fn plan_stats(&self) -> PlanStats {
+        let c = self.plans.counters();
+        PlanStats {
+            plans: self.plans.len(),
+            pending_uses: self.plans.pending_uses(),
+            announced: c.announced,
+            prefetched: c.prefetched,
+            prefetch_declined: c.prefetch_declined,
+            unplanned_declined: c.unplanned_declined,
+        }
+    }
+
+    /// Reads every plan's reader progress from its pin page.
+    fn refresh_plans(&mut self) {
+        let pins = &self.pins;
+        self.plans.refresh(|page| pins.page(page).progress());
+    }
+
+    /// The order in which committed records may go for `incoming`, or `None` when
+    /// no plan is live (the LRU's order then).
+    pub(super) fn eviction_order(&mut self, incoming: Incoming) -> Option<EvictionOrder> {
+        if self.plans.is_empty() {
+            return None;
+        }
+        self.refresh_plans();
+        let mut ranks = vec![None; self.arena.slot_count()];
+        let mut ranked = Vec::new();
+        for (slot, used, _) in self.arena.in_use() {
+            let SlotUse::Ready { key, .. } = used else {
+                continue;
+            };
+            let Some(stamp) = self.recency.stamp(slot) else {
+                continue;
+            };
+            let rank = self.plans.standing(key).rank(stamp);
+            if incoming.may_evict(rank) {
+                ranks[slot] = Some(rank);
+                ranked.push((rank, slot));
+            }
+        }
+        ranked.sort_unstable();
+        Some(EvictionOrder {
+            ranks,
+            victims: ranked.into_iter().map(|(_, slot)| slot).collect(),
+        })
+    }
+
+    /// Connection `client` read `slot`'s record: a use of the plan it reads for is
+    /// used up.
+    pub(super) fn plan_read(&mut self, client: ClientId, slot: SlotIdx) {
+        if self.plans.is_empty() {
+            return;
+        }
+        if let SlotUse::Ready { key, .. } = self.arena.slot_use(slot) {
+            self.plans.read(client, key);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "policy_tests.rs"]
+mod tests;
