@@ -1,6 +1,6 @@
 //! Build script: links every binary and test of this package with an rpath to the
 //! libtorch of the project's virtualenv, so binaries run without LD_LIBRARY_PATH, and
-//! compiles the c10d shim (`src/dist/shim/`) that gives Rust libtorch's distributed engine
+//! compiles the c10d shim (`src/ddp/shim/`) that gives Rust libtorch's distributed engine
 //! and the activation-checkpointing shim (`src/model/shim/`), and gives the binaries
 //! the build id of the cache server's sources (`vrtspike-cache`, which links no
 //! libtorch).

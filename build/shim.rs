@@ -1,4 +1,4 @@
-// Builds the c10d shim (src/dist/shim/c10d_shim.cpp) with the `cc` crate
+// Builds the c10d shim (src/ddp/shim/c10d_shim.cpp) with the `cc` crate
 // against the headers of the torch wheel that tch links, so Rust can reach
 // libtorch's distributed engine. Included by build.rs (not a crate).
 //
@@ -165,7 +165,7 @@ fn shim_with_common_header(build: &mut cc::Build) {
 
 /// Compiles and links the shim; panics (failing the build) if torch is missing.
 fn build_c10d_shim() {
-    const SOURCE: &str = "src/dist/shim/c10d_shim.cpp";
+    const SOURCE: &str = "src/ddp/shim/c10d_shim.cpp";
     println!("cargo:rerun-if-changed={SOURCE}");
     println!("cargo:rerun-if-changed=build/shim.rs");
     for var in [
@@ -189,7 +189,7 @@ fn build_c10d_shim() {
         ShimCuda::Disabled => (None, "disabled"),
         ShimCuda::CpuTorch => (None, "cpu-torch"),
     };
-    // Read by `dist::runtime` to say why NCCL is absent.
+    // Read by `ddp::runtime` to say why NCCL is absent.
     println!("cargo:rustc-env=VRTSPIKE_SHIM_NCCL={nccl_state}");
 
     let mut build = cc::Build::new();

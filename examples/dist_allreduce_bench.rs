@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{Backend, GroupOptions, ProcessGroup, ReduceOp};
+use vrtspike::ddp::{Backend, GroupOptions, ProcessGroup, ReduceOp};
 use vrtspike_contract::env::{self as rank_env, RankEnv, Rendezvous};
 
 const ITERS: usize = 20;
@@ -101,7 +101,7 @@ fn rank_main(sizes_mb: &[f64]) -> Result<()> {
 /// Median and mean milliseconds of `op` over ITERS runs after WARMUP runs.
 fn time(
     group: &mut ProcessGroup,
-    mut op: impl FnMut(&mut ProcessGroup) -> Result<(), vrtspike::dist::DistError>,
+    mut op: impl FnMut(&mut ProcessGroup) -> Result<(), vrtspike::ddp::DistError>,
 ) -> Result<(f64, f64)> {
     let mut samples = Vec::with_capacity(ITERS);
     for i in 0..WARMUP + ITERS {

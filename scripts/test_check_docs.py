@@ -109,7 +109,7 @@ class CheckDocsTest(unittest.TestCase):
         self.assert_one("[x](../../elsewhere.md)\n", "leaves the repository")
 
     def test_a_missing_repository_path(self) -> None:
-        self.assert_one("`src/dist/gone.rs`\n", "src/dist/gone.rs")
+        self.assert_one("`src/ddp/gone.rs`\n", "src/ddp/gone.rs")
 
     def test_a_glob_that_matches_nothing(self) -> None:
         self.assert_one("`launcher/tests/launch_*.rs`\n", "launch_*.rs")

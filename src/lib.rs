@@ -5,7 +5,7 @@
 //! [`config`] -> [`dataset`] (formats, index, records) -> [`synth`] (synthetic
 //! writers) -> [`cache`] (the node's shared-memory store) -> [`pipeline`] (samples,
 //! sampler, loader over a record source) -> [`model`] -> [`eval`] (tiles, PSNR/SSIM,
-//! the clip protocol) -> [`train`] -> [`dist`]; [`util`] sits under all of them.
+//! the clip protocol) -> [`train`] -> [`ddp`]; [`util`] sits under all of them.
 //! [`testkit`] and [`bench`](mod@bench) serve tests and benchmarks and sit on top; the
 //! `vrtspike` binary (`src/cli/`, a file per subcommand) and `vrtspike-launch` use
 //! the library. `docs/layout.md` describes each folder and what it may import.
@@ -14,7 +14,7 @@ pub mod bench;
 pub mod cache;
 pub mod config;
 pub mod dataset;
-pub mod dist;
+pub mod ddp;
 pub mod eval;
 pub mod model;
 pub mod monitor;

@@ -5,19 +5,16 @@
 //! server shows the plans were there (or not) and that records were evicted.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+mod ranks_support;
+
+use ranks_support::{start_ranks, wait_all};
 use vrtspike::cache::{spawn_server, CacheClient, ServerConfig, StatsReport};
 use vrtspike::synth::{self, SynthOptions};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// How long both ranks may take.
+const RANKS_LIMIT: Duration = Duration::from_secs(300);
 
 fn write_config(dir: &Path, data: &Path, policy: &str) -> PathBuf {
     let path = dir.join(format!("{policy}.yaml"));
@@ -34,52 +31,6 @@ fn write_config(dir: &Path, data: &Path, policy: &str) -> PathBuf {
     path
 }
 
-fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
-    let port = free_port().to_string();
-    (0..2)
-        .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_vrtspike"))
-                .args(["train", "--config"])
-                .arg(config)
-                .envs([
-                    ("RANK", rank.to_string()),
-                    ("LOCAL_RANK", rank.to_string()),
-                    ("WORLD_SIZE", "2".into()),
-                    ("LOCAL_WORLD_SIZE", "2".into()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
-                    ("MASTER_PORT", port.clone()),
-                    ("VRTSPIKE_RUN_DIR", run.display().to_string()),
-                    ("VRTSPIKE_CACHE_ADDR", cache.into()),
-                    ("VRTSPIKE_DEVICE", "cpu".into()),
-                    ("OMP_NUM_THREADS", "1".into()),
-                ])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::fs::File::create(run.join(format!("rank{rank}.log"))).unwrap())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
-}
-
-fn wait_all(children: &mut [Child], run: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    for (rank, child) in children.iter_mut().enumerate() {
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                let log = std::fs::read_to_string(run.join(format!("rank{rank}.log")))
-                    .unwrap_or_default();
-                assert!(status.success(), "rank {rank} {status}:\n{log}");
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("rank {rank} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 /// Trains with `policy` on a fresh server of `cap` bytes: the final weights' bytes
 /// and the server's figures.
 fn train(tmp: &Path, data: &Path, policy: &str, cap: u64) -> (Vec<u8>, StatsReport) {
@@ -89,7 +40,7 @@ fn train(tmp: &Path, data: &Path, policy: &str, cap: u64) -> (Vec<u8>, StatsRepo
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp, data, policy);
     let mut ranks = start_ranks(&config, &run, server.address());
-    wait_all(&mut ranks, &run);
+    wait_all(&mut ranks, &run, RANKS_LIMIT);
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("result.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "completed", "{summary}");

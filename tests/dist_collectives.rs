@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use dist_support::{assert_all_ok, rank_env, run_ranks, torchrun_env};
 use tch::{Kind, Tensor};
-use vrtspike::dist::{Backend, GroupOptions, ProcessGroup, ReduceOp};
+use vrtspike::ddp::{Backend, GroupOptions, ProcessGroup, ReduceOp};
 
 fn join(timeout: Duration) -> ProcessGroup {
     let options =

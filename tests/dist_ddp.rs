@@ -12,7 +12,7 @@ use dist_support::{
 };
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{Ddp, DdpOptions, ProcessGroup};
+use vrtspike::ddp::{Ddp, DdpOptions, ProcessGroup};
 
 const OUT_VAR: &str = "VRTSPIKE_TEST_OUT";
 

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use dist_support::{data, join, load_sorted, max_abs_diff, rank_env, run_ranks, two_ranks_writing};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Tensor};
-use vrtspike::dist::{GradCompression, GradReducer, GradSync, ProcessGroup, ReducerOptions};
+use vrtspike::ddp::{GradCompression, GradReducer, GradSync, ProcessGroup, ReducerOptions};
 use vrtspike::model::checkpoint::{checkpoint_one, on_backward};
 
 const OUT_VAR: &str = "VRTSPIKE_TEST_OUT";

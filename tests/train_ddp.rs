@@ -5,19 +5,16 @@
 //! and a second start resumes from that checkpoint.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+mod ranks_support;
+
+use ranks_support::{start_ranks, wait_all};
 use vrtspike::cache::{spawn_server, ServerConfig};
 use vrtspike::synth::{self, SynthOptions};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// How long both ranks may take.
+const RANKS_LIMIT: Duration = Duration::from_secs(120);
 
 fn write_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
     let path = dir.join(format!("ddp{total_steps}.yaml"));
@@ -32,52 +29,6 @@ fn write_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
     );
     std::fs::write(&path, text).unwrap();
     path
-}
-
-fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
-    let port = free_port().to_string();
-    (0..2)
-        .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_vrtspike"))
-                .args(["train", "--config"])
-                .arg(config)
-                .envs([
-                    ("RANK", rank.to_string()),
-                    ("LOCAL_RANK", rank.to_string()),
-                    ("WORLD_SIZE", "2".into()),
-                    ("LOCAL_WORLD_SIZE", "2".into()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
-                    ("MASTER_PORT", port.clone()),
-                    ("VRTSPIKE_RUN_DIR", run.display().to_string()),
-                    ("VRTSPIKE_CACHE_ADDR", cache.into()),
-                    ("VRTSPIKE_DEVICE", "cpu".into()),
-                    ("OMP_NUM_THREADS", "1".into()),
-                ])
-                .stdout(std::process::Stdio::null())
-                .stderr(std::fs::File::create(run.join(format!("rank{rank}.log"))).unwrap())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
-}
-
-fn wait_all(children: &mut [Child], run: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (rank, child) in children.iter_mut().enumerate() {
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                let log = std::fs::read_to_string(run.join(format!("rank{rank}.log")))
-                    .unwrap_or_default();
-                assert!(status.success(), "rank {rank} {status}:\n{log}");
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("rank {rank} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
 }
 
 fn summary(run: &Path) -> serde_json::Value {
@@ -105,7 +56,7 @@ fn two_ranks_train_validate_and_preempt() {
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp.path(), &data, 6);
     let mut ranks = start_ranks(&config, &run, server.address());
-    wait_all(&mut ranks, &run);
+    wait_all(&mut ranks, &run, RANKS_LIMIT);
     let s = summary(&run);
     assert_eq!(s["status"], "completed");
     assert_eq!(s["steps"], 6);
@@ -158,7 +109,7 @@ fn two_ranks_train_validate_and_preempt() {
         )
         .unwrap();
     }
-    wait_all(&mut ranks, &run);
+    wait_all(&mut ranks, &run, RANKS_LIMIT);
     let s = summary(&run);
     assert_eq!(s["status"], "preempted");
     let stopped_at = s["steps"].as_u64().unwrap();
@@ -186,7 +137,7 @@ fn two_ranks_train_validate_and_preempt() {
         )
         .unwrap();
     }
-    wait_all(&mut ranks, &run);
+    wait_all(&mut ranks, &run, RANKS_LIMIT);
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let second_start = metrics
         .lines()

@@ -27,9 +27,6 @@ use crate::signals;
 use crate::spawn::{self, ChildKind, Supervised};
 use crate::summary::{ExitKind, Failure};
 
-/// Lines of a failed process's log kept in the failure report.
-pub const LOG_TAIL_LINES: usize = 20;
-
 /// The signal a rank gets when the job is preempted.
 pub const RANK_PREEMPT_SIGNAL: Signal = Signal::SIGUSR2;
 
@@ -422,7 +419,7 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         signal: status.signal().map(spawn::signal_name),
         cause,
         log: child.log.display().to_string(),
-        log_tail: spawn::log_tail(&child.log, child.log_offset, LOG_TAIL_LINES),
+        log_tail: spawn::log_tail(&child.log, child.log_offset, spawn::LOG_TAIL_LINES),
         class: None,
         stuck: false,
     }

@@ -194,6 +194,9 @@ pub fn signal_name(number: i32) -> String {
         .unwrap_or_else(|_| format!("signal {number}"))
 }
 
+/// Lines of a failed process's log kept in its failure report.
+pub const LOG_TAIL_LINES: usize = 20;
+
 /// The last `lines` lines of a log after byte `from` (fewer if it is shorter;
 /// empty if unreadable).
 pub fn log_tail(path: &Path, from: u64, lines: usize) -> Vec<String> {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{free_port, wait_until, Job};
+use common::{exit_code, free_port, wait_until, Job};
 use vrtspike_contract::rundir::RunLayout;
 
 /// What one streamer may send on one connection before the test calls it never
@@ -145,16 +145,6 @@ fn node(job: &Job, node: u32, port: u16, control: u16, log: &std::path::Path) ->
     .stderr(Stdio::from(log))
     .spawn()
     .unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn exit_code(child: &mut Child, limit: Duration) -> Option<i32> {
-    let exited = wait_until(limit, || matches!(child.try_wait(), Ok(Some(_))));
-    if !exited {
-        let _ = child.kill();
-    }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(exited, "a launcher ran past {limit:?}");
-    status.code()
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{alive, free_port, texts, wait_until, Job};
+use common::{alive, exit_code, free_port, texts, wait_until, Job};
 
 /// A rendezvous in Python: rank 0 listens on MASTER_ADDR:MASTER_PORT until every
 /// other rank has said its RANK; each rank checks the WORLD_SIZE rank 0 answers.
@@ -141,17 +141,6 @@ fn spawn_quiet(mut command: Command) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Waits for a launcher to exit (killing it after `limit`); its exit code.
-fn exit_code(child: &mut Child, limit: Duration) -> Option<i32> {
-    let exited = wait_until(limit, || matches!(child.try_wait(), Ok(Some(_))));
-    if !exited {
-        let _ = child.kill();
-    }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(exited, "a launcher ran past {limit:?}");
-    status.code()
 }
 
 #[test]

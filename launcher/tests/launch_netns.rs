@@ -29,7 +29,9 @@ use serde_json::Value;
 use vrtspike_contract::heartbeat;
 use vrtspike_contract::rundir::RunLayout;
 
-use common::{read_json, signal, synth_tiny, wait_until, write_tiny_config, Job, TinyTrain};
+use common::{
+    exit_code, read_json, signal, synth_tiny, wait_until, write_tiny_config, Job, TinyTrain,
+};
 
 const LIMIT: Duration = Duration::from_secs(300);
 const NODE0_ADDR: &str = "10.213.0.1";
@@ -183,16 +185,6 @@ fn node_args(node: u32) -> Vec<String> {
     .map(|s| s.to_string())
     .chain([node.to_string(), "--master-addr".into(), NODE0_ADDR.into()])
     .collect()
-}
-
-fn exit_code(child: &mut Child, limit: Duration) -> Option<i32> {
-    let exited = wait_until(limit, || matches!(child.try_wait(), Ok(Some(_))));
-    if !exited {
-        let _ = child.kill();
-    }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(exited, "a launcher ran past {limit:?}");
-    status.code()
 }
 
 /// The last `final parameters agree` hash in a rank's log.

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
-use vrtspike::dist::{torch_runtime, Nccl, TorchCudaLib, TorchRuntime};
+use vrtspike::ddp::{torch_runtime, Nccl, TorchCudaLib, TorchRuntime};
 
 /// Arguments of `vrtspike info`.
 #[derive(Args)]

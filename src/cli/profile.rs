@@ -212,17 +212,17 @@ impl CudaProbe {
 
 impl MemoryProbe for CudaProbe {
     fn current(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.device)
+        let stats = vrtspike::ddp::cuda_memory_stats(self.device)
             .ok()
             .flatten()?;
         Some(stats.allocated_current)
     }
 
     fn take_peak(&self) -> Option<u64> {
-        let stats = vrtspike::dist::cuda_memory_stats(self.device)
+        let stats = vrtspike::ddp::cuda_memory_stats(self.device)
             .ok()
             .flatten()?;
-        vrtspike::dist::reset_cuda_peak(self.device).ok()?;
+        vrtspike::ddp::reset_cuda_peak(self.device).ok()?;
         self.allocated
             .fetch_max(stats.allocated_peak, Ordering::Relaxed);
         self.reserved

@@ -1,7 +1,9 @@
-//! Config sources as YAML layers: a file and the `BASE` files it starts from (paths
-//! relative to the including file, chains allowed, cycles refused), and `--set`
+//! How a config is put together, in one place: a [`Stack`] of YAML layers, a file and
+//! the `BASE` files it starts from (paths relative to the including file, chains
+//! allowed, cycles refused), or a resolved config's keys as defaults, then `--set`
 //! overrides. Older key spellings are renamed per layer, layers are deep-merged in
-//! order, and the origin of every resolved key is recorded.
+//! order, and the origin of every resolved key is recorded. What the merged keys
+//! mean (types, rules) is `Config`'s.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -194,9 +196,80 @@ pub fn set(root: &mut Value, key: &str, value: Value) -> Result<(), (String, Str
     Ok(())
 }
 
+/// Every layer of one resolution in order, and the file it was asked for (what
+/// errors about the merged keys name).
+#[derive(Debug, Clone)]
+pub struct Stack {
+    top: PathBuf,
+    layers: Vec<Layer>,
+}
+
+impl Stack {
+    /// The file `path` after its `BASE` chain; `text` is the file's content when
+    /// already read.
+    pub fn file(path: &Path, text: Option<&str>) -> Result<Stack, ConfigError> {
+        Ok(Stack {
+            top: path.to_path_buf(),
+            layers: file_layers(path, text)?,
+        })
+    }
+
+    /// The keys of `value` (a resolved config) as defaults; `name` stands for them in
+    /// errors.
+    pub fn defaults(name: &Path, value: Value) -> Result<Stack, ConfigError> {
+        Ok(Stack {
+            top: name.to_path_buf(),
+            layers: vec![Layer::new(Source::Default, value)?],
+        })
+    }
+
+    /// `overrides` (`KEY.PATH=VALUE`) on top, in order.
+    pub fn with_overrides(mut self, overrides: &[String]) -> Result<Stack, ConfigError> {
+        for spec in overrides {
+            self.layers.push(override_layer(spec)?);
+        }
+        Ok(self)
+    }
+
+    /// The file asked for.
+    pub fn top(&self) -> &Path {
+        &self.top
+    }
+
+    /// The layers, lowest first.
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The layers deep-merged, with every key's origin.
+    pub fn merged(&self) -> (Value, BTreeMap<String, Origin>) {
+        merge(&self.layers)
+    }
+
+    /// The file an error at a key from `origin` names: its own file, else the file
+    /// asked for.
+    pub fn path_of(&self, origin: &Origin) -> PathBuf {
+        match &origin.source {
+            Source::File(p) | Source::Base(p) => p.clone(),
+            Source::Override(_) | Source::Default => self.top.clone(),
+        }
+    }
+
+    /// The `KEY.PATH=VALUE` overrides, in order.
+    pub fn override_specs(&self) -> Vec<String> {
+        self.layers
+            .iter()
+            .filter_map(|layer| match &layer.source {
+                Source::Override(spec) => Some(spec.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 /// The layers of a config file: its `BASE` chain (deepest first), then the file.
 /// `text` is the file's content when already read.
-pub fn file_layers(path: &Path, text: Option<&str>) -> Result<Vec<Layer>, ConfigError> {
+fn file_layers(path: &Path, text: Option<&str>) -> Result<Vec<Layer>, ConfigError> {
     let mut layers = Vec::new();
     let mut chain = Vec::new();
     collect(path, text, &mut chain, &mut layers)?;
@@ -267,7 +340,7 @@ const MAX_KEY_PARTS: usize = 8;
 
 /// The layer of one `KEY.PATH=VALUE` override; VALUE is YAML (`7`, `[6, 8, 8]`,
 /// `auto`, `null`).
-pub fn override_layer(spec: &str) -> Result<Layer, ConfigError> {
+fn override_layer(spec: &str) -> Result<Layer, ConfigError> {
     let error = |key: &str, message: String| ConfigError::Override {
         spec: spec.to_string(),
         key: key.to_string(),
@@ -299,7 +372,7 @@ pub fn override_layer(spec: &str) -> Result<Layer, ConfigError> {
 
 /// Deep-merges `layers` in order (mappings merge, anything else replaces) and records
 /// the origin of every key set on the way.
-pub fn merge(layers: &[Layer]) -> (Value, BTreeMap<String, Origin>) {
+fn merge(layers: &[Layer]) -> (Value, BTreeMap<String, Origin>) {
     let mut merged = Value::Mapping(Mapping::new());
     let mut origins: BTreeMap<String, Origin> = BTreeMap::new();
     for layer in layers {

@@ -22,6 +22,7 @@ use serde_yaml_ng::Value;
 
 pub use data::{Augment, BlurDir, CachePolicy, DataConfig};
 pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
+use layers::Stack;
 pub use layers::{Origin, Source, ALIASES};
 pub use loader::{auto_workers, DataLoaderConfig, Workers};
 pub use log::LogConfig;
@@ -131,18 +132,13 @@ impl Config {
     /// Parses and validates YAML text; `path` names the source in errors and is the
     /// directory `BASE` is relative to.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let layers = layers::file_layers(path, Some(text))?;
-        Ok(Config::from_layers(&layers, path)?.config)
+        Ok(Config::from_stack(&Stack::file(path, Some(text))?)?.config)
     }
 
     /// Reads `path` (with its `BASE` chain), applies `overrides` (`KEY.PATH=VALUE`, in
     /// order) and validates the result, keeping where every key came from.
     pub fn resolve(path: &Path, overrides: &[String]) -> Result<Resolved, ConfigError> {
-        let mut all = layers::file_layers(path, None)?;
-        for spec in overrides {
-            all.push(layers::override_layer(spec)?);
-        }
-        Config::from_layers(&all, path)
+        Config::from_stack(&Stack::file(path, None)?.with_overrides(overrides)?)
     }
 
     /// This config with `overrides` (`KEY.PATH=VALUE`) applied, typed and validated
@@ -156,11 +152,8 @@ impl Config {
             key: ".".into(),
             message: err.to_string(),
         })?;
-        let mut all = vec![layers::Layer::new(Source::Default, value)?];
-        for spec in overrides {
-            all.push(layers::override_layer(spec)?);
-        }
-        Ok(Config::from_layers(&all, name)?.config)
+        let stack = Stack::defaults(name, value)?.with_overrides(overrides)?;
+        Ok(Config::from_stack(&stack)?.config)
     }
 
     /// The resolved config as YAML (what a run directory keeps), with only the `MODEL`
@@ -189,28 +182,25 @@ impl Config {
     }
 
     /// Checks each layer's keys and types, merges them, and validates the result.
-    fn from_layers(all: &[layers::Layer], top: &Path) -> Result<Resolved, ConfigError> {
-        for layer in all {
+    fn from_stack(stack: &Stack) -> Result<Resolved, ConfigError> {
+        for layer in stack.layers() {
             typed(layer.value.clone()).map_err(|(key, message)| layer.error(&key, message))?;
         }
-        let (merged, origins) = layers::merge(all);
+        let (merged, origins) = stack.merged();
         let config = typed(merged).map_err(|(key, message)| ConfigError::Parse {
-            path: top.to_path_buf(),
+            path: stack.top().to_path_buf(),
             key,
             message,
         })?;
-        reads::check_given_keys_are_read(&config, &origins, all)?;
+        reads::check_given_keys_are_read(&config, &origins, stack.layers())?;
         if let Err((key, mut message)) = config.validate() {
             let origin = show::origin_of(&origins, &key);
-            let path = match &origin.source {
-                Source::File(p) | Source::Base(p) => p.clone(),
-                Source::Override(_) | Source::Default => top.to_path_buf(),
-            };
+            let path = stack.path_of(&origin);
             match &origin.source {
                 Source::Override(spec) => message.push_str(&format!(" (set by --set {spec})")),
                 // A rule across keys: name the overrides that may have broken it.
                 _ => {
-                    let specs = override_specs(all);
+                    let specs = stack.override_specs();
                     if !specs.is_empty() {
                         message.push_str(&format!(" (with --set {})", specs.join(", --set ")));
                     }
@@ -218,7 +208,7 @@ impl Config {
             }
             return Err(ConfigError::Invalid { path, key, message });
         }
-        Ok(Resolved::new(config, top.to_path_buf(), origins))
+        Ok(Resolved::new(config, stack.top().to_path_buf(), origins))
     }
 
     /// Checks values that parse but make no sense, section by section.
@@ -231,16 +221,6 @@ impl Config {
         self.dist.validate()?;
         Ok(())
     }
-}
-
-/// The `KEY.PATH=VALUE` overrides among `all`, in order.
-fn override_specs(all: &[layers::Layer]) -> Vec<String> {
-    all.iter()
-        .filter_map(|layer| match &layer.source {
-            Source::Override(spec) => Some(spec.clone()),
-            _ => None,
-        })
-        .collect()
 }
 
 /// Deserializes a YAML mapping into a config (types and key names only); errors give

@@ -183,15 +183,11 @@ fn check_claimed_size(path: &Path, shapes: &[&[usize]]) -> Result<()> {
 
 impl H5Session {
     /// Opens `path` read-only with a chunk cache of `chunk_cache_mb` MiB for the
-    /// file (split over its three datasets) and checks every dataset and attribute,
-    /// once a probe child has read it without crashing ([`super::h5_probe::check`]).
-    pub fn open(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
-        super::h5_probe::check(path)?;
-        Self::open_unprobed(path, chunk_cache_mb)
-    }
-
-    /// [`Self::open`] without the probe: what the probe child itself runs.
-    pub(crate) fn open_unprobed(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
+    /// file (split over its three datasets) and checks every dataset and attribute.
+    /// This is libhdf5 in this process, with no probe first: what the probe child
+    /// runs. Everyone else opens through `dataset::h5_probe::open`, which has a
+    /// child read the file first (libhdf5 crashes on some corrupt files).
+    pub fn open_unprobed(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
         let per_dataset = chunk_cache_mb as usize * (1 << 20) / 3;
         // Read-only, so no file lock: a lock fails on cluster file systems without
         // flock (Lustre, NFS), and a writer's exclusive lock lives on in any child
@@ -386,7 +382,7 @@ mod tests {
         // The refusal names the size check, which runs before any buffer is sized
         // from the shapes: were the names built first, this would exhaust memory.
         // (No wall-clock bound: other tests hold the hdf5 crate's global lock.)
-        let err = H5Session::open(&path, 1).unwrap_err().to_string();
+        let err = H5Session::open_unprobed(&path, 1).unwrap_err().to_string();
         assert!(
             err.contains("forged.h5") && err.contains("never written"),
             "{err}"

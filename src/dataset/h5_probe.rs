@@ -1,6 +1,6 @@
 //! Crash isolation for HDF5 session files: before this process first opens a
 //! `.h5` file with libhdf5, a child process (`vrtspike h5-probe --serve`) opens it
-//! the way [`super::h5::H5Session::open`] does, reads its first and last frames and
+//! the way [`open`] does, reads its first and last frames and
 //! walks its chunk indexes. A child that dies (libhdf5 1.10.8 segfaults on some
 //! corrupt files), hangs past a timeout or reports an error gives a [`DataError`]
 //! naming the file, and this process never touches that file with libhdf5.
@@ -530,7 +530,7 @@ pub fn set_probe_executable(exe: PathBuf) -> bool {
     EXECUTABLE.set(exe).is_ok()
 }
 
-/// The process-wide prober [`H5Session::open`] uses.
+/// The process-wide prober [`open`] uses.
 pub fn global() -> &'static Prober {
     GLOBAL.get_or_init(|| Prober::new(default_mode(), default_timeout()))
 }
@@ -538,6 +538,14 @@ pub fn global() -> &'static Prober {
 /// Checks `path` with the process-wide prober (see [`Prober::check`]).
 pub fn check(path: &Path) -> Result<()> {
     global().check(path)
+}
+
+/// Opens the session file `path` ([`H5Session::open_unprobed`], chunk cache of
+/// `chunk_cache_mb` MiB) once a probe child has read it without crashing
+/// ([`check`]): how every reader of the dataset opens an HDF5 file.
+pub fn open(path: &Path, chunk_cache_mb: u32) -> Result<H5Session> {
+    check(path)?;
+    H5Session::open_unprobed(path, chunk_cache_mb)
 }
 
 fn default_timeout() -> Duration {
@@ -593,7 +601,7 @@ fn unavailable(why: &str) -> ProbeMode {
     ))
 }
 
-/// What the child does for one file: everything [`H5Session::open`] does with
+/// What the child does for one file: everything [`open`] does with
 /// libhdf5, the first and last frames, and every chunk index entry.
 pub fn probe_here(path: &Path) -> Result<()> {
     let session = H5Session::open_unprobed(path, PROBE_CHUNK_CACHE_MB)?;

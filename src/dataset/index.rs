@@ -13,6 +13,7 @@ use crate::config::BlurDir;
 use super::dat;
 use super::error::{DataError, Result};
 use super::h5::{self, H5Session};
+use super::h5_probe;
 use super::image;
 use super::meta::DatasetMeta;
 use super::npy;
@@ -227,7 +228,7 @@ impl DatasetIndex {
             Err(err) => return Err(err),
         };
         for path in files {
-            let opened = H5Session::open(&path, options.chunk_cache_mb).and_then(|session| {
+            let opened = h5_probe::open(&path, options.chunk_cache_mb).and_then(|session| {
                 let this = (session.spike_height, session.spike_width);
                 match grid {
                     Some(g) if g != this => Err(DataError::format(

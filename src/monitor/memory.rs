@@ -1,7 +1,7 @@
 //! The memory monitor: this process's Pss and Rss (smaps_rollup, read by
 //! `vrtspike_contract::pss` as the launcher reads it), the
 //! system's used/total memory (`sysinfo`), the CUDA caching allocator's
-//! allocated/reserved bytes (the dist shim) and the device's used memory and
+//! allocated/reserved bytes (the ddp shim) and the device's used memory and
 //! utilisation (NVML, skipped when there is no NVIDIA driver). Past 90% of host or
 //! device memory it warns and names the knobs that reduce use.
 
@@ -79,7 +79,7 @@ impl MemoryMonitor {
             ..MemorySample::default()
         };
         if let Some(device) = self.device {
-            if let Ok(Some(stats)) = crate::dist::cuda_memory_stats(device) {
+            if let Ok(Some(stats)) = crate::ddp::cuda_memory_stats(device) {
                 sample.gpu_allocated_mb = Some(stats.allocated_current as f64 / MB);
                 sample.gpu_reserved_mb = Some(stats.reserved_current as f64 / MB);
             }

@@ -6,7 +6,7 @@
 use tch::{TchError, Tensor};
 
 use crate::config::{Config, DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
-use crate::dist::{
+use crate::ddp::{
     check_parameters, parameter_hash, Backend, Ddp, DdpOptions, GradCompression, GradReducer,
     GradSync, GroupOptions, ProcessGroup, ReduceOp, ReducerOptions,
 };

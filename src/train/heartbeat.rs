@@ -35,7 +35,7 @@ use vrtspike_contract::heartbeat::{
 pub use vrtspike_contract::heartbeat::Phase;
 
 use super::env::RankEnv;
-use crate::dist::CollectiveObserver;
+use crate::ddp::CollectiveObserver;
 
 /// Test-only: the step at which a rank hangs (see the module doc).
 pub const TEST_HANG_AT_STEP: &str = "VRTSPIKE_TEST_HANG_AT_STEP";

@@ -27,7 +27,7 @@ pub enum MeasureError {
     Torch(#[from] tch::TchError),
     /// The CUDA allocator's figures could not be read.
     #[error(transparent)]
-    Dist(#[from] crate::dist::DistError),
+    Dist(#[from] crate::ddp::DistError),
     /// The device has no allocator figures (no CUDA in this build, or no such device).
     #[error("{0}")]
     Unavailable(String),
@@ -71,12 +71,12 @@ pub fn measure_step(
     let bins = config.model.spike.voxel_bins;
     let voxel_shape = vec![b, l, bins, rows as i64, cols as i64];
     if let Device::Cuda(n) = device {
-        if crate::dist::cuda_memory_stats(n)?.is_none() {
+        if crate::ddp::cuda_memory_stats(n)?.is_none() {
             return Err(MeasureError::Unavailable(format!(
                 "cuda:{n}: no CUDA allocator figures (no CUDA in this build or no such device)"
             )));
         }
-        crate::dist::empty_cuda_cache()?;
+        crate::ddp::empty_cuda_cache()?;
     }
     reset_peak_rss();
     let rss_before = proc_status_bytes("VmRSS").unwrap_or(0);
@@ -86,7 +86,7 @@ pub fn measure_step(
     let (source, peak_allocated, peak_reserved, name) = match device {
         Device::Cuda(n) => {
             tch::Cuda::synchronize(n as i64);
-            let stats = crate::dist::cuda_memory_stats(n)?.ok_or_else(|| {
+            let stats = crate::ddp::cuda_memory_stats(n)?.ok_or_else(|| {
                 MeasureError::Unavailable(format!("cuda:{n}: allocator figures vanished"))
             })?;
             (

@@ -62,7 +62,7 @@ pub enum TrainError {
     Pipeline(#[from] crate::pipeline::PipelineError),
     /// A collective or the process group failed (the rank named).
     #[error(transparent)]
-    Dist(#[from] crate::dist::DistError),
+    Dist(#[from] crate::ddp::DistError),
     /// The model could not be built or run.
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),

@@ -12,7 +12,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::Config;
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
-use crate::dist::{GradSync, ReduceOp};
+use crate::ddp::{GradSync, ReduceOp};
 use crate::eval::quality::QualitySums;
 use crate::model::Restorer;
 use crate::monitor::memory::MemoryMonitor;

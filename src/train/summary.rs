@@ -4,7 +4,7 @@
 
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
-use crate::dist::ReduceOp;
+use crate::ddp::ReduceOp;
 
 use super::env::RankEnv;
 

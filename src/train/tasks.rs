@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tch::{Device, Tensor};
 
 use crate::cache::{CacheClient, CacheError};
-use crate::dist::ReduceOp;
+use crate::ddp::ReduceOp;
 use crate::eval::quality::QualitySums;
 use crate::monitor::logline::{eta_seconds, format_eta, format_log_line, LogLine};
 use crate::monitor::tensorboard::RgbImage;

@@ -110,7 +110,7 @@ impl Validator {
             return Ok((sums, kept));
         };
         if self.device.is_cuda() {
-            crate::dist::empty_cuda_cache()?;
+            crate::ddp::empty_cuda_cache()?;
         }
         loader.set_epoch(0);
         while let Some(batch) = loader.next_batch() {

@@ -108,8 +108,8 @@ pub fn assert_all_ok(outcomes: &[RankOutcome]) {
 }
 
 /// Joins the Gloo group of this rank process (torchrun environment, 30 s timeout).
-pub fn join() -> vrtspike::dist::ProcessGroup {
-    use vrtspike::dist::{Backend, GroupOptions, ProcessGroup};
+pub fn join() -> vrtspike::ddp::ProcessGroup {
+    use vrtspike::ddp::{Backend, GroupOptions, ProcessGroup};
     let options = GroupOptions::for_rank(&torchrun_env(), Backend::Gloo, Duration::from_secs(30))
         .expect("torchrun env");
     ProcessGroup::new(&options).expect("join the group")

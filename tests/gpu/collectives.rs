@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use vrtspike::dist::{
+use vrtspike::ddp::{
     Backend, Ddp, DdpOptions, GradReducer, GradSync, GroupOptions, ProcessGroup, ReduceOp,
     ReducerOptions,
 };
@@ -31,7 +31,7 @@ fn group(backend: Backend, prefix: &str) -> ProcessGroup {
 #[test]
 fn nccl_world_one_all_reduce_broadcast_barrier() {
     let device = cuda();
-    assert!(vrtspike::dist::nccl_available(), "this build has no NCCL");
+    assert!(vrtspike::ddp::nccl_available(), "this build has no NCCL");
     let mut g = group(Backend::Nccl, "nccl-world-1");
     let values = [1.5f32, -2.0, 3.25, 0.0];
     let mut t = Tensor::from_slice(&values).to_device(device);

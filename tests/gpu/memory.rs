@@ -3,7 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 use vrtspike::dataset::record::Rect;
-use vrtspike::dist::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
+use vrtspike::ddp::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
 use vrtspike::pipeline::loader::Batch;
 use vrtspike::pipeline::sample::Sample;
 use vrtspike::pipeline::transform::Dihedral;
@@ -105,7 +105,7 @@ fn a_batch_reaches_the_gpu_through_pinned_memory_unchanged() {
 #[test]
 fn an_allocation_past_the_card_is_a_named_error_and_the_process_goes_on() {
     let device = cuda();
-    let total: i64 = vrtspike::dist::torch_runtime()
+    let total: i64 = vrtspike::ddp::torch_runtime()
         .devices
         .expect("devices")
         .first()

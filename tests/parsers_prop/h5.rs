@@ -11,8 +11,7 @@ use hdf5::types::VarLenUnicode;
 use hdf5::{File, H5Type};
 use proptest::prelude::*;
 
-use vrtspike::dataset::h5::H5Session;
-use vrtspike::dataset::h5_probe::{ProbeMode, Prober};
+use vrtspike::dataset::h5_probe::{self, ProbeMode, Prober};
 
 use super::{accepted, bounded_by_input, check, largest_allocation, names};
 
@@ -257,9 +256,9 @@ fn write(path: &Path, s: &Session) -> hdf5::Result<()> {
 /// libraries are not in the page cache); then the open in this process is bounded.
 fn open_and_read(path: &Path, pristine: bool) -> Result<(), TestCaseError> {
     let file_len = std::fs::metadata(path).unwrap().len() as usize;
-    let _ = vrtspike::dataset::h5_probe::check(path);
+    let _ = h5_probe::check(path);
     let start = Instant::now();
-    let (opened, largest) = largest_allocation(|| H5Session::open(path, 1));
+    let (opened, largest) = largest_allocation(|| h5_probe::open(path, 1));
     bounded_by_input(largest, file_len, 4)?;
     match opened {
         Ok(session) => {
@@ -370,13 +369,13 @@ fn a_file_that_crashes_libhdf5_is_a_named_error_and_good_files_still_open() {
     let signal = std::os::unix::process::ExitStatusExt::signal(&direct.status);
     println!("vrtspike h5-probe on the corrupt file: {:?}", direct.status);
     // Test binaries in target/*/deps/ find the vrtspike built beside them.
-    let mode = vrtspike::dataset::h5_probe::global().mode().clone();
+    let mode = h5_probe::global().mode().clone();
     let built = std::fs::canonicalize(exe).unwrap();
     assert!(
         matches!(&mode, ProbeMode::Child(p) if std::fs::canonicalize(p).ok() == Some(built.clone())),
         "{mode:?}"
     );
-    let err = H5Session::open(&bad, 1).unwrap_err().to_string();
+    let err = h5_probe::open(&bad, 1).unwrap_err().to_string();
     assert!(
         err.contains("crashes.h5") && err.contains("corrupt"),
         "{err}"
@@ -384,7 +383,7 @@ fn a_file_that_crashes_libhdf5_is_a_named_error_and_good_files_still_open() {
     if signal.is_some() {
         assert!(err.contains("crashed") && err.contains("SIG"), "{err}");
     }
-    let session = H5Session::open(&good, 1).unwrap();
+    let session = h5_probe::open(&good, 1).unwrap();
     // The crash killed a worker the child forked, not the child: one child served
     // both files.
     let prober = Prober::new(mode, Duration::from_secs(30));

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use vrtspike_contract::heartbeat::{self, Beat, Collectives, Progress};
 
-use crate::gang::LOG_TAIL_LINES;
 use crate::peers::Standing;
 use crate::spawn::{self, Supervised};
 use crate::stacks;
@@ -331,7 +330,7 @@ impl HangWatch {
             signal: None,
             cause: hang.cause(),
             log: log.display().to_string(),
-            log_tail: spawn::log_tail(&log, log_offset, LOG_TAIL_LINES),
+            log_tail: spawn::log_tail(&log, log_offset, spawn::LOG_TAIL_LINES),
             class: None,
             stuck: true,
         }

@@ -233,6 +233,18 @@ pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool 
     condition()
 }
 
+/// Waits for a launcher to exit (killing it after `limit`, and failing the test);
+/// its exit code.
+pub fn exit_code(child: &mut std::process::Child, limit: Duration) -> Option<i32> {
+    let exited = wait_until(limit, || matches!(child.try_wait(), Ok(Some(_))));
+    if !exited {
+        let _ = child.kill();
+    }
+    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(exited, "a launcher ran past {limit:?}");
+    status.code()
+}
+
 /// Direct children of `pid`, from /proc.
 pub fn children_of(pid: u32) -> Vec<u32> {
     let mut kids = Vec::new();

@@ -1,4 +1,4 @@
-// Errors across the C boundary of vrtspike's C++ shims (src/dist/shim/,
+// Errors across the C boundary of vrtspike's C++ shims (src/ddp/shim/,
 // src/model/shim/): no C++ exception may reach Rust, so an entry point returns
 // an owned, malloc'd error string (NULL on success) that the Rust side frees.
 // Header-only; the build scripts put this folder on the include path and in the

@@ -5,20 +5,20 @@
 //! what the linked libtorch offers at run time (versions, CUDA, NCCL, devices).
 
 mod cuda_mem;
-mod ddp;
 mod error;
 mod ffi;
+mod flat;
 mod group;
 mod progress;
 mod reducer;
 mod runtime;
 
 pub use cuda_mem::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats};
-pub use ddp::{
+pub use error::DistError;
+pub use flat::{
     check_parameters, parameter_hash, plan_buckets, Ddp, DdpOptions, BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
 };
-pub use error::DistError;
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};
 pub use progress::CollectiveObserver;
 pub use reducer::{GradCompression, GradReducer, GradSync, ReducerOptions};

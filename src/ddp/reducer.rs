@@ -30,9 +30,9 @@ use std::time::Duration;
 use tch::Tensor;
 use vrtspike_contract::heartbeat::CollectiveOp;
 
-use super::ddp::{verify_shapes, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::error::DistError;
 use super::ffi;
+use super::flat::{verify_shapes, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::group::ProcessGroup;
 use super::progress::CollectiveObserver;
 
@@ -367,7 +367,7 @@ mod tests {
     /// launches none.
     #[test]
     fn a_reducing_backward_tells_the_observer_of_each_bucket() {
-        let mut group = crate::dist::group::gloo_world_of_one();
+        let mut group = crate::ddp::group::gloo_world_of_one();
         let heard = Arc::new(Heard::default());
         group.observe(heard.clone());
         let w = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
@@ -419,7 +419,7 @@ mod tests {
             GradCompression::Bf16,
             GradCompression::Fp16,
         ] {
-            let mut group = crate::dist::group::gloo_world_of_one();
+            let mut group = crate::ddp::group::gloo_world_of_one();
             let options = ReducerOptions {
                 compression,
                 ..ReducerOptions::default()

@@ -2,7 +2,7 @@
 // rendezvous, ProcessGroupGloo, ProcessGroupNCCL when built with
 // VS_WITH_NCCL, PyTorch DDP's gradient Reducer, the CUDA caching allocator's
 // statistics) through a C ABI
-// for the Rust side (src/dist/ffi.rs). No C++ exception crosses this
+// for the Rust side (src/ddp/ffi.rs). No C++ exception crosses this
 // boundary: every entry point catches and returns an owned error string
 // (NULL on success) that the caller frees with vs_string_free.
 
@@ -41,11 +41,11 @@
 
 namespace {
 
-// Backends the Rust side can ask for (mirrors `Backend` in src/dist/ffi.rs).
+// Backends the Rust side can ask for (mirrors `Backend` in src/ddp/ffi.rs).
 constexpr int kBackendGloo = 0;
 constexpr int kBackendNccl = 1;
 
-// Reductions (mirrors `ReduceOp` in src/dist/ffi.rs).
+// Reductions (mirrors `ReduceOp` in src/ddp/ffi.rs).
 constexpr int kOpSum = 0;
 constexpr int kOpAvg = 1;
 constexpr int kOpMin = 2;
@@ -517,7 +517,7 @@ char* vs_cuda_empty_cache() {
 // DistributedDataParallel does: vs_reducer_forward before each forward pass,
 // vs_reducer_backward for its backward pass.
 
-// Gradient compression codes (mirrors `GradCompression` in src/dist/ffi.rs).
+// Gradient compression codes (mirrors `GradCompression` in src/ddp/ffi.rs).
 constexpr int kCompressNone = 0;
 constexpr int kCompressFp16 = 1;
 constexpr int kCompressBf16 = 2;
