@@ -23,7 +23,7 @@ use crate::rundir::RunDir;
 use crate::signals;
 use crate::spawn::{self, ChildKind};
 use crate::summary::{AttemptRecord, ExitKind, Failure, Summary};
-use crate::{cache_server, hang, plan_check, stacks};
+use crate::{cache_server, env_contract, hang, peers, plan_check};
 
 /// What the launcher knows about the job, gathered for the summary.
 pub struct Job {
