@@ -28,7 +28,7 @@ fn main() {
     signals::settle(Disposition::Count, Disposition::Count)
         .unwrap_or_else(|e| panic!("settle: {e}"));
     let late = compute(&stop);
-    let threads = thread_masks();
+    let threads = once_the_watcher_runs();
     // The job-signals thread waits in sigtimedwait, which unblocks what it waits for
     // while it waits (so the signal wakes it) and takes it off the queue itself:
     // no handler runs there either.
@@ -77,6 +77,21 @@ fn compute(stop: &Arc<AtomicBool>) -> JoinHandle<f64> {
         }
         x
     })
+}
+
+/// [`thread_masks`] once a thread named `job-signals` shows (or after
+/// [`COUNT_LIMIT`]): `settle` returns as soon as the thread is spawned, and a thread
+/// that has just been created runs with every signal blocked and its parent's name
+/// until it has set up (seen under load: the watcher still unnamed).
+fn once_the_watcher_runs() -> Vec<(String, u64)> {
+    let asked = Instant::now();
+    loop {
+        let threads = thread_masks();
+        if threads.iter().any(|(name, _)| name == "job-signals") || asked.elapsed() > COUNT_LIMIT {
+            return threads;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Every thread of this process: its name and its blocked signals (`SigBlk`).
