@@ -168,6 +168,22 @@ struct Bench {
     _tmp: tempfile::TempDir,
 }
 
+/// Whether `state` (scontrol's JobState) is one a job ends in.
+fn is_final_state(state: &str) -> bool {
+    matches!(
+        state,
+        "COMPLETED"
+            | "CANCELLED"
+            | "FAILED"
+            | "TIMEOUT"
+            | "NODE_FAIL"
+            | "PREEMPTED"
+            | "BOOT_FAIL"
+            | "DEADLINE"
+            | "OUT_OF_MEMORY"
+    )
+}
+
 impl Bench {
     fn set_up() -> Option<Bench> {
         if let Some(why) = slurm_cluster::unavailable() {
@@ -399,7 +415,11 @@ impl Bench {
         first_run: &[(u32, String)],
         figures: &mut Figures,
     ) {
-        let ended = |j: &JobInfo| !matches!(j.state(), "RUNNING" | "PENDING" | "COMPLETING");
+        // Only a base state that ends a job counts as ended: squeue and scontrol
+        // show a state flag in place of the base state while it is set (SIGNALING
+        // while the time limit's warning goes out, REQUEUED, COMPLETING), and
+        // taking SIGNALING for an end once passed this wait on a running job.
+        let ended = |j: &JobInfo| is_final_state(j.state());
         let requeued = self.wait(job, "requeued", || {
             self.slurm
                 .job(job)
@@ -407,11 +427,11 @@ impl Bench {
         });
         let requeued_wall = SystemTime::now();
         figures.to_not_running_s = Some(requeued.duration_since(since).as_secs_f64());
-        // COMPLETING while the batch script ends, then PENDING.
+        // COMPLETING (or REQUEUED) while the batch script ends, then PENDING.
         self.wait(job, "pending after the requeue", || {
             self.slurm
                 .job(job)
-                .is_some_and(|j| j.state() != "COMPLETING")
+                .is_some_and(|j| j.state() == "PENDING" || ended(&j))
         });
         let context = || self.failure(job, "");
         let info = self.info(job);
