@@ -3,7 +3,9 @@
 //! dataset share one cache server, which outlives the job that started it (whether
 //! that job ends or its launcher is killed with `kill -9`) while another job reads
 //! from it, then lingers and exits, leaving neither a process nor its abstract
-//! socket; two launchers started at the same instant end up with one server.
+//! socket; two launchers started at the same instant end up with one server;
+//! `kill -9` of the shared server with two jobs attached: both restart their
+//! attempt, one starts a new server and the other attaches to it.
 
 mod common;
 
@@ -57,21 +59,42 @@ fn setup() -> Setup {
     }
 }
 
+/// Kills the launchers a test started if it fails half-way (their jobs are
+/// endless): each `kill -9` takes its ranks and attach with it.
+struct Reaper(Vec<u32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            if alive(pid) && common::cmdline(pid).contains("vrtspike-launch") {
+                signal(pid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
 /// A launcher of one CPU rank with a node-shared cache (linger 1 s), its output in
-/// `<dir>/<name>.out`.
-fn launch(s: &Setup, name: &str) -> (Child, PathBuf) {
+/// `<dir>/<name>.out`; `reaper` kills it if the test fails.
+fn launch(s: &Setup, name: &str, reaper: &mut Reaper) -> (Child, PathBuf) {
+    launch_with(s, name, reaper, 0)
+}
+
+/// [`launch`] with `restarts` restarts allowed.
+fn launch_with(s: &Setup, name: &str, reaper: &mut Reaper, restarts: u32) -> (Child, PathBuf) {
     let run = s.dir.join(name);
     let out = s.dir.join(format!("{name}.out"));
     let file = File::create(&out).unwrap_or_else(|e| panic!("{e}"));
     let err = file.try_clone().unwrap_or_else(|e| panic!("{e}"));
     let child = launcher_command(&s.config, &run)
-        .args(["--gpus", "0", "--ranks", "1", "--max-restarts", "0"])
+        .args(["--gpus", "0", "--ranks", "1", "--max-restarts"])
+        .arg(restarts.to_string())
         .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
         .args(["--cache-linger-s", "1", "--set", "DATA.CACHE_SHARING=node"])
         .stdout(Stdio::from(file))
         .stderr(Stdio::from(err))
         .spawn()
         .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
+    reaper.0.push(child.id());
     (child, run)
 }
 
@@ -177,11 +200,12 @@ fn assert_gone_after_linger(address: &str, server: u32) {
 /// the server goes after its linger.
 fn the_second_job_outlives_the_first(end: &dyn Fn(&mut Child, &Path, &Path)) {
     let s = setup();
+    let mut reaper = Reaper(Vec::new());
     assert!(
         !socket_exists(&s.address),
         "a server of this dataset before the test"
     );
-    let (mut first, first_run) = launch(&s, "first");
+    let (mut first, first_run) = launch(&s, "first", &mut reaper);
     let first_out = s.dir.join("first.out");
     wait_for_steps(&first_run, 0, &mut first, &first_out);
     let server = server_pid(&s.address);
@@ -191,7 +215,7 @@ fn the_second_job_outlives_the_first(end: &dyn Fn(&mut Child, &Path, &Path)) {
         read(&first_out)
     );
 
-    let (mut second, second_run) = launch(&s, "second");
+    let (mut second, second_run) = launch(&s, "second", &mut reaper);
     let second_out = s.dir.join("second.out");
     wait_for_steps(&second_run, 0, &mut second, &second_out);
     assert_eq!(
@@ -264,8 +288,9 @@ fn is_server(pid: u32) -> bool {
 #[test]
 fn two_launchers_started_at_the_same_instant_share_one_server() {
     let s = setup();
-    let (mut one, one_run) = launch(&s, "one");
-    let (mut two, two_run) = launch(&s, "two");
+    let mut reaper = Reaper(Vec::new());
+    let (mut one, one_run) = launch(&s, "one", &mut reaper);
+    let (mut two, two_run) = launch(&s, "two", &mut reaper);
     let (one_out, two_out) = (s.dir.join("one.out"), s.dir.join("two.out"));
     wait_for_steps(&one_run, 0, &mut one, &one_out);
     wait_for_steps(&two_run, 0, &mut two, &two_out);
@@ -289,10 +314,47 @@ fn two_launchers_started_at_the_same_instant_share_one_server() {
     );
     let servers = common::process_tree(std::process::id())
         .into_iter()
-        .filter(|pid| is_server(*pid) && alive(*pid))
+        .filter(|pid| is_server(*pid) && alive(*pid) && common::cmdline(*pid).contains(&s.address))
         .count();
     assert!(servers <= 1, "{servers} shared servers run");
     preempt(&mut one, &one_run, &one_out);
     preempt(&mut two, &two_run, &two_out);
     assert_gone_after_linger(&s.address, server);
+}
+
+#[test]
+fn kill_9_of_the_shared_server_restarts_both_jobs_on_one_new_server() {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let (mut one, one_run) = launch_with(&s, "one", &mut reaper, 1);
+    let one_out = s.dir.join("one.out");
+    wait_for_steps(&one_run, 0, &mut one, &one_out);
+    let (mut two, two_run) = launch_with(&s, "two", &mut reaper, 1);
+    let two_out = s.dir.join("two.out");
+    wait_for_steps(&two_run, 0, &mut two, &two_out);
+    let old = server_pid(&s.address);
+    assert_eq!(
+        attached_jobs(&s.address).len(),
+        2,
+        "{:?}",
+        stats(&s.address)
+    );
+
+    signal(old, Signal::SIGKILL);
+    // Each job's attach ends with the server: its attempt stops and restarts, and
+    // the restarted attempts meet on one new server.
+    let restarted = |out: &Path| read(out).contains("went away: attaching again");
+    let both = wait_until(LIMIT, || restarted(&one_out) && restarted(&two_out));
+    assert!(both, "{}\n---\n{}", read(&one_out), read(&two_out));
+    let attached = wait_until(LIMIT, || attached_jobs(&s.address).len() == 2);
+    assert!(attached, "{:?}", stats(&s.address));
+    let new = server_pid(&s.address);
+    assert_ne!(new, old);
+    let (one_steps, two_steps) = (steps(&one_run), steps(&two_run));
+    wait_for_steps(&one_run, one_steps + 2, &mut one, &one_out);
+    wait_for_steps(&two_run, two_steps + 2, &mut two, &two_out);
+    assert_eq!(server_pid(&s.address), new, "still one server");
+    preempt(&mut one, &one_run, &one_out);
+    preempt(&mut two, &two_run, &two_out);
+    assert_gone_after_linger(&s.address, new);
 }
