@@ -347,7 +347,15 @@ fn kill_9_of_the_shared_server_restarts_both_jobs_on_one_new_server() {
     let both = wait_until(LIMIT, || restarted(&one_out) && restarted(&two_out));
     assert!(both, "{}\n---\n{}", read(&one_out), read(&two_out));
     let attached = wait_until(LIMIT, || attached_jobs(&s.address).len() == 2);
-    assert!(attached, "{:?}", stats(&s.address));
+    assert!(
+        attached,
+        "{:?}\none:\n{}\n---\ntwo:\n{}\n---\none's cache log:\n{}\n---\ntwo's cache log:\n{}",
+        stats(&s.address),
+        read(&one_out),
+        read(&two_out),
+        read(&RunLayout::new(&one_run).cache_log(0)),
+        read(&RunLayout::new(&two_run).cache_log(0))
+    );
     let new = server_pid(&s.address);
     assert_ne!(new, old);
     let (one_steps, two_steps) = (steps(&one_run), steps(&two_run));

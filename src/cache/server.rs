@@ -18,7 +18,9 @@
 //!
 //! A node-shared server ([`ServerConfig::linger`]) counts its connections, from
 //! accept to the end of their clean-up, and stops once none has been open for the
-//! linger (from its start, too: a server nobody attaches to does not stay).
+//! linger; before its first client it waits [`ServerConfig::first_client_grace`]
+//! (at least the linger) instead, so the job that started it has time to attach
+//! on a loaded node, and a server nobody attaches to still does not stay.
 
 use std::any::Any;
 use std::io::{Read, Write};
@@ -78,7 +80,12 @@ pub struct ServerConfig {
     /// Stop once no connection has been open for this long (a node-shared server);
     /// `None`: run until told to stop.
     pub linger: Option<Duration>,
+    /// With a linger: how long it waits for its first client.
+    pub first_client_grace: Duration,
 }
+
+/// How long a lingering server waits for its first client by default.
+pub const DEFAULT_FIRST_CLIENT_GRACE: Duration = Duration::from_secs(30);
 
 impl ServerConfig {
     /// A server at `address` with a store of `cap_bytes`.
@@ -93,6 +100,7 @@ impl ServerConfig {
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
             handshake_limits: HandshakeLimits::default(),
             linger: None,
+            first_client_grace: DEFAULT_FIRST_CLIENT_GRACE,
         }
     }
 
@@ -171,6 +179,8 @@ struct Shared {
     handshake_dir: PathBuf,
     /// Connections open now, from accept to the end of their clean-up.
     connections: AtomicUsize,
+    /// Connections admitted since the start.
+    admitted: AtomicUsize,
 }
 
 impl Shared {
@@ -268,6 +278,7 @@ impl Server {
                 gate,
                 handshake_dir,
                 connections: AtomicUsize::new(0),
+                admitted: AtomicUsize::new(0),
             }),
         })
     }
@@ -309,6 +320,7 @@ impl Server {
         };
         let shared = Arc::clone(&self.shared);
         shared.connections.fetch_add(1, Ordering::SeqCst);
+        shared.admitted.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new()
             .name("cache-conn".into())
             .spawn(move || {
@@ -407,7 +419,11 @@ fn linger_watch(shared: &Shared, linger: Duration) {
             continue;
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= linger {
+        let limit = match shared.admitted.load(Ordering::SeqCst) {
+            0 => linger.max(shared.config.first_client_grace),
+            _ => linger,
+        };
+        if since.elapsed() >= limit {
             info!(
                 address = %shared.address,
                 "no client for {:.1} s: the shared cache server stops",
@@ -867,9 +883,15 @@ mod tests {
     #[test]
     fn a_lingering_server_nobody_attaches_to_stops_and_one_without_linger_does_not() {
         let address = format!("vrtspike-test-linger-alone-{}", std::process::id());
-        let mut config = ServerConfig::new(address, 1 << 20);
+        let mut config = ServerConfig::new(address.clone(), 1 << 20);
         config.linger = Some(Duration::from_millis(100));
+        config.first_client_grace = Duration::from_millis(1500);
         let thread = running(Server::bind(config).unwrap());
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            !thread.is_finished(),
+            "stopped within its first client's grace, past its linger"
+        );
         wait_finished(&thread, "a server nobody attached to did not stop");
         let forever = bound("forever");
         let shared = Arc::clone(&forever.shared);

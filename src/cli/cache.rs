@@ -56,9 +56,11 @@ pub enum CacheCommand {
 }
 
 impl CacheCommand {
-    /// A server that ends with its parent (`serve --exit-with-parent`, as a
-    /// launcher or a rank starts it): it ignores the job's SIGUSR2 and SIGTERM and
-    /// lives until its parent stops it or dies.
+    /// A process that ignores the job's SIGUSR2 and SIGTERM: a server that ends
+    /// with its parent (`serve --exit-with-parent`, as a launcher or a rank starts
+    /// it) and lives until its parent stops it or dies; a node-shared server
+    /// (`serve --linger-s`), which other jobs may still use; a job's `attach
+    /// --exit-with-parent`, which its launcher stops.
     pub fn ends_with_parent(&self) -> bool {
         match self {
             CacheCommand::Serve(args) => args.exit_with_parent || args.linger_s.is_some(),
