@@ -120,6 +120,12 @@ pub struct Args {
     #[arg(long, default_value_t = 60.0, value_parser = non_negative_seconds)]
     pub cache_start_timeout_s: f64,
 
+    /// With `DATA.CACHE_SHARING: node`: seconds a node-shared cache server this
+    /// launcher starts stays after the last job detached (back-to-back jobs find
+    /// the cache warm).
+    #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
+    pub cache_linger_s: f64,
+
     /// Seconds between samples of the job's memory (summed Pss of the process tree).
     #[arg(long, default_value_t = 1.0, value_parser = positive_seconds)]
     pub pss_interval_s: f64,

@@ -90,12 +90,18 @@ pub fn stats(vrtspike: &Path, address: &str) -> Option<Value> {
 }
 
 /// What the launcher needs from the resolved config (with the job's overrides).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ConfigFacts {
     /// `DATA.USE_RAM_CACHE`: the ranks read through the node cache.
     pub ram_cache: bool,
     /// `DIST.TIMEOUT_S`: the ranks' collective timeout.
     pub collective_timeout_s: f64,
+    /// `DATA.CACHE_SHARING: node`: attach to the node-shared server.
+    pub shared: bool,
+    /// `DATA.ROOT` (null when the config names none).
+    pub data_root: Option<PathBuf>,
+    /// `DATA.CACHE_SIZE_GB` in bytes.
+    pub cache_bytes: u64,
 }
 
 /// [`ConfigFacts`] of the resolved config, asked of `vrtspike config show --json`.
@@ -135,9 +141,27 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
             config.display()
         )
     })?;
+    let shared = match key("DATA.CACHE_SHARING").as_str() {
+        Some("node") => true,
+        Some("job") => false,
+        other => bail!(
+            "config show for {} gives DATA.CACHE_SHARING {other:?}, not node or job",
+            config.display()
+        ),
+    };
+    let data_root = key("DATA.ROOT").as_str().map(PathBuf::from);
+    let cache_gb = key("DATA.CACHE_SIZE_GB").as_f64().with_context(|| {
+        format!(
+            "config show for {} gives no number DATA.CACHE_SIZE_GB",
+            config.display()
+        )
+    })?;
     Ok(ConfigFacts {
         ram_cache,
         collective_timeout_s,
+        shared,
+        data_root,
+        cache_bytes: (cache_gb * (1u64 << 30) as f64) as u64,
     })
 }
 

@@ -23,7 +23,7 @@ use crate::rundir::RunDir;
 use crate::signals;
 use crate::spawn::{self, ChildKind};
 use crate::summary::{AttemptRecord, ExitKind, Failure, Summary};
-use crate::{cache_server, env_contract, hang, peers, plan_check};
+use crate::{cache_server, env_contract, hang, peers, plan_check, shared_cache};
 
 /// What the launcher knows about the job, gathered for the summary.
 pub struct Job {
@@ -68,12 +68,11 @@ impl Job {
     /// restarting, if it did), `Err` a failure to start it at all.
     pub fn run(&mut self, args: &Args) -> Result<Ending> {
         let setup = self.prepare(args)?;
-        let cache_spec = setup.cache_spec(args, &self.run_dir);
         if setup.topology.nnodes > 1 {
             self.peers = Some(connect_peers(args, &setup.topology, &self.run_dir)?);
         }
         let mut server = match setup.ram_cache {
-            true => Some(cache_server::start(&cache_spec)?),
+            true => Some(setup.hold_cache(args, &self.run_dir)?),
             false => {
                 tracing::info!(
                     "DATA.USE_RAM_CACHE is false: no cache server, ranks read from disk"
@@ -101,8 +100,14 @@ impl Job {
             };
             if let Some(stopped) = server.as_mut() {
                 if !stopped.running() {
-                    tracing::warn!("restarting the cache server");
-                    *stopped = cache_server::start(&cache_spec)?;
+                    match setup.shared {
+                        Some(_) => tracing::warn!(
+                            "the node-shared cache server went away: attaching again \
+                             (or starting one)"
+                        ),
+                        None => tracing::warn!("restarting the cache server"),
+                    }
+                    *stopped = setup.hold_cache(args, &self.run_dir)?;
                 }
             }
             let attempt = self.run_attempt(&setup, args, server.as_mut(), last_failed_at, plan)?;
@@ -113,6 +118,17 @@ impl Job {
         };
         if let Some(mut server) = server {
             self.cache_stats = cache_server::stats(&setup.vrtspike, &setup.cache_addr);
+            if let (Some(shared), Some(serde_json::Value::Object(stats))) =
+                (&setup.shared, self.cache_stats.as_mut())
+            {
+                // The figures are the whole server's, every attached job's together.
+                stats.insert(
+                    "sharing".into(),
+                    serde_json::json!({"mode": "node", "address": setup.cache_addr,
+                        "job": shared.job, "figures": "server-wide"}),
+                );
+            }
+            // In node mode this stops only the attach: the server lingers.
             spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
         }
         Ok(ending)
@@ -205,9 +221,17 @@ impl Job {
         rank_args.extend(args.train_args.iter().map(OsString::from));
         let facts = cache_server::config_facts(&vrtspike, &config, &args.set)?;
         warn_if_after_collective_timeout(args, facts.collective_timeout_s);
+        let shared = match facts.ram_cache && facts.shared {
+            true => shared_setup(args, &facts, &self.run_dir)?,
+            false => None,
+        };
         Ok(JobSetup {
             ram_cache: facts.ram_cache,
-            cache_addr: cache_server::address(topology.node_rank),
+            cache_addr: match &shared {
+                Some(shared) => shared.address.clone(),
+                None => cache_server::address(topology.node_rank),
+            },
+            shared,
             rank_program: args.rank_cmd.clone().unwrap_or_else(|| vrtspike.clone()),
             rank_kind: match args.rank_cmd {
                 Some(_) => ChildKind::Other,
@@ -496,9 +520,84 @@ struct JobSetup {
     cache_addr: String,
     /// `DATA.USE_RAM_CACHE`: start the node's cache server.
     ram_cache: bool,
+    /// `DATA.CACHE_SHARING: node`: the node-shared server this job attaches to.
+    shared: Option<SharedSetup>,
+}
+
+/// The node-shared cache server of this job's dataset.
+struct SharedSetup {
+    /// Its address (uid and dataset signature).
+    address: String,
+    /// This job as the server's stats name it: the run directory and launcher.
+    job: String,
+    /// The cap this job asks for.
+    wanted_cap: u64,
+}
+
+/// The node-shared server's address and this job's name for it; `None` (one
+/// server for this job, with a warning) when the config names no DATA.ROOT.
+fn shared_setup(
+    args: &Args,
+    facts: &cache_server::ConfigFacts,
+    run_dir: &RunDir,
+) -> Result<Option<SharedSetup>> {
+    let Some(root) = &facts.data_root else {
+        tracing::warn!(
+            "DATA.CACHE_SHARING is node but DATA.ROOT is null: this job starts a cache server \
+             of its own"
+        );
+        return Ok(None);
+    };
+    let (address, signature) = shared_cache::address(root)
+        .context("DATA.CACHE_SHARING node keys the cache server by the dataset's files")?;
+    tracing::info!(
+        address,
+        root = %signature.root.display(),
+        files = signature.files,
+        bytes = signature.bytes,
+        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset"
+    );
+    let wanted_cap = match args.cache_size.as_deref() {
+        Some(text) => shared_cache::parse_size(text)
+            .with_context(|| format!("--cache-size {text:?} is not a size (e.g. 20G)"))?,
+        None => facts.cache_bytes,
+    };
+    let job = format!(
+        "job {} (launcher pid {})",
+        run_dir.path.display(),
+        std::process::id()
+    );
+    Ok(Some(SharedSetup {
+        address,
+        job,
+        wanted_cap,
+    }))
 }
 
 impl JobSetup {
+    /// Starts this job's cache server, or attaches to the node-shared one (starting
+    /// it if none runs): what the gang watches and the job stops at its end.
+    fn hold_cache(&self, args: &Args, run_dir: &RunDir) -> Result<spawn::Supervised> {
+        let spec = self.cache_spec(args, run_dir);
+        let Some(shared) = &self.shared else {
+            return cache_server::start(&spec);
+        };
+        let serve = vrtspike_contract::cache_serve::CacheServe {
+            lifetime: vrtspike_contract::cache_serve::Lifetime::Shared {
+                linger_s: args.cache_linger_s,
+                started_by: &shared.job,
+            },
+            ..spec.serve
+        };
+        shared_cache::attach_or_start(&shared_cache::SharedSpec {
+            serve,
+            job: &shared.job,
+            log: spec.log,
+            start_timeout: spec.start_timeout,
+            wanted_cap: Some(shared.wanted_cap),
+        })
+    }
+
     /// How this node's cache server is started (and restarted).
     fn cache_spec<'a>(
         &'a self,
@@ -512,6 +611,7 @@ impl JobSetup {
                 config: &self.config,
                 cap: args.cache_size.as_deref(),
                 overrides: &args.set,
+                lifetime: vrtspike_contract::cache_serve::Lifetime::WithParent,
             },
             log: run_dir.layout.cache_log(self.topology.node_rank),
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),

@@ -18,6 +18,7 @@ mod plan_check;
 mod pss;
 mod restart;
 mod rundir;
+mod shared_cache;
 mod signals;
 mod spawn;
 mod stacks;

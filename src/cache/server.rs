@@ -15,6 +15,12 @@
 //! with it: the request gets a [`RequestError::StorePoisoned`] reply naming the
 //! panic, so does every later request on any connection, the server logs it, stops
 //! accepting connections, and [`Server::run`] returns [`CacheError::StorePoisoned`].
+//!
+//! A node-shared server ([`ServerConfig::linger`]) counts its connections, from
+//! accept to the end of their clean-up, and stops once none has been open for the
+//! linger; before its first client it waits [`ServerConfig::first_client_grace`]
+//! (at least the linger) instead, so the job that started it has time to attach
+//! on a loaded node, and a server nobody attaches to still does not stay.
 
 use std::any::Any;
 use std::io::{Read, Write};
@@ -22,7 +28,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -71,7 +77,15 @@ pub struct ServerConfig {
     pub allowed_uids: Vec<u32>,
     /// Handshakes in flight, in all and per client process.
     pub handshake_limits: HandshakeLimits,
+    /// Stop once no connection has been open for this long (a node-shared server);
+    /// `None`: run until told to stop.
+    pub linger: Option<Duration>,
+    /// With a linger: how long it waits for its first client.
+    pub first_client_grace: Duration,
 }
+
+/// How long a lingering server waits for its first client by default.
+pub const DEFAULT_FIRST_CLIENT_GRACE: Duration = Duration::from_secs(30);
 
 impl ServerConfig {
     /// A server at `address` with a store of `cap_bytes`.
@@ -85,6 +99,8 @@ impl ServerConfig {
             handshake_timeout: Duration::from_secs(10),
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
             handshake_limits: HandshakeLimits::default(),
+            linger: None,
+            first_client_grace: DEFAULT_FIRST_CLIENT_GRACE,
         }
     }
 
@@ -161,6 +177,10 @@ struct Shared {
     gate: Gate,
     /// Where this process's one-shot handshake sockets are made.
     handshake_dir: PathBuf,
+    /// Connections open now, from accept to the end of their clean-up.
+    connections: AtomicUsize,
+    /// Connections admitted since the start.
+    admitted: AtomicUsize,
 }
 
 impl Shared {
@@ -257,6 +277,8 @@ impl Server {
                 poisoned_by: OnceLock::new(),
                 gate,
                 handshake_dir,
+                connections: AtomicUsize::new(0),
+                admitted: AtomicUsize::new(0),
             }),
         })
     }
@@ -297,17 +319,38 @@ impl Server {
             }
         };
         let shared = Arc::clone(&self.shared);
+        shared.connections.fetch_add(1, Ordering::SeqCst);
+        shared.admitted.fetch_add(1, Ordering::SeqCst);
         let spawned = std::thread::Builder::new()
             .name("cache-conn".into())
-            .spawn(move || serve_connection(&shared, stream, slot));
+            .spawn(move || {
+                serve_connection(&shared, stream, slot);
+                shared.connections.fetch_sub(1, Ordering::SeqCst);
+            });
         if let Err(e) = spawned {
+            self.shared.connections.fetch_sub(1, Ordering::SeqCst);
             warn!("cannot start a connection thread: {e}");
         }
+    }
+
+    /// With a linger: a thread that stops the server once no connection has been
+    /// open for that long.
+    fn start_linger_watch(&self) -> Result<(), CacheError> {
+        let Some(linger) = self.shared.config.linger else {
+            return Ok(());
+        };
+        let shared = Arc::clone(&self.shared);
+        std::thread::Builder::new()
+            .name("cache-linger".into())
+            .spawn(move || linger_watch(&shared, linger))
+            .map(drop)
+            .map_err(|e| CacheError::Protocol(format!("cannot start the linger thread: {e}")))
     }
 
     /// Accepts connections until a shutdown request, or until a panic in a request
     /// has made the store unusable (an error then).
     pub fn run(self) -> Result<(), CacheError> {
+        self.start_linger_watch()?;
         for stream in self.listener.incoming() {
             if self.shared.shutdown.load(Ordering::SeqCst) {
                 break;
@@ -363,6 +406,33 @@ pub fn spawn_server(config: ServerConfig) -> Result<ServerHandle, CacheError> {
         shared,
         thread: Some(thread),
     })
+}
+
+/// Stops the server once no connection has been open for `linger`.
+fn linger_watch(shared: &Shared, linger: Duration) {
+    let tick = (linger / 4).clamp(Duration::from_millis(10), Duration::from_millis(200));
+    let mut idle_since = Some(Instant::now());
+    while !shared.shutdown.load(Ordering::SeqCst) {
+        std::thread::sleep(tick);
+        if shared.connections.load(Ordering::SeqCst) > 0 {
+            idle_since = None;
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        let limit = match shared.admitted.load(Ordering::SeqCst) {
+            0 => linger.max(shared.config.first_client_grace),
+            _ => linger,
+        };
+        if since.elapsed() >= limit {
+            info!(
+                address = %shared.address,
+                "no client for {:.1} s: the shared cache server stops",
+                linger.as_secs_f64()
+            );
+            request_shutdown(shared);
+            return;
+        }
+    }
 }
 
 fn request_shutdown(shared: &Shared) {
@@ -773,6 +843,63 @@ mod tests {
             Err(CacheError::StorePoisoned { cause: why, .. }) => assert_eq!(why, cause),
             other => panic!("expected the server to stop with StorePoisoned: {other:?}"),
         }
+    }
+
+    /// Runs a bound server on a thread; its end is the thread's.
+    fn running(server: Server) -> JoinHandle<Result<(), CacheError>> {
+        std::thread::spawn(move || server.run())
+    }
+
+    fn wait_finished(thread: &JoinHandle<Result<(), CacheError>>, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !thread.is_finished() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn a_lingering_server_stays_while_a_client_is_connected_then_stops() {
+        let linger = Duration::from_millis(300);
+        let address = format!("vrtspike-test-linger-{}", std::process::id());
+        let mut config = ServerConfig::new(address.clone(), 1 << 20);
+        config.linger = Some(linger);
+        let thread = running(Server::bind(config).unwrap());
+        let client = crate::cache::CacheClient::connect(&address, "job a").unwrap();
+        std::thread::sleep(linger * 4);
+        assert!(!thread.is_finished(), "stopped with a client connected");
+        assert!(client.stats().is_ok());
+        drop(client);
+        wait_finished(&thread, "still running a minute after its last client left");
+        assert!(thread.join().unwrap().is_ok());
+        let gone = crate::cache::CacheClient::connect(&address, "late");
+        assert!(
+            matches!(gone, Err(CacheError::Connect { .. })),
+            "the address is free again: {:?}",
+            gone.err()
+        );
+    }
+
+    #[test]
+    fn a_lingering_server_nobody_attaches_to_stops_and_one_without_linger_does_not() {
+        let address = format!("vrtspike-test-linger-alone-{}", std::process::id());
+        let mut config = ServerConfig::new(address.clone(), 1 << 20);
+        config.linger = Some(Duration::from_millis(100));
+        config.first_client_grace = Duration::from_millis(1500);
+        let thread = running(Server::bind(config).unwrap());
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            !thread.is_finished(),
+            "stopped within its first client's grace, past its linger"
+        );
+        wait_finished(&thread, "a server nobody attached to did not stop");
+        let forever = bound("forever");
+        let shared = Arc::clone(&forever.shared);
+        let thread = running(forever);
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(!thread.is_finished(), "a server without linger stopped");
+        request_shutdown(&shared);
+        wait_finished(&thread, "did not stop when asked");
     }
 
     #[test]

@@ -49,15 +49,41 @@ pub enum CacheCommand {
     /// Pin cached records and hold them until killed or the server goes away
     /// (to see eviction work around pinned records).
     Pin(PinArgs),
+    /// Hold a connection to a running server until killed or the server goes
+    /// away (how a job keeps a node-shared server alive; exits 69 when no server
+    /// listens at the address).
+    Attach(AttachArgs),
 }
 
 impl CacheCommand {
-    /// A server that ends with its parent (`serve --exit-with-parent`, as a
-    /// launcher or a rank starts it): it ignores the job's SIGUSR2 and SIGTERM and
-    /// lives until its parent stops it or dies.
+    /// A process that ignores the job's SIGUSR2 and SIGTERM: a server that ends
+    /// with its parent (`serve --exit-with-parent`, as a launcher or a rank starts
+    /// it) and lives until its parent stops it or dies; a node-shared server
+    /// (`serve --linger-s`), which other jobs may still use; a job's `attach
+    /// --exit-with-parent`, which its launcher stops.
     pub fn ends_with_parent(&self) -> bool {
-        matches!(self, CacheCommand::Serve(args) if args.exit_with_parent)
+        match self {
+            CacheCommand::Serve(args) => args.exit_with_parent || args.linger_s.is_some(),
+            CacheCommand::Attach(args) => args.exit_with_parent,
+            _ => false,
+        }
     }
+}
+
+/// `cache attach`.
+#[derive(Args)]
+pub struct AttachArgs {
+    #[command(flatten)]
+    address: AddressArgs,
+    #[command(flatten)]
+    trust: TrustArgs,
+    /// This client's name in the server's stats (the job).
+    #[arg(long, default_value = "vrtspike cache attach")]
+    name: String,
+    /// Exit when the parent process dies (set by the launcher); ignores the job's
+    /// SIGUSR2 and SIGTERM like the server it holds.
+    #[arg(long)]
+    exit_with_parent: bool,
 }
 
 /// `cache pin`.
@@ -180,8 +206,24 @@ pub struct ServeArgs {
     /// Exit when the parent process dies (set by the launcher, or by the rank that
     /// started it); such a server ignores SIGUSR2 and SIGTERM, which SLURM sends
     /// to every process of a job: its parent stops it (SIGINT or `cache shutdown`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "linger_s")]
     exit_with_parent: bool,
+    /// A node-shared server: stop once no client has been connected for this many
+    /// seconds (from its start too), whoever started it; it ignores SIGUSR2 and
+    /// SIGTERM. Exits 73 when another server holds the address.
+    #[arg(long, value_parser = parse_linger)]
+    linger_s: Option<f64>,
+    /// Who started it (a job's name), shown to the jobs that attach.
+    #[arg(long)]
+    started_by: Option<String>,
+}
+
+/// Seconds of linger: zero or more.
+fn parse_linger(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds in [0, 86400]")),
+    }
 }
 
 /// `cache stats`.
@@ -214,6 +256,43 @@ pub fn run(command: CacheCommand, place: Where) -> Result<()> {
             Ok(())
         }
         CacheCommand::Pin(args) => pin(args),
+        CacheCommand::Attach(args) => {
+            if place == Where::WithoutLibtorch {
+                hand_over();
+            }
+            attach(args)
+        }
+    }
+}
+
+/// Holds a connection until the server goes: exits 69 when there is none at
+/// all, else says it is ready (the launcher waits for that) and then fails only
+/// when the server stops answering.
+fn attach(args: AttachArgs) -> Result<()> {
+    if args.exit_with_parent {
+        nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+            .context("setting the parent-death signal")?;
+    }
+    let address = args.address.resolve();
+    let client = match CacheClient::connect_with(&address, &args.name, &args.trust.options(None)?) {
+        Ok(client) => client,
+        Err(cache::CacheError::Connect { source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+        {
+            eprintln!("no cache server at {address}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let pid = client.stats()?.server_pid;
+    println!("attached to the cache server at {address} (pid {pid})");
+    vrtspike_contract::ready::notify(&|name| std::env::var(name).ok())
+        .context("telling the launcher that the attach is ready")?;
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        client
+            .stats()
+            .with_context(|| format!("the cache server at {address} (pid {pid}) went away"))?;
     }
 }
 
@@ -320,8 +399,23 @@ fn serve(args: ServeArgs) -> Result<()> {
         config.reserve_headroom = headroom;
     }
     config.allowed_uids.extend(&args.allow_uids);
-    let server = Server::bind(config)?;
-    println!("cache server listening at {}", server.address());
+    config.linger = args.linger_s.map(Duration::from_secs_f64);
+    let server = match Server::bind(config) {
+        Ok(server) => server,
+        Err(e @ cache::CacheError::AddressInUse { .. }) if args.linger_s.is_some() => {
+            // The loser of a race between two jobs: they attach to the winner.
+            eprintln!("{e}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_ADDRESS_IN_USE);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    match &args.started_by {
+        Some(job) => println!(
+            "cache server listening at {} (started by {job})",
+            server.address()
+        ),
+        None => println!("cache server listening at {}", server.address()),
+    }
     // A launcher that started this server waits for this word (not the line above).
     vrtspike_contract::ready::notify(&|name| std::env::var(name).ok())
         .context("telling the launcher that the cache server is ready")?;

@@ -38,6 +38,10 @@ pub struct DataConfig {
     /// that needs them (never evicting one needed sooner).
     #[serde(rename = "CACHE_PREFETCH")]
     pub cache_prefetch: bool,
+    /// Who shares the node cache server: `node` (every job of this user on this
+    /// node on the same dataset attaches to one server) or `job` (one per job).
+    #[serde(rename = "CACHE_SHARING")]
+    pub cache_sharing: CacheSharing,
     /// Consecutive frames in one sample (the clip length `L`).
     #[serde(rename = "CLIP_LEN")]
     pub clip_len: u32,
@@ -74,6 +78,20 @@ pub enum CachePolicy {
     /// Least recently used, with no announcement (for comparison).
     #[serde(rename = "lru")]
     Lru,
+}
+
+/// Who shares a node cache server (`DATA.CACHE_SHARING`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+pub enum CacheSharing {
+    /// One server per user, node and dataset (canonical root and a signature of its
+    /// files): the jobs on it attach to the one already running; it lingers a
+    /// little after the last one detaches, then exits.
+    #[serde(rename = "node")]
+    Node,
+    /// One server per job, started and stopped with it.
+    #[default]
+    #[serde(rename = "job")]
+    Job,
 }
 
 /// Which folder holds the blurred frames (GoPro ships both).
@@ -181,6 +199,7 @@ impl Default for DataConfig {
             use_ram_cache: true,
             cache_policy: CachePolicy::Planned,
             cache_prefetch: true,
+            cache_sharing: CacheSharing::default(),
             clip_len: 6,
             spike_bins: 32,
             blur_dir: BlurDir::Blur,
@@ -275,6 +294,13 @@ mod tests {
         let c = parse("DATA:\n  CACHE_POLICY: lru\n  CACHE_PREFETCH: false\n").unwrap();
         assert_eq!(c.data.cache_policy, super::CachePolicy::Lru);
         assert!(!c.data.cache_prefetch);
+        assert_eq!(
+            c.data.cache_sharing,
+            super::CacheSharing::Job,
+            "the default"
+        );
+        let c = parse("DATA:\n  CACHE_SHARING: node\n").unwrap();
+        assert_eq!(c.data.cache_sharing, super::CacheSharing::Node);
         let c = parse("DATA:\n  AUGMENT: false\n").unwrap();
         assert_eq!(c.data.augment, super::Augment::all(false));
     }
@@ -296,6 +322,13 @@ mod tests {
             .to_string();
         assert!(
             err.contains("DATA.CACHE_POLICY") && err.contains("planned") && err.contains("lru"),
+            "{err}"
+        );
+        let err = parse("DATA:\n  CACHE_SHARING: user\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DATA.CACHE_SHARING") && err.contains("node") && err.contains("job"),
             "{err}"
         );
     }

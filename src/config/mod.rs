@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
-pub use data::{Augment, BlurDir, CachePolicy, DataConfig};
+pub use data::{Augment, BlurDir, CachePolicy, CacheSharing, DataConfig};
 pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 use layers::Stack;
 pub use layers::{Origin, Source, ALIASES};

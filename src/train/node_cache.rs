@@ -118,6 +118,7 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<NodeCache, Tr
         config: from.config,
         cap: None,
         overrides: from.overrides,
+        lifetime: cache_serve::Lifetime::WithParent,
     };
     let (mut command, mut pipe) = spec
         .command()

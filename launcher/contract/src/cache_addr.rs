@@ -18,6 +18,19 @@ pub fn own_cache_address(job: &str) -> String {
     cache_address(uid, job)
 }
 
+/// The address of the node-shared server (`DATA.CACHE_SHARING: node`) of user `uid`
+/// for the dataset `digest` (see [`crate::dataset_sig`]):
+/// `vrtspike-cache-u<uid>-ds<digest>`, with `-slurm<id>` when the job runs in a
+/// SLURM allocation (separate allocations keep separate servers; the steps of one
+/// share).
+pub fn shared_cache_address(uid: u32, digest: u64, slurm_job: Option<&str>) -> String {
+    let job = match slurm_job.filter(|id| !id.is_empty()) {
+        Some(id) => format!("ds{digest:016x}-slurm{id}"),
+        None => format!("ds{digest:016x}"),
+    };
+    cache_address(uid, &job)
+}
+
 /// The job of a process that no launcher named: the SLURM job it runs in
 /// (`slurm<id>`), else `default`.
 pub fn ambient_job(var: &dyn Fn(&str) -> Option<String>) -> String {
@@ -45,5 +58,29 @@ mod tests {
         assert_eq!(ambient_job(&|_| None), "default");
         assert_eq!(ambient_job(&|_| Some("77".into())), "slurm77");
         assert_eq!(ambient_job(&|_| Some(String::new())), "default");
+    }
+
+    #[test]
+    fn shared_addresses_hold_the_user_the_dataset_and_the_allocation() {
+        assert_eq!(
+            shared_cache_address(1000, 0xab, None),
+            "vrtspike-cache-u1000-ds00000000000000ab"
+        );
+        assert_eq!(
+            shared_cache_address(1000, 0xab, Some("")),
+            shared_cache_address(1000, 0xab, None)
+        );
+        assert_eq!(
+            shared_cache_address(1000, 0xab, Some("77")),
+            "vrtspike-cache-u1000-ds00000000000000ab-slurm77"
+        );
+        assert_ne!(
+            shared_cache_address(1000, 1, None),
+            shared_cache_address(1001, 1, None)
+        );
+        assert_ne!(
+            shared_cache_address(1000, 1, None),
+            shared_cache_address(1000, 2, None)
+        );
     }
 }

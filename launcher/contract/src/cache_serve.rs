@@ -3,6 +3,13 @@
 //! end passed down, see [`crate::ready`]) and the wait for its word. The launcher
 //! starts the server this way; so does local rank 0 when no launcher did (torchrun,
 //! srun), and the other local ranks of that node then wait for it to accept.
+//!
+//! A node-shared server (`DATA.CACHE_SHARING: node`) is started instead with
+//! `--linger-s` (it outlives its starter while other jobs are attached, and exits
+//! once none has been for that long), and each job holds it with
+//! `vrtspike cache attach` ([`CacheAttach`]). Two jobs that start one at the same
+//! instant race for the address: the loser exits with [`EXIT_ADDRESS_IN_USE`] and
+//! attaches to the winner.
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -11,6 +18,28 @@ use std::time::{Duration, Instant};
 
 use crate::ready::{self, Readiness, ReadyPipe};
 use crate::signals;
+
+/// The exit status of `cache serve` when another server holds the address.
+pub const EXIT_ADDRESS_IN_USE: i32 = 73;
+
+/// The exit status of `cache attach` when no server listens at the address.
+pub const EXIT_NO_SERVER: i32 = 69;
+
+/// How long a server lives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Lifetime<'a> {
+    /// Until its parent stops it or dies (`--exit-with-parent`): one job's server.
+    WithParent,
+    /// Until no client has been connected for `linger_s` seconds (`--linger-s`),
+    /// whoever started it: a node-shared server. `started_by` names the job that
+    /// started it (`--started-by`, for the logs of the jobs that attach).
+    Shared {
+        /// Seconds it waits after the last client left.
+        linger_s: f64,
+        /// The job that started it.
+        started_by: &'a str,
+    },
+}
 
 /// What a job's cache server is started with.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +54,34 @@ pub struct CacheServe<'a> {
     pub cap: Option<&'a str>,
     /// The job's `--set KEY.PATH=VALUE` overrides of the config.
     pub overrides: &'a [String],
+    /// One job's, or shared by the node's jobs.
+    pub lifetime: Lifetime<'a>,
+}
+
+/// A job's hold on a node-shared server: `vrtspike cache attach --exit-with-parent
+/// --address A --name N`, a client that says it is ready once connected and exits
+/// when the server goes ([`EXIT_NO_SERVER`] when there is none at all).
+#[derive(Debug, Clone, Copy)]
+pub struct CacheAttach<'a> {
+    /// The `vrtspike` binary.
+    pub vrtspike: &'a Path,
+    /// The server's abstract socket name.
+    pub address: &'a str,
+    /// The client's name in the server's stats (the job).
+    pub name: &'a str,
+}
+
+impl CacheAttach<'_> {
+    /// The command with a new readiness pipe (see [`CacheServe::command`]).
+    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+        let mut command = Command::new(self.vrtspike);
+        command
+            .args(["cache", "attach", "--exit-with-parent", "--address"])
+            .arg(self.address)
+            .arg("--name")
+            .arg(self.name);
+        with_ready_pipe(command)
+    }
 }
 
 /// Why the server did not get ready.
@@ -50,8 +107,22 @@ impl CacheServe<'_> {
     /// Spawn the command, then call [`ReadyPipe::close_child_end`] and [`wait_ready`].
     pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
         let mut command = Command::new(self.vrtspike);
+        command.args(["cache", "serve"]);
+        match self.lifetime {
+            Lifetime::WithParent => {
+                command.arg("--exit-with-parent");
+            }
+            Lifetime::Shared {
+                linger_s,
+                started_by,
+            } => {
+                command
+                    .arg(format!("--linger-s={linger_s}"))
+                    .arg(format!("--started-by={started_by}"));
+            }
+        }
         command
-            .args(["cache", "serve", "--exit-with-parent", "--address"])
+            .arg("--address")
             .arg(self.address)
             .arg("--config")
             .arg(self.config);
@@ -61,23 +132,29 @@ impl CacheServe<'_> {
         if let Some(cap) = self.cap {
             command.args(["--cap", cap]);
         }
-        let pipe = ReadyPipe::new()?;
-        let fd = pipe.child_fd();
-        if let Some(fd) = fd {
-            command.env(ready::READY_FD, fd.to_string());
-        }
-        // SAFETY: the hook runs in the forked child before exec and only calls
-        // fcntl and pthread_sigmask (async-signal-safe); it allocates nothing.
-        unsafe {
-            command.pre_exec(move || {
-                if let Some(fd) = fd {
-                    ready::inherit_in_child(fd)?;
-                }
-                signals::block_in_child()
-            });
-        }
-        Ok((command, pipe))
+        with_ready_pipe(command)
     }
+}
+
+/// `command` with a new readiness pipe whose write end it inherits, and the job's
+/// signals blocked across `exec`.
+fn with_ready_pipe(mut command: Command) -> std::io::Result<(Command, ReadyPipe)> {
+    let pipe = ReadyPipe::new()?;
+    let fd = pipe.child_fd();
+    if let Some(fd) = fd {
+        command.env(ready::READY_FD, fd.to_string());
+    }
+    // SAFETY: the hook runs in the forked child before exec and only calls
+    // fcntl and pthread_sigmask (async-signal-safe); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if let Some(fd) = fd {
+                ready::inherit_in_child(fd)?;
+            }
+            signals::block_in_child()
+        });
+    }
+    Ok((command, pipe))
 }
 
 /// Waits up to `timeout` for the server's word on `pipe`; `exited` polls the
@@ -123,6 +200,7 @@ mod tests {
             config: Path::new("/c.yaml"),
             cap: Some("16M"),
             overrides: &overrides,
+            lifetime: Lifetime::WithParent,
         };
         let (command, pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
         let args: Vec<String> = command
@@ -151,6 +229,55 @@ mod tests {
         assert_eq!(fd, pipe.child_fd().map(|fd| fd.to_string()));
     }
 
+    fn args_of(command: &Command) -> Vec<String> {
+        command
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_shared_server_lingers_instead_of_ending_with_its_parent() {
+        let spec = CacheServe {
+            vrtspike: Path::new("/bin/vrtspike"),
+            address: "vrtspike-cache-x",
+            config: Path::new("/c.yaml"),
+            cap: None,
+            overrides: &[],
+            lifetime: Lifetime::Shared {
+                linger_s: 2.5,
+                started_by: "job n0-42",
+            },
+        };
+        let (command, _pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
+        let args = args_of(&command);
+        assert!(!args.iter().any(|a| a == "--exit-with-parent"), "{args:?}");
+        assert!(args.iter().any(|a| a == "--linger-s=2.5"), "{args:?}");
+        assert!(
+            args.iter().any(|a| a == "--started-by=job n0-42"),
+            "{args:?}"
+        );
+        let attach = CacheAttach {
+            vrtspike: Path::new("/bin/vrtspike"),
+            address: "vrtspike-cache-x",
+            name: "job n0-42",
+        };
+        let (command, pipe) = attach.command().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            args_of(&command),
+            [
+                "cache",
+                "attach",
+                "--exit-with-parent",
+                "--address",
+                "vrtspike-cache-x",
+                "--name",
+                "job n0-42"
+            ]
+        );
+        assert!(pipe.child_fd().is_some());
+    }
+
     #[test]
     fn a_server_that_exits_first_is_reported() {
         let spec = CacheServe {
@@ -159,6 +286,7 @@ mod tests {
             config: Path::new("/c.yaml"),
             cap: None,
             overrides: &[],
+            lifetime: Lifetime::WithParent,
         };
         let (mut command, mut pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
         let mut child = command.spawn().unwrap_or_else(|e| panic!("{e}"));

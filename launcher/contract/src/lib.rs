@@ -7,11 +7,13 @@
 //! finding a hung or stopped rank), [`failure`] (why a rank failed, in its own
 //! words, and its exit code), [`signals`] (SIGUSR2 and SIGTERM, which SLURM sends
 //! to every process of a job, counted from the first instruction), [`cache_serve`]
-//! (how a job's cache server is started and waited for) and [`hostlist`] (SLURM's
+//! (how a job's cache server is started and waited for), [`dataset_sig`] (which
+//! dataset a node-shared cache server holds) and [`hostlist`] (SLURM's
 //! compressed host lists). It links no libtorch, so the launcher stays free of it.
 
 pub mod cache_addr;
 pub mod cache_serve;
+pub mod dataset_sig;
 pub mod env;
 pub mod failure;
 pub mod heartbeat;

@@ -1,0 +1,308 @@
+//! The node-shared cache server (`DATA.CACHE_SHARING: node`): one per user, node
+//! and dataset, at an address made of the uid and the dataset's signature
+//! (`vrtspike_contract::dataset_sig`). A job holds it with a `vrtspike cache attach`
+//! child (its parent-death signal ends it with the launcher, even after `kill -9`),
+//! which is what the gang watches instead of the server: if the server goes, the
+//! attach ends and the attempt fails like on a dead server of the job's own.
+//!
+//! When no server answers at the address, the launcher starts one with
+//! `--linger-s`, *not* as a child for life: no parent-death signal, its own process
+//! group, so it outlives this launcher while other jobs are attached, and stops
+//! itself once no client has been connected for the linger. Two launchers that
+//! start one at the same instant race for the abstract address; the loser exits
+//! with `EXIT_ADDRESS_IN_USE` and this launcher attaches to the winner.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
+use vrtspike_contract::cache_serve::{
+    self, CacheAttach, CacheServe, StartError, EXIT_ADDRESS_IN_USE, EXIT_NO_SERVER,
+};
+use vrtspike_contract::dataset_sig::{self, DatasetSignature};
+
+use crate::cache_server;
+use crate::signals;
+use crate::spawn::{self, ChildKind, Supervised};
+
+/// How many times a launcher tries to attach, or start and then attach, before it
+/// gives up (each failed round is a race lost to another launcher or a server that
+/// stopped in between).
+const ROUNDS: usize = 5;
+
+/// How to reach, or start, the node-shared server.
+pub struct SharedSpec<'a> {
+    /// Its command line (with [`cache_serve::Lifetime::Shared`]).
+    pub serve: CacheServe<'a>,
+    /// The job, as the server's stats and logs name it.
+    pub job: &'a str,
+    /// The log of the server this launcher starts, and of its attach.
+    pub log: PathBuf,
+    /// How long the server may take to accept connections.
+    pub start_timeout: Duration,
+    /// The cap this job asks for, in bytes (`--cache-size`, else the config's).
+    pub wanted_cap: Option<u64>,
+}
+
+/// The node-shared server's address for the dataset at `root`, with the
+/// dataset's signature.
+pub fn address(root: &Path) -> Result<(String, DatasetSignature)> {
+    let signature = dataset_sig::sign(root)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let slurm = std::env::var("SLURM_JOB_ID").ok();
+    let address = vrtspike_contract::cache_addr::shared_cache_address(
+        uid,
+        signature.digest,
+        slurm.as_deref(),
+    );
+    Ok((address, signature))
+}
+
+/// Attaches this job to the node-shared server, starting it first when none
+/// answers. Returns the attach child: watch it, and stop it at the end.
+pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
+    for _ in 0..ROUNDS {
+        if let Some(held) = attach(spec)? {
+            return Ok(held);
+        }
+        start(spec)?;
+    }
+    bail!(
+        "could not attach to, nor start, the shared cache server at {:?} in {ROUNDS} tries; see {}",
+        spec.serve.address,
+        spec.log.display()
+    )
+}
+
+/// Runs `vrtspike cache attach`; `None` when no server listens at the address.
+fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
+    let address = spec.serve.address;
+    let (mut command, mut pipe) = CacheAttach {
+        vrtspike: spec.serve.vrtspike,
+        address,
+        name: spec.job,
+    }
+    .command()
+    .context("creating the cache attach's readiness pipe")?;
+    let spawned = spawn::spawn(
+        "cache attach".into(),
+        &mut command,
+        &spec.log,
+        ChildKind::Other,
+    );
+    pipe.close_child_end();
+    let mut held = spawned
+        .context("starting vrtspike cache attach")?
+        .with_stop_signal(Signal::SIGINT);
+    let waited =
+        cache_serve::wait_ready(&mut pipe, spec.start_timeout, &mut || held.poll(), &|| {
+            signals::interrupts() > 0
+        });
+    match waited {
+        Ok(_) => {
+            report_attached(spec, held.pid());
+            Ok(Some(held))
+        }
+        Err(StartError::Exited(status)) if status.code() == Some(EXIT_NO_SERVER) => Ok(None),
+        // The server stopped between the connect and the first answer: try again.
+        Err(StartError::Exited(status)) => {
+            tracing::warn!(
+                address,
+                "cache attach {}; trying again",
+                spawn::describe(status)
+            );
+            Ok(None)
+        }
+        Err(e) => {
+            spawn::stop_all(&mut [&mut held], Duration::from_secs(1));
+            bail!("{e} (attaching to {address:?}); see {}", spec.log.display())
+        }
+    }
+}
+
+/// Logs which server this job attached to, who started it, and a cap that is
+/// not the one this job asked for.
+fn report_attached(spec: &SharedSpec, attach_pid: u32) {
+    let address = spec.serve.address;
+    let stats = cache_server::stats(spec.serve.vrtspike, address);
+    let pid = stats
+        .as_ref()
+        .and_then(|s| s["server_pid"].as_u64())
+        .unwrap_or(0);
+    let cap = stats.as_ref().and_then(|s| s["cap_bytes"].as_u64());
+    let starter = started_by(pid).unwrap_or_else(|| "unknown".into());
+    tracing::info!(
+        address,
+        server_pid = pid,
+        started_by = %starter,
+        attach_pid,
+        "attached to the node-shared cache server"
+    );
+    if let (Some(have), Some(want)) = (cap, spec.wanted_cap) {
+        if have != want {
+            tracing::info!(
+                address,
+                server_cap = have,
+                asked_cap = want,
+                "the shared cache server keeps the cap it was started with ({have} bytes); \
+                 this job asked for {want} bytes"
+            );
+        }
+    }
+}
+
+/// The `--started-by` of the server process `pid`, from its command line.
+fn started_by(pid: u64) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    cmdline
+        .split(|&b| b == 0)
+        .filter_map(|arg| std::str::from_utf8(arg).ok())
+        .find_map(|arg| arg.strip_prefix("--started-by="))
+        .map(str::to_string)
+}
+
+/// Starts a shared server and waits for its word; returns when it is ready, or
+/// when another one won the address (then attach to that one).
+fn start(spec: &SharedSpec) -> Result<()> {
+    let address = spec.serve.address;
+    let (mut command, mut pipe) = spec
+        .serve
+        .command()
+        .context("creating the cache server's readiness pipe")?;
+    let out =
+        spawn::open_log(&spec.log).with_context(|| format!("opening {}", spec.log.display()))?;
+    let log_offset = out.metadata().map(|m| m.len()).unwrap_or(0);
+    let err = out
+        .try_clone()
+        .with_context(|| format!("opening {}", spec.log.display()))?;
+    // Its own process group (a Ctrl-C of this job's terminal does not reach it),
+    // and no parent-death signal: it outlives this launcher while others use it.
+    command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("starting the shared cache server ({address})"))?;
+    pipe.close_child_end();
+    let waited = cache_serve::wait_ready(
+        &mut pipe,
+        spec.start_timeout,
+        &mut || child.try_wait(),
+        &|| signals::interrupts() > 0,
+    );
+    match waited {
+        Ok(took) => {
+            tracing::info!(
+                address,
+                pid = child.id(),
+                "started the node-shared cache server in {:.2} s (it stays while any job is \
+                 attached, and {} s after the last)",
+                took.as_secs_f64(),
+                linger_of(spec)
+            );
+            reap_in_background(child);
+            Ok(())
+        }
+        Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
+            tracing::info!(address, "another job started the shared cache server first");
+            Ok(())
+        }
+        Err(StartError::Exited(status)) => bail!(
+            "the shared cache server {} before accepting connections; the end of {}:\n{}",
+            spawn::describe(status),
+            spec.log.display(),
+            spawn::log_tail(&spec.log, log_offset, 20).join("\n")
+        ),
+        Err(e) => {
+            let _ = child.kill();
+            reap_in_background(child);
+            bail!("{e} (address {address:?}); see {}", spec.log.display())
+        }
+    }
+}
+
+fn linger_of(spec: &SharedSpec) -> f64 {
+    match spec.serve.lifetime {
+        cache_serve::Lifetime::Shared { linger_s, .. } => linger_s,
+        cache_serve::Lifetime::WithParent => 0.0,
+    }
+}
+
+/// Waits for the server on a thread, so it leaves no zombie if it stops before
+/// this launcher does (and is inherited by init if it does not).
+fn reap_in_background(mut child: Child) {
+    let spawned = std::thread::Builder::new()
+        .name("shared-cache-reaper".into())
+        .spawn(move || child.wait());
+    if let Err(e) = spawned {
+        tracing::debug!("cannot start the shared cache server's reaper thread: {e}");
+    }
+}
+
+/// Bytes of a size given as text (`64M`, `20G`, `1.5G`, `4096`), as
+/// `vrtspike cache serve --cap` reads it; `None` if it is not one.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let upper = text.trim().to_ascii_uppercase();
+    let unit = upper
+        .strip_suffix("IB")
+        .or_else(|| upper.strip_suffix('B'))
+        .unwrap_or(&upper);
+    let (number, shift) = match unit.chars().last() {
+        Some('K') => (&unit[..unit.len() - 1], 10),
+        Some('M') => (&unit[..unit.len() - 1], 20),
+        Some('G') => (&unit[..unit.len() - 1], 30),
+        Some('T') => (&unit[..unit.len() - 1], 40),
+        _ => (unit, 0),
+    };
+    let value: f64 = number.trim().parse().ok()?;
+    (value.is_finite() && value >= 0.0).then(|| (value * (1u64 << shift) as f64).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_the_server_reads_them() {
+        assert_eq!(parse_size("64M"), Some(64 << 20));
+        assert_eq!(parse_size("1.5g"), Some(3 << 29));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(parse_size("-1G"), None);
+    }
+
+    #[test]
+    fn the_starter_is_read_from_the_servers_command_line() {
+        // A compound command: the shell stays (does not exec sleep), with its args.
+        let mut child = std::process::Command::new("sh")
+            .args([
+                "-c",
+                "sleep 30; :",
+                "sh",
+                "--started-by=job /runs/a (launcher pid 7)",
+            ])
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Its command line is read once the exec is visible in /proc.
+        let pid = u64::from(child.id());
+        let mut found = None;
+        for _ in 0..500 {
+            found = started_by(pid);
+            if found.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found.as_deref(), Some("job /runs/a (launcher pid 7)"));
+        assert_eq!(started_by(0), None);
+    }
+}

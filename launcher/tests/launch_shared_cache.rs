@@ -1,0 +1,368 @@
+//! `DATA.CACHE_SHARING: node`, end to end with real launchers and real
+//! `vrtspike train` CPU ranks on one tiny dataset: the jobs of one user on one
+//! dataset share one cache server, which outlives the job that started it (whether
+//! that job ends or its launcher is killed with `kill -9`) while another job reads
+//! from it, then lingers and exits, leaving neither a process nor its abstract
+//! socket; two launchers started at the same instant end up with one server;
+//! `kill -9` of the shared server with two jobs attached: both restart their
+//! attempt, one starts a new server and the other attaches to it.
+
+mod common;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{
+    alive, exit_code, launcher_command, read_json, signal, synth_tiny, vrtspike, wait_until,
+    write_tiny_config, TinyTrain,
+};
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use vrtspike_contract::cache_addr::shared_cache_address;
+use vrtspike_contract::dataset_sig;
+use vrtspike_contract::rundir::RunLayout;
+
+/// A failure guard only: every wait ends far sooner on a healthy run.
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// Steps that no test reaches: each job runs until it is preempted or killed.
+const ENDLESS: u64 = 1_000_000;
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    config: PathBuf,
+    address: String,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tmp.path().to_path_buf();
+    let data = synth_tiny(&dir);
+    let run = TinyTrain {
+        total_steps: ENDLESS,
+        ckpt_every: ENDLESS,
+        timeout_s: 60,
+    };
+    let config = write_tiny_config(&dir, &data, &run);
+    let signature = dataset_sig::sign(&data).unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let address = shared_cache_address(uid, signature.digest, None);
+    Setup {
+        _tmp: tmp,
+        dir,
+        config,
+        address,
+    }
+}
+
+/// Kills the launchers a test started if it fails half-way (their jobs are
+/// endless): each `kill -9` takes its ranks and attach with it.
+struct Reaper(Vec<u32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            if alive(pid) && common::cmdline(pid).contains("vrtspike-launch") {
+                signal(pid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+/// A launcher of one CPU rank with a node-shared cache (linger 1 s), its output in
+/// `<dir>/<name>.out`; `reaper` kills it if the test fails.
+fn launch(s: &Setup, name: &str, reaper: &mut Reaper) -> (Child, PathBuf) {
+    launch_with(s, name, reaper, 0)
+}
+
+/// [`launch`] with `restarts` restarts allowed.
+fn launch_with(s: &Setup, name: &str, reaper: &mut Reaper, restarts: u32) -> (Child, PathBuf) {
+    let run = s.dir.join(name);
+    let out = s.dir.join(format!("{name}.out"));
+    let file = File::create(&out).unwrap_or_else(|e| panic!("{e}"));
+    let err = file.try_clone().unwrap_or_else(|e| panic!("{e}"));
+    let child = launcher_command(&s.config, &run)
+        .args(["--gpus", "0", "--ranks", "1", "--max-restarts"])
+        .arg(restarts.to_string())
+        .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
+        .args(["--cache-linger-s", "1", "--set", "DATA.CACHE_SHARING=node"])
+        .stdout(Stdio::from(file))
+        .stderr(Stdio::from(err))
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
+    reaper.0.push(child.id());
+    (child, run)
+}
+
+/// Training steps rank 0 has logged in `run`.
+fn steps(run: &Path) -> usize {
+    std::fs::read_to_string(RunLayout::new(run).metrics())
+        .map(|text| {
+            text.lines()
+                .filter(|l| l.contains("\"kind\":\"train\""))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Waits until `run` logs more than `after` steps; fails naming the job.
+fn wait_for_steps(run: &Path, after: usize, launcher: &mut Child, out: &Path) {
+    let trained = wait_until(LIMIT, || {
+        steps(run) > after || matches!(launcher.try_wait(), Ok(Some(_)))
+    });
+    assert!(
+        trained && steps(run) > after,
+        "{} logged no step past {after}; its output:\n{}\nrank 0:\n{}",
+        run.display(),
+        read(out),
+        read(&RunLayout::new(run).rank_log(0))
+    );
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// The server's stats at `address`, or `None` when none answers.
+fn stats(address: &str) -> Option<Value> {
+    let output = Command::new(vrtspike())
+        .args(["cache", "stats", "--json", "--timeout", "10", "--address"])
+        .arg(address)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&output.stdout).ok()
+}
+
+fn server_pid(address: &str) -> u32 {
+    let shown = stats(address).unwrap_or_else(|| panic!("no cache server at {address}"));
+    shown["server_pid"]
+        .as_u64()
+        .and_then(|pid| u32::try_from(pid).ok())
+        .unwrap_or_else(|| panic!("stats without a server pid: {shown}"))
+}
+
+/// The names of the server's clients that are jobs (the launchers' attaches).
+fn attached_jobs(address: &str) -> Vec<String> {
+    let shown = stats(address).unwrap_or_default();
+    let mut jobs: Vec<String> = shown["clients"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["name"].as_str())
+        .filter(|name| name.starts_with("job "))
+        .map(str::to_string)
+        .collect();
+    jobs.sort();
+    jobs
+}
+
+/// Whether any process listens at the abstract address (`/proc/net/unix`).
+fn socket_exists(address: &str) -> bool {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let name = format!("@{address}");
+    table
+        .lines()
+        .any(|line| line.split_whitespace().last() == Some(&name))
+}
+
+/// Preempts a job (SIGUSR2: it checkpoints and exits 0) and checks its end.
+fn preempt(launcher: &mut Child, run: &Path, out: &Path) {
+    signal(launcher.id(), Signal::SIGUSR2);
+    let code = exit_code(launcher, LIMIT);
+    assert_eq!(code, Some(0), "{}:\n{}", run.display(), read(out));
+    let summary = read_json(&RunLayout::new(run).launcher_summary(0));
+    assert_eq!(summary["exit"], "preempted", "{summary}");
+    assert_eq!(summary["cache"]["sharing"]["mode"], "node", "{summary}");
+}
+
+/// After the last job: the server lingers, then exits and leaves no socket.
+fn assert_gone_after_linger(address: &str, server: u32) {
+    let gone = wait_until(LIMIT, || !alive(server) && !socket_exists(address));
+    assert!(
+        gone,
+        "the shared server {server} (alive: {}) or its socket {address} (exists: {}) stayed",
+        alive(server),
+        socket_exists(address)
+    );
+}
+
+/// Two jobs on one server; the first one, which started it, ends (`end`) while the
+/// second trains; the second keeps training on the same server, then ends, and
+/// the server goes after its linger.
+fn the_second_job_outlives_the_first(end: &dyn Fn(&mut Child, &Path, &Path)) {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    assert!(
+        !socket_exists(&s.address),
+        "a server of this dataset before the test"
+    );
+    let (mut first, first_run) = launch(&s, "first", &mut reaper);
+    let first_out = s.dir.join("first.out");
+    wait_for_steps(&first_run, 0, &mut first, &first_out);
+    let server = server_pid(&s.address);
+    assert!(
+        read(&first_out).contains("started the node-shared cache server"),
+        "{}",
+        read(&first_out)
+    );
+
+    let (mut second, second_run) = launch(&s, "second", &mut reaper);
+    let second_out = s.dir.join("second.out");
+    wait_for_steps(&second_run, 0, &mut second, &second_out);
+    assert_eq!(
+        server_pid(&s.address),
+        server,
+        "the second job started its own"
+    );
+    assert_eq!(
+        attached_jobs(&s.address).len(),
+        2,
+        "{:?}",
+        stats(&s.address)
+    );
+    let log = read(&second_out);
+    assert!(
+        log.contains("attached to the node-shared cache server")
+            && log.contains(&first_run.display().to_string())
+            && !log.contains("started the node-shared cache server"),
+        "the second job's log names the server and the job that started it:\n{log}"
+    );
+
+    end(&mut first, &first_run, &first_out);
+    assert!(
+        alive(server),
+        "the shared server ended with the job that started it"
+    );
+    let jobs = attached_jobs(&s.address);
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert!(
+        jobs[0].contains(&second_run.display().to_string()),
+        "{jobs:?}"
+    );
+    let before = steps(&second_run);
+    wait_for_steps(&second_run, before + 3, &mut second, &second_out);
+    assert_eq!(server_pid(&s.address), server, "the same server serves on");
+    let log = read(&second_out);
+    assert!(
+        !log.contains("went away"),
+        "the second job lost its server:\n{log}"
+    );
+
+    preempt(&mut second, &second_run, &second_out);
+    assert_gone_after_linger(&s.address, server);
+}
+
+#[test]
+fn the_starter_ends_first_and_the_other_job_trains_on_then_the_server_lingers_and_goes() {
+    the_second_job_outlives_the_first(&|launcher, run, out| preempt(launcher, run, out));
+}
+
+#[test]
+fn kill_9_of_the_starters_launcher_leaves_the_other_job_reading() {
+    the_second_job_outlives_the_first(&|launcher, run, _| {
+        let ranks = common::process_tree(launcher.id());
+        signal(launcher.id(), Signal::SIGKILL);
+        let _ = launcher.wait();
+        // Its ranks and its attach end with it (parent-death signal); the server
+        // does not, though the launcher started it.
+        let gone = wait_until(LIMIT, || {
+            ranks.iter().all(|pid| !alive(*pid) || is_server(*pid))
+        });
+        assert!(gone, "{} left processes behind", run.display());
+    });
+}
+
+fn is_server(pid: u32) -> bool {
+    common::cmdline(pid).contains("--linger-s")
+}
+
+#[test]
+fn two_launchers_started_at_the_same_instant_share_one_server() {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let (mut one, one_run) = launch(&s, "one", &mut reaper);
+    let (mut two, two_run) = launch(&s, "two", &mut reaper);
+    let (one_out, two_out) = (s.dir.join("one.out"), s.dir.join("two.out"));
+    wait_for_steps(&one_run, 0, &mut one, &one_out);
+    wait_for_steps(&two_run, 0, &mut two, &two_out);
+    let server = server_pid(&s.address);
+    assert_eq!(
+        attached_jobs(&s.address).len(),
+        2,
+        "{:?}",
+        stats(&s.address)
+    );
+    let started = [&one_out, &two_out]
+        .iter()
+        .filter(|out| read(out).contains("started the node-shared cache server"))
+        .count();
+    assert_eq!(
+        started,
+        1,
+        "one server started:\n{}\n---\n{}",
+        read(&one_out),
+        read(&two_out)
+    );
+    let servers = common::process_tree(std::process::id())
+        .into_iter()
+        .filter(|pid| is_server(*pid) && alive(*pid) && common::cmdline(*pid).contains(&s.address))
+        .count();
+    assert!(servers <= 1, "{servers} shared servers run");
+    preempt(&mut one, &one_run, &one_out);
+    preempt(&mut two, &two_run, &two_out);
+    assert_gone_after_linger(&s.address, server);
+}
+
+#[test]
+fn kill_9_of_the_shared_server_restarts_both_jobs_on_one_new_server() {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let (mut one, one_run) = launch_with(&s, "one", &mut reaper, 1);
+    let one_out = s.dir.join("one.out");
+    wait_for_steps(&one_run, 0, &mut one, &one_out);
+    let (mut two, two_run) = launch_with(&s, "two", &mut reaper, 1);
+    let two_out = s.dir.join("two.out");
+    wait_for_steps(&two_run, 0, &mut two, &two_out);
+    let old = server_pid(&s.address);
+    assert_eq!(
+        attached_jobs(&s.address).len(),
+        2,
+        "{:?}",
+        stats(&s.address)
+    );
+
+    signal(old, Signal::SIGKILL);
+    // Each job's attach ends with the server: its attempt stops and restarts, and
+    // the restarted attempts meet on one new server.
+    let restarted = |out: &Path| read(out).contains("went away: attaching again");
+    let both = wait_until(LIMIT, || restarted(&one_out) && restarted(&two_out));
+    assert!(both, "{}\n---\n{}", read(&one_out), read(&two_out));
+    let attached = wait_until(LIMIT, || attached_jobs(&s.address).len() == 2);
+    assert!(
+        attached,
+        "{:?}\none:\n{}\n---\ntwo:\n{}\n---\none's cache log:\n{}\n---\ntwo's cache log:\n{}",
+        stats(&s.address),
+        read(&one_out),
+        read(&two_out),
+        read(&RunLayout::new(&one_run).cache_log(0)),
+        read(&RunLayout::new(&two_run).cache_log(0))
+    );
+    let new = server_pid(&s.address);
+    assert_ne!(new, old);
+    let (one_steps, two_steps) = (steps(&one_run), steps(&two_run));
+    wait_for_steps(&one_run, one_steps + 2, &mut one, &one_out);
+    wait_for_steps(&two_run, two_steps + 2, &mut two, &two_out);
+    assert_eq!(server_pid(&s.address), new, "still one server");
+    preempt(&mut one, &one_run, &one_out);
+    preempt(&mut two, &two_run, &two_out);
+    assert_gone_after_linger(&s.address, new);
+}
