@@ -395,29 +395,28 @@ impl ProcessGroup {
         if self.backend == Backend::Gloo {
             return Ok(());
         }
-        device_matches(tensor.device(), self.device).map_err(|message| DistError::Collective {
-            rank: self.rank,
-            world: self.world_size,
-            op,
-            seq: self.seq(),
-            backend: self.backend.name(),
-            message,
-        })
+        device_matches(tensor.device(), self.device).map_err(|message| self.failed(op, message))
     }
 
     fn seq(&self) -> u64 {
         self.stats.all_reduces + self.stats.broadcasts + self.stats.barriers
     }
 
-    fn finish(&self, op: &'static str, status: *mut std::ffi::c_char) -> Result<(), DistError> {
-        ffi::take_error(status).map_err(|message| DistError::Collective {
+    /// A failure of `op`, the collective about to run or running, naming this rank,
+    /// the world, the collective's number and the backend.
+    fn failed(&self, op: &'static str, message: String) -> DistError {
+        DistError::Collective {
             rank: self.rank,
             world: self.world_size,
             op,
             seq: self.seq(),
             backend: self.backend.name(),
             message,
-        })
+        }
+    }
+
+    fn finish(&self, op: &'static str, status: *mut std::ffi::c_char) -> Result<(), DistError> {
+        ffi::take_error(status).map_err(|message| self.failed(op, message))
     }
 }
 
