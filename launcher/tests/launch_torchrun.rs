@@ -109,7 +109,7 @@ fn run_watching(
     let mut acted = false;
     while matches!(child.try_wait(), Ok(None)) && started.elapsed() < LIMIT {
         for pid in process_tree(child.id()) {
-            seen.entry(pid).or_insert_with(|| cmdline(pid));
+            note_cmdline(&mut seen, pid);
         }
         if !acted {
             acted = during(&mut child);
@@ -117,6 +117,18 @@ fn run_watching(
         std::thread::sleep(Duration::from_millis(100));
     }
     (common::wait_with_limit(child, Duration::from_secs(5)), seen)
+}
+
+/// Keeps the last non-empty command line read for `pid`: a child read
+/// between its fork and its exec shows its parent's, and one read during the
+/// exec or as a zombie shows none (a CI run saw the node's cache server as
+/// "" and failed to find it).
+fn note_cmdline(seen: &mut BTreeMap<u32, String>, pid: u32) {
+    let now = cmdline(pid);
+    let known = seen.entry(pid).or_default();
+    if !now.is_empty() {
+        *known = now;
+    }
 }
 
 fn assert_nothing_left(seen: &BTreeMap<u32, String>) {
