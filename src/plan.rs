@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Config, ModelConfig, Workers};
+use crate::config::{CacheSharing, Config, ModelConfig, Workers};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -24,6 +24,10 @@ pub struct Machine {
     pub gpu_mem_bytes: Option<u64>,
     /// Ranks on the CPU when `gpus` is 0 (at least 1).
     pub cpu_ranks: usize,
+    /// Jobs like this one on the node at once (an ablation, a sweep), each with
+    /// these ranks (at least 1): with `DATA.CACHE_SHARING: node` their cache is
+    /// counted once.
+    pub jobs: usize,
 }
 
 impl Machine {
@@ -63,6 +67,13 @@ pub struct Plan {
     pub ranks: usize,
     /// Node cache cap (`DATA.CACHE_SIZE_GB`; 0 without `USE_RAM_CACHE`).
     pub cache_cap: u64,
+    /// Who shares the cache (`DATA.CACHE_SHARING`).
+    pub cache_sharing: CacheSharing,
+    /// Jobs planned for (`Machine::jobs`).
+    pub jobs: usize,
+    /// Copies of the cache the jobs hold: one with `node` sharing, one per job
+    /// with `job`, none without `USE_RAM_CACHE`.
+    pub cache_copies: u64,
     /// Compact size of the training split, when `DATA.ROOT` is set.
     pub dataset_bytes: Option<u64>,
     /// Loader threads of the node (`TOTAL_WORKERS`, `auto` resolved).
@@ -89,7 +100,8 @@ pub struct Plan {
     pub optimizer_bytes: u64,
     /// Parameters, gradients and optimizer state of one rank.
     pub rank_model: u64,
-    /// Host bytes: cache + ranks x loader (+ ranks x model states for CPU ranks).
+    /// Host bytes: cache copies x cap + jobs x ranks x loader (+ model states of
+    /// CPU ranks).
     pub host_total: u64,
     /// Host total over RAM.
     pub host_share: f64,
@@ -239,11 +251,21 @@ pub fn plan(
     } else {
         0
     };
-    let host_total = cache_cap + ranks as u64 * rank_loader + host_model;
+    let jobs = machine.jobs.max(1);
+    let cache_copies = match (cache_cap, config.data.cache_sharing) {
+        (0, _) => 0,
+        (_, CacheSharing::Node) => 1,
+        (_, CacheSharing::Job) => jobs as u64,
+    };
+    let host_total =
+        cache_copies * cache_cap + jobs as u64 * (ranks as u64 * rank_loader + host_model);
     let mut plan = Plan {
         machine,
         ranks,
         cache_cap,
+        cache_sharing: config.data.cache_sharing,
+        jobs,
+        cache_copies,
         dataset_bytes: dataset.map(|d| d.compact_bytes),
         node_workers,
         workers_capped_from: workers.capped_from,
@@ -328,19 +350,27 @@ fn misfits(p: &Plan) -> Vec<String> {
     let m = &p.machine;
     let mut out = Vec::new();
     if p.host_total > m.ram_bytes {
-        let loader = p.ranks as u64 * p.rank_loader;
-        let host_model = p.host_total - p.cache_cap - loader;
+        let all_ranks = (p.jobs * p.ranks) as u64;
+        let loader = all_ranks * p.rank_loader;
+        let cache = p.cache_copies * p.cache_cap;
+        let host_model = p.host_total - cache - loader;
+        let copies = match p.cache_copies {
+            0 | 1 => String::new(),
+            n => format!("{n} copies (one per job, DATA.CACHE_SHARING: job) x "),
+        };
         let terms = [
             (
-                p.cache_cap,
-                format!("cache {:.1} GiB (DATA.CACHE_SIZE_GB)", gib(p.cache_cap)),
+                cache,
+                format!(
+                    "cache {copies}{:.1} GiB (DATA.CACHE_SIZE_GB)",
+                    gib(p.cache_cap)
+                ),
             ),
             (
                 loader,
                 format!(
-                    "loaders {} rank(s) x {:.2} GiB (DATALOADER.TOTAL_WORKERS, \
+                    "loaders {all_ranks} rank(s) x {:.2} GiB (DATALOADER.TOTAL_WORKERS, \
                      TRAIN_PREFETCH_FACTOR, TRAIN.BATCH_SIZE)",
-                    p.ranks,
                     gib(p.rank_loader)
                 ),
             ),
@@ -373,6 +403,25 @@ fn misfits(p: &Plan) -> Vec<String> {
 }
 
 impl Plan {
+    /// How the cache is counted: once for the node's jobs on this dataset, or once
+    /// per job.
+    fn cache_copies_text(&self) -> String {
+        match (self.cache_copies, self.cache_sharing) {
+            (0, _) => String::new(),
+            (_, CacheSharing::Node) => format!(
+                "; shared by this user's jobs on this dataset (DATA.CACHE_SHARING: node), \
+                 counted once{}",
+                match self.jobs {
+                    1 => String::new(),
+                    n => format!(" for the {n} jobs"),
+                }
+            ),
+            (n, CacheSharing::Job) => {
+                format!("; one per job (DATA.CACHE_SHARING: job), counted {n} time(s)")
+            }
+        }
+    }
+
     /// The plan as aligned text lines.
     pub fn render_text(&self) -> String {
         let m = &self.machine;
@@ -390,8 +439,9 @@ impl Plan {
             .map(|b| format!(" (training split {:.2} GiB)", gib(b)))
             .unwrap_or_else(|| " (set DATA.ROOT to compare with the dataset)".into());
         lines.push(format!(
-            "cache cap: {:.2} GiB{dataset}",
-            gib(self.cache_cap)
+            "cache cap: {:.2} GiB{dataset}{}",
+            gib(self.cache_cap),
+            self.cache_copies_text()
         ));
         lines.push(format!(
             "loader per rank: {} workers x {} samples ahead = {} samples x {:.2} MiB = {:.2} GiB{}",
@@ -415,8 +465,12 @@ impl Plan {
             gib(self.optimizer_bytes),
             gib(self.rank_model)
         ));
+        let jobs = match self.jobs {
+            1 => String::new(),
+            n => format!("{n} jobs x "),
+        };
         lines.push(format!(
-            "host total: {:.2} GiB for {} rank(s) = {:.1}% of RAM",
+            "host total: {:.2} GiB for {jobs}{} rank(s) = {:.1}% of RAM",
             gib(self.host_total),
             self.ranks,
             100.0 * self.host_share
@@ -511,6 +565,7 @@ mod tests {
             gpus: 2,
             gpu_mem_bytes: Some(24 * GB),
             cpu_ranks: 1,
+            jobs: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: 3 * GB,
@@ -548,6 +603,7 @@ mod tests {
             gpus: 0,
             gpu_mem_bytes: None,
             cpu_ranks: 1,
+            jobs: 1,
         };
         let dataset = DatasetFacts {
             compact_bytes: GB,
@@ -586,6 +642,7 @@ mod tests {
             gpus: 1,
             gpu_mem_bytes: Some(GB),
             cpu_ranks: 1,
+            jobs: 1,
         };
         let fits = plan(&small(), machine, 1_000, None);
         assert!(fits.misfits.is_empty(), "{:?}", fits.misfits);
@@ -617,6 +674,7 @@ mod tests {
             gpus: 0,
             gpu_mem_bytes: None,
             cpu_ranks: 2,
+            jobs: 1,
         };
         let p = plan(&small(), machine, 1_000_000, None);
         // 6 workers over 2 ranks; each rank holds its loader and 16 MB of states.
@@ -632,5 +690,51 @@ mod tests {
         assert_eq!(parse_size("1024"), Ok(1024));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3X").is_err());
+    }
+
+    #[test]
+    fn a_shared_cache_counts_once_for_several_jobs_and_says_so() {
+        let machine = Machine {
+            ram_bytes: 64 * GB,
+            cores: 8,
+            gpus: 1,
+            gpu_mem_bytes: None,
+            cpu_ranks: 1,
+            jobs: 3,
+        };
+        let shared = plan(&small(), machine, 1_000_000, None);
+        assert_eq!(shared.cache_sharing, CacheSharing::Node, "the default");
+        assert_eq!(shared.cache_copies, 1);
+        assert_eq!(shared.host_total, 2 * GB + 3 * shared.rank_loader);
+        let text = shared.render_text();
+        assert!(
+            text.contains("DATA.CACHE_SHARING: node), counted once for the 3 jobs"),
+            "{text}"
+        );
+        assert!(text.contains("for 3 jobs x 1 rank(s)"), "{text}");
+        let own = small()
+            .with_overrides(&["DATA.CACHE_SHARING=job".into()])
+            .unwrap();
+        let each = plan(&own, machine, 1_000_000, None);
+        assert_eq!(each.cache_copies, 3);
+        assert_eq!(each.host_total, 3 * 2 * GB + 3 * each.rank_loader);
+        assert!(
+            each.render_text()
+                .contains("one per job (DATA.CACHE_SHARING: job), counted 3 time(s)"),
+            "{}",
+            each.render_text()
+        );
+        let tiny_ram = Machine {
+            ram_bytes: 5 * GB,
+            ..machine
+        };
+        let p = plan(&own, tiny_ram, 1_000_000, None);
+        assert!(
+            p.misfits[0]
+                .contains("cache 3 copies (one per job, DATA.CACHE_SHARING: job) x 2.0 GiB"),
+            "{:?}",
+            p.misfits
+        );
+        assert!(plan(&small(), tiny_ram, 1_000_000, None).misfits.is_empty());
     }
 }

@@ -225,6 +225,7 @@ fn bad_requests_get_errors_and_the_server_keeps_serving() {
         client
             .call(Request::Hello {
                 name: "again".into(),
+                job: String::new(),
                 pid: 1,
                 mapped_store: None,
                 reply,

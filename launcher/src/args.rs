@@ -122,9 +122,10 @@ pub struct Args {
 
     /// With `DATA.CACHE_SHARING: node`: seconds a node-shared cache server this
     /// launcher starts stays after the last job detached (back-to-back jobs find
-    /// the cache warm).
-    #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
-    pub cache_linger_s: f64,
+    /// the cache warm). Default: VRTSPIKE_CACHE_LINGER_S, else 0 inside a SLURM
+    /// allocation, else 30. Given twice, the last wins.
+    #[arg(long, value_parser = non_negative_seconds, overrides_with = "cache_linger_s")]
+    pub cache_linger_s: Option<f64>,
 
     /// Seconds between samples of the job's memory (summed Pss of the process tree).
     #[arg(long, default_value_t = 1.0, value_parser = positive_seconds)]

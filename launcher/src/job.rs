@@ -121,11 +121,19 @@ impl Job {
             if let (Some(shared), Some(serde_json::Value::Object(stats))) =
                 (&setup.shared, self.cache_stats.as_mut())
             {
-                // The figures are the whole server's, every attached job's together.
+                // The figures are the whole server's, every attached job's together;
+                // this job's own are its entry in `jobs` (its ranks name it by the
+                // run directory).
+                let label = self.run_dir.layout.job_label();
+                let this_job = stats
+                    .get("jobs")
+                    .and_then(serde_json::Value::as_array)
+                    .and_then(|jobs| jobs.iter().find(|j| j["job"] == label.as_str()))
+                    .cloned();
                 stats.insert(
                     "sharing".into(),
                     serde_json::json!({"mode": "node", "address": setup.cache_addr,
-                        "job": shared.job, "figures": "server-wide"}),
+                        "job": shared.job, "figures": "server-wide", "this_job": this_job}),
                 );
             }
             // In node mode this stops only the attach: the server lingers.
@@ -532,6 +540,8 @@ struct SharedSetup {
     job: String,
     /// The cap this job asks for.
     wanted_cap: u64,
+    /// Seconds a server this job starts stays after the last job detached.
+    linger_s: f64,
 }
 
 /// The node-shared server's address and this job's name for it; `None` (one
@@ -567,10 +577,14 @@ fn shared_setup(
         run_dir.path.display(),
         std::process::id()
     );
+    let linger_s =
+        vrtspike_contract::cache_serve::linger_s(args.cache_linger_s, &|n| std::env::var(n).ok())
+            .map_err(anyhow::Error::msg)?;
     Ok(Some(SharedSetup {
         address,
         job,
         wanted_cap,
+        linger_s,
     }))
 }
 
@@ -584,7 +598,7 @@ impl JobSetup {
         };
         let serve = vrtspike_contract::cache_serve::CacheServe {
             lifetime: vrtspike_contract::cache_serve::Lifetime::Shared {
-                linger_s: args.cache_linger_s,
+                linger_s: shared.linger_s,
                 started_by: &shared.job,
             },
             ..spec.serve

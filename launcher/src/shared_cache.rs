@@ -14,7 +14,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -22,7 +22,7 @@ use nix::sys::signal::Signal;
 use vrtspike_contract::cache_serve::{
     self, CacheAttach, CacheServe, StartError, EXIT_ADDRESS_IN_USE, EXIT_NO_SERVER,
 };
-use vrtspike_contract::dataset_sig::{self, DatasetSignature};
+use vrtspike_contract::dataset_sig::DatasetSignature;
 
 use crate::cache_server;
 use crate::signals;
@@ -50,16 +50,7 @@ pub struct SharedSpec<'a> {
 /// The node-shared server's address for the dataset at `root`, with the
 /// dataset's signature.
 pub fn address(root: &Path) -> Result<(String, DatasetSignature)> {
-    let signature = dataset_sig::sign(root)?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    let slurm = std::env::var("SLURM_JOB_ID").ok();
-    let address = vrtspike_contract::cache_addr::shared_cache_address(
-        uid,
-        signature.digest,
-        slurm.as_deref(),
-    );
-    Ok((address, signature))
+    Ok(vrtspike_contract::cache_addr::node_shared_address(root)?)
 }
 
 /// Attaches this job to the node-shared server, starting it first when none
@@ -206,7 +197,7 @@ fn start(spec: &SharedSpec) -> Result<()> {
                 took.as_secs_f64(),
                 linger_of(spec)
             );
-            reap_in_background(child);
+            cache_serve::reap_in_background(child);
             Ok(())
         }
         Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
@@ -221,7 +212,7 @@ fn start(spec: &SharedSpec) -> Result<()> {
         ),
         Err(e) => {
             let _ = child.kill();
-            reap_in_background(child);
+            cache_serve::reap_in_background(child);
             bail!("{e} (address {address:?}); see {}", spec.log.display())
         }
     }
@@ -231,17 +222,6 @@ fn linger_of(spec: &SharedSpec) -> f64 {
     match spec.serve.lifetime {
         cache_serve::Lifetime::Shared { linger_s, .. } => linger_s,
         cache_serve::Lifetime::WithParent => 0.0,
-    }
-}
-
-/// Waits for the server on a thread, so it leaves no zombie if it stops before
-/// this launcher does (and is inherited by init if it does not).
-fn reap_in_background(mut child: Child) {
-    let spawned = std::thread::Builder::new()
-        .name("shared-cache-reaper".into())
-        .spawn(move || child.wait());
-    if let Err(e) = spawned {
-        tracing::debug!("cannot start the shared cache server's reaper thread: {e}");
     }
 }
 

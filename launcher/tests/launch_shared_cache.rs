@@ -89,7 +89,7 @@ fn launch_with(s: &Setup, name: &str, reaper: &mut Reaper, restarts: u32) -> (Ch
         .args(["--gpus", "0", "--ranks", "1", "--max-restarts"])
         .arg(restarts.to_string())
         .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
-        .args(["--cache-linger-s", "1", "--set", "DATA.CACHE_SHARING=node"])
+        .args(["--cache-linger-s", "1"])
         .stdout(Stdio::from(file))
         .stderr(Stdio::from(err))
         .spawn()
@@ -165,6 +165,24 @@ fn attached_jobs(address: &str) -> Vec<String> {
     jobs
 }
 
+/// The server's figures of the job in `run` (its ranks name it by the run
+/// directory), or `None` when the server does not list it.
+fn job_figures(address: &str, run: &Path) -> Option<Value> {
+    let label = RunLayout::new(run).job_label();
+    let shown = stats(address)?;
+    shown["jobs"]
+        .as_array()?
+        .iter()
+        .find(|j| j["job"] == label.as_str())
+        .cloned()
+}
+
+/// Reads the job made: its hits and misses.
+fn lookups(figures: &Value) -> u64 {
+    let count = |key: &str| figures["counters"][key].as_u64().unwrap_or(0);
+    count("hits") + count("misses")
+}
+
 /// Whether any process listens at the abstract address (`/proc/net/unix`).
 fn socket_exists(address: &str) -> bool {
     let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
@@ -237,7 +255,18 @@ fn the_second_job_outlives_the_first(end: &dyn Fn(&mut Child, &Path, &Path)) {
         "the second job's log names the server and the job that started it:\n{log}"
     );
 
+    // Per-job figures: each job's ranks count under its own run directory.
+    for run in [&first_run, &second_run] {
+        let figures = job_figures(&s.address, run)
+            .unwrap_or_else(|| panic!("no figures of {}: {:?}", run.display(), stats(&s.address)));
+        assert!(lookups(&figures) > 0, "{figures}");
+        assert!(figures["clients"].as_u64() > Some(0), "{figures}");
+    }
+
     end(&mut first, &first_run, &first_out);
+    let ended = job_figures(&s.address, &first_run).unwrap_or_default();
+    assert_eq!(ended["clients"], 0, "the ended job's figures stay: {ended}");
+    assert!(lookups(&ended) > 0, "{ended}");
     assert!(
         alive(server),
         "the shared server ended with the job that started it"
@@ -258,6 +287,12 @@ fn the_second_job_outlives_the_first(end: &dyn Fn(&mut Child, &Path, &Path)) {
     );
 
     preempt(&mut second, &second_run, &second_out);
+    let summary = read_json(&RunLayout::new(&second_run).launcher_summary(0));
+    let own = &summary["cache"]["sharing"]["this_job"];
+    assert!(
+        lookups(own) > 0 && own["job"] == RunLayout::new(&second_run).job_label().as_str(),
+        "the job's summary has its own figures: {summary}"
+    );
     assert_gone_after_linger(&s.address, server);
 }
 

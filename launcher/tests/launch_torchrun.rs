@@ -1,7 +1,9 @@
 //! Ranks that torchrun drives, with the cache: `torchrun --standalone
 //! --nproc-per-node 2 --no-python vrtspike train --config C` trains through the
-//! node's cache server, which local rank 0 starts (no launcher of ours did) and
-//! which ends with the job; a rank killed with `kill -9` under `--max-restarts 1`
+//! node-shared cache server (`DATA.CACHE_SHARING: node`, the default), which local
+//! rank 0 starts (no launcher of ours did, none ran for the dataset) and which
+//! ends when the last rank detaches (`VRTSPIKE_CACHE_LINGER_S=0`); with `job`,
+//! `kill -9` of local rank 0 takes its own server along; a rank killed with `kill -9` under `--max-restarts 1`
 //! makes torchrun restart both ranks, which resume from the last checkpoint (the
 //! failed attempt's store keys stay under its own prefix) and complete, leaving
 //! nothing behind. torchrun comes from the project's virtualenv (`VIRTUAL_ENV`, or
@@ -73,6 +75,9 @@ fn torchrun_command(torchrun: &Path, dir: &Path, config: &Path, extra: &[&str]) 
     }) {
         command.env_remove(name);
     }
+    // The node-shared server local rank 0 starts ends with the last rank, so the
+    // test can check that nothing is left.
+    command.env(vrtspike_contract::cache_serve::LINGER_ENV, "0");
     command
 }
 
@@ -96,6 +101,15 @@ fn tiny(dir: &Path) -> PathBuf {
         timeout_s: 60,
     };
     write_tiny_config(dir, &data, &train)
+}
+
+/// [`tiny`] with a server of the job's own (`DATA.CACHE_SHARING: job`).
+fn tiny_own_cache(dir: &Path) -> PathBuf {
+    let config = tiny(dir);
+    let text = std::fs::read_to_string(&config).unwrap_or_else(|e| panic!("{e}"));
+    let text = text.replacen("DATA:\n", "DATA:\n  CACHE_SHARING: job\n", 1);
+    std::fs::write(&config, text).unwrap_or_else(|e| panic!("{e}"));
+    config
 }
 
 /// Every process seen under torchrun while `child` runs (sampled, with its
@@ -175,7 +189,12 @@ fn torchrun_ranks_train_through_the_node_cache() {
     let hit_rate = ranks.cache_hit_rate.unwrap_or(0.0);
     assert!(hit_rate > 0.5, "through the cache: {ranks:?}");
     assert!(!context.contains("no cache server"), "{context}");
-    assert!(context.contains("node cache server started"), "{context}");
+    // DATA.CACHE_SHARING node (the default): local rank 0 started the node-shared
+    // server (none ran for this dataset), rank 1 attached to it.
+    assert!(
+        context.contains("node cache server started (node-shared)"),
+        "{context}"
+    );
     assert!(context.contains("node cache server attached"), "{context}");
     assert!(layout.cache_log(0).is_file());
     assert!(
@@ -266,7 +285,7 @@ fn kill_9_of_local_rank_0_takes_its_cache_server_along() {
         panic!("this test needs torchrun in VIRTUAL_ENV or the workspace's .venv (make setup creates it)");
     };
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let config = tiny(tmp.path());
+    let config = tiny_own_cache(tmp.path());
     let child = torchrun_command(&torchrun, tmp.path(), &config, &["--max-restarts", "0"])
         .spawn()
         .unwrap_or_else(|e| panic!("starting torchrun: {e}"));

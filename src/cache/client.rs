@@ -52,6 +52,8 @@ pub struct ClientOptions {
     pub reply_timeout: Duration,
     /// Longest time to connect and finish the handshake.
     pub handshake_timeout: Duration,
+    /// The job this client's figures count for ([`job_label`]).
+    pub job: String,
 }
 
 impl Default for ClientOptions {
@@ -60,9 +62,28 @@ impl Default for ClientOptions {
             trusted_uids: vec![nix::unistd::geteuid().as_raw()],
             reply_timeout: REPLY_TIMEOUT,
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            job: job_label(),
         }
     }
 }
+
+/// The job this process's cache clients name in their hello, for the server's
+/// per-job figures: what [`set_job_label`] set, else the run directory the
+/// launcher gives its ranks (`VRTSPIKE_RUN_DIR`), else none (`""`).
+pub fn job_label() -> String {
+    if let Some(label) = JOB_LABEL.get() {
+        return label.clone();
+    }
+    std::env::var(vrtspike_contract::env::RUN_DIR).unwrap_or_default()
+}
+
+/// Names the job of this process's cache clients (a rank sets its run
+/// directory); the first call wins.
+pub fn set_job_label(label: &str) {
+    let _ = JOB_LABEL.set(label.to_string());
+}
+
+static JOB_LABEL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 impl ClientOptions {
     /// The defaults, trusting also the uids of [`ALLOW_UIDS_ENV`].
@@ -294,6 +315,7 @@ impl CacheClient {
         requests
             .send(Request::Hello {
                 name: name.to_string(),
+                job: options.job.clone(),
                 pid: std::process::id(),
                 mapped_store,
                 reply: reply_tx,

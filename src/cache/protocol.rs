@@ -20,6 +20,8 @@ pub enum Request {
     Hello {
         /// Label for stats and logs.
         name: String,
+        /// The job it belongs to, for per-job figures (`""`: none).
+        job: String,
         /// The client's process id.
         pid: u32,
         /// Id of the store this process already maps for this address.

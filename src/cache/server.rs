@@ -44,7 +44,7 @@ use super::protocol::{ClientId, Reply, Request, RequestError};
 use super::rendezvous::{self, Greeting};
 use super::shm::Segment;
 use super::store::reserve::Reservations;
-use super::store::{GetOutcome, PrefetchOutcome, Store};
+use super::store::{ClientLabel, GetOutcome, PrefetchOutcome, Store};
 use super::table::{extent_for, Layout, SLOT_ALIGN};
 use super::CacheError;
 use crate::util::bytes::human;
@@ -558,6 +558,7 @@ fn handshake(
     let (requests, hello) = open_channel(shared, stream)?;
     let Request::Hello {
         name,
+        job,
         pid,
         mapped_store,
         reply,
@@ -565,9 +566,13 @@ fn handshake(
     else {
         return Err(format!("first message was {}, not hello", hello.kind()));
     };
-    let connected = shared
-        .store()
-        .and_then(|mut store| store.connect(name.clone(), pid));
+    let connected = shared.store().and_then(|mut store| {
+        store.connect_as(ClientLabel {
+            name: name.clone(),
+            job,
+            pid,
+        })
+    });
     let (client, pin_page) = match connected {
         Ok(parts) => parts,
         Err(error) => {

@@ -80,6 +80,26 @@ pub struct ClientStats {
     pub leases_held: usize,
     /// Fills it has in flight now.
     pub fills_in_flight: usize,
+    /// The job it said it belongs to (`""`: none).
+    #[serde(default)]
+    pub job: String,
+}
+
+/// One job's view: every client that named it, past and present
+/// (`DATA.CACHE_SHARING: node` puts several jobs on one server).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobStats {
+    /// The job as its clients name it (the run directory; `""`: clients that
+    /// named none).
+    pub job: String,
+    /// Its clients connected now.
+    pub clients: usize,
+    /// Its counters over all its clients, past and present.
+    pub counters: Counters,
+    /// hits / (hits + misses).
+    pub hit_rate: f64,
+    /// Leases its clients hold now.
+    pub leases_held: usize,
 }
 
 /// Fill latency (miss to commit) over the recent fills, in milliseconds.
@@ -218,6 +238,16 @@ pub struct StatsReport {
     pub plan: PlanStats,
     /// Connected clients.
     pub clients: Vec<ClientStats>,
+    /// Per job, the jobs with a client now first, then the ended ones kept.
+    #[serde(default)]
+    pub jobs: Vec<JobStats>,
+}
+
+impl StatsReport {
+    /// The figures of job `job`, if the server knows it.
+    pub fn job(&self, job: &str) -> Option<&JobStats> {
+        self.jobs.iter().find(|j| j.job == job)
+    }
 }
 
 impl fmt::Display for StatsReport {
@@ -292,6 +322,30 @@ impl fmt::Display for StatsReport {
                 "retired connections (their clients still hold leases): {}",
                 self.retired_connections
             )?;
+        }
+        if self.jobs.iter().any(|j| !j.job.is_empty()) {
+            writeln!(
+                f,
+                "{:>7} {:>10} {:>10} {:>8} {:>12} {:>7}  job",
+                "clients", "hits", "misses", "hit%", "MiB filled", "leases"
+            )?;
+            for j in &self.jobs {
+                writeln!(
+                    f,
+                    "{:>7} {:>10} {:>10} {:>7.2}% {:>12.1} {:>7}  {}",
+                    j.clients,
+                    j.counters.hits,
+                    j.counters.misses,
+                    100.0 * j.hit_rate,
+                    j.counters.bytes_filled as f64 / (1u64 << 20) as f64,
+                    j.leases_held,
+                    if j.job.is_empty() {
+                        "(no job named)"
+                    } else {
+                        &j.job
+                    }
+                )?;
+            }
         }
         if !self.clients.is_empty() {
             writeln!(

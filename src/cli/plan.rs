@@ -37,6 +37,10 @@ pub struct PlanArgs {
     /// --cache-size).
     #[arg(long = "cache-size")]
     cache_size: Option<String>,
+    /// Jobs like this one on the node at once (an ablation, a sweep): with
+    /// DATA.CACHE_SHARING node their cache is counted once, with job once per job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    jobs: u64,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -84,6 +88,7 @@ fn machine(args: &PlanArgs) -> Result<Machine> {
             .unwrap_or_else(|| usize::try_from(tch::Cuda::device_count()).unwrap_or(0)),
         gpu_mem_bytes,
         cpu_ranks: args.ranks,
+        jobs: usize::try_from(args.jobs).unwrap_or(usize::MAX),
     })
 }
 

@@ -86,10 +86,10 @@ pub enum CacheSharing {
     /// One server per user, node and dataset (canonical root and a signature of its
     /// files): the jobs on it attach to the one already running; it lingers a
     /// little after the last one detaches, then exits.
+    #[default]
     #[serde(rename = "node")]
     Node,
     /// One server per job, started and stopped with it.
-    #[default]
     #[serde(rename = "job")]
     Job,
 }
@@ -296,11 +296,11 @@ mod tests {
         assert!(!c.data.cache_prefetch);
         assert_eq!(
             c.data.cache_sharing,
-            super::CacheSharing::Job,
+            super::CacheSharing::Node,
             "the default"
         );
-        let c = parse("DATA:\n  CACHE_SHARING: node\n").unwrap();
-        assert_eq!(c.data.cache_sharing, super::CacheSharing::Node);
+        let c = parse("DATA:\n  CACHE_SHARING: job\n").unwrap();
+        assert_eq!(c.data.cache_sharing, super::CacheSharing::Job);
         let c = parse("DATA:\n  AUGMENT: false\n").unwrap();
         assert_eq!(c.data.augment, super::Augment::all(false));
     }

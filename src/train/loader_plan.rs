@@ -60,6 +60,7 @@ impl LoaderPlan {
             gpus: node.gpus,
             gpu_mem_bytes: None,
             cpu_ranks: node.local_ranks,
+            jobs: 1,
         };
         let facts = index.and_then(grid_facts);
         let (sample, _) = plan::sample_bytes(config, facts.as_ref());

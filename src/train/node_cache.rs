@@ -1,15 +1,22 @@
 //! The node's cache server when no launcher started one (torchrun, srun, a rank
 //! alone): local rank 0 starts it with the launcher's own command and readiness
-//! pipe (`vrtspike_contract::cache_serve`), as its child with a parent-death
-//! signal, so it ends with that rank (and with the job: nothing is left after
-//! `kill -9` of any rank, since the others then fail and rank 0 with them); the
-//! other local ranks wait until it accepts and attach. All of them attach to
-//! `VRTSPIKE_CACHE_ADDR` instead when it is set, and `DATA.USE_RAM_CACHE: false`
-//! means no server at all.
+//! pipe (`vrtspike_contract::cache_serve`); the other local ranks wait until it
+//! accepts and attach. All of them attach to `VRTSPIKE_CACHE_ADDR` instead when it
+//! is set, and `DATA.USE_RAM_CACHE: false` means no server at all.
 //!
-//! The address names the job, the node and the attempt (a restarted attempt
-//! starts a fresh server: the old one ended with its rank 0). It comes from
-//! `cache::default_address`.
+//! With `DATA.CACHE_SHARING: node` (the default) the server is the node-shared one
+//! of this user and dataset, at the address the launcher uses too
+//! (`cache_addr::node_shared_address`): local rank 0 attaches to it when it runs,
+//! else starts it with a linger (`VRTSPIKE_CACHE_LINGER_S`, default 30 s, 0 in a
+//! SLURM allocation) in its
+//! own process group and without a parent-death signal, so it serves every job
+//! that uses it and ends by itself once none has been connected for the linger.
+//!
+//! With `job`, the server is this job's: local rank 0's child with a parent-death
+//! signal, so it ends with that rank (and with the job: nothing is left after
+//! `kill -9` of any rank, since the others then fail and rank 0 with them). Its
+//! address names the job, the node and the attempt (a restarted attempt starts a
+//! fresh server: the old one ended with its rank 0), from `cache::default_address`.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -21,7 +28,7 @@ use vrtspike_contract::cache_serve::{self, CacheServe};
 use super::env::RankEnv;
 use super::TrainError;
 use crate::cache::{self, CacheClient, CacheError};
-use crate::config::Config;
+use crate::config::{CacheSharing, Config};
 
 /// How long local rank 0 waits for its server, and the others for rank 0's.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -37,14 +44,26 @@ pub struct ServeFrom<'a> {
     pub overrides: &'a [String],
 }
 
-/// The server local rank 0 started; asked to shut down when dropped.
+/// What a rank keeps for the run (drop it at the end).
+pub enum NodeCache {
+    /// The job's own server, started by local rank 0: asked to shut down when
+    /// dropped.
+    Own(OwnServer),
+    /// A connection to the node-shared server, held by every local rank while it
+    /// runs: the server counts this job as attached through it (without one, a
+    /// server with a short linger could stop between two of the job's
+    /// connections).
+    Held(CacheClient),
+}
+
+/// The server local rank 0 started for its job.
 #[derive(Debug)]
-pub struct NodeCache {
+pub struct OwnServer {
     address: String,
     child: Child,
 }
 
-impl Drop for NodeCache {
+impl Drop for OwnServer {
     fn drop(&mut self) {
         let asked = CacheClient::connect(&self.address, "rank 0 (ending the node's cache server)")
             .and_then(|client| client.shutdown_server());
@@ -68,26 +87,36 @@ pub fn start_or_attach(
     config: &Config,
     from: &ServeFrom,
 ) -> Result<Option<NodeCache>, TrainError> {
+    cache::client::set_job_label(&env.layout().job_label());
     if !config.data.use_ram_cache || env.cache_addr.is_some() {
         return Ok(None);
     }
-    let address = cache::default_address(&job_name(env));
+    let shared = shared_address(config)?;
+    let address = match &shared {
+        Some(address) => address.clone(),
+        None => cache::default_address(&job_name(env)),
+    };
     let started = Instant::now();
-    let server = if env.local_rank == 0 {
-        Some(start(env, &address, from)?)
-    } else {
-        wait_for(&address, env.rank)?;
-        None
+    let (server, how) = match (env.local_rank, &shared) {
+        (0, None) => (Some(NodeCache::Own(start(env, &address, from)?)), "started"),
+        (0, Some(_)) => {
+            let (hold, how) = attach_or_start_shared(env, &address, from)?;
+            (Some(NodeCache::Held(hold)), how)
+        }
+        (_, None) => {
+            wait_for(&address, env.rank)?;
+            (None, "attached")
+        }
+        (_, Some(_)) => (
+            Some(NodeCache::Held(wait_for(&address, env.rank)?)),
+            "attached",
+        ),
     };
     tracing::info!(
         rank = env.rank,
         address,
-        "node cache server {} in {:.2} s (no launcher started one)",
-        if server.is_some() {
-            "started"
-        } else {
-            "attached"
-        },
+        shared = shared.is_some(),
+        "node cache server {how} in {:.2} s (no launcher started one)",
         started.elapsed().as_secs_f64()
     );
     env.cache_addr = Some(address.clone());
@@ -107,8 +136,133 @@ fn job_name(env: &RankEnv) -> String {
     format!("{job}-n{}-a{}", env.contract.node_rank, env.restart_count)
 }
 
-/// Local rank 0: starts the server and waits for its word.
-fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<NodeCache, TrainError> {
+/// The node-shared server's address with `DATA.CACHE_SHARING: node`; `None`
+/// with `job`, or (with a warning) when no `DATA.ROOT` names a dataset to key it.
+fn shared_address(config: &Config) -> Result<Option<String>, TrainError> {
+    if config.data.cache_sharing != CacheSharing::Node {
+        return Ok(None);
+    }
+    let Some(root) = &config.data.root else {
+        tracing::warn!(
+            "DATA.CACHE_SHARING is node but DATA.ROOT is null: this job starts a cache server \
+             of its own"
+        );
+        return Ok(None);
+    };
+    let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root).map_err(|e| {
+        TrainError::io(
+            root,
+            format!("DATA.CACHE_SHARING node keys the cache server by the dataset's files: {e}"),
+        )
+    })?;
+    Ok(Some(address))
+}
+
+/// Local rank 0 with a node-shared server: attaches to the one running, else
+/// starts it (see the module doc). Returns its connection to hold, and which it
+/// did.
+fn attach_or_start_shared(
+    env: &RankEnv,
+    address: &str,
+    from: &ServeFrom,
+) -> Result<(CacheClient, &'static str), TrainError> {
+    let who = format!(
+        "rank {} (looking for the node-shared cache server)",
+        env.rank
+    );
+    let quick = cache::ClientOptions::from_env()
+        .map_err(|e| TrainError::io(from.config, format!("the cache client's options: {e}")))?
+        .waiting(Duration::from_secs(2));
+    for _ in 0..SHARED_ROUNDS {
+        if let Ok(hold) = CacheClient::connect_with(address, &who, &quick) {
+            return Ok((hold, "attached (node-shared)"));
+        }
+        // Started (by this rank, or by another job that won the race): hold it
+        // at once; it waits for its first client longer than the linger.
+        let how = match start_shared(env, address, from)? {
+            true => "started (node-shared)",
+            false => "attached (node-shared, another job started it at the same time)",
+        };
+        if let Ok(hold) = CacheClient::connect_with(address, &who, &quick) {
+            return Ok((hold, how));
+        }
+    }
+    Err(TrainError::io(
+        &env.layout().cache_log(env.contract.node_rank),
+        format!(
+            "could not attach to, nor start, the node-shared cache server at {address:?} in \
+             {SHARED_ROUNDS} tries (its log)"
+        ),
+    ))
+}
+
+/// Tries to attach, or start and then attach, this many times: a round fails when
+/// another job won the race for the address and its server stopped at once.
+const SHARED_ROUNDS: usize = 5;
+
+/// Starts a node-shared server, detached from this rank; `false` when another
+/// one took the address first (attach to that one).
+fn start_shared(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<bool, TrainError> {
+    let started_by = format!("job {} (rank {})", env.layout().job_label(), env.rank);
+    let lifetime = cache_serve::Lifetime::Shared {
+        linger_s: linger_s()?,
+        started_by: &started_by,
+    };
+    let (mut child, waited) = spawn_server(env, address, from, lifetime)?;
+    match waited {
+        Ok(_) => {
+            vrtspike_contract::cache_serve::reap_in_background(child);
+            Ok(true)
+        }
+        Err(cache_serve::StartError::Exited(status))
+            if status.code() == Some(cache_serve::EXIT_ADDRESS_IN_USE) =>
+        {
+            Ok(false)
+        }
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(server_failed(env, address, e))
+        }
+    }
+}
+
+/// The linger of a shared server this rank starts ([`cache_serve::linger_s`]).
+fn linger_s() -> Result<f64, TrainError> {
+    cache_serve::linger_s(None, &|name| std::env::var(name).ok()).map_err(|message| {
+        TrainError::Env {
+            var: cache_serve::LINGER_ENV.to_string(),
+            message,
+        }
+    })
+}
+
+/// Local rank 0: starts the job's own server and waits for its word.
+fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, TrainError> {
+    let (mut child, waited) = spawn_server(env, address, from, cache_serve::Lifetime::WithParent)?;
+    match waited {
+        Ok(_) => Ok(OwnServer {
+            address: address.to_string(),
+            child,
+        }),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(server_failed(env, address, e))
+        }
+    }
+}
+
+/// Spawns `vrtspike cache serve` at `address` with `lifetime`, logging into the
+/// node's cache log, and waits for its word. A job's own server is this rank's
+/// child with a parent-death signal; a shared one gets its own process group and
+/// none, so it outlives this rank while other jobs read from it.
+fn spawn_server(
+    env: &RankEnv,
+    address: &str,
+    from: &ServeFrom,
+    lifetime: cache_serve::Lifetime,
+) -> Result<(Child, Result<Duration, cache_serve::StartError>), TrainError> {
     let log = env.layout().cache_log(env.contract.node_rank);
     let out = open_log(&log)?;
     let err = out.try_clone().map_err(|e| TrainError::io(&log, e))?;
@@ -118,12 +272,36 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<NodeCache, Tr
         config: from.config,
         cap: None,
         overrides: from.overrides,
-        lifetime: cache_serve::Lifetime::WithParent,
+        lifetime,
     };
     let (mut command, mut pipe) = spec
         .command()
         .map_err(|e| TrainError::io(&log, format!("the cache server's readiness pipe: {e}")))?;
     command.stdin(Stdio::null()).stdout(out).stderr(err);
+    match lifetime {
+        cache_serve::Lifetime::WithParent => die_with_this_process(&mut command),
+        cache_serve::Lifetime::Shared { .. } => {
+            command.process_group(0);
+        }
+    }
+    let spawned = command.spawn();
+    pipe.close_child_end();
+    let mut child = spawned.map_err(|e| {
+        TrainError::io(
+            from.vrtspike,
+            format!("starting the node's cache server: {e}"),
+        )
+    })?;
+    let waited =
+        cache_serve::wait_ready(&mut pipe, START_TIMEOUT, &mut || child.try_wait(), &|| {
+            false
+        });
+    Ok((child, waited))
+}
+
+/// The child gets SIGKILL when this process dies (and is not started if it died
+/// already).
+fn die_with_this_process(command: &mut std::process::Command) {
     let parent = std::process::id() as i32;
     // SAFETY: the hook runs in the forked child before exec; it only makes the
     // prctl and getppid system calls, which are async-signal-safe, and allocates
@@ -139,41 +317,24 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<NodeCache, Tr
             Ok(())
         });
     }
-    let spawned = command.spawn();
-    pipe.close_child_end();
-    let mut child = spawned.map_err(|e| {
-        TrainError::io(
-            from.vrtspike,
-            format!("starting the node's cache server: {e}"),
-        )
-    })?;
-    let waited =
-        cache_serve::wait_ready(&mut pipe, START_TIMEOUT, &mut || child.try_wait(), &|| {
-            false
-        });
-    match waited {
-        Ok(_) => Ok(NodeCache {
-            address: address.to_string(),
-            child,
-        }),
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(TrainError::io(
-                &log,
-                format!("{e}: the node's cache server at {address:?} (its log)"),
-            ))
-        }
-    }
 }
 
-/// Other local ranks: waits until local rank 0's server accepts.
-fn wait_for(address: &str, rank: usize) -> Result<(), TrainError> {
+/// A server that did not start, naming its address and its log.
+fn server_failed(env: &RankEnv, address: &str, e: cache_serve::StartError) -> TrainError {
+    TrainError::io(
+        &env.layout().cache_log(env.contract.node_rank),
+        format!("{e}: the node's cache server at {address:?} (its log)"),
+    )
+}
+
+/// Other local ranks: waits until local rank 0's server accepts; returns the
+/// connection.
+fn wait_for(address: &str, rank: usize) -> Result<CacheClient, TrainError> {
     let started = Instant::now();
     let who = format!("rank {rank} (waiting for the node's cache server)");
     loop {
         match CacheClient::connect(address, &who) {
-            Ok(_) => return Ok(()),
+            Ok(client) => return Ok(client),
             Err(CacheError::Connect { .. }) if started.elapsed() < START_TIMEOUT => {
                 std::thread::sleep(Duration::from_millis(100));
             }

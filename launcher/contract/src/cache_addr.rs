@@ -31,6 +31,21 @@ pub fn shared_cache_address(uid: u32, digest: u64, slurm_job: Option<&str>) -> S
     cache_address(uid, &job)
 }
 
+/// The node-shared server's address for the dataset at `root` (signed by
+/// [`crate::dataset_sig::sign`]) for this process's user, in this process's SLURM
+/// allocation if any; with the signature. The launcher and ranks that no
+/// launcher started (torchrun, srun) name it alike.
+pub fn node_shared_address(
+    root: &std::path::Path,
+) -> Result<(String, crate::dataset_sig::DatasetSignature), crate::dataset_sig::SignatureError> {
+    let signature = crate::dataset_sig::sign(root)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let slurm = std::env::var(crate::env::slurm::JOB_ID).ok();
+    let address = shared_cache_address(uid, signature.digest, slurm.as_deref());
+    Ok((address, signature))
+}
+
 /// The job of a process that no launcher named: the SLURM job it runs in
 /// (`slurm<id>`), else `default`.
 pub fn ambient_job(var: &dyn Fn(&str) -> Option<String>) -> String {

@@ -43,6 +43,16 @@ impl RunLayout {
         &self.root
     }
 
+    /// The job as a shared cache server's per-job figures name it: the run
+    /// directory as an absolute path (the launcher and its ranks, whatever their
+    /// working directories, name it alike).
+    pub fn job_label(&self) -> String {
+        std::path::absolute(&self.root)
+            .unwrap_or_else(|_| self.root.clone())
+            .display()
+            .to_string()
+    }
+
     /// `logs/`.
     pub fn logs_dir(&self) -> PathBuf {
         self.root.join(LOGS_DIR)

@@ -19,7 +19,10 @@ pub fn launcher() -> PathBuf {
 
 /// The launcher on `config` into `run_dir`, with the environment the tests need: no
 /// GPU, info logs, no stdin, and no SLURM variables (tests that want SLURM fake it;
-/// a real one around the tests must not leak in).
+/// a real one around the tests must not leak in). A node-shared cache server it
+/// starts (the default `DATA.CACHE_SHARING: node`) ends as soon as its last job
+/// detaches (`--cache-linger-s 0`; a later `--cache-linger-s` wins), so a test
+/// that checks that nothing is left needs no wait.
 pub fn launcher_command(config: &Path, run_dir: &Path) -> Command {
     let mut command = Command::new(launcher());
     command
@@ -27,6 +30,7 @@ pub fn launcher_command(config: &Path, run_dir: &Path) -> Command {
         .arg(config)
         .arg("--run-dir")
         .arg(run_dir)
+        .args(["--cache-linger-s", "0"])
         .env_remove("CUDA_VISIBLE_DEVICES")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null());

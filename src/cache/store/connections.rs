@@ -17,10 +17,23 @@ use super::super::table::MAX_CONNECTIONS;
 pub struct Connection {
     /// Label the client gave.
     pub name: String,
+    /// The job it said it belongs to (`""`: none).
+    pub job: String,
     /// Its process id.
     pub pid: u32,
     /// Its pin page.
     pub page: usize,
+}
+
+/// Who a new connection is: its hello's name, job and pid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientLabel {
+    /// Label for stats and logs.
+    pub name: String,
+    /// The job it belongs to (`""`: none).
+    pub job: String,
+    /// Its process id.
+    pub pid: u32,
 }
 
 /// What a disconnect leaves behind.
@@ -67,8 +80,7 @@ impl Connections {
     pub fn connect<'p>(
         &mut self,
         id: ClientId,
-        name: String,
-        pid: u32,
+        who: ClientLabel,
         page_of: impl Fn(usize) -> PinPage<'p>,
     ) -> Result<usize, RequestError> {
         if self.by_id.contains_key(&id) || self.retired.contains_key(&id) {
@@ -83,7 +95,13 @@ impl Connections {
         };
         page_of(page).reset(id);
         self.read_tails[page] = 0;
-        self.by_id.insert(id, Connection { name, pid, page });
+        let connection = Connection {
+            name: who.name,
+            job: who.job,
+            pid: who.pid,
+            page,
+        };
+        self.by_id.insert(id, connection);
         Ok(page)
     }
 
@@ -164,6 +182,14 @@ mod tests {
     use super::super::super::pins::PAGE_WORDS;
     use super::*;
 
+    fn label(name: String, pid: u32) -> ClientLabel {
+        ClientLabel {
+            name,
+            job: String::new(),
+            pid,
+        }
+    }
+
     fn pages() -> Vec<AtomicU64> {
         (0..MAX_CONNECTIONS * PAGE_WORDS)
             .map(|_| AtomicU64::new(0))
@@ -181,13 +207,13 @@ mod tests {
         let got: Vec<usize> = (0..MAX_CONNECTIONS as u64)
             .map(|id| {
                 conns
-                    .connect(id + 1, format!("c{id}"), 7, page_of(&words))
+                    .connect(id + 1, label(format!("c{id}"), 7), page_of(&words))
                     .unwrap()
             })
             .collect();
         assert_eq!(got[0], 0);
         let err = conns
-            .connect(9999, "late".into(), 7, page_of(&words))
+            .connect(9999, label("late".into(), 7), page_of(&words))
             .unwrap_err();
         assert_eq!(
             err,
@@ -199,14 +225,14 @@ mod tests {
         assert_eq!(gone.connection.page, got[7]);
         assert!(
             conns
-                .connect(9999, "late".into(), 7, page_of(&words))
+                .connect(9999, label("late".into(), 7), page_of(&words))
                 .is_err(),
             "a retired page is not handed out"
         );
         assert!(conns.forget(8, page_of(&words)));
         assert!(!conns.forget(8, page_of(&words)), "forgotten already");
         assert_eq!(
-            conns.connect(9999, "late".into(), 7, page_of(&words)),
+            conns.connect(9999, label("late".into(), 7), page_of(&words)),
             Ok(got[7])
         );
         assert_eq!(page_of(&words)(got[7]).owner(), 9999);
@@ -216,8 +242,12 @@ mod tests {
     fn a_retired_connection_keeps_pinning_until_forgotten() {
         let words = pages();
         let mut conns = Connections::new();
-        let a = conns.connect(1, "a".into(), 10, page_of(&words)).unwrap();
-        let b = conns.connect(2, "b".into(), 11, page_of(&words)).unwrap();
+        let a = conns
+            .connect(1, label("a".into(), 10), page_of(&words))
+            .unwrap();
+        let b = conns
+            .connect(2, label("b".into(), 11), page_of(&words))
+            .unwrap();
         let pa = page_of(&words)(a);
         pa.take(3).unwrap();
         pa.count_hit();
@@ -240,7 +270,7 @@ mod tests {
         );
         assert!(conns.get(1).is_err());
         assert!(conns
-            .connect(1, "again".into(), 10, page_of(&words))
+            .connect(1, label("again".into(), 10), page_of(&words))
             .is_err_and(|e| e.to_string().contains("connected already")));
         conns.forget(1, page_of(&words));
         assert!(!pa.pins(3), "forgetting clears its leases");

@@ -40,6 +40,7 @@ use super::pins::{LeaseWord, PinPage, PinPages, LEASES_PER_CONNECTION};
 use super::protocol::{LeaseGrant, RequestError};
 use super::table::{self, SlotCode, TableWriter, MAX_KEY_BYTES};
 use arena::{Arena, Placed, SlotIdx, SlotUse};
+pub use connections::ClientLabel;
 use connections::Connections;
 use fills::{Fill, Fills};
 use index::RecordIndex;
@@ -180,11 +181,22 @@ impl Store {
     /// Registers a connection; returns its id and its pin page, or an error when all
     /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) pages are taken.
     pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
+        self.connect_as(ClientLabel {
+            name,
+            job: String::new(),
+            pid,
+        })
+    }
+
+    /// [`connect`](Self::connect) for a client that names its job: its figures
+    /// count for the job too (`vrtspike cache stats`, the job's summary).
+    pub fn connect_as(&mut self, who: ClientLabel) -> Result<(ClientId, usize), RequestError> {
         let id = self.next_id;
         let pins = &self.pins;
-        let page = self.connections.connect(id, name, pid, |p| pins.page(p))?;
+        let job = who.job.clone();
+        let page = self.connections.connect(id, who, |p| pins.page(p))?;
         self.next_id += 1;
-        self.stats.connected(id);
+        self.stats.connected(id, &job);
         Ok((id, page))
     }
 

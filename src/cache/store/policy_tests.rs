@@ -177,9 +177,25 @@ fn eviction_follows_a_brute_force_belady_on_random_streams() {
 fn eviction_follows_belady_over_two_lockstep_plans() {
     // Two readers with plans of their own, taking turns (one even steps, the other
     // odd ones): the store's choice is Belady's on the merged stream.
+    two_plans_in_turn_follow_belady(1000, 0);
+}
+
+#[test]
+fn plans_of_two_jobs_at_different_steps_merge_by_distance_ahead() {
+    // Two jobs on one node-shared server: job b is 1000 steps further into its run
+    // than job a (its plan and progress count from there). The store compares uses
+    // by how far ahead of each job's own progress they lie, so its choice is still
+    // Belady's on the merged stream.
+    two_plans_in_turn_follow_belady(5000, 1000);
+}
+
+/// Two planners with a reader each take turns over 100 random streams (seeded
+/// from `seed_base`), the second one's steps counted from `b_first_step`; the
+/// store's outcomes are a brute-force Belady's on the merged stream.
+fn two_plans_in_turn_follow_belady(seed_base: u64, b_first_step: u64) {
     for seed in 0..100 {
         let records = 3;
-        let stream = random_stream(1000 + seed, 50, 6);
+        let stream = random_stream(seed_base + seed, 50, 6);
         let stream: Vec<&str> = stream.iter().map(String::as_str).collect();
         let mut rig = Rig::new(records);
         let (planner_b, page_b) = rig.store.connect("plan b".into(), 2).unwrap();
@@ -193,10 +209,10 @@ fn eviction_follows_belady_over_two_lockstep_plans() {
         };
         let (planner_a, reader_a) = (rig.planner, rig.reader);
         rig.announce(planner_a, 0, &turn(0), &[reader_a]);
-        rig.announce(planner_b, 0, &turn(1), &[reader_b]);
+        rig.announce(planner_b, b_first_step, &turn(1), &[reader_b]);
         let mut got = Vec::new();
         for (i, &key) in stream.iter().enumerate() {
-            rig.progress(page_b, i as u64);
+            rig.progress(page_b, b_first_step + i as u64);
             let one = store_outcomes_from(&mut rig, i, key, [reader_a, reader_b][i % 2]);
             got.push(one);
         }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::super::stats::{ClientStats, StatsReport};
+use super::super::stats::{ClientStats, JobStats, StatsReport};
 use super::arena::SlotUse;
 use super::Store;
 
@@ -40,10 +40,12 @@ impl Store {
                     hit_rate: counters.hit_rate(),
                     leases_held: page.lease_count(),
                     fills_in_flight: self.fills.count_of(id),
+                    job: c.job.clone(),
                 }
             })
             .collect();
         clients.sort_by_key(|c| c.id);
+        let jobs = self.job_stats(&clients);
         let free = self.arena.free_space();
         StatsReport {
             server_pid,
@@ -73,7 +75,39 @@ impl Store {
             fill_latency_ms: self.stats.fill_latency(),
             plan: self.plan_stats(),
             clients,
+            jobs,
         }
+    }
+
+    /// Each job's counters, with what its connected `clients` count in shared
+    /// memory and hold now; jobs with a client first, then by name.
+    fn job_stats(&self, clients: &[ClientStats]) -> Vec<JobStats> {
+        let mut jobs: Vec<JobStats> = self
+            .stats
+            .jobs()
+            .iter()
+            .map(|(job, counters)| JobStats {
+                job: job.to_string(),
+                clients: 0,
+                counters: *counters,
+                hit_rate: 0.0,
+                leases_held: 0,
+            })
+            .collect();
+        for client in clients {
+            let Some(job) = jobs.iter_mut().find(|j| j.job == client.job) else {
+                continue;
+            };
+            let own = self.stats.client(client.id);
+            job.clients += 1;
+            job.counters.hits += client.counters.hits - own.hits;
+            job.leases_held += client.leases_held;
+        }
+        for job in &mut jobs {
+            job.hit_rate = job.counters.hit_rate();
+        }
+        jobs.sort_by(|a, b| (a.clients == 0, &a.job).cmp(&(b.clients == 0, &b.job)));
+        jobs
     }
 
     /// Leases per slot over every live connection's page.

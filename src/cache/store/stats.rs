@@ -53,6 +53,8 @@ impl Event {
 pub struct StoreStats {
     totals: Counters,
     per_client: HashMap<ClientId, Counters>,
+    /// Each job's counters over its clients past and present (see [`Jobs`]).
+    jobs: Jobs,
     evictions: u64,
     /// Reservations refused because no stretch of the store could be freed.
     refused_full: u64,
@@ -72,6 +74,7 @@ impl StoreStats {
         StoreStats {
             totals: Counters::default(),
             per_client: HashMap::new(),
+            jobs: Jobs::default(),
             evictions: 0,
             refused_full: 0,
             fill_latency: LatencyWindow::default(),
@@ -79,24 +82,39 @@ impl StoreStats {
         }
     }
 
-    /// Starts counting for a new client.
-    pub fn connected(&mut self, client: ClientId) {
+    /// Starts counting for a new client of `job` (`""`: it named none).
+    pub fn connected(&mut self, client: ClientId, job: &str) {
         self.per_client.insert(client, Counters::default());
+        self.jobs.joined(client, job);
     }
 
     /// Stops counting for a client, folding the hits it counted in shared memory
-    /// into the totals.
+    /// into the totals and its job's.
     pub fn disconnected(&mut self, client: ClientId, shared_hits: u64) {
         self.per_client.remove(&client);
         self.totals.hits += shared_hits;
+        if let Some(job) = self.jobs.left(client) {
+            job.hits += shared_hits;
+        }
     }
 
-    /// Counts `event` in the totals and, if it is connected, for `client`.
+    /// Counts `event` in the totals and, if it is connected, for `client` and its
+    /// job.
     pub fn count(&mut self, client: ClientId, event: Event) {
         event.add_to(&mut self.totals);
         if let Some(c) = self.per_client.get_mut(&client) {
             event.add_to(c);
         }
+        if let Some(job) = self.jobs.of_client(client) {
+            event.add_to(job);
+        }
+    }
+
+    /// Each job's counters over its past and present clients (without the
+    /// shared-memory hits of the connected ones), and the job of each connected
+    /// client.
+    pub fn jobs(&self) -> &Jobs {
+        &self.jobs
     }
 
     /// Counts a committed fill of `bytes` that took `latency` from miss to commit.
@@ -147,6 +165,58 @@ impl StoreStats {
     }
 }
 
+/// The jobs whose clients share the server (`DATA.CACHE_SHARING: node`): a job
+/// is the label its clients give in their hello (the run directory). Jobs with no
+/// client left are kept for their figures, the oldest dropped past
+/// [`Jobs::MAX_ENDED`].
+#[derive(Debug, Default)]
+pub struct Jobs {
+    counters: HashMap<String, Counters>,
+    of_client: HashMap<ClientId, String>,
+    /// Jobs with no connected client, the one that ended first at the front.
+    ended: std::collections::VecDeque<String>,
+}
+
+impl Jobs {
+    /// Ended jobs whose figures are kept.
+    pub const MAX_ENDED: usize = 64;
+
+    fn joined(&mut self, client: ClientId, job: &str) {
+        self.ended.retain(|j| j != job);
+        self.counters.entry(job.to_string()).or_default();
+        self.of_client.insert(client, job.to_string());
+    }
+
+    /// Client `client` left: its job's counters, to fold what it counted in.
+    fn left(&mut self, client: ClientId) -> Option<&mut Counters> {
+        let job = self.of_client.remove(&client)?;
+        if !self.of_client.values().any(|j| *j == job) {
+            self.ended.push_back(job.clone());
+            while self.ended.len() > Self::MAX_ENDED {
+                if let Some(old) = self.ended.pop_front() {
+                    self.counters.remove(&old);
+                }
+            }
+        }
+        self.counters.get_mut(&job)
+    }
+
+    fn of_client(&mut self, client: ClientId) -> Option<&mut Counters> {
+        let job = self.of_client.get(&client)?;
+        self.counters.get_mut(job)
+    }
+
+    /// The job of connected client `client`.
+    pub fn job_of(&self, client: ClientId) -> Option<&str> {
+        self.of_client.get(&client).map(String::as_str)
+    }
+
+    /// Every job kept, with its counters.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Counters)> + '_ {
+        self.counters.iter().map(|(j, c)| (j.as_str(), c))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,7 +224,7 @@ mod tests {
     #[test]
     fn events_count_in_the_totals_and_for_connected_clients_only() {
         let mut stats = StoreStats::new();
-        stats.connected(1);
+        stats.connected(1, "job a");
         stats.count(1, Event::Hit);
         stats.count(1, Event::Miss);
         stats.count(2, Event::Error); // not connected: totals only
@@ -171,7 +241,7 @@ mod tests {
     #[test]
     fn a_disconnect_keeps_the_totals_and_adds_the_shared_hits() {
         let mut stats = StoreStats::new();
-        stats.connected(1);
+        stats.connected(1, "job a");
         stats.count(1, Event::Wait);
         stats.count(1, Event::FillAbandoned);
         stats.disconnected(1, 5);
@@ -184,5 +254,32 @@ mod tests {
         );
         stats.evicted();
         assert_eq!(stats.evictions(), 1);
+    }
+
+    #[test]
+    fn a_jobs_counters_outlive_its_clients_and_old_ended_jobs_go() {
+        let mut stats = StoreStats::new();
+        stats.connected(1, "a");
+        stats.connected(2, "a");
+        stats.connected(3, "b");
+        stats.count(1, Event::Miss);
+        stats.fill_committed(2, 10, Duration::from_millis(1));
+        stats.count(3, Event::Hit);
+        stats.disconnected(1, 4);
+        stats.disconnected(2, 0);
+        let jobs: HashMap<&str, Counters> = stats.jobs().iter().map(|(j, c)| (j, *c)).collect();
+        let a = jobs["a"];
+        assert_eq!((a.hits, a.misses, a.fills, a.bytes_filled), (4, 1, 1, 10));
+        assert_eq!(jobs["b"].hits, 1);
+        assert_eq!(stats.jobs().job_of(3), Some("b"));
+        assert_eq!(stats.jobs().job_of(1), None);
+        for n in 0..Jobs::MAX_ENDED as u64 {
+            stats.connected(10 + n, &format!("later {n}"));
+            stats.disconnected(10 + n, 0);
+        }
+        let kept: Vec<&str> = stats.jobs().iter().map(|(j, _)| j).collect();
+        assert!(!kept.contains(&"a"), "the oldest ended job goes: {kept:?}");
+        assert!(kept.contains(&"b"), "a job with a client stays: {kept:?}");
+        assert_eq!(kept.len(), Jobs::MAX_ENDED + 1);
     }
 }
