@@ -2,7 +2,9 @@
 # Three demo jobs at once (each --gpus 0 --ranks 1, seeds 1..N) with
 # DATA.CACHE_SHARING=MODE (node or job), under pss-tree; each job's summary.json
 # holds its samples/s, PSNR and its cache server's figures (bytes_filled: bytes
-# read from disk into the cache).
+# read from disk into the cache; with node, cache.sharing.this_job is the job's own).
+# N=1 gives a job's speed alone. On a small machine give each job one thread
+# (OMP_NUM_THREADS=1 in the environment) or the jobs' libtorch threads thrash.
 #   scripts/shared_cache_jobs.sh MODE DATA_ROOT OUT [STEPS=100] [N=3]
 # DATA_ROOT: vrtspike synth --out DIR --seqs 12 --test-seqs 4 --frames 12 (the demo set).
 set -euo pipefail

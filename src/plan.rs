@@ -502,23 +502,7 @@ impl Plan {
 
 /// Parses a size such as `256G`, `48GiB`, `512M` or `1024` (bytes); units are binary.
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let digits = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(digits);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("{text:?}: expected a size such as 256G"))?;
-    let shift = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        other => return Err(format!("{text:?}: unknown unit {other:?} (K, M, G, T)")),
-    };
-    Ok((value * (1u64 << shift) as f64) as u64)
+    crate::util::bytes::parse_size(text).map_err(|e| e.to_string())
 }
 
 /// What one measured step took.

@@ -568,7 +568,7 @@ fn shared_setup(
         "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset"
     );
     let wanted_cap = match args.cache_size.as_deref() {
-        Some(text) => shared_cache::parse_size(text)
+        Some(text) => vrtspike_contract::size::parse_size(text)
             .with_context(|| format!("--cache-size {text:?} is not a size (e.g. 20G)"))?,
         None => facts.cache_bytes,
     };

@@ -7,29 +7,12 @@ pub struct ParseSizeError {
     text: String,
 }
 
-/// Parses a byte count with an optional binary suffix (K, M, G, T; `B`/`iB` allowed).
+/// Parses a byte count with an optional binary suffix (K, M, G, T; `B`/`iB`
+/// allowed): `vrtspike_contract::size::parse_size`, with an error naming the text.
 pub fn parse_size(text: &str) -> Result<u64, ParseSizeError> {
-    let err = || ParseSizeError {
+    vrtspike_contract::size::parse_size(text).ok_or_else(|| ParseSizeError {
         text: text.to_string(),
-    };
-    let t = text.trim();
-    let upper = t.to_ascii_uppercase();
-    let trimmed = upper
-        .strip_suffix("IB")
-        .or_else(|| upper.strip_suffix('B'))
-        .unwrap_or(&upper);
-    let (num, shift) = match trimmed.chars().last() {
-        Some('K') => (&trimmed[..trimmed.len() - 1], 10),
-        Some('M') => (&trimmed[..trimmed.len() - 1], 20),
-        Some('G') => (&trimmed[..trimmed.len() - 1], 30),
-        Some('T') => (&trimmed[..trimmed.len() - 1], 40),
-        _ => (trimmed, 0),
-    };
-    let value: f64 = num.trim().parse().map_err(|_| err())?;
-    if !value.is_finite() || value < 0.0 {
-        return Err(err());
-    }
-    Ok((value * (1u64 << shift) as f64).round() as u64)
+    })
 }
 
 /// `1536` -> `1.50 KiB`.

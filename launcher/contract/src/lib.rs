@@ -23,6 +23,7 @@ pub mod pss;
 pub mod ready;
 pub mod rundir;
 pub mod signals;
+pub mod size;
 pub mod summary;
 
 pub use env::{Device, EnvError, RankEnv, Rendezvous, SlurmStep};
