@@ -606,6 +606,7 @@ impl JobSetup {
         shared_cache::attach_or_start(&shared_cache::SharedSpec {
             serve,
             job: &shared.job,
+            job_label: run_dir.layout.job_label(),
             log: spec.log,
             start_timeout: spec.start_timeout,
             wanted_cap: Some(shared.wanted_cap),

@@ -39,6 +39,9 @@ pub struct SharedSpec<'a> {
     pub serve: CacheServe<'a>,
     /// The job, as the server's stats and logs name it.
     pub job: &'a str,
+    /// The job as its ranks' clients name it for the per-job figures (the run
+    /// directory, `RunLayout::job_label`): the attach counts there too.
+    pub job_label: String,
     /// The log of the server this launcher starts, and of its attach.
     pub log: PathBuf,
     /// How long the server may take to accept connections.
@@ -79,6 +82,7 @@ fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
     }
     .command()
     .context("creating the cache attach's readiness pipe")?;
+    command.env(vrtspike_contract::env::RUN_DIR, &spec.job_label);
     let spawned = spawn::spawn(
         "cache attach".into(),
         &mut command,

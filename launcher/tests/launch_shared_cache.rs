@@ -5,7 +5,9 @@
 //! from it, then lingers and exits, leaving neither a process nor its abstract
 //! socket; two launchers started at the same instant end up with one server;
 //! `kill -9` of the shared server with two jobs attached: both restart their
-//! attempt, one starts a new server and the other attaches to it.
+//! attempt, one starts a new server and the other attaches to it; a server started
+//! by hand (`vrtspike cache serve --config C`) serves the jobs on C's dataset and
+//! stays after them until stopped.
 
 mod common;
 
@@ -59,14 +61,16 @@ fn setup() -> Setup {
     }
 }
 
-/// Kills the launchers a test started if it fails half-way (their jobs are
-/// endless): each `kill -9` takes its ranks and attach with it.
+/// Kills the launchers (and a hand-started server) a test started if it fails
+/// half-way (their jobs are endless): each `kill -9` of a launcher takes its
+/// ranks and attach with it.
 struct Reaper(Vec<u32>);
 
 impl Drop for Reaper {
     fn drop(&mut self) {
         for &pid in &self.0 {
-            if alive(pid) && common::cmdline(pid).contains("vrtspike-launch") {
+            let ours = common::cmdline(pid);
+            if alive(pid) && (ours.contains("vrtspike-launch") || ours.contains("cache serve")) {
                 signal(pid, Signal::SIGKILL);
             }
         }
@@ -400,4 +404,59 @@ fn kill_9_of_the_shared_server_restarts_both_jobs_on_one_new_server() {
     preempt(&mut one, &one_run, &one_out);
     preempt(&mut two, &two_run, &two_out);
     assert_gone_after_linger(&s.address, new);
+}
+
+#[test]
+fn a_server_started_by_hand_serves_the_jobs_and_stays_after_them() {
+    // `vrtspike cache serve --config C` with no address: the node-shared server
+    // of C's dataset, with no linger (it stays until stopped).
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let mut serve = Command::new(vrtspike());
+    serve
+        .args(["cache", "serve", "--config"])
+        .arg(&s.config)
+        .env_remove("VRTSPIKE_CACHE_ADDR")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut hand = serve
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting vrtspike cache serve: {e}"));
+    reaper.0.push(hand.id());
+    assert!(
+        wait_until(LIMIT, || socket_exists(&s.address)),
+        "the hand-started server did not listen at {}",
+        s.address
+    );
+    let server = server_pid(&s.address);
+
+    let (mut job, run) = launch(&s, "job", &mut reaper);
+    let out = s.dir.join("job.out");
+    wait_for_steps(&run, 2, &mut job, &out);
+    let log = read(&out);
+    assert!(
+        log.contains("attached to the node-shared cache server")
+            && !log.contains("started the node-shared cache server"),
+        "the job attached to the hand-started server:\n{log}"
+    );
+    assert_eq!(server_pid(&s.address), server);
+    assert!(job_figures(&s.address, &run).is_some_and(|f| lookups(&f) > 0));
+    preempt(&mut job, &run, &out);
+
+    // No linger: it serves on after the job, until it is stopped.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        alive(server),
+        "the hand-started server stopped with the job"
+    );
+    let stopped = Command::new(vrtspike())
+        .args(["cache", "shutdown", "--address", &s.address])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(stopped.status.success(), "{stopped:?}");
+    let code = exit_code(&mut hand, LIMIT);
+    assert_eq!(code, Some(0), "cache serve after its shutdown");
+    assert_gone_after_linger(&s.address, server);
 }

@@ -74,7 +74,9 @@ pub fn job_label() -> String {
     if let Some(label) = JOB_LABEL.get() {
         return label.clone();
     }
-    std::env::var(vrtspike_contract::env::RUN_DIR).unwrap_or_default()
+    std::env::var(vrtspike_contract::env::RUN_DIR)
+        .map(|dir| vrtspike_contract::rundir::RunLayout::new(dir).job_label())
+        .unwrap_or_default()
 }
 
 /// Names the job of this process's cache clients (a rank sets its run

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 
 use crate::cache::{self, CacheClient, ClientOptions, Server, ServerConfig};
-use crate::config::Config;
+use crate::config::{CacheSharing, Config};
 use crate::util::bytes::parse_size;
 
 /// Where `vrtspike cache serve` finds the cache server binary (over the one beside
@@ -175,7 +175,10 @@ pub struct ServeArgs {
     /// Byte cap (e.g. 20G); default: DATA.CACHE_SIZE_GB of --config.
     #[arg(long, value_parser = parse_size)]
     cap: Option<u64>,
-    /// A run config whose DATA.CACHE_SIZE_GB sets the cap.
+    /// A run config whose DATA.CACHE_SIZE_GB sets the cap. With its
+    /// DATA.CACHE_SHARING node (the default), a DATA.ROOT and no --address (nor
+    /// $VRTSPIKE_CACHE_ADDR), the server listens at that dataset's node-shared
+    /// address: the jobs on the dataset attach to it instead of starting one.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Override a key of --config, `KEY.PATH=VALUE` (as `vrtspike train --set`).
@@ -386,12 +389,17 @@ fn serve(args: ServeArgs) -> Result<()> {
         nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
             .context("setting the parent-death signal")?;
     }
-    let cap = match (args.cap, &args.config) {
+    let run_config = match &args.config {
+        Some(path) => Some(Config::resolve(path, &args.set)?.config),
+        None => None,
+    };
+    let cap = match (args.cap, &run_config) {
         (Some(cap), _) => cap,
-        (None, Some(path)) => Config::resolve(path, &args.set)?.config.data.cache_bytes(),
+        (None, Some(run)) => run.data.cache_bytes(),
         (None, None) => bail!("give the cache size with --cap SIZE or --config FILE"),
     };
-    let mut config = ServerConfig::new(args.address.resolve(), cap);
+    let address = serve_address(&args.address, run_config.as_ref())?;
+    let mut config = ServerConfig::new(address, cap);
     config.record_bytes = args.record_bytes;
     config.fill_wait_timeout = Duration::from_secs(args.fill_wait_s);
     config.handshake_timeout = Duration::from_secs(args.handshake_timeout_s.max(1));
@@ -423,6 +431,31 @@ fn serve(args: ServeArgs) -> Result<()> {
     cache::handshake_dir::remove_own();
     result?;
     Ok(())
+}
+
+/// Where `cache serve` listens: `--address`, else `$VRTSPIKE_CACHE_ADDR`, else,
+/// for a `--config` with `DATA.CACHE_SHARING: node` and a `DATA.ROOT`, the
+/// node-shared address of that dataset (so the jobs on it attach to this server,
+/// started by hand), else the tools' default.
+fn serve_address(address: &AddressArgs, run: Option<&Config>) -> Result<String> {
+    let explicit =
+        address.address.is_some() || std::env::var_os(vrtspike_contract::env::CACHE_ADDR).is_some();
+    let shared_root = run
+        .filter(|run| run.data.cache_sharing == CacheSharing::Node)
+        .and_then(|run| run.data.root.as_deref());
+    match (explicit, shared_root) {
+        (false, Some(root)) => {
+            let (shared, signature) = vrtspike_contract::cache_addr::node_shared_address(root)
+                .context("DATA.CACHE_SHARING node keys the cache server by the dataset's files")?;
+            println!(
+                "DATA.CACHE_SHARING is node: serving the jobs on {} ({} files) at {shared}",
+                signature.root.display(),
+                signature.files
+            );
+            Ok(shared)
+        }
+        _ => Ok(address.resolve()),
+    }
 }
 
 fn stats(args: StatsArgs) -> Result<()> {
