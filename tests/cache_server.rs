@@ -424,3 +424,21 @@ fn a_slot_the_node_has_no_memory_for_is_a_named_refusal() {
     assert_eq!(stats.bytes_carved, 0);
     assert!(server.alive());
 }
+
+#[test]
+fn a_client_that_only_takes_shared_hits_sees_its_server_gone() {
+    let mut server = ServerProc::start("gone", &["--cap", "1M"]);
+    let client = server.client("reader");
+    fill_pattern(&client, "k", REC);
+    assert!(!client.server_gone(), "a live server");
+    // A hit comes from shared memory with no message, so only the probe can tell.
+    assert!(matches!(client.get("k").unwrap(), Lookup::Hit(_)));
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    assert!(!server.alive());
+    assert!(
+        wait_until(Duration::from_secs(5), || client.server_gone()),
+        "the closed rendezvous socket was not seen"
+    );
+    assert!(matches!(client.get("absent"), Err(e) if e.is_server_gone()));
+}

@@ -77,11 +77,22 @@ pub struct AttemptEnd {
     pub preempting: bool,
 }
 
+/// The node's cache process the gang watches: the job's own server, or its
+/// attach to the node-shared one.
+pub struct CacheHold<'a> {
+    /// The process; its end ends the attempt unless `reattach` replaces it.
+    pub process: &'a mut Supervised,
+    /// Node-shared: attaches again (starting a server if none runs) when the attach
+    /// ends, while the ranks go on (their loaders read from disk and connect to
+    /// the new server).
+    pub reattach: Option<&'a dyn Fn() -> Result<Supervised>>,
+}
+
 /// Starts the ranks (rank 0's log echoed to the terminal when it runs here) and
 /// supervises them until they all exit, one fails, or a signal ends the attempt.
 pub fn run_attempt(
     launches: &[RankLaunch],
-    cache_server: Option<&mut Supervised>,
+    cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     hang: HangCheck,
@@ -168,7 +179,7 @@ pub fn ending_after_stop(train_summary: &Path, started: SystemTime) -> ExitKind 
 
 fn supervise(
     ranks: &mut [(u32, Supervised)],
-    cache_server: Option<&mut Supervised>,
+    cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     mut hang: HangWatch,
@@ -184,6 +195,30 @@ fn supervise(
     );
     end.preempting = preempting;
     end
+}
+
+/// A node-shared server's attach ended with `status`: attaches again (or starts
+/// a server) while the ranks go on. `false` when this is no shared attach, or
+/// attaching again failed.
+fn reattached(hold: &mut CacheHold, status: std::process::ExitStatus) -> bool {
+    let Some(reattach) = hold.reattach else {
+        return false;
+    };
+    tracing::warn!(
+        "the node-shared cache server went away (its attach {}): attaching again, or \
+         starting one; the ranks read from disk meanwhile",
+        spawn::describe(status)
+    );
+    match reattach() {
+        Ok(process) => {
+            *hold.process = process;
+            true
+        }
+        Err(e) => {
+            tracing::error!("attaching to the node-shared cache server again: {e:#}");
+            false
+        }
+    }
 }
 
 /// When the ranks must be done after a stop request, and how the attempt ends
@@ -238,7 +273,7 @@ fn ask_to_stop(
 /// The supervision loop; sets `preempting` once the ranks got the preemption signal.
 fn watch(
     ranks: &mut [(u32, Supervised)],
-    mut cache_server: Option<&mut Supervised>,
+    mut cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
     peer_stop: &dyn Fn() -> Option<Failure>,
     preempting: &mut bool,
@@ -259,11 +294,13 @@ fn watch(
             tracing::error!("{}: stopping the other ranks", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
-        if let Some(server) = cache_server.as_deref_mut() {
-            if let Ok(Some(status)) = server.poll() {
-                let failure = failure_of(timing.node_rank, None, server, status);
-                tracing::error!("{}: stopping the ranks", failure.cause);
-                return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+        if let Some(hold) = cache_server.as_mut() {
+            if let Ok(Some(status)) = hold.process.poll() {
+                if !reattached(hold, status) {
+                    let failure = failure_of(timing.node_rank, None, hold.process, status);
+                    tracing::error!("{}: stopping the ranks", failure.cause);
+                    return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
+                }
             }
         }
         if let Some(failure) = peer_stop() {

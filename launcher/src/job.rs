@@ -314,7 +314,16 @@ impl Job {
             run_dir: &self.run_dir.path,
             attempt: restart_count,
         };
-        let mut end = gang::run_attempt(&launches, server, timing, &peer_stop, hang)?;
+        let run_dir = &self.run_dir;
+        let reattach = || setup.hold_cache(args, run_dir);
+        let hold = server.map(|process| gang::CacheHold {
+            process,
+            reattach: setup
+                .shared
+                .as_ref()
+                .map(|_| &reattach as &dyn Fn() -> Result<spawn::Supervised>),
+        });
+        let mut end = gang::run_attempt(&launches, hold, timing, &peer_stop, hang)?;
         end.failure = end
             .failure
             .map(|f| f.with_rank_account(&self.run_dir.layout));

@@ -13,6 +13,7 @@
 use std::cell::Cell;
 use std::io::Write;
 use std::ops::Deref;
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -368,6 +369,21 @@ impl CacheClient {
     /// of its hits went through the server (a fill in flight, a racing eviction).
     pub fn shared_hits(&self) -> u64 {
         self.shared_hits.get()
+    }
+
+    /// Whether the server has gone (its end of this connection's rendezvous
+    /// socket closed), found without a message: a client that only takes hits in
+    /// shared memory learns of it no other way. One `poll` with no wait.
+    pub fn server_gone(&self) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self._rendezvous.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for a socket this client owns, for the call's
+        // duration; a zero timeout does not block.
+        let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+        ready > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
     }
 
     /// The server's address.
@@ -926,6 +942,12 @@ impl CacheError {
             CacheError::Refused { error, .. } => Some(error),
             _ => None,
         }
+    }
+
+    /// Whether this connection is lost (the server went away, or a reply went
+    /// missing and the channel is out of step): a new connection is needed.
+    pub fn is_server_gone(&self) -> bool {
+        matches!(self, CacheError::ServerGone { .. } | CacheError::Broken)
     }
 
     /// Whether the cache could not take or give this record but is otherwise

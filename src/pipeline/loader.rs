@@ -355,7 +355,9 @@ impl Loader {
                     ) {
                         Ok(client) => {
                             let _ = ready.send(Ok(Some(client.id())));
-                            let source = CacheSource::new(client, counters.reads.clone());
+                            let label = format!("{}/{name}", options_w.client_name);
+                            let source =
+                                CacheSource::new(client, address, &label, counters.reads.clone());
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
                         Err(err) => {

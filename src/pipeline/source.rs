@@ -9,8 +9,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crate::cache::{CacheClient, CacheError, FillTicket, Lease, Lookup};
+use crate::cache::{CacheClient, CacheError, ClientOptions, FillTicket, Lease, Lookup};
 use crate::dataset::index::DatasetIndex;
 use crate::dataset::record::RecordView;
 
@@ -70,21 +71,142 @@ pub struct CacheCounters {
 
 /// Reads through the node cache with one worker's own connection.
 pub struct CacheSource {
-    client: CacheClient,
+    /// The connection; `None` while the server is gone (records come from disk).
+    client: Option<CacheClient>,
+    /// Where to connect again, and as whom.
+    address: String,
+    name: String,
+    /// When to try connecting again, or (connected) to look whether the server
+    /// is still there.
+    retry_at: Instant,
     counters: Arc<CacheCounters>,
     /// Where a record goes when the cache cannot take it.
     fallback: DiskSource,
 }
 
+/// How often a loader without its server tries to reach one again.
+const RECONNECT_EVERY: Duration = Duration::from_secs(1);
+
 impl CacheSource {
-    /// A source over `client`, counting its hits and misses in `counters`.
-    pub fn new(client: CacheClient, counters: Arc<CacheCounters>) -> CacheSource {
+    /// A source over `client` (connected to `address` as `name`), counting its hits
+    /// and misses in `counters`. When the server goes away (a node-shared one
+    /// killed, say), records come from disk and the source connects again, once a
+    /// second, to whatever server then listens at `address`.
+    pub fn new(
+        client: CacheClient,
+        address: &str,
+        name: &str,
+        counters: Arc<CacheCounters>,
+    ) -> CacheSource {
         CacheSource {
-            client,
+            client: Some(client),
+            address: address.to_string(),
+            name: name.to_string(),
+            retry_at: Instant::now(),
             counters,
             fallback: DiskSource::default(),
         }
     }
+
+    /// The connection was lost: read from disk until a new one is made.
+    fn lost(&mut self, error: &CacheError) {
+        if self.client.take().is_some() {
+            tracing::warn!(%error, address = %self.address,
+                "the loader lost its cache server: reading from disk and connecting again");
+        }
+        self.retry_at = Instant::now() + RECONNECT_EVERY;
+    }
+
+    /// The record through the cache (from disk when the cache declines, or while
+    /// there is no connection); [`Cached::Lost`] when the connection is lost.
+    fn through_cache<R>(
+        &mut self,
+        index: &DatasetIndex,
+        seq: usize,
+        frame: usize,
+        key: &str,
+        read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+    ) -> Result<Cached<R>> {
+        let CacheSource {
+            client,
+            counters,
+            fallback,
+            ..
+        } = self;
+        let Some(client) = client.as_ref() else {
+            return from_disk(counters, fallback, index, seq, frame, read).map(Cached::Done);
+        };
+        let lease = match lookup(client, key) {
+            Err(err) if err.is_server_gone() => return Ok(Cached::Lost(err)),
+            Err(err) => return Err(err.into()),
+            Ok(Some(Lookup::Hit(lease))) => {
+                counters.hits.fetch_add(1, Ordering::Relaxed);
+                Some(lease)
+            }
+            Ok(Some(Lookup::Miss(ticket))) => {
+                counters.misses.fetch_add(1, Ordering::Relaxed);
+                let lease = fill(index, seq, frame, ticket)?;
+                if lease.is_some() {
+                    let len = index.record_layout(seq, frame).byte_len() as u64;
+                    counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
+                }
+                lease
+            }
+            Ok(None) => None,
+        };
+        match lease {
+            Some(lease) => read(RecordView::parse(&lease, key)?).map(Cached::Done),
+            None => from_disk(counters, fallback, index, seq, frame, read).map(Cached::Done),
+        }
+    }
+
+    /// Once a second: a connection whose server has gone is dropped; without one,
+    /// a new one is tried.
+    fn reconnect_if_due(&mut self) {
+        if Instant::now() < self.retry_at {
+            return;
+        }
+        if let Some(client) = &self.client {
+            if client.server_gone() {
+                let gone = CacheError::ServerGone {
+                    address: self.address.clone(),
+                };
+                self.lost(&gone);
+            } else {
+                self.retry_at = Instant::now() + RECONNECT_EVERY;
+            }
+            return;
+        }
+        let quick = ClientOptions::from_env().map(|o| o.waiting(RECONNECT_EVERY));
+        match quick.and_then(|o| CacheClient::connect_with(&self.address, &self.name, &o)) {
+            Ok(client) => {
+                tracing::info!(address = %self.address, "the loader reached a cache server again");
+                self.client = Some(client);
+            }
+            Err(_) => self.retry_at = Instant::now() + RECONNECT_EVERY,
+        }
+    }
+}
+
+/// Record `frame` of `seq` from disk through `fallback`, counted as a bypass.
+fn from_disk<R>(
+    counters: &CacheCounters,
+    fallback: &mut DiskSource,
+    index: &DatasetIndex,
+    seq: usize,
+    frame: usize,
+    read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
+) -> Result<R> {
+    counters.bypass.fetch_add(1, Ordering::Relaxed);
+    let len = index.record_layout(seq, frame).byte_len() as u64;
+    counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
+    fallback.with_record(index, seq, frame, read)
+}
+
+/// A read through the cache: done, or the connection was lost first.
+enum Cached<R> {
+    Done(R),
+    Lost(CacheError),
 }
 
 /// Decodes frame `frame` of `seq` into the room reserved for `ticket` and commits
@@ -99,6 +221,7 @@ fn fill<'c>(
     let len = index.record_layout(seq, frame).byte_len();
     match ticket.reserve(len as u64) {
         Ok(()) => {}
+        Err(err) if err.is_server_gone() => return Ok(None),
         Err(err) if err.is_bypassable() => {
             tracing::debug!(error = %err, "the cache cannot take this record: reading it from disk");
             ticket.abort()?;
@@ -112,7 +235,7 @@ fn fill<'c>(
     }
     match ticket.commit() {
         Ok(lease) => Ok(Some(lease)),
-        Err(err) if err.is_bypassable() => Ok(None),
+        Err(err) if err.is_bypassable() || err.is_server_gone() => Ok(None),
         Err(err) => Err(err.into()),
     }
 }
@@ -142,29 +265,12 @@ impl RecordSource for CacheSource {
         read: &mut dyn FnMut(RecordView<'_>) -> Result<R>,
     ) -> Result<R> {
         let key = index.record_key(seq, frame);
-        let lease = match lookup(&self.client, &key)? {
-            Some(Lookup::Hit(lease)) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                Some(lease)
-            }
-            Some(Lookup::Miss(ticket)) => {
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                let lease = fill(index, seq, frame, ticket)?;
-                if lease.is_some() {
-                    let len = index.record_layout(seq, frame).byte_len() as u64;
-                    self.counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
-                }
-                lease
-            }
-            None => None,
-        };
-        match lease {
-            Some(lease) => read(RecordView::parse(&lease, &key)?),
-            None => {
-                self.counters.bypass.fetch_add(1, Ordering::Relaxed);
-                let len = index.record_layout(seq, frame).byte_len() as u64;
-                self.counters.disk_bytes.fetch_add(len, Ordering::Relaxed);
-                self.fallback.with_record(index, seq, frame, read)
+        self.reconnect_if_due();
+        match self.through_cache(index, seq, frame, &key, read)? {
+            Cached::Done(value) => Ok(value),
+            Cached::Lost(error) => {
+                self.lost(&error);
+                from_disk(&self.counters, &mut self.fallback, index, seq, frame, read)
             }
         }
     }
