@@ -567,7 +567,7 @@ fn shared_setup(
         );
         return Ok(None);
     };
-    let (address, signature) = shared_cache::address(root)
+    let (address, signature) = vrtspike_contract::cache_addr::node_shared_address(root)
         .context("DATA.CACHE_SHARING node keys the cache server by the dataset's files")?;
     tracing::info!(
         address,

@@ -13,25 +13,19 @@
 //! with `EXIT_ADDRESS_IN_USE` and this launcher attaches to the winner.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 use vrtspike_contract::cache_serve::{
-    self, CacheAttach, CacheServe, StartError, EXIT_ADDRESS_IN_USE, EXIT_NO_SERVER,
+    self, CacheAttach, CacheServe, StartError, ATTACH_ROUNDS, EXIT_ADDRESS_IN_USE, EXIT_NO_SERVER,
 };
-use vrtspike_contract::dataset_sig::DatasetSignature;
 
 use crate::cache_server;
 use crate::signals;
 use crate::spawn::{self, ChildKind, Supervised};
-
-/// How many times a launcher tries to attach, or start and then attach, before it
-/// gives up (each failed round is a race lost to another launcher or a server that
-/// stopped in between).
-const ROUNDS: usize = 5;
 
 /// How to reach, or start, the node-shared server.
 pub struct SharedSpec<'a> {
@@ -50,23 +44,17 @@ pub struct SharedSpec<'a> {
     pub wanted_cap: Option<u64>,
 }
 
-/// The node-shared server's address for the dataset at `root`, with the
-/// dataset's signature.
-pub fn address(root: &Path) -> Result<(String, DatasetSignature)> {
-    Ok(vrtspike_contract::cache_addr::node_shared_address(root)?)
-}
-
 /// Attaches this job to the node-shared server, starting it first when none
 /// answers. Returns the attach child: watch it, and stop it at the end.
 pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
-    for _ in 0..ROUNDS {
+    for _ in 0..ATTACH_ROUNDS {
         if let Some(held) = attach(spec)? {
             return Ok(held);
         }
         start(spec)?;
     }
     bail!(
-        "could not attach to, nor start, the shared cache server at {:?} in {ROUNDS} tries; see {}",
+        "could not attach to, nor start, the shared cache server at {:?} in {ATTACH_ROUNDS} tries; see {}",
         spec.serve.address,
         spec.log.display()
     )

@@ -243,13 +243,6 @@ pub struct StatsReport {
     pub jobs: Vec<JobStats>,
 }
 
-impl StatsReport {
-    /// The figures of job `job`, if the server knows it.
-    pub fn job(&self, job: &str) -> Option<&JobStats> {
-        self.jobs.iter().find(|j| j.job == job)
-    }
-}
-
 impl fmt::Display for StatsReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

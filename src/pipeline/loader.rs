@@ -346,16 +346,13 @@ impl Loader {
             );
             let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
             let name = format!("loader-{}-{w}", options.rank);
+            let label = format!("{}/{name}", options.client_name);
             let handle = std::thread::Builder::new()
                 .name(name.clone())
                 .spawn(move || match &options_w.cache_address {
-                    Some(address) => match CacheClient::connect(
-                        address,
-                        &format!("{}/{name}", options_w.client_name),
-                    ) {
+                    Some(address) => match CacheClient::connect(address, &label) {
                         Ok(client) => {
                             let _ = ready.send(Ok(Some(client.id())));
-                            let label = format!("{}/{name}", options_w.client_name);
                             let source =
                                 CacheSource::new(client, address, &label, counters.reads.clone());
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);

@@ -173,7 +173,7 @@ fn attach_or_start_shared(
     let quick = cache::ClientOptions::from_env()
         .map_err(|e| TrainError::io(from.config, format!("the cache client's options: {e}")))?
         .waiting(Duration::from_secs(2));
-    for _ in 0..SHARED_ROUNDS {
+    for _ in 0..cache_serve::ATTACH_ROUNDS {
         if let Ok(hold) = CacheClient::connect_with(address, &who, &quick) {
             return Ok((hold, "attached (node-shared)"));
         }
@@ -191,14 +191,11 @@ fn attach_or_start_shared(
         &env.layout().cache_log(env.contract.node_rank),
         format!(
             "could not attach to, nor start, the node-shared cache server at {address:?} in \
-             {SHARED_ROUNDS} tries (its log)"
+             {} tries (its log)",
+            cache_serve::ATTACH_ROUNDS
         ),
     ))
 }
-
-/// Tries to attach, or start and then attach, this many times: a round fails when
-/// another job won the race for the address and its server stopped at once.
-const SHARED_ROUNDS: usize = 5;
 
 /// Starts a node-shared server, detached from this rank; `false` when another
 /// one took the address first (attach to that one).

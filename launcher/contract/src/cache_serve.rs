@@ -25,6 +25,11 @@ pub const EXIT_ADDRESS_IN_USE: i32 = 73;
 /// The exit status of `cache attach` when no server listens at the address.
 pub const EXIT_NO_SERVER: i32 = 69;
 
+/// How many times a job tries to attach to the node-shared server, or start one
+/// and then attach, before it gives up (each failed round is a race lost to
+/// another job, or a server that stopped in between).
+pub const ATTACH_ROUNDS: usize = 5;
+
 /// Seconds a node-shared server stays after its last client left, unless told
 /// otherwise (the launcher's `--cache-linger-s`, [`LINGER_ENV`] for ranks that
 /// start one themselves): back-to-back jobs find the cache warm.

@@ -15,12 +15,8 @@ use super::super::table::MAX_CONNECTIONS;
 /// One connected client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Connection {
-    /// Label the client gave.
-    pub name: String,
-    /// The job it said it belongs to (`""`: none).
-    pub job: String,
-    /// Its process id.
-    pub pid: u32,
+    /// Who it is, from its hello.
+    pub who: ClientLabel,
     /// Its pin page.
     pub page: usize,
 }
@@ -95,13 +91,7 @@ impl Connections {
         };
         page_of(page).reset(id);
         self.read_tails[page] = 0;
-        let connection = Connection {
-            name: who.name,
-            job: who.job,
-            pid: who.pid,
-            page,
-        };
-        self.by_id.insert(id, connection);
+        self.by_id.insert(id, Connection { who, page });
         Ok(page)
     }
 
@@ -253,7 +243,10 @@ mod tests {
         pa.count_hit();
         pa.count_hit();
         let gone = conns.disconnect(1, page_of(&words)).unwrap();
-        assert_eq!((gone.shared_hits, gone.connection.name.as_str()), (2, "a"));
+        assert_eq!(
+            (gone.shared_hits, gone.connection.who.name.as_str()),
+            (2, "a")
+        );
         assert_eq!(
             pa.owner(),
             0,
@@ -275,6 +268,6 @@ mod tests {
         conns.forget(1, page_of(&words));
         assert!(!pa.pins(3), "forgetting clears its leases");
         assert_eq!(conns.live_pages().collect::<Vec<_>>(), vec![b]);
-        assert_eq!(conns.get(2).map(|c| c.pid), Ok(11));
+        assert_eq!(conns.get(2).map(|c| c.who.pid), Ok(11));
     }
 }

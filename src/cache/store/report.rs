@@ -34,13 +34,13 @@ impl Store {
                 totals.hits += shared_hits;
                 ClientStats {
                     id,
-                    name: c.name.clone(),
-                    pid: c.pid,
+                    name: c.who.name.clone(),
+                    pid: c.who.pid,
                     counters,
                     hit_rate: counters.hit_rate(),
                     leases_held: page.lease_count(),
                     fills_in_flight: self.fills.count_of(id),
-                    job: c.job.clone(),
+                    job: c.who.job.clone(),
                 }
             })
             .collect();
