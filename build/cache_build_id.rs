@@ -42,17 +42,12 @@ fn cache_build_id() {
         println!("cargo:rerun-if-changed={source}");
         source_files(std::path::Path::new(source), &mut files);
     }
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for &b in bytes {
-            hash ^= u64::from(b);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    feed(env!("CARGO_PKG_VERSION").as_bytes());
+    let mut hash = vrtspike_contract::fnv::Fnv64::new();
+    hash.bytes(env!("CARGO_PKG_VERSION").as_bytes());
     for file in &files {
-        feed(file.to_string_lossy().as_bytes());
-        feed(&std::fs::read(file).unwrap_or_default());
+        hash.bytes(file.to_string_lossy().as_bytes());
+        hash.bytes(&std::fs::read(file).unwrap_or_default());
     }
+    let hash = hash.finish();
     println!("cargo:rustc-env=VRTSPIKE_CACHE_BUILD_ID={hash:016x}");
 }

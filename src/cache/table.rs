@@ -110,11 +110,7 @@ impl SlotState {
 
 /// The key's hash, the same in every process (FNV-1a, then a 64-bit finalizer).
 pub fn key_hash(key: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in key.as_bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let mut h = vrtspike_contract::fnv::fnv1a_64(key.as_bytes());
     h ^= h >> 33;
     h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
     h ^= h >> 33;

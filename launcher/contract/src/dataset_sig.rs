@@ -11,6 +11,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
+use crate::fnv::Fnv64;
+
 /// A dataset as a node-shared cache server knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DatasetSignature {
@@ -34,28 +36,6 @@ pub struct SignatureError {
     pub source: io::Error,
 }
 
-/// FNV-1a, 64 bit: stable across builds and machines (the std hashers are not).
-struct Fnv(u64);
-
-impl Fnv {
-    fn new() -> Fnv {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-
-    fn bytes(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    /// A field with its length first, so `ab`+`c` and `a`+`bc` differ.
-    fn field(&mut self, bytes: &[u8]) {
-        self.bytes(&(bytes.len() as u64).to_le_bytes());
-        self.bytes(bytes);
-    }
-}
-
 /// Signs the dataset under `root` (see the module doc). Symbolic links to files
 /// count as the files they name; a link to a folder counts by its target's path
 /// and is not followed (no loops).
@@ -65,13 +45,13 @@ pub fn sign(root: &Path) -> Result<DatasetSignature, SignatureError> {
         move |source| SignatureError { path, source }
     };
     let canonical = fs::canonicalize(root).map_err(at(root))?;
-    let mut hash = Fnv::new();
+    let mut hash = Fnv64::new();
     hash.field(canonical.as_os_str().as_encoded_bytes());
     let mut totals = (0u64, 0u64);
     walk(&canonical, Path::new(""), &mut hash, &mut totals)?;
     Ok(DatasetSignature {
         root: canonical,
-        digest: hash.0,
+        digest: hash.finish(),
         files: totals.0,
         bytes: totals.1,
     })
@@ -82,7 +62,7 @@ pub fn sign(root: &Path) -> Result<DatasetSignature, SignatureError> {
 fn walk(
     dir: &Path,
     rel: &Path,
-    hash: &mut Fnv,
+    hash: &mut Fnv64,
     totals: &mut (u64, u64),
 ) -> Result<(), SignatureError> {
     let at = |path: &Path| {

@@ -321,11 +321,9 @@ impl Beat {
     }
 }
 
-/// FNV-1a (32 bits) of `bytes`.
+/// The record's checksum: FNV-1a (32 bits) of `bytes`.
 fn checksum(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5_u32, |hash, &b| {
-        (hash ^ u32::from(b)).wrapping_mul(0x0100_0193)
-    })
+    crate::fnv::fnv1a_32(bytes)
 }
 
 /// A rank's side: its record, open for rewriting in place.

@@ -9,13 +9,14 @@
 //! to every process of a job, counted from the first instruction), [`cache_serve`]
 //! (how a job's cache server is started and waited for), [`dataset_sig`] (which
 //! dataset a node-shared cache server holds) and [`hostlist`] (SLURM's
-//! compressed host lists). It links no libtorch, so the launcher stays free of it.
+//! compressed host lists); [`fnv`] is the one stable hash they all use. It links no libtorch, so the launcher stays free of it.
 
 pub mod cache_addr;
 pub mod cache_serve;
 pub mod dataset_sig;
 pub mod env;
 pub mod failure;
+pub mod fnv;
 pub mod heartbeat;
 pub mod hostlist;
 mod json_file;
