@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod env;
 pub mod failure;
+pub mod figures;
 pub mod heartbeat;
 pub mod loader_plan;
 pub mod loss;

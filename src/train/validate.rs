@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::Config;
 use crate::dataset::DatasetIndex;
-use crate::eval::quality::QualitySums;
+use crate::eval::quality::{QualityAccumulator, QualitySums};
 use crate::eval::tiles::tiled_forward;
 use crate::model::Restorer;
 use crate::pipeline::loader::{Loader, LoaderBudget, LoaderOptions, Purpose};
@@ -104,14 +104,11 @@ impl Validator {
         model: &dyn Restorer,
         previews: usize,
     ) -> Result<(QualitySums, Vec<Preview>), TrainError> {
-        let mut sums = QualitySums::default();
+        let mut sums = QualityAccumulator::default();
         let mut kept = Vec::with_capacity(previews);
         let Some(loader) = &mut self.loader else {
-            return Ok((sums, kept));
+            return Ok((QualitySums::default(), kept));
         };
-        if self.device.is_cuda() {
-            crate::ddp::empty_cuda_cache()?;
-        }
         loader.set_epoch(0);
         while let Some(batch) = loader.next_batch() {
             let (blur, sharp, voxels) = batch?.to_tensors(self.device)?;
@@ -132,12 +129,13 @@ impl Validator {
                 }
             })
             .map_err(|e| site.classify(e))?;
-            sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0));
+            sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0))
+                .map_err(|e| site.classify(e.into()))?;
             if kept.len() < previews {
                 kept.push(Preview::first_frame(&blur, &output, &sharp));
             }
         }
-        Ok((sums, kept))
+        Ok((sums.read()?, kept))
     }
 }
 

@@ -4,7 +4,7 @@
 use tch::{nn, Device, Kind, Tensor};
 use vrtspike::config::{Config, ModelConfig};
 use vrtspike::model;
-use vrtspike::train::amp::{AmpMode, GradScaler};
+use vrtspike::train::amp::{AmpMode, GradScaler, LossScaler};
 use vrtspike::train::optim::AdamW;
 use vrtspike::train::step::{apply_update, StepResult, UpdateOptions};
 
@@ -138,8 +138,8 @@ fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
         .to_device(device)
         .set_requires_grad(true);
     let mut opt = AdamW::new(vec![w.shallow_clone()], [0.9, 0.99], 1e-8, 0.0);
-    let mut scaler = GradScaler::new(true);
-    let start_scale = scaler.scale;
+    let mut scaler = LossScaler::new(GradScaler::new(true), device).expect("scaler");
+    let start = scaler.state().expect("scale");
     let before = w.detach().copy();
     // The product runs in float16 under autocast; its loss is finite, but the scaled
     // gradient reaching it (65536) overflows float16 (max 65504): inf gradients.
@@ -147,25 +147,42 @@ fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
     let product = || w.unsqueeze(0).matmul(&input).sum(Kind::Float);
     let loss = AmpMode::Fp16.run(product);
     assert!(loss.double_value(&[]).is_finite());
-    scaler.scale_loss(&loss).backward();
+    scaler.scale_loss(&loss).expect("scale").backward();
     let options = UpdateOptions {
         step: 0,
         lr: 0.1,
         max_grad_norm: Some(1.0),
     };
-    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    let finite = Tensor::zeros([], (Kind::Float, device));
+    // The fused kernel decides the skip on the device: nothing is read back.
+    let reads = vrtspike::util::readback::count();
+    let outcome = apply_update(&mut opt, &mut scaler, &finite, options).expect("update");
     assert_eq!(
-        result,
+        vrtspike::util::readback::count(),
+        reads,
+        "the update read back"
+    );
+    assert_eq!(
+        outcome.read(&finite).expect("read"),
         StepResult::Skipped {
             nonfinite_loss: false
         }
     );
     assert!(w.equal(&before), "an inf step touched the weights");
-    assert_eq!(scaler.scale, start_scale * scaler.backoff_factor);
+    assert_eq!(
+        opt.steps().expect("steps"),
+        0,
+        "a skipped step is not counted"
+    );
+    let backed_off = scaler.state().expect("scale");
+    assert_eq!(backed_off.scale, start.scale * start.backoff_factor);
     // At the backed-off scale (32768) the same step fits float16 and is applied.
+    opt.zero_grad().expect("zero");
     let loss = AmpMode::Fp16.run(product);
-    scaler.scale_loss(&loss).backward();
-    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    scaler.scale_loss(&loss).expect("scale").backward();
+    let outcome = apply_update(&mut opt, &mut scaler, &finite, options).expect("update");
+    let result = outcome.read(&finite).expect("read");
     assert!(matches!(result, StepResult::Applied { .. }), "{result:?}");
     assert!(!w.equal(&before), "a finite step changed nothing");
+    assert_eq!(opt.steps().expect("steps"), 1);
 }
