@@ -78,7 +78,6 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
         if steers_sampling(name) {
             position32.push(g32.flatten(0, -1));
             position16.push(g16.flatten(0, -1));
-            continue;
         }
         let norm = g32.norm().double_value(&[]);
         if norm > 1e-6 {
@@ -116,17 +115,19 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
         "the gradient as a whole is off by {whole} under bf16"
     );
     assert!(
-        position < 0.5,
+        position < 0.1,
         "the flow and offset gradients are off by {position} under bf16"
     );
 }
 
 /// Parameters whose gradient arrives only through where features are sampled:
 /// SpyNet (through the warp's flow) and the deformable alignment's offset and mask
-/// convolutions. Each such gradient is a sum over every pixel of image-gradient
-/// terms that largely cancel, so one small tensor can lose most of its value to
-/// bf16 rounding (on an H100: a SpyNet bias 63% off, stage 7's last offset
-/// convolution 59%, with every gradient together 1% off); they are judged together.
+/// convolutions. On an H100 (2026-11-26) they were off under bf16 (a SpyNet bias
+/// 63%, stage 7's last offset convolution 59%, together 33%, with every gradient
+/// together 1% off) because the sampling positions were computed in bfloat16; they
+/// are float32 now (`model::flow::sample_at`; the CPU's bf16 autocast shows the
+/// same, `tests/model_vrt.rs`), so they are held to the per-tensor bound like every
+/// other gradient, and together to 10%.
 fn steers_sampling(name: &str) -> bool {
     name.starts_with("spynet.") || name.contains(".conv_offset.")
 }
