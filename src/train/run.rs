@@ -622,6 +622,7 @@ impl Run<'_> {
             })
             .map_err(|e| site.torch(e))?;
         self.attempt.pending.push(pending);
+        self.sinks.monitor.poll();
         let report = self.record(lr, &flags);
         let seconds = started.elapsed().as_secs_f64();
         self.attempt.unsaved_seconds += seconds;
