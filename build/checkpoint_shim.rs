@@ -3,7 +3,8 @@
 // `shim_compile_cached` it uses): `vs_checkpoint` from src/model/shim/
 // (checkpoint.cpp, the activation checkpointing and backward hook; kernels.cpp, the
 // attention-kernel and autocast switches) and `vs_train` from src/train/shim/
-// (update.cpp, the optimizer step's multi-tensor kernels). Two archives, so a
+// (update.cpp, the optimizer step's multi-tensor kernels; transfer.cpp, batches to the
+// GPU through page-locked memory on a side stream). Two archives, so a
 // change to one does not recompile the other. They need no CUDA headers: CUDA
 // generators are reached through ATen's hooks. Included by build.rs (not a crate).
 
@@ -23,7 +24,12 @@ fn build_checkpoint_shim() {
         "checkpoint-shim",
         &["src/model/shim/checkpoint.cpp", "src/model/shim/kernels.cpp"],
     );
-    compile_torch_shim(&torch, "vs_train", "train-shim", &["src/train/shim/update.cpp"]);
+    compile_torch_shim(
+        &torch,
+        "vs_train",
+        "train-shim",
+        &["src/train/shim/update.cpp", "src/train/shim/transfer.cpp"],
+    );
     println!(
         "cargo:rustc-link-search=native={}",
         torch.root.join("lib").display()

@@ -26,9 +26,11 @@ pub mod run;
 pub mod run_config;
 pub mod schedule;
 pub mod step;
+pub mod step_timing;
 pub mod summary;
 pub mod tasks;
 pub mod trainer;
+pub mod transfer;
 pub mod validate;
 
 use std::path::{Path, PathBuf};

@@ -35,6 +35,7 @@ use super::preempt;
 use super::report::{LogWindow, SettledStep, StepReport};
 use super::schedule::CosineSchedule;
 use super::step::{apply_update, UpdateOptions};
+use super::transfer::batch_to_device;
 use super::validate::Validator;
 use super::{TrainError, TrainOptions};
 
@@ -264,7 +265,7 @@ fn open_splits(config: &Config) -> Result<Splits, TrainError> {
 /// The model from `MODEL` (seeded by `TRAIN.SEED`), AdamW over its trainable
 /// parameters sorted by name (in the groups of `TRAIN.FIX_KEYS`), the schedule and
 /// the precision.
-fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
+pub(crate) fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
     let tc = &config.train;
     tch::manual_seed(tc.seed as i64);
     let vs = nn::VarStore::new(device);
@@ -669,7 +670,7 @@ impl Run<'_> {
         let (step, device) = (self.state.step, self.env.device);
         heartbeat::beat(step, Phase::Data);
         let batch = next_batch(&mut self.data.loader)?;
-        let (blur, sharp, voxels) = batch.to_tensors(device)?;
+        let (blur, sharp, voxels) = batch_to_device(&batch, device)?;
         let voxels = model.uses_voxels().then_some(&voxels);
         let site = OomSite::training(self.config, step + 1, blur.size(), device);
         heartbeat::beat(step, Phase::Forward);

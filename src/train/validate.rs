@@ -19,6 +19,7 @@ use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 use super::amp::AmpMode;
 use super::env::RankEnv;
 use super::oom::{test_hook, OomPhase, OomSite};
+use super::transfer::batch_to_device;
 use super::TrainError;
 
 /// Alignment of tile starts in RGB pixels (a multiple of the spike ratio and of the
@@ -111,7 +112,7 @@ impl Validator {
         };
         loader.set_epoch(0);
         while let Some(batch) = loader.next_batch() {
-            let (blur, sharp, voxels) = batch?.to_tensors(self.device)?;
+            let (blur, sharp, voxels) = batch_to_device(&batch?, self.device)?;
             let voxels = model.uses_voxels().then_some(&voxels);
             let site = self.oom.with_shape(blur.size());
             let output = tch::no_grad(|| -> Result<Tensor, TrainError> {

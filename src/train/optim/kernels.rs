@@ -88,8 +88,9 @@ pub struct AdamWLists<'a> {
     pub exp_avg_sqs: &'a [Tensor],
 }
 
-/// Turns a shim status into a result, freeing the shim's string.
-fn status(raw: *mut c_char) -> Result<(), TchError> {
+/// Turns a status of the training shim (`src/train/shim/`) into a result, freeing
+/// the shim's string.
+pub(crate) fn status(raw: *mut c_char) -> Result<(), TchError> {
     if raw.is_null() {
         return Ok(());
     }

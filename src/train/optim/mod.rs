@@ -162,6 +162,11 @@ impl AdamW {
         self
     }
 
+    /// Updates from now on through `kernel`.
+    pub fn set_kernel(&mut self, kernel: UpdateKernel) {
+        self.kernel = kernel;
+    }
+
     /// The kernel its updates run.
     pub fn kernel(&self) -> UpdateKernel {
         self.kernel
