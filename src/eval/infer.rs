@@ -20,7 +20,7 @@ use crate::pipeline::sample::crop_voxels;
 use crate::pipeline::{DiskSource, PipelineError, RecordSource};
 
 use super::quality::{quantize_u8, QualityAccumulator, QualitySums};
-use super::tiles::{tile_spans, tiled_forward};
+use super::tiles::{tile_spans, tiled_forward, Tiling};
 
 /// Why inference could not run.
 #[derive(Debug, thiserror::Error)]
@@ -381,14 +381,13 @@ pub fn infer_dataset(
                         .map_err(InferError::from)
                 };
                 if tiled {
-                    tiled_forward(
-                        &mut forward,
-                        &blur_dev,
-                        vox_dev.as_ref(),
-                        options.tile,
-                        options.tile_overlap,
+                    let tiling = Tiling {
+                        tile: options.tile,
+                        overlap: options.tile_overlap,
                         align,
-                    )
+                        batch: 1,
+                    };
+                    tiled_forward(&mut forward, &blur_dev, vox_dev.as_ref(), tiling)
                 } else {
                     forward(&blur_dev, vox_dev.as_ref())
                 }

@@ -29,6 +29,7 @@ pub mod step;
 pub mod step_timing;
 pub mod summary;
 pub mod tasks;
+pub mod tile_batch;
 pub mod trainer;
 pub mod transfer;
 pub mod validate;
