@@ -135,10 +135,12 @@ def table_lines(out):
     if fused:
         t = fused[0]
         rows.append(("vrtspike, fused AdamW", t["step_ms"], (t.get("peak_bytes") or 0) / GIB, None))
-    for name, label in (("reference-ckpt", "PyTorch eager, fused AdamW"),
-                        ("reference-ckpt-compile", "torch.compile, fused AdamW")):
+    for name in ("reference-ckpt", "reference-ckpt-compile"):
         r = load(out, f"{name}.json")
         if r:
+            optimizer = r.get("optimizer", "none")
+            label = ("torch.compile" if r.get("compile") else "PyTorch eager") + (
+                f", {optimizer} AdamW" if optimizer != "none" else ", no optimizer step")
             peak = r.get("peak_allocated_mb", r.get("peak_rss_mb", 0)) / 1024
             rows.append((label, r["median_ms"], peak, r.get("compile_s")))
     if not rows:
