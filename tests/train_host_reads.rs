@@ -30,14 +30,7 @@ fn steps_that_do_not_log_read_nothing_back() {
     tch::set_num_threads(1);
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
-    let options = SynthOptions {
-        train_seqs: 2,
-        test_seqs: 1,
-        frames: 6,
-        height: 64,
-        width: 96,
-        seed: 5,
-    };
+    let options = SynthOptions::small(5);
     synth::generate_folder(&data, &options, &|_| {}).unwrap();
     let config = config(&data);
     let run_dir = tmp.path().join("run");

@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use tch::Device;
 use vrtspike::model::profile::{
-    profile, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
+    profile, InputShape, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
 };
 
 use super::{group_digits, parse_device};
@@ -112,10 +112,12 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let mut train_steps = Vec::with_capacity(kernels.len());
     for kernel in kernels {
         let timing = StepTimingOptions {
-            batch: args.batch,
-            frames: args.frames,
-            size: args.size,
-            spike_scale: args.spike_scale,
+            shape: InputShape {
+                batch: args.batch,
+                frames: args.frames,
+                size: args.size,
+                spike_scale: args.spike_scale,
+            },
             iters: args.iters,
             bf16: args.bf16,
             kernel,

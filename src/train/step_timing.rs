@@ -14,7 +14,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::Config;
-use crate::model::profile::MemoryProbe;
+use crate::model::profile::{random_input, InputShape, MemoryProbe};
 
 use super::amp::AmpMode;
 use super::loss::f_charbonnier;
@@ -26,14 +26,8 @@ use super::TrainError;
 /// The input and the update of the timed steps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepTimingOptions {
-    /// Clips per batch.
-    pub batch: i64,
-    /// Frames per clip.
-    pub frames: i64,
-    /// Square crop side in RGB pixels.
-    pub size: i64,
-    /// Spike voxel side over the RGB side.
-    pub spike_scale: f64,
+    /// The random input's shape.
+    pub shape: InputShape,
     /// Timed steps (after one warm-up); at least 1.
     pub iters: usize,
     /// The forward pass under CUDA bf16 autocast.
@@ -98,22 +92,11 @@ pub fn time_steps(
         (false, _) => AmpMode::Off,
     };
     parts.optimizer.set_kernel(options.kernel);
-    let (n, d, side) = (options.batch, options.frames, options.size);
-    let model_cfg = &config.model;
-    let blur = Tensor::f_rand(
-        [n, d, model_cfg.in_chans, side, side],
-        (Kind::Float, device),
-    )?;
-    let sharp = Tensor::f_rand(
-        [n, d, model_cfg.in_chans, side, side],
-        (Kind::Float, device),
-    )?;
-    let spike_side = ((side as f64 * options.spike_scale) as i64 / 8 * 8).max(8);
-    let voxels = Tensor::f_rand(
-        [n, d, model_cfg.spike.voxel_bins, spike_side, spike_side],
-        (Kind::Float, device),
-    )?;
-    let voxels = parts.model.uses_voxels().then_some(&voxels);
+    let uses_voxels = parts.model.uses_voxels();
+    let input = (Kind::Float, device);
+    let (blur, voxels) = random_input(&config.model, uses_voxels, options.shape, input)?;
+    let sharp = blur.f_rand_like()?;
+    let voxels = voxels.as_ref();
     let tc = &config.train;
     let update = UpdateOptions {
         // A step past FIX_ITER, so every parameter group trains.
@@ -172,6 +155,13 @@ mod tests {
     use super::*;
     use crate::model::profile::RssProbe;
 
+    const SHAPE: InputShape = InputShape {
+        batch: 1,
+        frames: 2,
+        size: 32,
+        spike_scale: 0.5,
+    };
+
     #[test]
     fn every_kernel_times_a_whole_step_of_the_tiny_model() {
         let mut config = crate::config::tiny_vrt_spike();
@@ -184,10 +174,7 @@ mod tests {
             UpdateKernel::Fused,
         ] {
             let options = StepTimingOptions {
-                batch: 1,
-                frames: 2,
-                size: 32,
-                spike_scale: 0.5,
+                shape: SHAPE,
                 iters: 1,
                 bf16: false,
                 kernel,
@@ -200,10 +187,7 @@ mod tests {
             assert!(t.peak_bytes.is_some_and(|b| b > 0));
         }
         let bf16 = StepTimingOptions {
-            batch: 1,
-            frames: 2,
-            size: 32,
-            spike_scale: 0.5,
+            shape: SHAPE,
             iters: 1,
             bf16: true,
             kernel: UpdateKernel::Fused,

@@ -110,6 +110,16 @@ fn pointers(tensors: &[Tensor]) -> Vec<*mut c_void> {
 }
 
 impl AdamWLists<'_> {
+    /// The four lists' C tensor pointers (valid while the lists live).
+    fn pointers(&self) -> [Vec<*mut c_void>; 4] {
+        [
+            pointers(self.params),
+            pointers(self.grads),
+            pointers(self.exp_avgs),
+            pointers(self.exp_avg_sqs),
+        ]
+    }
+
     fn len(&self) -> Result<usize, TchError> {
         let n = self.params.len();
         if [
@@ -177,12 +187,7 @@ pub fn adamw_fused(
     if n == 0 {
         return Ok(());
     }
-    let (p, g, m, v) = (
-        pointers(lists.params),
-        pointers(lists.grads),
-        pointers(lists.exp_avgs),
-        pointers(lists.exp_avg_sqs),
-    );
+    let [p, g, m, v] = lists.pointers();
     let inf = found_inf.map_or(std::ptr::null(), |t| t.as_ptr() as *const c_void);
     // SAFETY: every pointer is a live `at::Tensor` for the call (`inf` may be null,
     // which the shim reads as no flag); the lists have `n` entries each.
@@ -211,12 +216,7 @@ pub fn adamw_foreach(lists: &AdamWLists<'_>, step: u64, rates: AdamWRates) -> Re
     if n == 0 {
         return Ok(());
     }
-    let (p, g, m, v) = (
-        pointers(lists.params),
-        pointers(lists.grads),
-        pointers(lists.exp_avgs),
-        pointers(lists.exp_avg_sqs),
-    );
+    let [p, g, m, v] = lists.pointers();
     // SAFETY: every pointer is a live `at::Tensor` for the call; the lists have `n`
     // entries each.
     status(unsafe {
