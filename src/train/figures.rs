@@ -267,7 +267,7 @@ mod tests {
             2,
         )
         .unwrap();
-        assert!(readback::count() >= before + 1);
+        assert!(readback::count() > before);
         assert!(pending.is_empty());
         assert_eq!(read.counts, StepCounts { main: 5, fixed: 2 });
         assert_eq!(read.scaler, [1024.0, 3.0]);

@@ -687,7 +687,7 @@ mod tests {
             let g = gradient_at(&p.size(), i, step);
             let mut grad = p.grad();
             if grad.defined() {
-                let _ = grad.copy_(&g);
+                grad.copy_(&g);
             } else {
                 (p * &g).sum(Kind::Float).backward();
             }
