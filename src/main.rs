@@ -8,10 +8,6 @@ use vrtspike_contract::signals::{self, Disposition};
 
 mod cli;
 
-// What `cli/cache.rs` and `cli/bench.rs` name through `crate::`: the library's
-// modules here, the `vrtspike-cache` binary's own copies there.
-use vrtspike::{bench, cache, config, util};
-
 // SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
 // them from before libtorch's constructors run, until `settle_job_signals` says
 // what this subcommand does with them.

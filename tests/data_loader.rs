@@ -13,6 +13,7 @@ use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
 use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
 use vrtspike::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
+use vrtspike::pipeline::BatchTensors;
 use vrtspike::synth::{self, BlurLengths, SynthOptions};
 
 fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {

@@ -19,6 +19,7 @@ use crate::monitor::memory::MemoryMonitor;
 use crate::pipeline::loader::{Batch, Loader, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
 use crate::pipeline::sampler::{DistributedSampler, SamplerOptions, SamplerState};
+use crate::pipeline::BatchTensors;
 
 use super::amp::{AmpMode, GradScaler};
 use super::checkpoint::{self, TrainState};

@@ -2,8 +2,8 @@
 //! loader` (loader processes against one cache server): one JSON object each with
 //! `--json`, and the hidden worker subcommands they run in their child processes.
 //! None of them runs a model: `vrtspike bench` hands over to `vrtspike-cache` (see
-//! `cache.rs`), so every process of a benchmark runs without libtorch, and the same
-//! file is that binary's `bench`.
+//! `cache.rs`), so every process of a benchmark runs without libtorch; these are
+//! that binary's `bench` too.
 
 use std::path::PathBuf;
 

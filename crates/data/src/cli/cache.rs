@@ -1,9 +1,6 @@
-//! `vrtspike cache serve | stats | shutdown | pin`: run the node's cache server, or
-//! query and stop a running one. The same file is the command line of
-//! `vrtspike-cache` (what never runs a model, without libtorch:
-//! `src/bin/vrtspike-cache/`), which compiles it against its own copy of the
-//! library's modules: it names them through `crate::`, and `vrtspike`'s `main.rs`
-//! brings the library's in.
+//! `vrtspike cache serve | stats | shutdown | pin | attach`: run the node's cache
+//! server, or query and stop a running one; the same commands are those of
+//! `vrtspike-cache` (what never runs a model, without libtorch).
 //!
 //! `vrtspike cache serve` (and `vrtspike bench`) hand over to `vrtspike-cache` (they
 //! `exec` it in their own process, with the same arguments), so the server holds the
@@ -29,7 +26,6 @@ pub const BUILD_ID: &str = env!("VRTSPIKE_CACHE_BUILD_ID");
 
 /// Where a command that never runs a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(dead_code)] // each binary uses one of them
 pub enum Where {
     /// In the `vrtspike-cache` binary, without libtorch (this process becomes it).
     WithoutLibtorch,

@@ -1,22 +1,18 @@
-// Included by build.rs (not a crate): the build id of `vrtspike-cache`'s sources,
-// which the `vrtspike` and `vrtspike-cache` binaries both carry, so `vrtspike cache
-// serve` and `vrtspike bench` hand over only to a `vrtspike-cache` built from the
-// same sources.
+//! Build script of `vrtspike-data`: the build id of what `vrtspike-cache` is built
+//! from, which this crate's `cli::cache::BUILD_ID` carries into both binaries, so
+//! `vrtspike cache serve` and `vrtspike bench` hand over only to a `vrtspike-cache`
+//! built from the same sources. It links nothing (libtorch least of all).
 
-/// What `vrtspike-cache` is compiled from (folders are walked; a little more than
-/// it uses, never less).
+/// What `vrtspike-cache` is built from, relative to this crate: its own sources
+/// and manifest, the contract crate's, and the workspace's Cargo.lock (the
+/// versions of every dependency). Folders are walked.
 const CACHE_SERVER_SOURCES: &[&str] = &[
-    "src/bin/vrtspike-cache",
-    "src/bench",
-    "src/cache",
-    "src/cli/bench.rs",
-    "src/cli/cache.rs",
-    "src/config",
-    "src/dataset",
-    "src/pipeline",
-    "src/testkit",
-    "src/util",
-    "launcher/contract/src",
+    "Cargo.toml",
+    "build.rs",
+    "src",
+    "../../launcher/contract/Cargo.toml",
+    "../../launcher/contract/src",
+    "../../Cargo.lock",
 ];
 
 /// Every file under `path`, sorted.
@@ -35,8 +31,7 @@ fn source_files(path: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 
 /// Emits `VRTSPIKE_CACHE_BUILD_ID`: an FNV-1a hash of the cache server's sources
 /// (names and bytes) and the package version.
-fn cache_build_id() {
-    println!("cargo:rerun-if-changed=build/cache_build_id.rs");
+fn main() {
     let mut files = Vec::new();
     for source in CACHE_SERVER_SOURCES {
         println!("cargo:rerun-if-changed={source}");

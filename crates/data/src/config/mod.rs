@@ -253,15 +253,6 @@ pub(crate) fn invalid(section: &str, key: &str, message: impl Into<String>) -> (
     (format!("{section}.{key}"), message.into())
 }
 
-/// The tiny VRT-Spike config (`configs/tiny/vrt_spike_tiny.yaml`) that unit tests of
-/// the model and the training step run.
-#[cfg(test)]
-pub(crate) fn tiny_vrt_spike() -> Config {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
-    Config::load(&path).unwrap_or_else(|e| panic!("{e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

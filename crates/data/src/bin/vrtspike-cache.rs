@@ -3,13 +3,11 @@
 //! loader` and their workers). Every process that links libtorch carries its CUDA
 //! libraries' relocations and static initialisers (about 120 MB of private memory,
 //! and more than 250 MB of Pss in all); these never touch a tensor, so this binary
-//! is built from the library's modules they need, compiled here again through
-//! `#[path]` (the library itself links libtorch; the pipeline's one function that
-//! makes tensors lives in `pipeline/tensors.rs`, which is left out), and its Pss is
-//! the data it holds plus a few MB.
+//! is built from `vrtspike-data` alone, and its Pss is the data it holds plus a few
+//! MB.
 //!
-//! Its command line is `vrtspike`'s (`src/cli/cache.rs` and `src/cli/bench.rs`, the
-//! same files): `vrtspike-cache serve | stats | shutdown | pin ...` and
+//! Its command line is `vrtspike`'s (`vrtspike_data::cli`, which both binaries
+//! use): `vrtspike-cache serve | stats | shutdown | pin ...` and
 //! `vrtspike-cache bench ...`, also with a leading `cache` as `vrtspike cache serve`
 //! passes it on when it `exec`s this binary. `--build-id` prints the id of the
 //! sources it was built from, which `vrtspike` checks before it hands over.
@@ -19,26 +17,7 @@ use std::ffi::OsString;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use vrtspike_contract::signals::{self, Disposition};
-
-#[allow(dead_code, unused_imports)]
-mod bench;
-#[allow(dead_code, unused_imports)]
-#[path = "../../cache/mod.rs"]
-mod cache;
-#[allow(dead_code)]
-mod cli;
-#[allow(dead_code, unused_imports)]
-#[path = "../../config/mod.rs"]
-mod config;
-#[allow(dead_code, unused_imports)]
-#[path = "../../dataset/mod.rs"]
-mod dataset;
-#[allow(dead_code, unused_imports)]
-mod pipeline;
-#[allow(dead_code, unused_imports)]
-mod testkit;
-#[allow(dead_code, unused_imports)]
-mod util;
+use vrtspike_data::{cli, util};
 
 // A server that a job started ignores SLURM's SIGUSR2 and SIGTERM from its first
 // instruction, as `vrtspike` does.

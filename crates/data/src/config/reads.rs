@@ -259,9 +259,10 @@ mod tests {
                 && err.contains(&format!("set in {}", top.display())),
             "{err}"
         );
-        // A whole preset of the other architecture: the first keys, then a count.
-        let preset =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/deblur/vrt_spike_opt.yaml");
+        // A whole preset of the other architecture (the workspace's `configs/`): the
+        // first keys, then a count.
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let preset = workspace.join("configs/deblur/vrt_spike_opt.yaml");
         std::fs::write(
             &top,
             format!("BASE: {}\nMODEL:\n  ARCH: unet_spike\n", preset.display()),
