@@ -102,7 +102,7 @@ impl Command {
         let (usr2, term) = match self {
             Command::Train(_) => (Disposition::Count, Disposition::Count),
             Command::H5Probe(_) => (Disposition::Ignore, Disposition::Ignore),
-            Command::Cache(cmd) if cmd.ends_with_parent() => {
+            Command::Cache(cmd) if cmd.ignores_job_signals() => {
                 (Disposition::Ignore, Disposition::Ignore)
             }
             _ if helper => (Disposition::Ignore, Disposition::Ignore),

@@ -92,7 +92,7 @@ fn a_server_binary_of_other_sources_is_not_used() {
 #[test]
 fn the_loader_benchmark_runs_without_libtorch() {
     // `vrtspike bench loader` hands over to `vrtspike-cache`, which runs the ranks
-    // (dataset, pipeline, the planned policy's plans) and the server without
+    // (dataset, pipeline, the planned policy's read orders) and the server without
     // libtorch: a process that loads it holds far more than 100 MB.
     assert_server_built();
     let dir = tempfile::tempdir().unwrap();
@@ -134,7 +134,7 @@ fn the_loader_benchmark_runs_without_libtorch() {
     assert!(output.status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(report["samples_last_epoch"], 10, "{report}");
-    assert_eq!(report["store"]["plans_announced"], 4, "{report}");
+    assert_eq!(report["store"]["read_orders_announced"], 4, "{report}");
     let own = report["server_memory"]["overhead_mb"].as_f64().unwrap();
     assert!(
         own < 100.0,

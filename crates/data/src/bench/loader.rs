@@ -330,8 +330,8 @@ pub struct StoreFigures {
     pub refused_requests: u64,
     /// Hit rate over the whole run, all clients.
     pub hit_rate: f64,
-    /// Plans announced, records prefetched, prefetches declined.
-    pub plans_announced: u64,
+    /// Read orders announced, records prefetched, prefetches declined.
+    pub read_orders_announced: u64,
     /// Records brought in ahead of their use.
     pub prefetched: u64,
     /// Prefetches the server declined.
@@ -349,9 +349,9 @@ impl StoreFigures {
             evictions: report.evictions,
             refused_requests: report.totals.errors,
             hit_rate: report.hit_rate,
-            plans_announced: report.plan.announced,
-            prefetched: report.plan.prefetched,
-            prefetch_declined: report.plan.prefetch_declined,
+            read_orders_announced: report.read_orders.announced,
+            prefetched: report.read_orders.prefetched,
+            prefetch_declined: report.read_orders.prefetch_declined,
         }
     }
 }

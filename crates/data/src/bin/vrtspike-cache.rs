@@ -62,8 +62,8 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let cli = Cli::parse_from(args);
-    let ends_with_parent = matches!(&cli.command, Command::Cache(c) if c.ends_with_parent());
-    let (usr2, term) = match ends_with_parent {
+    let ignores = matches!(&cli.command, Command::Cache(c) if c.ignores_job_signals());
+    let (usr2, term) = match ignores {
         true => (Disposition::Ignore, Disposition::Ignore),
         false => (Disposition::Ignore, Disposition::Default),
     };

@@ -26,7 +26,7 @@ use super::admission::{peer_of, Peer};
 use super::fdpass;
 use super::pins::LeaseWord;
 use super::protocol::{
-    ClientId, LeaseGrant, LeaseId, PlanAnnouncement, Reply, Request, RequestError, TicketId,
+    ClientId, LeaseGrant, LeaseId, ReadOrderAnnouncement, Reply, Request, RequestError, TicketId,
 };
 use super::rendezvous::{self, Greeting};
 use super::server::{read_frame, socket_addr};
@@ -631,14 +631,14 @@ impl CacheClient {
 
     /// Tells the server what this connection's reader will read, in order (the
     /// planned policy); it replaces what it announced before. Then report progress
-    /// with [`set_plan_progress`](Self::set_plan_progress).
-    pub fn announce_plan(&self, plan: PlanAnnouncement) -> Result<(), CacheError> {
-        self.request(Request::Plan(plan)).map(drop)
+    /// with [`set_read_progress`](Self::set_read_progress).
+    pub fn announce_read_order(&self, order: ReadOrderAnnouncement) -> Result<(), CacheError> {
+        self.request(Request::ReadOrder(order)).map(drop)
     }
 
-    /// The step the reader of this connection's plan has reached: uses at earlier
+    /// The step the reader of this connection's read order has reached: uses at earlier
     /// steps are past. Written into this connection's pin page (no message).
-    pub fn set_plan_progress(&self, step: u64) {
+    pub fn set_read_progress(&self, step: u64) {
         self.own.page().set_progress(step);
     }
 

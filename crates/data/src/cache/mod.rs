@@ -1,7 +1,7 @@
 //! The node-wide data cache: one server process holds the only RAM copy of the
 //! dataset, in compact records in one shared-memory store with a byte cap; it
 //! evicts the record whose next use is farthest in the order the ranks announced
-//! (LRU for what no plan names), and every loader thread of every rank reads
+//! (LRU for what no read order names), and every loader thread of every rank reads
 //! records zero-copy under a lease.
 //!
 //! [`store`] is the bookkeeping, [`shm`] the memory, [`table`] the record

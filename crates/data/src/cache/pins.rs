@@ -1,8 +1,8 @@
 //! Each connection's own page of the store: its leases (the pins that keep records
 //! from eviction), its hit counter, a ring of the records it read and how far its
-//! reader has got in the plan it announced (the planned policy). A client maps its
-//! own page read-write and everything else of the store read-only; the server maps
-//! every page and reads them when it evicts.
+//! reader has got in the read order it announced (the planned policy). A client maps
+//! its own page read-write and everything else of the store read-only; the server
+//! maps every page and reads them when it evicts.
 //!
 //! A lease is one entry of the page, a word naming the entry, the slot and a
 //! sequence number unique to the connection ([`LeaseWord`]): it belongs to exactly
@@ -33,7 +33,7 @@ const P_OWNER: usize = 0;
 const P_HITS: usize = 1;
 const P_SEQ: usize = 2;
 const P_RING_HEAD: usize = 3;
-/// How far the connection's reader has got in the plan it announced (a step).
+/// How far the connection's reader has got in the read order it announced (a step).
 const P_PROGRESS: usize = 4;
 /// Bit i set: entry i holds a lease (alone on its cache line).
 const P_BITMAP: usize = 8;
@@ -206,7 +206,7 @@ impl<'a> PinPage<'a> {
         self.w(P_HITS).fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The step the page's reader has reached in the plan it announced: uses at
+    /// The step the page's reader has reached in the read order it announced: uses at
     /// earlier steps are past (the client writes it; no message).
     pub fn set_progress(&self, step: u64) {
         self.w(P_PROGRESS).store(step, Ordering::Release);

@@ -75,11 +75,11 @@ pub enum Request {
     /// What this connection's reader will read, in order (the planned policy): it
     /// replaces what the connection announced before. The reader writes how far it
     /// has got into its own pin page ([`PinPage::set_progress`](super::pins::PinPage::set_progress)).
-    Plan(PlanAnnouncement),
+    ReadOrder(ReadOrderAnnouncement),
     /// Fill `key` ahead of its announced use if it is worth it: a reserved extent of
     /// `len` bytes (`Reserved`, then write and commit as after a miss), `Done` when
     /// it is cached or being filled, `Declined` when making room would evict a
-    /// record needed sooner (or no plan needs the key).
+    /// record needed sooner (or no read order needs the key).
     Prefetch {
         /// The record's key.
         key: String,
@@ -93,14 +93,14 @@ pub enum Request {
 /// epoch); readers that move in lockstep (ranks of one job) are compared by how
 /// far ahead of their own progress a use lies.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PlanAnnouncement {
+pub struct ReadOrderAnnouncement {
     /// The step of `steps[0]`.
     pub first_step: u64,
     /// The records named, each once.
     pub keys: Vec<String>,
     /// Per step, indices into `keys`.
     pub steps: Vec<Vec<u32>>,
-    /// The connections whose reads are this plan's (the reader's loader threads):
+    /// The connections whose reads are this read order's (the reader's loader threads):
     /// a read by one of them uses up the record's next announced use.
     pub readers: Vec<ClientId>,
 }
@@ -137,7 +137,7 @@ impl Request {
             Request::Invalidate { .. } => "invalidate",
             Request::Stats => "stats",
             Request::Shutdown => "shutdown",
-            Request::Plan(_) => "plan",
+            Request::ReadOrder(_) => "read order",
             Request::Prefetch { .. } => "prefetch",
         }
     }
@@ -356,9 +356,9 @@ pub enum RequestError {
         /// The record's key.
         key: String,
     },
-    /// A plan that names more than the server keeps, or keys it does not list.
-    #[error("plan refused: {problem}")]
-    BadPlan {
+    /// A read order that names more than the server keeps, or keys it does not list.
+    #[error("read order refused: {problem}")]
+    BadReadOrder {
         /// What is wrong with it.
         problem: String,
     },

@@ -731,9 +731,9 @@ fn serve(shared: &Shared, client: ClientId, request: Request) -> Result<Reply, R
             Err(RequestError::Declined { .. }) => Ok(Reply::Declined),
             Err(error) => Err(error),
         },
-        Request::Plan(plan) => shared
+        Request::ReadOrder(order) => shared
             .store()?
-            .announce_plan(client, plan)
+            .announce_read_order(client, order)
             .map(|()| Reply::Done),
         Request::Prefetch { key, len } => {
             let outcome = shared.store()?.prefetch(client, &key, len)?;

@@ -45,22 +45,23 @@ impl Counters {
     }
 }
 
-/// The planned policy's figures (see the store's `plan`).
+/// The planned policy's figures: the read orders the readers announced (see the
+/// store's `read_order`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PlanStats {
-    /// Plans live now (one per rank loader that announced its order).
-    pub plans: usize,
-    /// Announced uses still ahead, over every plan.
+pub struct ReadOrderStats {
+    /// Read orders live now (one per rank loader that announced its order).
+    pub live: usize,
+    /// Announced uses still ahead, over every read order.
     pub pending_uses: usize,
-    /// Plans announced since the server started.
+    /// Read orders announced since the server started.
     pub announced: u64,
     /// Records brought in ahead of their use.
     pub prefetched: u64,
     /// Prefetches declined: room only by evicting a record needed sooner.
     pub prefetch_declined: u64,
-    /// Reads of records no plan names that got no room (everything evictable was
-    /// needed by a plan) and were read without the cache.
-    pub unplanned_declined: u64,
+    /// Reads of records no read order names that got no room (everything evictable was
+    /// needed by a read order) and were read without the cache.
+    pub unannounced_declined: u64,
 }
 
 /// One client's view.
@@ -235,7 +236,7 @@ pub struct StatsReport {
     pub fill_latency_ms: LatencyMs,
     /// The planned policy.
     #[serde(default)]
-    pub plan: PlanStats,
+    pub read_orders: ReadOrderStats,
     /// Connected clients.
     pub clients: Vec<ClientStats>,
     /// Per job, the jobs with a client now first, then the ended ones kept.
@@ -301,12 +302,12 @@ impl fmt::Display for StatsReport {
             "fills {} (abandoned {}, in flight {})  fill latency ms: mean {:.2} p50 {:.2} p99 {:.2} max {:.2}",
             t.fills, t.fills_abandoned, self.fills_in_flight, l.mean, l.p50, l.p99, l.max
         )?;
-        let p = &self.plan;
-        if p.plans > 0 || p.announced > 0 {
+        let p = &self.read_orders;
+        if p.live > 0 || p.announced > 0 {
             writeln!(
                 f,
-                "plans {} ({} announced, {} uses ahead)  prefetched {}  declined: {} prefetches, {} unplanned reads",
-                p.plans, p.announced, p.pending_uses, p.prefetched, p.prefetch_declined, p.unplanned_declined
+                "read orders {} ({} announced, {} uses ahead)  prefetched {}  declined: {} prefetches, {} unannounced reads",
+                p.live, p.announced, p.pending_uses, p.prefetched, p.prefetch_declined, p.unannounced_declined
             )?;
         }
         if self.retired_connections > 0 {

@@ -52,12 +52,13 @@ pub enum CacheCommand {
 }
 
 impl CacheCommand {
-    /// A process that ignores the job's SIGUSR2 and SIGTERM: a server that ends
-    /// with its parent (`serve --exit-with-parent`, as a launcher or a rank starts
-    /// it) and lives until its parent stops it or dies; a node-shared server
-    /// (`serve --linger-s`), which other jobs may still use; a job's `attach
-    /// --exit-with-parent`, which its launcher stops.
-    pub fn ends_with_parent(&self) -> bool {
+    /// Whether this command ignores the job's SIGUSR2 and SIGTERM (which SLURM
+    /// sends to every process of a job): a server that ends with its parent (`serve
+    /// --exit-with-parent`, as a launcher or a rank starts it), which lives until its
+    /// parent stops it or dies; a node-shared server (`serve --linger-s`), which
+    /// other jobs may still use and which ends after its linger, not with any job; a
+    /// job's `attach --exit-with-parent`, which its launcher stops.
+    pub fn ignores_job_signals(&self) -> bool {
         match self {
             CacheCommand::Serve(args) => args.exit_with_parent || args.linger_s.is_some(),
             CacheCommand::Attach(args) => args.exit_with_parent,

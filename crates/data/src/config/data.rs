@@ -69,9 +69,9 @@ pub struct DataConfig {
 /// How the node cache chooses what to evict (`DATA.CACHE_POLICY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 pub enum CachePolicy {
-    /// Each training rank announces its sample order (a pure function of seed,
-    /// epoch and sampler settings); the cache evicts the record whose next use is
-    /// farthest, and reads no plan names by LRU among records no plan needs.
+    /// Each training rank announces its sample order (a pure function of seed, epoch
+    /// and sampler settings); the cache evicts the record whose next use is farthest,
+    /// and reads no read order names by LRU among records no read order needs.
     #[default]
     #[serde(rename = "planned")]
     Planned,

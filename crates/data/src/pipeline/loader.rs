@@ -18,8 +18,9 @@ use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
 use crate::util::rng::SplitMix64;
 
+use super::announce::ReadOrderAnnouncer;
 use super::error::{PipelineError, Result};
-use super::plan::{PlanFeed, PlanSource};
+use super::read_order::ReadOrderSource;
 use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
@@ -29,8 +30,8 @@ use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
 pub const MAX_VAL_WORKERS: usize = 2;
 
 /// The loader settings of one rank, resolved once by the train layer (see
-/// `train::loader_plan`): `TOTAL_WORKERS` split over the node's ranks (capped by the
-/// memory plan for `auto`), the prefetch factors and `DROP_LAST`.
+/// `train::loader_settings`): `TOTAL_WORKERS` split over the node's ranks (capped by
+/// the memory plan for `auto`), the prefetch factors and `DROP_LAST`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoaderBudget {
     /// Worker threads of this rank (at least 1).
@@ -153,7 +154,7 @@ impl LoaderOptions {
             },
             client_name: format!("rank{rank}"),
             skip_bad: data.skip_bad_frames,
-            // Validation reads are no plan's: the cache keeps them only where no
+            // Validation reads are no read order's: the cache keeps them only where no
             // training record needs the room.
             cache_policy: if train {
                 data.cache_policy
@@ -235,7 +236,7 @@ pub struct Loader {
     consumed_position: usize,
     stats: LoaderStats,
     /// The planned policy's announcer (`None`: no cache, or LRU).
-    plan: Option<PlanFeed>,
+    announcer: Option<ReadOrderAnnouncer>,
 }
 
 fn worker_loop<S: RecordSource>(
@@ -390,7 +391,7 @@ impl Loader {
             ready: BTreeMap::new(),
             consumed_position: 0,
             stats: LoaderStats::default(),
-            plan: None,
+            announcer: None,
         };
         let mut readers = Vec::with_capacity(loader.options.workers);
         for _ in 0..loader.options.workers {
@@ -400,14 +401,18 @@ impl Loader {
                 Err(_) => return Err(PipelineError::Request("loader worker did not start".into())),
             }
         }
-        loader.plan = loader.plan_feed(clips, readers);
+        loader.announcer = loader.connect_announcer(clips, readers);
         loader.consumed_position = loader.sampler.position();
         Ok(loader)
     }
 
     /// The planned policy's announcer when reading through a cache with
     /// `CachePolicy::Planned`; a failure leaves the cache's LRU (logged).
-    fn plan_feed(&self, clips: Arc<ClipIndex>, readers: Vec<ClientId>) -> Option<PlanFeed> {
+    fn connect_announcer(
+        &self,
+        clips: Arc<ClipIndex>,
+        readers: Vec<ClientId>,
+    ) -> Option<ReadOrderAnnouncer> {
         let address = self.options.cache_address.as_deref()?;
         if self.options.cache_policy != CachePolicy::Planned {
             return None;
@@ -417,8 +422,8 @@ impl Loader {
             true => per_epoch - per_epoch % self.options.batch_size,
             false => per_epoch,
         };
-        let source = PlanSource::new(self.index.clone(), clips, &self.sampler, read_per_epoch);
-        let feed = PlanFeed::connect(
+        let source = ReadOrderSource::new(self.index.clone(), clips, &self.sampler, read_per_epoch);
+        let feed = ReadOrderAnnouncer::connect(
             address,
             &self.options.client_name,
             source,
@@ -486,8 +491,8 @@ impl Loader {
 
     /// Sends the next batch of sampler positions to the workers; false at epoch end.
     fn dispatch_one(&mut self) -> bool {
-        if let Some(plan) = &mut self.plan {
-            plan.dispatching(self.sampler.epoch(), self.sampler.position());
+        if let Some(announcer) = &mut self.announcer {
+            announcer.dispatching(self.sampler.epoch(), self.sampler.position());
         }
         let mut items = Vec::with_capacity(self.options.batch_size);
         while items.len() < self.options.batch_size {
@@ -514,8 +519,8 @@ impl Loader {
             return false;
         }
         self.next_seq_no += 1;
-        if let Some(plan) = &self.plan {
-            plan.dispatched(self.sampler.epoch(), self.sampler.position());
+        if let Some(announcer) = &self.announcer {
+            announcer.dispatched(self.sampler.epoch(), self.sampler.position());
         }
         true
     }
@@ -549,8 +554,8 @@ impl Loader {
             self.consumed_position = batch.end_position;
             self.stats.batches += 1;
             self.stats.samples += batch.samples.len() as u64;
-            if let Some(plan) = &self.plan {
-                plan.consumed(batch.epoch, batch.end_position);
+            if let Some(announcer) = &self.announcer {
+                announcer.consumed(batch.epoch, batch.end_position);
             }
         }
         // Keep the window full.
@@ -589,7 +594,7 @@ impl Loader {
 impl Drop for Loader {
     fn drop(&mut self) {
         // The prefetch thread first: it decodes as the workers do.
-        self.plan = None;
+        self.announcer = None;
         self.tasks = None;
         for t in self.threads.drain(..) {
             let _ = t.join();

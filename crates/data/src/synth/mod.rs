@@ -358,16 +358,9 @@ pub fn generate_sequence_of(
     seq
 }
 
-/// The sequences to generate: (split, name, seed), in a fixed order.
-pub fn plan(options: &SynthOptions) -> Vec<(&'static str, String, u64)> {
-    plan_numbered(options)
-        .into_iter()
-        .map(|(split, name, seed, _)| (split, name, seed))
-        .collect()
-}
-
-/// [`plan`] with each sequence's number within its split.
-fn plan_numbered(options: &SynthOptions) -> Vec<(&'static str, String, u64, usize)> {
+/// The sequences to generate: (split, name, seed, its number within the split), in
+/// a fixed order.
+fn sequences(options: &SynthOptions) -> Vec<(&'static str, String, u64, usize)> {
     let mut out = Vec::new();
     let splits = [
         ("train", options.train_seqs, 1u64, ""),
@@ -439,7 +432,7 @@ fn generate(
     let (hs, ws) = options.spike_size();
     std::fs::create_dir_all(out).map_err(|e| DataError::io(out, e))?;
     let mut blur_frames = BTreeMap::new();
-    for (split, name, seed, n) in plan_numbered(options) {
+    for (split, name, seed, n) in sequences(options) {
         let (frames, height, width) = (options.frames, options.height, options.width);
         let subframes = blur.of_sequence(n);
         let seq = generate_sequence_of(&name, frames, height, width, seed, subframes);

@@ -4,7 +4,7 @@
 //! shared table), which any extent can use. Free extents are merged with free
 //! neighbours at once, so two free extents never touch; a record goes into the
 //! smallest free extent that holds it (best fit). Keys, pins and the LRU are not
-//! its business: the store plans evictions ([`room`](super::room)) and tells it
+//! its business: the store chooses evictions ([`room`](super::room)) and tells it
 //! which extents change hands.
 
 use std::collections::{BTreeMap, BTreeSet};

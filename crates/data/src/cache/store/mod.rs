@@ -1,8 +1,8 @@
 //! The store's bookkeeping, a small facade over one part per job: the record
 //! [`arena`] (extents of any size, carved on demand), the [`recency`] of records
-//! (the LRU), the readers' announced [`plan`]s (the planned policy: evict the
+//! (the LRU), the readers' announced [`read_order`]s (the planned policy: evict the
 //! record needed last, prefetch ahead of use; the store's side in `policy`), the
-//! plans that make [`room`] for a record, the record [`index`], the
+//! placements that make [`room`] for a record, the record [`index`], the
 //! [`connections`] with their pin pages, single-flight [`fills`], the [`stats`]
 //! counters and the [`reserve`]d memory under the carved bytes. The server wraps it
 //! in a mutex; every record is mirrored into the shared [`TableWriter`], where
@@ -27,8 +27,8 @@ pub mod arena;
 pub mod connections;
 pub mod fills;
 pub mod index;
-pub mod plan;
 mod policy;
+pub mod read_order;
 pub mod recency;
 mod report;
 pub mod reserve;
@@ -44,11 +44,11 @@ pub use connections::ClientLabel;
 use connections::Connections;
 use fills::{Fill, Fills};
 use index::RecordIndex;
-use plan::Plans;
 use policy::{EvictionOrder, Incoming};
+use read_order::ReadOrders;
 use recency::Recency;
 use reserve::{NoReserve, Reservations, ReserveRefusal};
-use room::{Evictable, Plan};
+use room::{Evictable, Placement};
 use stats::{Event, StoreStats};
 
 pub use super::table::{extent_for, SLOT_ALIGN};
@@ -75,8 +75,8 @@ pub struct Store {
     pins: PinPages,
     arena: Arena,
     recency: Recency,
-    /// The readers' announced plans (none: plain LRU).
-    plans: Plans,
+    /// The readers' announced read orders (none: plain LRU).
+    read_orders: ReadOrders,
     index: RecordIndex,
     connections: Connections,
     fills: Fills,
@@ -97,8 +97,8 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// The store as the eviction planner sees it: a record may go if it is committed,
-/// no live pin page holds a lease on it and (with plans) the policy lets it go.
+/// The store as the room search sees it: a record may go if it is committed,
+/// no live pin page holds a lease on it and (with read orders) the policy lets it go.
 struct Occupants<'a> {
     store: &'a Store,
     /// The planned policy's order; `None`: LRU.
@@ -134,7 +134,7 @@ impl Store {
             table,
             pins,
             recency: Recency::new(),
-            plans: Plans::new(),
+            read_orders: ReadOrders::new(),
             index: RecordIndex::new(),
             connections: Connections::new(),
             fills: Fills::new(),
@@ -206,7 +206,7 @@ impl Store {
     /// client may still write into its fills' maps. Returns the number of fills
     /// abandoned (waiters must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
-        self.plans.forget(client);
+        self.read_orders.forget(client);
         let pins = &self.pins;
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
@@ -303,7 +303,7 @@ impl Store {
                 max: LEASES_PER_CONNECTION,
             })?;
         self.recency.touch(slot);
-        self.plan_read(client, slot);
+        self.use_up_read(client, slot);
         Ok(LeaseGrant {
             lease: lease.0,
             offset: placed.offset,
@@ -333,9 +333,9 @@ impl Store {
 
     /// Reserves room for a ticket's record of `len` bytes: a free extent, the end
     /// of the carved part, or what evicting unpinned records frees (least recently
-    /// used first; with plans, the record needed last first). Returns where to
+    /// used first; with read orders, the record needed last first). Returns where to
     /// write it; `Declined` when the planned policy keeps no room for a record no
-    /// plan names.
+    /// read order names.
     pub fn reserve(
         &mut self,
         client: ClientId,
@@ -381,8 +381,8 @@ impl Store {
     ) -> Result<(SlotIdx, Placed), RequestError> {
         self.learn_reads();
         let mut refused = None;
-        if let Some(plan) = room::without_eviction(&self.arena, extent) {
-            match self.carry_out(&plan, extent, len) {
+        if let Some(placement) = room::without_eviction(&self.arena, extent) {
+            match self.carry_out(&placement, extent, len) {
                 Ok(Some(placed)) => return Ok(placed),
                 Ok(None) => {}
                 Err(refusal) => refused = Some(refusal),
@@ -394,7 +394,7 @@ impl Store {
             order: order.as_ref(),
         };
         let may_grow = refused.is_none();
-        let plans = match &order {
+        let placements = match &order {
             Some(order) => {
                 room::by_eviction(&self.arena, extent, order.victims(), &occupants, may_grow)
             }
@@ -403,8 +403,8 @@ impl Store {
                 room::by_eviction(&self.arena, extent, victims, &occupants, may_grow)
             }
         };
-        for plan in &plans {
-            match self.carry_out(plan, extent, len) {
+        for placement in &placements {
+            match self.carry_out(placement, extent, len) {
                 Ok(Some(placed)) => return Ok(placed),
                 Ok(None) => {}
                 Err(refusal) => refused = Some(refusal),
@@ -414,8 +414,8 @@ impl Store {
             return Err(self.out_of_memory(key, len, refusal));
         }
         if order.is_some() && incoming.is_restricted() {
-            if incoming == Incoming::Unplanned {
-                self.plans.count_unplanned_declined();
+            if incoming == Incoming::Unannounced {
+                self.read_orders.count_unannounced_declined();
             }
             return Err(RequestError::Declined {
                 key: key.to_string(),
@@ -433,7 +433,7 @@ impl Store {
     }
 
     /// Folds the reads clients recorded in their pages into the LRU (and into
-    /// the plans they read for).
+    /// the read orders they read for).
     fn learn_reads(&mut self) {
         let mut reads = Vec::new();
         let pins = &self.pins;
@@ -442,21 +442,21 @@ impl Store {
             .drain_reads_by_client(slots, |p| pins.page(p), &mut reads);
         for (client, slot) in reads {
             self.recency.touch(slot);
-            self.plan_read(client, slot);
+            self.use_up_read(client, slot);
         }
     }
 
-    /// Carries a plan out if every part of it can be done: its records are marked
+    /// Carries a placement out if every part of it can be done: its records are marked
     /// evicting and none is pinned (else all are restored: `Ok(None)`), and the
     /// memory for its growth is reserved (else all are restored: the refusal).
     fn carry_out(
         &mut self,
-        plan: &Plan,
+        placement: &Placement,
         extent: u64,
         len: u64,
     ) -> Result<Option<(SlotIdx, Placed)>, ReserveRefusal> {
-        let mut marked = Vec::with_capacity(plan.evict.len());
-        for &slot in &plan.evict {
+        let mut marked = Vec::with_capacity(placement.evict.len());
+        for &slot in &placement.evict {
             let Some(before) = self.table.mark_evicting(slot) else {
                 self.restore(&marked);
                 return Ok(None);
@@ -467,8 +467,11 @@ impl Store {
                 return Ok(None);
             }
         }
-        if plan.grow > 0 {
-            if let Err(refusal) = self.reservations.reserve(self.arena.carved(), plan.grow) {
+        if placement.grow > 0 {
+            if let Err(refusal) = self
+                .reservations
+                .reserve(self.arena.carved(), placement.grow)
+            {
                 self.restore(&marked);
                 return Err(refusal);
             }
@@ -476,8 +479,8 @@ impl Store {
         for &(slot, _) in &marked {
             self.evict(slot);
         }
-        self.arena.grow(plan.grow);
-        Ok(self.arena.occupy(plan.start, extent, len))
+        self.arena.grow(placement.grow);
+        Ok(self.arena.occupy(placement.start, extent, len))
     }
 
     /// Puts slots marked Evicting back as they were.

@@ -1,29 +1,31 @@
-//! The store's side of the planned policy: plans announced by connections, the
-//! prefetch of a record ahead of its use, and the order in which records may go
-//! when room is made for another one. With no plan live the order is the LRU's,
-//! unchanged. With plans: records no plan needs first (least recently used first),
-//! then the record whose next use is farthest; a record coming in ahead of its use
-//! (a prefetch) may only evict records needed later than itself, and a record no
-//! plan names (validation, inference, tools) only records no plan needs. None of
-//! this is on the hit path: clients find hits in the shared table without a
-//! message, and the plans are looked at only when a record needs room.
+//! The store's side of the planned policy: read orders announced by connections, the
+//! prefetch of a record ahead of its use, and the order in which records may go when
+//! room is made for another one. With no read order live the order is the LRU's,
+//! unchanged. With read orders: records no read order needs first (least recently
+//! used first), then the record whose next use is farthest; a record coming in ahead
+//! of its use (a prefetch) may only evict records needed later than itself, and a
+//! record no read order names (validation, inference, tools) only records no read
+//! order needs. None of this is on the hit path: clients find hits in the shared
+//! table without a message, and the read orders are looked at only when a record
+//! needs room.
 
 use super::super::ids::{ClientId, TicketId};
-use super::super::protocol::{PlanAnnouncement, RequestError};
-use super::super::stats::PlanStats;
+use super::super::protocol::{ReadOrderAnnouncement, RequestError};
+use super::super::stats::ReadOrderStats;
 use super::super::table::{self, extent_for, SlotCode};
 use super::arena::{SlotIdx, SlotUse};
-use super::plan::Standing;
+use super::read_order::Standing;
 use super::{check_key, Store};
 
 /// What a record coming in may push out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Incoming {
-    /// Read now and named by a plan (or no plan is live): any unpinned record may
-    /// go, the one needed last first.
+    /// Read now and named by a read order (or no read order is live): any unpinned
+    /// record may go, the one needed last first.
     Demand,
-    /// Read now but named by no live plan: only records no plan needs may go.
-    Unplanned,
+    /// Read now but named by no live read order: only records no read order needs may
+    /// go.
+    Unannounced,
     /// Brought in `distance` steps ahead of its use (a prefetch): only records
     /// needed later than that, or not at all, may go.
     Ahead {
@@ -37,7 +39,7 @@ impl Incoming {
     fn may_evict(self, rank: u64) -> bool {
         match self {
             Incoming::Demand => true,
-            Incoming::Unplanned => Standing::rank_is_unneeded(rank),
+            Incoming::Unannounced => Standing::rank_is_unneeded(rank),
             Incoming::Ahead { distance } => rank < Standing::later_than(distance),
         }
     }
@@ -75,7 +77,7 @@ impl EvictionOrder {
 pub enum PrefetchOutcome {
     /// Cached already, or being filled.
     Present,
-    /// Not worth it now: no plan needs the record, or room for it would evict a
+    /// Not worth it now: no read order needs the record, or room for it would evict a
     /// record needed sooner.
     Declined,
     /// Room reserved: write `len` bytes at `offset`, then commit `ticket`.
@@ -90,16 +92,16 @@ pub enum PrefetchOutcome {
 }
 
 impl Store {
-    /// Replaces `client`'s plan (see [`PlanAnnouncement`]). Reads clients made
-    /// before are counted against the old plan first.
-    pub fn announce_plan(
+    /// Replaces `client`'s read order (see [`ReadOrderAnnouncement`]). Reads clients
+    /// made before are counted against the old read order first.
+    pub fn announce_read_order(
         &mut self,
         client: ClientId,
-        plan: PlanAnnouncement,
+        order: ReadOrderAnnouncement,
     ) -> Result<(), RequestError> {
         let page = self.connections.get(client)?.page;
         self.learn_reads();
-        self.plans.announce(client, page, plan)
+        self.read_orders.announce(client, page, order)
     }
 
     /// Brings `key`'s record of `len` bytes in ahead of its announced use if room
@@ -129,9 +131,9 @@ impl Store {
             });
         };
         self.learn_reads();
-        self.refresh_plans();
-        let Standing::Needed { distance } = self.plans.standing(key) else {
-            self.plans.count_prefetch(false);
+        self.refresh_read_orders();
+        let Standing::Needed { distance } = self.read_orders.standing(key) else {
+            self.read_orders.count_prefetch(false);
             return Ok(PrefetchOutcome::Declined);
         };
         let ticket = self.next_id;
@@ -145,7 +147,7 @@ impl Store {
                 };
                 self.table.set_state(slot, state);
                 self.fills.set_slot(ticket, slot);
-                self.plans.count_prefetch(true);
+                self.read_orders.count_prefetch(true);
                 Ok(PrefetchOutcome::Reserved {
                     ticket,
                     offset: placed.offset,
@@ -156,7 +158,7 @@ impl Store {
                 self.fills.finish(ticket);
                 match error {
                     RequestError::Declined { .. } => {
-                        self.plans.count_prefetch(false);
+                        self.read_orders.count_prefetch(false);
                         Ok(PrefetchOutcome::Declined)
                     }
                     error => Err(error),
@@ -165,45 +167,45 @@ impl Store {
         }
     }
 
-    /// What a record read now may push out: anything if a plan names it (or no
-    /// plan is live), else only records no plan needs.
+    /// What a record read now may push out: anything if a read order names it (or no
+    /// read order is live), else only records no read order needs.
     pub(super) fn demand(&mut self, key: &str) -> Incoming {
-        if self.plans.is_empty() {
+        if self.read_orders.is_empty() {
             return Incoming::Demand;
         }
-        self.refresh_plans();
-        match self.plans.standing(key) {
+        self.refresh_read_orders();
+        match self.read_orders.standing(key) {
             Standing::Needed { .. } => Incoming::Demand,
-            Standing::Unneeded => Incoming::Unplanned,
+            Standing::Unneeded => Incoming::Unannounced,
         }
     }
 
     /// The planned policy's figures.
-    pub(super) fn plan_stats(&self) -> PlanStats {
-        let c = self.plans.counters();
-        PlanStats {
-            plans: self.plans.len(),
-            pending_uses: self.plans.pending_uses(),
+    pub(super) fn read_order_stats(&self) -> ReadOrderStats {
+        let c = self.read_orders.counters();
+        ReadOrderStats {
+            live: self.read_orders.len(),
+            pending_uses: self.read_orders.pending_uses(),
             announced: c.announced,
             prefetched: c.prefetched,
             prefetch_declined: c.prefetch_declined,
-            unplanned_declined: c.unplanned_declined,
+            unannounced_declined: c.unannounced_declined,
         }
     }
 
-    /// Reads every plan's reader progress from its pin page.
-    fn refresh_plans(&mut self) {
+    /// Reads every read order's reader progress from its pin page.
+    fn refresh_read_orders(&mut self) {
         let pins = &self.pins;
-        self.plans.refresh(|page| pins.page(page).progress());
+        self.read_orders.refresh(|page| pins.page(page).progress());
     }
 
     /// The order in which committed records may go for `incoming`, or `None` when
-    /// no plan is live (the LRU's order then).
+    /// no read order is live (the LRU's order then).
     pub(super) fn eviction_order(&mut self, incoming: Incoming) -> Option<EvictionOrder> {
-        if self.plans.is_empty() {
+        if self.read_orders.is_empty() {
             return None;
         }
-        self.refresh_plans();
+        self.refresh_read_orders();
         let mut ranks = vec![None; self.arena.slot_count()];
         let mut ranked = Vec::new();
         for (slot, used, _) in self.arena.in_use() {
@@ -213,7 +215,7 @@ impl Store {
             let Some(stamp) = self.recency.stamp(slot) else {
                 continue;
             };
-            let rank = self.plans.standing(key).rank(stamp);
+            let rank = self.read_orders.standing(key).rank(stamp);
             if incoming.may_evict(rank) {
                 ranks[slot] = Some(rank);
                 ranked.push((rank, slot));
@@ -226,14 +228,14 @@ impl Store {
         })
     }
 
-    /// Connection `client` read `slot`'s record: a use of the plan it reads for is
-    /// used up.
-    pub(super) fn plan_read(&mut self, client: ClientId, slot: SlotIdx) {
-        if self.plans.is_empty() {
+    /// Connection `client` read `slot`'s record: a use of the read order it reads for
+    /// is used up.
+    pub(super) fn use_up_read(&mut self, client: ClientId, slot: SlotIdx) {
+        if self.read_orders.is_empty() {
             return;
         }
         if let SlotUse::Ready { key, .. } = self.arena.slot_use(slot) {
-            self.plans.read(client, key);
+            self.read_orders.read(client, key);
         }
     }
 }

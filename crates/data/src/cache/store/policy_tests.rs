@@ -1,9 +1,10 @@
-//! The planned policy against a brute-force Belady, and its fallbacks: stale plans,
-//! prefetches that would evict a record needed sooner, reads no plan names.
+//! The planned policy against a brute-force Belady, and its fallbacks: stale read
+//! orders, prefetches that would evict a record needed sooner, reads no read order
+//! names.
 
 use std::collections::{HashMap, HashSet};
 
-use super::super::super::protocol::{PlanAnnouncement, RequestError};
+use super::super::super::protocol::{ReadOrderAnnouncement, RequestError};
 use super::super::arena::SlotUse;
 use super::super::{GetOutcome, Store, SLOT_ALIGN};
 use super::PrefetchOutcome;
@@ -11,29 +12,29 @@ use crate::util::rng::SplitMix64;
 
 const P: u64 = SLOT_ALIGN;
 
-/// A store of `records` one-page records, a planner connection and a reader.
+/// A store of `records` one-page records, an announcer connection and a reader.
 struct Rig {
     store: Store,
-    planner: u64,
-    planner_page: usize,
+    announcer: u64,
+    announcer_page: usize,
     reader: u64,
 }
 
 impl Rig {
     fn new(records: u64) -> Rig {
         let mut store = Store::on_heap(1, records * P, Some(P));
-        let (planner, planner_page) = store.connect("plan".into(), 1).unwrap();
+        let (announcer, announcer_page) = store.connect("read order".into(), 1).unwrap();
         let reader = store.connect("reader".into(), 1).unwrap().0;
         Rig {
             store,
-            planner,
-            planner_page,
+            announcer,
+            announcer_page,
             reader,
         }
     }
 
     /// Announces `steps` (keys per step from `first_step`) with `readers`.
-    fn announce(&mut self, planner: u64, first_step: u64, steps: &[Vec<&str>], readers: &[u64]) {
+    fn announce(&mut self, announcer: u64, first_step: u64, steps: &[Vec<&str>], readers: &[u64]) {
         let mut keys: Vec<String> = Vec::new();
         let mut ids: HashMap<&str, u32> = HashMap::new();
         let steps = steps
@@ -49,13 +50,13 @@ impl Rig {
                     .collect()
             })
             .collect();
-        let plan = PlanAnnouncement {
+        let order = ReadOrderAnnouncement {
             first_step,
             keys,
             steps,
             readers: readers.to_vec(),
         };
-        self.store.announce_plan(planner, plan).unwrap();
+        self.store.announce_read_order(announcer, order).unwrap();
     }
 
     fn progress(&self, page: usize, step: u64) {
@@ -135,7 +136,7 @@ fn store_outcomes(
 ) -> Vec<Result<(), Option<String>>> {
     let mut out = Vec::new();
     for (i, &key) in stream.iter().enumerate() {
-        rig.progress(rig.planner_page, i as u64);
+        rig.progress(rig.announcer_page, i as u64);
         let before = rig.cached();
         if rig.read(reader_of(i), key) {
             out.push(Ok(()));
@@ -162,8 +163,8 @@ fn eviction_follows_a_brute_force_belady_on_random_streams() {
         let stream: Vec<&str> = stream.iter().map(String::as_str).collect();
         let mut rig = Rig::new(records);
         let steps: Vec<Vec<&str>> = stream.iter().map(|&k| vec![k]).collect();
-        let (planner, reader) = (rig.planner, rig.reader);
-        rig.announce(planner, 0, &steps, &[reader]);
+        let (announcer, reader) = (rig.announcer, rig.reader);
+        rig.announce(announcer, 0, &steps, &[reader]);
         let got = store_outcomes(&mut rig, &stream, |_| reader);
         let want = brute_force_belady(&stream, records as usize);
         assert_eq!(
@@ -174,31 +175,31 @@ fn eviction_follows_a_brute_force_belady_on_random_streams() {
 }
 
 #[test]
-fn eviction_follows_belady_over_two_lockstep_plans() {
-    // Two readers with plans of their own, taking turns (one even steps, the other
-    // odd ones): the store's choice is Belady's on the merged stream.
-    two_plans_in_turn_follow_belady(1000, 0);
+fn eviction_follows_belady_over_two_lockstep_orders() {
+    // Two readers with read orders of their own, taking turns (one even steps, the
+    // other odd ones): the store's choice is Belady's on the merged stream.
+    two_orders_in_turn_follow_belady(1000, 0);
 }
 
 #[test]
 fn plans_of_two_jobs_at_different_steps_merge_by_distance_ahead() {
     // Two jobs on one node-shared server: job b is 1000 steps further into its run
-    // than job a (its plan and progress count from there). The store compares uses
-    // by how far ahead of each job's own progress they lie, so its choice is still
-    // Belady's on the merged stream.
-    two_plans_in_turn_follow_belady(5000, 1000);
+    // than job a (its read order and progress count from there). The store compares
+    // uses by how far ahead of each job's own progress they lie, so its choice is
+    // still Belady's on the merged stream.
+    two_orders_in_turn_follow_belady(5000, 1000);
 }
 
-/// Two planners with a reader each take turns over 100 random streams (seeded
+/// Two announcers with a reader each take turns over 100 random streams (seeded
 /// from `seed_base`), the second one's steps counted from `b_first_step`; the
 /// store's outcomes are a brute-force Belady's on the merged stream.
-fn two_plans_in_turn_follow_belady(seed_base: u64, b_first_step: u64) {
+fn two_orders_in_turn_follow_belady(seed_base: u64, b_first_step: u64) {
     for seed in 0..100 {
         let records = 3;
         let stream = random_stream(seed_base + seed, 50, 6);
         let stream: Vec<&str> = stream.iter().map(String::as_str).collect();
         let mut rig = Rig::new(records);
-        let (planner_b, page_b) = rig.store.connect("plan b".into(), 2).unwrap();
+        let (announcer_b, page_b) = rig.store.connect("read order b".into(), 2).unwrap();
         let reader_b = rig.store.connect("reader b".into(), 2).unwrap().0;
         let turn = |parity: usize| -> Vec<Vec<&str>> {
             let mut steps = vec![Vec::new(); stream.len()];
@@ -207,9 +208,9 @@ fn two_plans_in_turn_follow_belady(seed_base: u64, b_first_step: u64) {
             }
             steps
         };
-        let (planner_a, reader_a) = (rig.planner, rig.reader);
-        rig.announce(planner_a, 0, &turn(0), &[reader_a]);
-        rig.announce(planner_b, b_first_step, &turn(1), &[reader_b]);
+        let (announcer_a, reader_a) = (rig.announcer, rig.reader);
+        rig.announce(announcer_a, 0, &turn(0), &[reader_a]);
+        rig.announce(announcer_b, b_first_step, &turn(1), &[reader_b]);
         let mut got = Vec::new();
         for (i, &key) in stream.iter().enumerate() {
             rig.progress(page_b, b_first_step + i as u64);
@@ -228,7 +229,7 @@ fn store_outcomes_from(
     key: &str,
     reader: u64,
 ) -> Result<(), Option<String>> {
-    rig.progress(rig.planner_page, i as u64);
+    rig.progress(rig.announcer_page, i as u64);
     let before = rig.cached();
     if rig.read(reader, key) {
         return Ok(());
@@ -240,7 +241,7 @@ fn store_outcomes_from(
 #[test]
 fn overlapping_clips_in_shuffled_order_follow_belady() {
     // The sampler's pattern: clips of 3 overlapping frames of 4 sequences of 8,
-    // shuffled, two epochs, a cap of a sixth of the frames; the plan names each
+    // shuffled, two epochs, a cap of a sixth of the frames; the read order names each
     // frame read at a step of its own (so no two uses tie).
     let mut clips: Vec<(usize, usize)> = (0..4).flat_map(|s| (0..6).map(move |f| (s, f))).collect();
     let mut rng = SplitMix64::new(7);
@@ -258,8 +259,8 @@ fn overlapping_clips_in_shuffled_order_follow_belady() {
     let mut rig = Rig::new(records);
     let stream: Vec<&str> = steps.iter().flatten().map(String::as_str).collect();
     let by_step: Vec<Vec<&str>> = stream.iter().map(|&k| vec![k]).collect();
-    let (planner, reader) = (rig.planner, rig.reader);
-    rig.announce(planner, 0, &by_step, &[reader]);
+    let (announcer, reader) = (rig.announcer, rig.reader);
+    rig.announce(announcer, 0, &by_step, &[reader]);
     let got = store_outcomes(&mut rig, &stream, |_| reader);
     let hits = got.iter().filter(|o| o.is_ok()).count();
     assert_eq!(got, brute_force_belady(&stream, records as usize));
@@ -267,61 +268,64 @@ fn overlapping_clips_in_shuffled_order_follow_belady() {
 }
 
 #[test]
-fn a_plan_that_goes_stale_leaves_lru() {
-    // Room for 3. Filled c, b, a: c is the least recently used, but the plan needs
-    // c and b soon and a never.
+fn a_read_order_that_goes_stale_leaves_lru() {
+    // Room for 3. Filled c, b, a: c is the least recently used, but the read order
+    // needs c and b soon and a never.
     let mut rig = Rig::new(3);
-    let (planner, reader) = (rig.planner, rig.reader);
+    let (announcer, reader) = (rig.announcer, rig.reader);
     for key in ["c", "b", "a"] {
         rig.fill(reader, key);
     }
-    let plan = vec![vec!["d"], vec!["c"], vec!["b"], vec!["e"]];
-    rig.announce(planner, 10, &plan, &[reader]);
-    rig.progress(rig.planner_page, 10);
+    let order = vec![vec!["d"], vec!["c"], vec!["b"], vec!["e"]];
+    rig.announce(announcer, 10, &order, &[reader]);
+    rig.progress(rig.announcer_page, 10);
     rig.fill(reader, "d");
     assert!(
         !rig.cached().contains("a"),
         "planned: a, never needed, went"
     );
-    // The plan's reader moves past its last step (a new epoch nobody announced):
+    // The read order's reader moves past its last step (a new epoch nobody announced):
     // every record is unneeded and the least recently used goes.
-    rig.progress(rig.planner_page, 14);
+    rig.progress(rig.announcer_page, 14);
     rig.fill(reader, "x");
-    assert!(!rig.cached().contains("c"), "past the plan: LRU, c went");
-    // A new plan (the next epoch's) replaces the old; then the rank restarts: its
-    // connection ends, its plan goes with it, and eviction is LRU again.
-    rig.announce(planner, 14, &[vec!["b"], vec!["d"]], &[reader]);
-    rig.progress(rig.planner_page, 14);
+    assert!(
+        !rig.cached().contains("c"),
+        "past the read order: LRU, c went"
+    );
+    // A new read order (the next epoch's) replaces the old; then the rank restarts: its
+    // connection ends, its read order goes with it, and eviction is LRU again.
+    rig.announce(announcer, 14, &[vec!["b"], vec!["d"]], &[reader]);
+    rig.progress(rig.announcer_page, 14);
     rig.fill(reader, "y");
     assert_eq!(
         rig.cached(),
         HashSet::from(["b".into(), "d".into(), "y".into()]),
         "planned: x, unneeded, went"
     );
-    rig.store.disconnect(planner);
-    rig.store.forget(planner);
+    rig.store.disconnect(announcer);
+    rig.store.forget(announcer);
     rig.fill(reader, "z");
-    assert!(!rig.cached().contains("b"), "no plan: LRU, b went");
-    assert_eq!(rig.store.stats(0).plan.plans, 0);
+    assert!(!rig.cached().contains("b"), "no read order: LRU, b went");
+    assert_eq!(rig.store.stats(0).read_orders.live, 0);
 }
 
 #[test]
 fn a_prefetch_never_evicts_a_record_needed_sooner() {
     let mut rig = Rig::new(2);
-    let (planner, reader) = (rig.planner, rig.reader);
-    let plan = vec![vec!["a"], vec!["c"], vec!["b"], vec!["d"]];
-    rig.announce(planner, 1, &plan, &[reader]);
-    rig.progress(rig.planner_page, 0);
-    // Filled by a connection that reads for no plan: no use is used up.
-    rig.fill(planner, "a");
-    rig.fill(planner, "b");
+    let (announcer, reader) = (rig.announcer, rig.reader);
+    let order = vec![vec!["a"], vec!["c"], vec!["b"], vec!["d"]];
+    rig.announce(announcer, 1, &order, &[reader]);
+    rig.progress(rig.announcer_page, 0);
+    // Filled by a connection that reads for no read order: no use is used up.
+    rig.fill(announcer, "a");
+    rig.fill(announcer, "b");
     // c (needed at 2) may push out b (needed at 3).
-    let prefetch = |rig: &mut Rig, key: &str| rig.store.prefetch(planner, key, P).unwrap();
+    let prefetch = |rig: &mut Rig, key: &str| rig.store.prefetch(announcer, key, P).unwrap();
     let PrefetchOutcome::Reserved { ticket, .. } = prefetch(&mut rig, "c") else {
         panic!("expected room for c");
     };
-    let grant = rig.store.commit(planner, ticket).unwrap();
-    rig.store.release(planner, grant.lease).unwrap();
+    let grant = rig.store.commit(announcer, ticket).unwrap();
+    rig.store.release(announcer, grant.lease).unwrap();
     assert_eq!(rig.cached(), HashSet::from(["a".into(), "c".into()]));
     // d (needed at 4) would push out a or c, both needed sooner: declined, and the
     // store is as it was.
@@ -334,22 +338,22 @@ fn a_prefetch_never_evicts_a_record_needed_sooner() {
     assert_eq!(rig.cached(), HashSet::from(["a".into(), "c".into()]));
     // The prefetcher's own commit used up no use: the reader's read of c is a hit
     // and uses it up.
-    rig.progress(rig.planner_page, 2);
+    rig.progress(rig.announcer_page, 2);
     assert!(rig.read(reader, "c"));
     // Now a and c are needed no more: d may push one of them out.
     assert!(matches!(
         prefetch(&mut rig, "d"),
         PrefetchOutcome::Reserved { .. }
     ));
-    let s = rig.store.stats(0).plan;
+    let s = rig.store.stats(0).read_orders;
     assert_eq!((s.prefetched, s.prefetch_declined), (2, 2));
 }
 
 #[test]
-fn a_read_no_plan_names_evicts_only_records_no_plan_needs() {
+fn an_unannounced_read_evicts_only_records_no_read_order_needs() {
     let mut rig = Rig::new(2);
-    let (planner, reader) = (rig.planner, rig.reader);
-    rig.announce(planner, 0, &[vec!["a"], vec!["b"]], &[]);
+    let (announcer, reader) = (rig.announcer, rig.reader);
+    rig.announce(announcer, 0, &[vec!["a"], vec!["b"]], &[]);
     rig.fill(reader, "a");
     rig.fill(reader, "b");
     // Validation reads v: a and b are both needed, so v gets no room.
@@ -364,10 +368,10 @@ fn a_read_no_plan_names_evicts_only_records_no_plan_needs() {
     rig.store.abort(reader, ticket).unwrap();
     assert_eq!(rig.cached(), HashSet::from(["a".into(), "b".into()]));
     // Past a's step, a is needed no more: v takes its room.
-    rig.progress(rig.planner_page, 1);
+    rig.progress(rig.announcer_page, 1);
     rig.fill(reader, "v");
     assert_eq!(rig.cached(), HashSet::from(["b".into(), "v".into()]));
-    assert_eq!(rig.store.stats(0).plan.unplanned_declined, 1);
+    assert_eq!(rig.store.stats(0).read_orders.unannounced_declined, 1);
 }
 
 #[test]
@@ -397,7 +401,7 @@ fn reads_learnt_after_the_reader_moved_on_use_up_their_own_step() {
         rig.store.connections.get(rig.reader).unwrap().page,
         reader_page
     );
-    let (planner, reader) = (rig.planner, rig.reader);
+    let (announcer, reader) = (rig.announcer, rig.reader);
     let mut stream = Vec::new();
     let mut got = Vec::new();
     for epoch in 0..3 {
@@ -408,9 +412,9 @@ fn reads_learnt_after_the_reader_moved_on_use_up_their_own_step() {
             Vec::new()
         };
         let steps: Vec<Vec<&str>> = this.iter().chain(&next).map(|k| vec![k.as_str()]).collect();
-        rig.announce(planner, epoch * per_epoch, &steps, &[reader]);
+        rig.announce(announcer, epoch * per_epoch, &steps, &[reader]);
         for (i, key) in this.iter().enumerate() {
-            rig.progress(rig.planner_page, epoch * per_epoch + i as u64);
+            rig.progress(rig.announcer_page, epoch * per_epoch + i as u64);
             let before = rig.cached();
             if before.contains(key) {
                 // A hit in shared memory: recorded in the reader's page only.

@@ -1,24 +1,24 @@
-//! Where a new record goes: a plan of the range it takes, the records to evict for
-//! it and the bytes to carve. Plans are made without changing anything; the store
-//! carries one out only when every part of it can be done, so a request that finds
-//! no room leaves the store as it was.
+//! Where a new record goes: a placement, the range it takes, the records to evict for
+//! it and the bytes to carve. Placements are made without changing anything; the
+//! store carries one out only when every part of it can be done, so a request that
+//! finds no room leaves the store as it was.
 //!
 //! First a free extent that holds the record (best fit), then the end of the carved
-//! part (memory reserved on demand, up to the cap). When the store is full, the
-//! least recently used unpinned record is the victim, and the range around it grows
-//! into free neighbours, then the end of the carved part, then the older of its
-//! evictable neighbours, until the record fits. Of the first few victims' plans the
-//! one that evicts fewest records is carried out (the first that evicts its victim
-//! alone ends the search).
+//! part (memory reserved on demand, up to the cap). When the store is full, the least
+//! recently used unpinned record is the victim, and the range around it grows into
+//! free neighbours, then the end of the carved part, then the older of its evictable
+//! neighbours, until the record fits. Of the first few victims' placements the one
+//! that evicts fewest records is carried out (the first that evicts its victim alone
+//! ends the search).
 
 use super::arena::{Arena, SlotIdx, Span};
 
-/// Plans compared before one is chosen.
+/// Placements compared before one is chosen.
 pub const CANDIDATES: usize = 8;
 
 /// Where a record goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub struct Placement {
     /// The record's offset.
     pub start: u64,
     /// Committed records to evict first (the range holds them, free extents and
@@ -29,19 +29,19 @@ pub struct Plan {
 }
 
 /// A free extent that holds `extent` bytes, or the end of the carved part.
-pub fn without_eviction(arena: &Arena, extent: u64) -> Option<Plan> {
+pub fn without_eviction(arena: &Arena, extent: u64) -> Option<Placement> {
     if !arena.has_free_slot() {
         return None;
     }
     if let Some(start) = arena.best_fit(extent) {
-        return Some(Plan {
+        return Some(Placement {
             start,
             evict: Vec::new(),
             grow: 0,
         });
     }
     let tail = arena.tail(extent)?;
-    Some(Plan {
+    Some(Placement {
         start: tail.start,
         evict: Vec::new(),
         grow: tail.grow,
@@ -55,31 +55,31 @@ pub trait Evictable {
     fn evictable(&self, slot: SlotIdx) -> Option<u64>;
 }
 
-/// The plans around the least recently used evictable records (`victims`, oldest
+/// The placements around the least recently used evictable records (`victims`, oldest
 /// first), cheapest first: fewest records evicted, then the older victim. Growth
-/// of the carved part is planned only with `may_grow`.
+/// of the carved part is placed only with `may_grow`.
 pub fn by_eviction(
     arena: &Arena,
     extent: u64,
     victims: impl Iterator<Item = SlotIdx>,
     evictable: &dyn Evictable,
     may_grow: bool,
-) -> Vec<Plan> {
-    let mut plans: Vec<Plan> = Vec::new();
+) -> Vec<Placement> {
+    let mut placements: Vec<Placement> = Vec::new();
     let candidates = victims
         .filter(|&v| evictable.evictable(v).is_some())
         .filter_map(|v| around(arena, v, extent, evictable, may_grow));
-    for plan in candidates {
-        // The oldest victim that goes alone: no plan can be cheaper.
-        let alone = plan.evict.len() == 1;
-        plans.push(plan);
-        if alone || plans.len() == CANDIDATES {
+    for placement in candidates {
+        // The oldest victim that goes alone: no placement can be cheaper.
+        let alone = placement.evict.len() == 1;
+        placements.push(placement);
+        if alone || placements.len() == CANDIDATES {
             break;
         }
     }
     // A stable sort keeps the older victim first among equals.
-    plans.sort_by_key(|plan| plan.evict.len());
-    plans
+    placements.sort_by_key(|placement| placement.evict.len());
+    placements
 }
 
 /// What the range can grow into on one side.
@@ -106,7 +106,7 @@ fn around(
     extent: u64,
     evictable: &dyn Evictable,
     may_grow: bool,
-) -> Option<Plan> {
+) -> Option<Placement> {
     let (offset, len) = arena.extent_of(victim)?;
     let (mut start, mut end, mut grow) = (offset, offset + len, 0);
     let mut evict = vec![victim];
@@ -143,7 +143,7 @@ fn around(
             None => return None,
         }
     }
-    Some(Plan { start, evict, grow })
+    Some(Placement { start, evict, grow })
 }
 
 fn step(span: Span, evictable: &dyn Evictable) -> Option<Step> {
@@ -219,7 +219,7 @@ mod tests {
         let (mut arena, slots) = packed(20, &[3, 2, 4]);
         assert_eq!(
             without_eviction(&arena, 5 * P),
-            Some(Plan {
+            Some(Placement {
                 start: 9 * P,
                 evict: vec![],
                 grow: 5 * P
@@ -243,24 +243,24 @@ mod tests {
         // Records of 2, 2, 2, 2 pages filling an 8-page cap; the victim is slot 1.
         let (arena, s) = packed(8, &[2, 2, 2, 2]);
         let uses = Uses(HashMap::from([(s[0], 5), (s[1], 1), (s[2], 3), (s[3], 9)]));
-        let plans = by_eviction(&arena, 3 * P, victims_again(&s), &uses, true);
+        let placements = by_eviction(&arena, 3 * P, victims_again(&s), &uses, true);
         // Around s[1]: its neighbours s[0] (used 5) and s[2] (used 3): s[2] goes.
         assert_eq!(
-            plans[0],
-            Plan {
+            placements[0],
+            Placement {
                 start: 2 * P,
                 evict: vec![s[1], s[2]],
                 grow: 0
             }
         );
-        assert!(plans.iter().all(|p| p.evict.len() == 2));
-        assert_eq!(plans.len(), 4, "every victim's plan is weighed");
+        assert!(placements.iter().all(|p| p.evict.len() == 2));
+        assert_eq!(placements.len(), 4, "every victim's placement is weighed");
         // A record that fits the oldest victim's extent evicts it alone, and no
-        // other plan is looked for.
-        let plans = by_eviction(&arena, 2 * P, victims_again(&s), &uses, true);
+        // other placement is looked for.
+        let placements = by_eviction(&arena, 2 * P, victims_again(&s), &uses, true);
         assert_eq!(
-            plans,
-            vec![Plan {
+            placements,
+            vec![Placement {
                 start: 2 * P,
                 evict: vec![s[1]],
                 grow: 0
@@ -273,28 +273,28 @@ mod tests {
         let (mut arena, s) = packed(10, &[2, 2, 2]);
         arena.release(s[0]);
         let uses = Uses(HashMap::from([(s[1], 1), (s[2], 2)]));
-        let plans = by_eviction(&arena, 4 * P, [s[1]].into_iter(), &uses, true);
+        let placements = by_eviction(&arena, 4 * P, [s[1]].into_iter(), &uses, true);
         assert_eq!(
-            plans,
-            vec![Plan {
+            placements,
+            vec![Placement {
                 start: 0,
                 evict: vec![s[1]],
                 grow: 0
             }]
         );
         // s[2] at the end: the carved part grows after it instead of evicting s[1].
-        let plans = by_eviction(&arena, 4 * P, [s[2]].into_iter(), &uses, true);
+        let placements = by_eviction(&arena, 4 * P, [s[2]].into_iter(), &uses, true);
         assert_eq!(
-            plans,
-            vec![Plan {
+            placements,
+            vec![Placement {
                 start: 4 * P,
                 evict: vec![s[2]],
                 grow: 2 * P
             }]
         );
-        let plans = by_eviction(&arena, 4 * P, [s[2]].into_iter(), &uses, false);
+        let placements = by_eviction(&arena, 4 * P, [s[2]].into_iter(), &uses, false);
         assert_eq!(
-            plans[0].evict,
+            placements[0].evict,
             vec![s[2], s[1]],
             "no growth: the neighbour goes"
         );
@@ -306,18 +306,19 @@ mod tests {
         // s[0] and s[2] pinned: around s[1] nothing can grow.
         let uses = Uses(HashMap::from([(s[1], 1)]));
         assert!(by_eviction(&arena, 3 * P, [s[1], s[0]].into_iter(), &uses, true).is_empty());
-        // The cheapest of several plans first: s[2] alone fits at the end with growth.
+        // The cheapest of several placements first: s[2] alone fits at the end with
+        // growth.
         let (arena, s) = packed(7, &[2, 2, 2]);
         let uses = Uses(HashMap::from([(s[0], 1), (s[1], 2), (s[2], 3)]));
-        let plans = by_eviction(&arena, 3 * P, s.clone().into_iter(), &uses, true);
+        let placements = by_eviction(&arena, 3 * P, s.clone().into_iter(), &uses, true);
         assert_eq!(
-            plans[0],
-            Plan {
+            placements[0],
+            Placement {
                 start: 4 * P,
                 evict: vec![s[2]],
                 grow: P
             }
         );
-        assert_eq!(plans.len(), 3);
+        assert_eq!(placements.len(), 3);
     }
 }

@@ -1,37 +1,38 @@
-//! The planned policy's bookkeeping: what each reader announced it will read, step
-//! by step, how far it has got, and which connections read for it. A training
-//! rank's order is a pure function of the seed, the epoch and the sampler's
-//! settings, so it can tell the cache its future; from these plans the store knows
-//! each record's next use and evicts the record needed last (Belady's rule) instead
-//! of the one used longest ago.
+//! The planned policy's bookkeeping: what each reader announced it will read, step by
+//! step, how far it has got, and which connections read for it. A training rank's
+//! order is a pure function of the seed, the epoch and the sampler's settings, so it
+//! can tell the cache its future; from these read orders the store knows each
+//! record's next use and evicts the record needed last (Belady's rule) instead of the
+//! one used longest ago.
 //!
-//! A plan belongs to the connection that announced it (a rank's loader) and goes
-//! with it: a rank that restarts, or a plan whose steps are all behind its reader,
-//! leaves its records unneeded, and the store evicts those by LRU as before. A
-//! use is past once the reader's progress (a word it writes into its own pin page,
-//! no message) is beyond its step, or once one of the plan's reader connections
-//! has read the record for it (so a record read early in the prefetch window is
-//! not kept until the step is consumed). Readers of different plans move in
+//! A read order belongs to the connection that announced it (a rank's loader) and
+//! goes with it: a rank that restarts, or a read order whose steps are all behind its
+//! reader, leaves its records unneeded, and the store evicts those by LRU as before.
+//! A use is past once the reader's progress (a word it writes into its own pin page,
+//! no message) is beyond its step, or once one of the read order's reader connections
+//! has read the record for it (so a record read early in the prefetch window is not
+//! kept until the step is consumed). Readers of different read orders move in
 //! lockstep (the ranks of one job meet at every all-reduce), so uses of different
-//! plans compare by how far ahead of their own reader's progress they lie.
+//! read orders compare by how far ahead of their own reader's progress they lie.
 //!
 //! The store learns of most reads late (clients record hits in their pin pages,
 //! read when a record needs room), when the reader's progress may have passed the
-//! read's step: a read uses up the plan's earliest use not used yet, past or not,
+//! read's step: a read uses up the read order's earliest use not used yet, past or not,
 //! and past uses are dropped only once they are [`GRACE`] steps behind.
 
 use std::collections::{HashMap, VecDeque};
 
 use super::super::ids::ClientId;
-use super::super::protocol::{PlanAnnouncement, RequestError};
+use super::super::protocol::{ReadOrderAnnouncement, RequestError};
 use super::super::table::MAX_KEY_BYTES;
 
-/// Most uses one plan may announce (two epochs of a million clips of 6 frames fit).
-pub const MAX_PLAN_USES: usize = 1 << 24;
-/// Most records one plan may name.
-pub const MAX_PLAN_KEYS: usize = 1 << 22;
-/// Most reader connections one plan may name.
-pub const MAX_PLAN_READERS: usize = 1024;
+/// Most uses one read order may announce (two epochs of a million clips of 6 frames
+/// fit).
+pub const MAX_ORDER_USES: usize = 1 << 24;
+/// Most records one read order may name.
+pub const MAX_ORDER_KEYS: usize = 1 << 22;
+/// Most reader connections one read order may name.
+pub const MAX_ORDER_READERS: usize = 1024;
 /// Steps a use stays after the reader's progress passed it, for a read the store
 /// learns of late to use it up (rather than a use to come).
 pub const GRACE: u64 = 4096;
@@ -39,13 +40,13 @@ pub const GRACE: u64 = 4096;
 /// Where a record stands for the planned policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Standing {
-    /// Some plan reads it `distance` steps ahead of that plan's reader (the nearest
-    /// such use over every plan).
+    /// Some read order reads it `distance` steps ahead of that read order's reader
+    /// (the nearest such use over every read order).
     Needed {
         /// Steps between the reader's progress and the use.
         distance: u64,
     },
-    /// No plan reads it again.
+    /// No read order reads it again.
     Unneeded,
 }
 
@@ -69,7 +70,7 @@ impl Standing {
         Standing::Needed { distance }.rank(0)
     }
 
-    /// Whether a record of this rank is needed by no plan.
+    /// Whether a record of this rank is needed by no read order.
     pub fn rank_is_unneeded(rank: u64) -> bool {
         rank < NEEDED
     }
@@ -84,7 +85,7 @@ struct Stream {
     now: u64,
     /// Pending uses per record, steps ascending.
     uses: HashMap<String, VecDeque<u64>>,
-    /// Connections that read for this plan.
+    /// Connections that read for this read order.
     readers: Vec<ClientId>,
     /// Uses still pending (some past ones are dropped only when looked at).
     pending: usize,
@@ -131,51 +132,51 @@ impl Stream {
 
 /// What the planned policy did, for the stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PlanCounters {
-    /// Plans announced.
+pub struct ReadOrderCounters {
+    /// Read orders announced.
     pub announced: u64,
     /// Prefetches given room.
     pub prefetched: u64,
     /// Prefetches declined (room only by evicting a record needed sooner).
     pub prefetch_declined: u64,
-    /// Reads of records no plan names that got no room (everything evictable was
-    /// needed by a plan): read without the cache.
-    pub unplanned_declined: u64,
+    /// Reads of records no read order names that got no room (everything evictable was
+    /// needed by a read order): read without the cache.
+    pub unannounced_declined: u64,
 }
 
-/// Every live plan.
+/// Every live read order.
 #[derive(Debug, Default)]
-pub struct Plans {
+pub struct ReadOrders {
     /// By the connection that announced it.
     streams: HashMap<ClientId, Stream>,
-    /// Reader connection -> the plan it reads for.
+    /// Reader connection -> the read order it reads for.
     reader_of: HashMap<ClientId, ClientId>,
-    counters: PlanCounters,
+    counters: ReadOrderCounters,
 }
 
-impl Plans {
-    /// No plan.
-    pub fn new() -> Plans {
-        Plans::default()
+impl ReadOrders {
+    /// No read order.
+    pub fn new() -> ReadOrders {
+        ReadOrders::default()
     }
 
-    /// Whether no plan is live (the store evicts by LRU alone then).
+    /// Whether no read order is live (the store evicts by LRU alone then).
     pub fn is_empty(&self) -> bool {
         self.streams.is_empty()
     }
 
-    /// Plans live now.
+    /// Read orders live now.
     pub fn len(&self) -> usize {
         self.streams.len()
     }
 
-    /// Uses still pending over every plan.
+    /// Uses still pending over every read order.
     pub fn pending_uses(&self) -> usize {
         self.streams.values().map(|s| s.pending).sum()
     }
 
     /// What the policy did so far.
-    pub fn counters(&self) -> PlanCounters {
+    pub fn counters(&self) -> ReadOrderCounters {
         self.counters
     }
 
@@ -187,28 +188,28 @@ impl Plans {
         }
     }
 
-    /// Counts a read of an unplanned record that got no room.
-    pub fn count_unplanned_declined(&mut self) {
-        self.counters.unplanned_declined += 1;
+    /// Counts a read of an unannounced record that got no room.
+    pub fn count_unannounced_declined(&mut self) {
+        self.counters.unannounced_declined += 1;
     }
 
-    /// Replaces `owner`'s plan by `plan`; `page` is `owner`'s pin page (its
-    /// progress). A plan beyond the limits, or naming keys it does not list, is
+    /// Replaces `owner`'s read order by `order`; `page` is `owner`'s pin page (its
+    /// progress). A read order beyond the limits, or naming keys it does not list, is
     /// refused and the old one stays.
     pub fn announce(
         &mut self,
         owner: ClientId,
         page: usize,
-        plan: PlanAnnouncement,
+        order: ReadOrderAnnouncement,
     ) -> Result<(), RequestError> {
-        check(&plan)?;
+        check(&order)?;
         self.forget(owner);
-        let PlanAnnouncement {
+        let ReadOrderAnnouncement {
             first_step,
             keys,
             steps,
             readers,
-        } = plan;
+        } = order;
         let mut uses: HashMap<String, VecDeque<u64>> = HashMap::with_capacity(keys.len());
         let mut pending = 0;
         for (i, step_keys) in steps.iter().enumerate() {
@@ -246,8 +247,9 @@ impl Plans {
         Ok(())
     }
 
-    /// Connection `client` ended: its plan goes (its records become unneeded unless
-    /// another plan reads them), and it reads for no plan any more.
+    /// Connection `client` ended: its read order goes (its records become unneeded
+    /// unless another read order reads them), and it reads for no read order any
+    /// more.
     pub fn forget(&mut self, client: ClientId) {
         if let Some(stream) = self.streams.remove(&client) {
             for reader in stream.readers {
@@ -270,8 +272,8 @@ impl Plans {
         }
     }
 
-    /// Connection `reader` read `key`'s record: if it reads for a plan, the
-    /// record's next use in that plan is used up.
+    /// Connection `reader` read `key`'s record: if it reads for a read order, the
+    /// record's next use in that read order is used up.
     pub fn read(&mut self, reader: ClientId, key: &str) {
         let Some(owner) = self.reader_of.get(&reader) else {
             return;
@@ -281,7 +283,7 @@ impl Plans {
         }
     }
 
-    /// `key`'s next use over every plan.
+    /// `key`'s next use over every read order.
     pub fn standing(&mut self, key: &str) -> Standing {
         let mut nearest = None;
         for stream in self.streams.values_mut() {
@@ -297,34 +299,37 @@ impl Plans {
     }
 }
 
-/// Refuses a plan beyond the limits or naming keys it does not list.
-fn check(plan: &PlanAnnouncement) -> Result<(), RequestError> {
-    let bad = |problem: String| Err(RequestError::BadPlan { problem });
-    if plan.keys.len() > MAX_PLAN_KEYS {
-        return bad(format!("{} keys, at most {MAX_PLAN_KEYS}", plan.keys.len()));
-    }
-    if plan.readers.len() > MAX_PLAN_READERS {
+/// Refuses a read order beyond the limits or naming keys it does not list.
+fn check(order: &ReadOrderAnnouncement) -> Result<(), RequestError> {
+    let bad = |problem: String| Err(RequestError::BadReadOrder { problem });
+    if order.keys.len() > MAX_ORDER_KEYS {
         return bad(format!(
-            "{} readers, at most {MAX_PLAN_READERS}",
-            plan.readers.len()
+            "{} keys, at most {MAX_ORDER_KEYS}",
+            order.keys.len()
         ));
     }
-    if let Some(key) = plan.keys.iter().find(|k| k.len() > MAX_KEY_BYTES) {
+    if order.readers.len() > MAX_ORDER_READERS {
+        return bad(format!(
+            "{} readers, at most {MAX_ORDER_READERS}",
+            order.readers.len()
+        ));
+    }
+    if let Some(key) = order.keys.iter().find(|k| k.len() > MAX_KEY_BYTES) {
         return bad(format!(
             "key {key:?} is {} bytes long; keys are at most {MAX_KEY_BYTES} bytes",
             key.len()
         ));
     }
-    let uses: usize = plan.steps.iter().map(Vec::len).sum();
-    if uses > MAX_PLAN_USES {
-        return bad(format!("{uses} uses, at most {MAX_PLAN_USES}"));
+    let uses: usize = order.steps.iter().map(Vec::len).sum();
+    if uses > MAX_ORDER_USES {
+        return bad(format!("{uses} uses, at most {MAX_ORDER_USES}"));
     }
-    let keys = plan.keys.len();
-    for (i, step) in plan.steps.iter().enumerate() {
+    let keys = order.keys.len();
+    for (i, step) in order.steps.iter().enumerate() {
         if let Some(&k) = step.iter().find(|&&k| k as usize >= keys) {
             return bad(format!(
                 "step {} names key {k} of a list of {keys}",
-                plan.first_step.saturating_add(i as u64)
+                order.first_step.saturating_add(i as u64)
             ));
         }
     }
@@ -335,13 +340,13 @@ fn check(plan: &PlanAnnouncement) -> Result<(), RequestError> {
 mod tests {
     use super::*;
 
-    fn plan(
+    fn order(
         first_step: u64,
         keys: &[&str],
         steps: &[&[u32]],
         readers: &[ClientId],
-    ) -> PlanAnnouncement {
-        PlanAnnouncement {
+    ) -> ReadOrderAnnouncement {
+        ReadOrderAnnouncement {
             first_step,
             keys: keys.iter().map(|k| k.to_string()).collect(),
             steps: steps.iter().map(|s| s.to_vec()).collect(),
@@ -350,49 +355,49 @@ mod tests {
     }
 
     #[test]
-    fn the_nearest_use_over_plans_counts_and_reads_use_up_the_earliest() {
-        let mut plans = Plans::new();
-        // Plan of connection 1 (page 0): a at 10 and 13, b at 11; connection 2's
+    fn the_nearest_use_over_orders_counts_and_reads_use_up_the_earliest() {
+        let mut orders = ReadOrders::new();
+        // Read order of connection 1 (page 0): a at 10 and 13, b at 11; connection 2's
         // (page 1): b at 100.
-        plans
-            .announce(1, 0, plan(10, &["a", "b"], &[&[0], &[1], &[], &[0]], &[5]))
+        orders
+            .announce(1, 0, order(10, &["a", "b"], &[&[0], &[1], &[], &[0]], &[5]))
             .unwrap();
-        plans
-            .announce(2, 1, plan(100, &["b"], &[&[0]], &[]))
+        orders
+            .announce(2, 1, order(100, &["b"], &[&[0]], &[]))
             .unwrap();
         let progress = |now: [u64; 2]| move |page: usize| now[page];
-        plans.refresh(progress([10, 99]));
-        assert_eq!(plans.standing("a"), Standing::Needed { distance: 0 });
-        assert_eq!(plans.standing("b"), Standing::Needed { distance: 1 });
-        assert_eq!(plans.standing("c"), Standing::Unneeded);
-        plans.refresh(progress([12, 99]));
-        assert_eq!(plans.standing("a"), Standing::Needed { distance: 1 });
+        orders.refresh(progress([10, 99]));
+        assert_eq!(orders.standing("a"), Standing::Needed { distance: 0 });
+        assert_eq!(orders.standing("b"), Standing::Needed { distance: 1 });
+        assert_eq!(orders.standing("c"), Standing::Unneeded);
+        orders.refresh(progress([12, 99]));
+        assert_eq!(orders.standing("a"), Standing::Needed { distance: 1 });
         assert_eq!(
-            plans.standing("b"),
+            orders.standing("b"),
             Standing::Needed { distance: 1 },
-            "plan 2's"
+            "order 2's"
         );
         // Reader 5's read of a at step 10, learnt only now: it uses up step 10's
         // use, not step 13's.
-        plans.read(5, "a");
-        assert_eq!(plans.standing("a"), Standing::Needed { distance: 1 });
-        plans.read(5, "a");
-        assert_eq!(plans.standing("a"), Standing::Unneeded);
-        // A read by a connection that reads for no plan changes nothing.
-        plans.read(9, "b");
-        assert_eq!(plans.standing("b"), Standing::Needed { distance: 1 });
-        plans.forget(2);
+        orders.read(5, "a");
+        assert_eq!(orders.standing("a"), Standing::Needed { distance: 1 });
+        orders.read(5, "a");
+        assert_eq!(orders.standing("a"), Standing::Unneeded);
+        // A read by a connection that reads for no read order changes nothing.
+        orders.read(9, "b");
+        assert_eq!(orders.standing("b"), Standing::Needed { distance: 1 });
+        orders.forget(2);
         assert_eq!(
-            plans.standing("b"),
+            orders.standing("b"),
             Standing::Unneeded,
-            "plan 1's use at 11 is past"
+            "order 1's use at 11 is past"
         );
-        assert_eq!(plans.len(), 1);
-        assert_eq!(plans.pending_uses(), 1, "b's past use, within the grace");
+        assert_eq!(orders.len(), 1);
+        assert_eq!(orders.pending_uses(), 1, "b's past use, within the grace");
         // Far past, it goes.
-        plans.refresh(progress([12 + GRACE, 0]));
-        assert_eq!(plans.standing("b"), Standing::Unneeded);
-        assert_eq!(plans.pending_uses(), 0);
+        orders.refresh(progress([12 + GRACE, 0]));
+        assert_eq!(orders.standing("b"), Standing::Unneeded);
+        assert_eq!(orders.pending_uses(), 0);
     }
 
     #[test]
@@ -407,11 +412,13 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_plan_is_refused_and_the_old_one_stays() {
-        let mut plans = Plans::new();
-        plans.announce(1, 0, plan(0, &["a"], &[&[0]], &[])).unwrap();
-        let err = plans
-            .announce(1, 0, plan(7, &["a"], &[&[0, 1]], &[]))
+    fn a_bad_read_order_is_refused_and_the_old_one_stays() {
+        let mut orders = ReadOrders::new();
+        orders
+            .announce(1, 0, order(0, &["a"], &[&[0]], &[]))
+            .unwrap();
+        let err = orders
+            .announce(1, 0, order(7, &["a"], &[&[0, 1]], &[]))
             .unwrap_err();
         assert!(
             err.to_string()
@@ -419,28 +426,28 @@ mod tests {
             "{err}"
         );
         let long = "k".repeat(MAX_KEY_BYTES + 1);
-        let err = plans
-            .announce(1, 0, plan(0, &[&long], &[&[0]], &[]))
+        let err = orders
+            .announce(1, 0, order(0, &[&long], &[&[0]], &[]))
             .unwrap_err();
         assert!(err.to_string().contains("at most"), "{err}");
-        assert_eq!(plans.standing("a"), Standing::Needed { distance: 0 });
+        assert_eq!(orders.standing("a"), Standing::Needed { distance: 0 });
     }
 
     #[test]
-    fn a_reader_moved_to_another_plan_reads_for_that_one() {
-        let mut plans = Plans::new();
-        plans
-            .announce(1, 0, plan(0, &["a"], &[&[0]], &[7]))
+    fn a_reader_moved_to_another_read_order_reads_for_that_one() {
+        let mut orders = ReadOrders::new();
+        orders
+            .announce(1, 0, order(0, &["a"], &[&[0]], &[7]))
             .unwrap();
-        plans
-            .announce(2, 1, plan(0, &["a"], &[&[], &[0]], &[7]))
+        orders
+            .announce(2, 1, order(0, &["a"], &[&[], &[0]], &[7]))
             .unwrap();
-        plans.read(7, "a");
-        // Plan 2's use went; plan 1's stays.
-        plans.forget(1);
-        assert_eq!(plans.standing("a"), Standing::Unneeded);
-        plans.forget(7);
-        plans.forget(2);
-        assert!(plans.is_empty());
+        orders.read(7, "a");
+        // Order 2's use went; order 1's stays.
+        orders.forget(1);
+        assert_eq!(orders.standing("a"), Standing::Unneeded);
+        orders.forget(7);
+        orders.forget(2);
+        assert!(orders.is_empty());
     }
 }

@@ -10,7 +10,7 @@ use crate::pipeline::loader::LoaderBudget;
 use crate::pipeline::sampler::Remainder;
 use crate::plan::{self, DatasetFacts, Machine};
 
-/// The node a rank runs on, as the loader plan needs it.
+/// The node a rank runs on, as the loader settings need it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeFacts {
     /// CPU cores of the node.
@@ -39,7 +39,7 @@ impl NodeFacts {
 
 /// The resolved loader settings of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoaderPlan {
+pub struct LoaderSettings {
     /// Loader threads of the node.
     pub node_workers: u32,
     /// `auto`'s count before the memory cap, when the cap lowered it.
@@ -50,10 +50,14 @@ pub struct LoaderPlan {
     pub remainder: Remainder,
 }
 
-impl LoaderPlan {
+impl LoaderSettings {
     /// Resolves the loader settings of `config` on `node`, with the sample shape of
     /// the training split `index` (its spike grid).
-    pub fn resolve(config: &Config, node: NodeFacts, index: Option<&DatasetIndex>) -> LoaderPlan {
+    pub fn resolve(
+        config: &Config,
+        node: NodeFacts,
+        index: Option<&DatasetIndex>,
+    ) -> LoaderSettings {
         let machine = Machine {
             ram_bytes: node.ram_bytes,
             cores: node.cores,
@@ -66,7 +70,7 @@ impl LoaderPlan {
         let (sample, _) = plan::sample_bytes(config, facts.as_ref());
         let workers = plan::node_workers(config, machine, sample);
         let per_rank = (workers.workers as usize / node.local_ranks.max(1)).max(1);
-        LoaderPlan {
+        LoaderSettings {
             node_workers: workers.workers,
             capped_from: workers.capped_from,
             budget: LoaderBudget::new(config, per_rank),
@@ -78,7 +82,7 @@ impl LoaderPlan {
         }
     }
 
-    /// Logs the plan once (rank 0), the memory cap as a warning.
+    /// Logs the settings once (rank 0), the memory cap as a warning.
     pub fn log(&self) {
         if let Some(from) = self.capped_from {
             tracing::warn!(
@@ -136,7 +140,7 @@ mod tests {
             "DATALOADER:\n  TOTAL_WORKERS: 12\n  TRAIN_PREFETCH_FACTOR: 3\n  \
              VAL_PREFETCH_FACTOR: 5\n  DROP_LAST: false\n",
         );
-        let p = LoaderPlan::resolve(&c, node, None);
+        let p = LoaderSettings::resolve(&c, node, None);
         assert_eq!((p.node_workers, p.budget.workers), (12, 3));
         assert_eq!(
             (p.budget.train_prefetch_factor, p.budget.val_prefetch_factor),
@@ -145,14 +149,14 @@ mod tests {
         assert!(!p.budget.drop_last);
         assert_eq!(p.remainder, Remainder::Pad);
         // auto: 80% of 40 cores = 32 over 4 ranks; DROP_LAST (default) drops.
-        let p = LoaderPlan::resolve(&config("{}"), node, None);
+        let p = LoaderSettings::resolve(&config("{}"), node, None);
         assert_eq!(
             (p.node_workers, p.budget.workers, p.capped_from),
             (32, 8, None)
         );
         assert_eq!(p.remainder, Remainder::Drop);
         // Fewer workers than ranks: still one each.
-        let p = LoaderPlan::resolve(&config("DATALOADER:\n  TOTAL_WORKERS: 2\n"), node, None);
+        let p = LoaderSettings::resolve(&config("DATALOADER:\n  TOTAL_WORKERS: 2\n"), node, None);
         assert_eq!(p.budget.workers, 1);
     }
 
@@ -171,14 +175,14 @@ mod tests {
             "DATA:\n  CACHE_SIZE_GB: 8\n  CLIP_LEN: 6\n  SPIKE_BINS: 8\n  CROP_SIZE: 256\n\
              TRAIN:\n  BATCH_SIZE: 1\n",
         );
-        let p = LoaderPlan::resolve(&c, node, None);
+        let p = LoaderSettings::resolve(&c, node, None);
         assert_eq!(p.capped_from, Some(51));
         assert_eq!(p.node_workers, 42);
         // A count is never changed.
         let c = c
             .with_overrides(&["DATALOADER.TOTAL_WORKERS=60".into()])
             .unwrap();
-        let p = LoaderPlan::resolve(&c, node, None);
+        let p = LoaderSettings::resolve(&c, node, None);
         assert_eq!((p.node_workers, p.capped_from), (60, None));
     }
 }
