@@ -3,7 +3,7 @@
 //! one-shot channel to connect to, a refusal (another user), or "busy" (too many
 //! handshakes in flight: try again shortly). Nothing is set up for a connection
 //! before its hello. Every frame on the socket is length-prefixed
-//! ([`write_frame`], [`read_frame`]).
+//! (`write_frame`, `read_frame`).
 
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;

@@ -20,7 +20,7 @@ pub const DEFAULT_RESERVE_HEADROOM: u64 = 512 << 20;
 /// How a server is set up.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Abstract socket name clients connect to (see [`default_address`](super::default_address)).
+    /// Abstract socket name clients connect to (see [`default_address`](super::super::default_address)).
     pub address: String,
     /// Byte cap: the size of the store. Its memory is reserved as slots are carved,
     /// never more than this.

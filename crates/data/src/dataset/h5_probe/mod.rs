@@ -2,7 +2,7 @@
 //! `.h5` file with libhdf5, a child process (`vrtspike h5-probe --serve`) opens it
 //! the way [`open`] does, reads its first and last frames and
 //! walks its chunk indexes. A child that dies (libhdf5 1.10.8 segfaults on some
-//! corrupt files), hangs past a timeout or reports an error gives a [`DataError`]
+//! corrupt files), hangs past a timeout or reports an error gives a [`DataError`](super::DataError)
 //! naming the file, and this process never touches that file with libhdf5.
 //!
 //! One child serves every probe of a process (one spawn, about a quarter second with
@@ -19,7 +19,7 @@
 //! SIGSYS, SIGTRAP). One killed from outside (the job's SIGTERM or SIGUSR2 while it
 //! loads its libraries, SIGKILL from the OOM killer) says nothing about the file:
 //! the file is probed again, up to [`PROBE_TRIES`] times, and then the check fails
-//! with [`DataError::Unjudged`], which `DATA.SKIP_BAD_FRAMES` never skips (one rank
+//! with [`DataError::Unjudged`](super::DataError::Unjudged), which `DATA.SKIP_BAD_FRAMES` never skips (one rank
 //! would then drop a healthy file the others keep). The child starts with the job's
 //! signals blocked across `exec`, as every child of the job does
 //! (`vrtspike_contract::signals`): it counts them from its first instruction, then

@@ -30,7 +30,7 @@ const MAX_PROBE_FRAME_BYTES: usize = 512 << 20;
 /// Chunks per dataset whose index entries the child reads at most.
 const MAX_PROBE_CHUNKS: usize = 1 << 20;
 
-/// What the child does for one file: everything [`open`] does with
+/// What the child does for one file: everything [`open`](super::open) does with
 /// libhdf5, the first and last frames, and every chunk index entry.
 pub fn probe_here(path: &Path) -> Result<()> {
     let session = H5Session::open_unprobed(path, PROBE_CHUNK_CACHE_MB)?;
@@ -164,7 +164,7 @@ fn message_of(err: DataError) -> String {
 }
 
 /// The child's loop (`vrtspike h5-probe --serve`): greets, then for each line of
-/// `input` (a hex-encoded path) writes one JSON [`Reply`] line; returns at the
+/// `input` (a hex-encoded path) writes one JSON reply line; returns at the
 /// end of `input` or when a read times out (idle).
 pub fn serve(input: impl BufRead, mut output: impl Write) -> std::io::Result<()> {
     writeln!(output, "{GREETING}")?;
