@@ -9,7 +9,9 @@
 use ipc_channel::ipc::IpcMessage;
 use proptest::prelude::*;
 
-use vrtspike::cache::protocol::{LeaseGrant, ReadOrderAnnouncement, Reply, Request, RequestError};
+use vrtspike::cache::protocol::{
+    LeaseGrant, ReadOrderAnnouncement, Reply, Request, RequestError, Welcome,
+};
 use vrtspike::cache::store::{GetOutcome, Store};
 
 use super::{accepted, bounded_by_input, check, largest_allocation, mutated, names};
@@ -59,7 +61,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Reply::NotCached,
         Reply::Done,
         Reply::Declined,
-        Reply::Welcome {
+        Reply::Welcome(Welcome {
             client: 1,
             store_id: 2,
             store_len: 3,
@@ -67,7 +69,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
             pin_page: 5,
             fill_wait_ms: 120_000,
             store_fd_follows: true,
-        },
+        }),
         Reply::Error(RequestError::StoreFull {
             key: key.clone(),
             len: 1,

@@ -154,29 +154,34 @@ pub struct LeaseGrant {
     pub len: u64,
 }
 
+/// The server's answer to `Hello`: the store to map (absent if the process maps it
+/// already) and this connection's place in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// This connection's id.
+    pub client: ClientId,
+    /// Id of the server's store (changes when a server restarts).
+    pub store_id: u64,
+    /// Bytes in the store's memfd: the record arena, then the metadata.
+    pub store_len: u64,
+    /// Bytes of the record arena (the cap); the metadata follows, page-aligned.
+    pub arena_bytes: u64,
+    /// This connection's page of pins in the store (the only part of it the
+    /// client maps writable, besides the record it fills).
+    pub pin_page: u32,
+    /// How long a get waits for another client's fill of the same key, in
+    /// milliseconds (the client waits that long for the answer, and more).
+    pub fill_wait_ms: u64,
+    /// Whether the store's memfd follows on the rendezvous socket (as
+    /// SCM_RIGHTS); not when the process maps the store already.
+    pub store_fd_follows: bool,
+}
+
 /// A reply from the server.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Reply {
-    /// Answer to `Hello`: the store to map (absent if the process maps it already).
-    Welcome {
-        /// This connection's id.
-        client: ClientId,
-        /// Id of the server's store (changes when a server restarts).
-        store_id: u64,
-        /// Bytes in the store's memfd: the record arena, then the metadata.
-        store_len: u64,
-        /// Bytes of the record arena (the cap); the metadata follows, page-aligned.
-        arena_bytes: u64,
-        /// This connection's page of pins in the store (the only part of it the
-        /// client maps writable, besides the record it fills).
-        pin_page: u32,
-        /// How long a get waits for another client's fill of the same key, in
-        /// milliseconds (the client waits that long for the answer, and more).
-        fill_wait_ms: u64,
-        /// Whether the store's memfd follows on the rendezvous socket (as
-        /// SCM_RIGHTS); not when the process maps the store already.
-        store_fd_follows: bool,
-    },
+    /// Answer to `Hello`.
+    Welcome(Welcome),
     /// The record is cached and now pinned for this client.
     Hit(LeaseGrant),
     /// The record was being filled by another client when asked for; this client

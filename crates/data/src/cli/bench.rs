@@ -79,7 +79,6 @@ pub struct CacheBenchArgs {
     crop_reads: usize,
 }
 
-/// Runs a benchmark subcommand.
 /// Runs a benchmark subcommand; `place` says where.
 pub fn run(command: BenchCommand, place: Where) -> Result<()> {
     if place == Where::WithoutLibtorch {

@@ -239,15 +239,14 @@ pub struct StatsArgs {
     watch: Option<f64>,
 }
 
-/// Runs a cache subcommand; `place` says where `serve` runs the server.
+/// Runs a cache subcommand; `place` says where `serve` and `attach` run.
 pub fn run(command: CacheCommand, place: Where) -> Result<()> {
+    let holds = matches!(command, CacheCommand::Serve(_) | CacheCommand::Attach(_));
+    if holds && place == Where::WithoutLibtorch {
+        hand_over();
+    }
     match command {
-        CacheCommand::Serve(args) => {
-            if place == Where::WithoutLibtorch {
-                hand_over();
-            }
-            serve(args)
-        }
+        CacheCommand::Serve(args) => serve(args),
         CacheCommand::Stats(args) => stats(args),
         CacheCommand::Shutdown(args) => {
             let (address, client) = args.connect("vrtspike cache shutdown")?;
@@ -256,12 +255,7 @@ pub fn run(command: CacheCommand, place: Where) -> Result<()> {
             Ok(())
         }
         CacheCommand::Pin(args) => pin(args),
-        CacheCommand::Attach(args) => {
-            if place == Where::WithoutLibtorch {
-                hand_over();
-            }
-            attach(args)
-        }
+        CacheCommand::Attach(args) => attach(args),
     }
 }
 

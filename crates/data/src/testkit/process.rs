@@ -18,20 +18,6 @@ impl Drop for ChildGuard {
     }
 }
 
-/// Waits until a server accepts connections at `address`.
-pub fn wait_for_server(address: &str, timeout: Duration) -> Result<CacheClient, CacheError> {
-    let started = Instant::now();
-    loop {
-        match CacheClient::connect(address, "testkit") {
-            Ok(client) => return Ok(client),
-            Err(CacheError::Connect { .. }) if started.elapsed() < timeout => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// A cache server that could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerStartError {

@@ -13,7 +13,7 @@ use ipc_channel::ipc::{self, IpcSender};
 
 use super::super::admission::peer_of;
 use super::super::fdpass;
-use super::super::protocol::{ClientId, Reply, Request};
+use super::super::protocol::{Reply, Request, Welcome};
 use super::super::rendezvous::{self, Greeting};
 use super::super::rendezvous::{read_frame, socket_addr};
 use super::super::shm::{self, Mapping, StoreFd};
@@ -149,8 +149,8 @@ impl CacheClient {
             .map_err(|e| handshake_err(e.to_string()))?;
         let welcome = recv_within(&replies, options.handshake_timeout)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let welcome = Welcome::from_reply(welcome).map_err(handshake_err)?;
-        let mapping = welcome.map(address, &stream).map_err(|e| match e {
+        let welcome = welcome_of(welcome).map_err(handshake_err)?;
+        let mapping = map_store(&welcome, address, &stream).map_err(|e| match e {
             MapError::Handshake(message) => handshake_err(message),
             MapError::Cache(e) => e,
         })?;
@@ -181,18 +181,6 @@ impl CacheClient {
     }
 }
 
-/// The server's welcome, taken apart.
-#[derive(Debug, Clone, Copy)]
-struct Welcome {
-    client: ClientId,
-    store_id: u64,
-    store_len: u64,
-    arena_bytes: u64,
-    pin_page: u32,
-    fill_wait_ms: u64,
-    store_fd_follows: bool,
-}
-
 /// A failure to map the store: of the handshake, or of the cache itself.
 enum MapError {
     Handshake(String),
@@ -205,51 +193,38 @@ impl From<CacheError> for MapError {
     }
 }
 
-impl Welcome {
-    fn from_reply(reply: Reply) -> Result<Welcome, String> {
-        match reply {
-            Reply::Welcome {
-                client,
-                store_id,
-                store_len,
-                arena_bytes,
-                pin_page,
-                fill_wait_ms,
-                store_fd_follows,
-            } => Ok(Welcome {
-                client,
-                store_id,
-                store_len,
-                arena_bytes,
-                pin_page,
-                fill_wait_ms,
-                store_fd_follows,
-            }),
-            Reply::Error(error) => Err(error.to_string()),
-            other => Err(format!("expected welcome, got {other:?}")),
-        }
+/// The welcome in `reply`, or why there is none.
+fn welcome_of(reply: Reply) -> Result<Welcome, String> {
+    match reply {
+        Reply::Welcome(welcome) => Ok(welcome),
+        Reply::Error(error) => Err(error.to_string()),
+        other => Err(format!("expected welcome, got {other:?}")),
     }
+}
 
-    /// This process's mapping of the store: the one it has, or a new one of the
-    /// memfd that follows on `stream`; checked against the announced sizes.
-    fn map(&self, address: &str, stream: &UnixStream) -> Result<Arc<Mapping>, MapError> {
-        let store = match self.store_fd_follows {
-            true => Some(StoreFd {
-                fd: fdpass::recv_fd(stream)
-                    .map_err(|e| MapError::Handshake(format!("receiving the store: {e}")))?,
-                len: self.store_len,
-            }),
-            false => None,
-        };
-        let mapping = shm::adopt(address, self.store_id, store)?;
-        if mapping.len() as u64 != self.store_len || self.arena_bytes > self.store_len {
-            return Err(MapError::Handshake(format!(
-                "store of {} bytes (arena {}) mapped as {} bytes",
-                self.store_len,
-                self.arena_bytes,
-                mapping.len()
-            )));
-        }
-        Ok(mapping)
+/// This process's mapping of the store `welcome` names: the one it has, or a new
+/// one of the memfd that follows on `stream`; checked against the announced sizes.
+fn map_store(
+    welcome: &Welcome,
+    address: &str,
+    stream: &UnixStream,
+) -> Result<Arc<Mapping>, MapError> {
+    let store = match welcome.store_fd_follows {
+        true => Some(StoreFd {
+            fd: fdpass::recv_fd(stream)
+                .map_err(|e| MapError::Handshake(format!("receiving the store: {e}")))?,
+            len: welcome.store_len,
+        }),
+        false => None,
+    };
+    let mapping = shm::adopt(address, welcome.store_id, store)?;
+    if mapping.len() as u64 != welcome.store_len || welcome.arena_bytes > welcome.store_len {
+        return Err(MapError::Handshake(format!(
+            "store of {} bytes (arena {}) mapped as {} bytes",
+            welcome.store_len,
+            welcome.arena_bytes,
+            mapping.len()
+        )));
     }
+    Ok(mapping)
 }

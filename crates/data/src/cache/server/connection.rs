@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 use super::super::admission::HandshakeSlot;
 use super::super::fdpass;
 use super::super::handshake_dir;
-use super::super::protocol::{ClientId, Reply, Request};
+use super::super::protocol::{ClientId, Reply, Request, Welcome};
 use super::super::rendezvous::{self, write_frame, Greeting};
 use super::super::store::ClientLabel;
 use super::requests::handle;
@@ -138,7 +138,7 @@ fn handshake(
         }
     };
     let store_fd_follows = mapped_store != Some(shared.store_id);
-    let welcome = Reply::Welcome {
+    let welcome = Reply::Welcome(Welcome {
         client,
         store_id: shared.store_id,
         store_len: shared.segment.len(),
@@ -147,7 +147,7 @@ fn handshake(
         fill_wait_ms: u64::try_from(shared.config.fill_wait_timeout.as_millis())
             .unwrap_or(u64::MAX),
         store_fd_follows,
-    };
+    });
     let sent = reply.send(welcome).map_err(|e| format!("welcome: {e:?}"));
     let sent = sent.and_then(|()| match store_fd_follows {
         true => fdpass::send_fd(stream, shared.segment.fd())

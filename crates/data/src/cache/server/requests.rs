@@ -151,9 +151,13 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
-    fn bound(name: &str) -> Server {
+    /// A bound server, its shared state and a connection to its store.
+    fn connected(name: &str) -> (Server, Arc<Shared>, ClientId) {
         let address = format!("vrtspike-test-{name}-{}", std::process::id());
-        Server::bind(ServerConfig::new(address, 1 << 20)).unwrap()
+        let server = Server::bind(ServerConfig::new(address, 1 << 20)).unwrap();
+        let shared = Arc::clone(&server.shared);
+        let client = shared.store().unwrap().connect("t".into(), 1).unwrap().0;
+        (server, shared, client)
     }
 
     fn refused_as_poisoned(reply: Reply) -> String {
@@ -165,9 +169,7 @@ mod tests {
 
     #[test]
     fn a_panic_in_a_request_poisons_the_store_and_stops_the_server() {
-        let server = bound("panic");
-        let shared = Arc::clone(&server.shared);
-        let client = shared.store().unwrap().connect("t".into(), 1).unwrap().0;
+        let (server, shared, client) = connected("panic");
         assert!(matches!(
             handle(&shared, client, Request::Stats),
             Reply::Stats(_)
@@ -192,9 +194,7 @@ mod tests {
 
     #[test]
     fn a_store_lock_poisoned_elsewhere_is_refused_too() {
-        let server = bound("lock");
-        let shared = Arc::clone(&server.shared);
-        let client = shared.store().unwrap().connect("t".into(), 1).unwrap().0;
+        let (_server, shared, client) = connected("lock");
         let poisoner = std::thread::spawn({
             let shared = Arc::clone(&shared);
             move || {

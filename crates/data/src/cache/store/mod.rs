@@ -352,22 +352,47 @@ impl Store {
                 problem: "a slot is reserved already".into(),
             });
         }
+        let extent = self.extent_of(&key, len)?;
+        let incoming = self.demand(&key);
+        let offset = self.place_fill(ticket, &key, len, extent, incoming)?;
+        Ok((offset, len))
+    }
+
+    /// The extent a record of `len` bytes takes; an empty record, or one larger than
+    /// the cap, is refused.
+    fn extent_of(&self, key: &str, len: u64) -> Result<u64, RequestError> {
         if len == 0 {
-            return Err(RequestError::EmptyRecord { key });
+            return Err(RequestError::EmptyRecord {
+                key: key.to_string(),
+            });
         }
         let cap = self.arena.cap();
-        let Some(extent) = extent_for(len).filter(|&e| e <= cap) else {
-            return Err(RequestError::RecordTooLarge { key, len, cap });
+        let too_large = || RequestError::RecordTooLarge {
+            key: key.to_string(),
+            len,
+            cap,
         };
-        let incoming = self.demand(&key);
-        let (slot, placed) = self.make_room(&key, len, extent, incoming)?;
+        extent_for(len).filter(|&e| e <= cap).ok_or_else(too_large)
+    }
+
+    /// Makes room (as `incoming` may) for `ticket`'s record of `len` bytes in an
+    /// extent of `extent` and marks it filling; returns its offset.
+    fn place_fill(
+        &mut self,
+        ticket: TicketId,
+        key: &str,
+        len: u64,
+        extent: u64,
+        incoming: Incoming,
+    ) -> Result<u64, RequestError> {
+        let (slot, placed) = self.make_room(key, len, extent, incoming)?;
         let state = table::SlotState {
             generation: placed.generation,
             code: SlotCode::Filling,
         };
         self.table.set_state(slot, state);
         self.fills.set_slot(ticket, slot);
-        Ok((placed.offset, len))
+        Ok(placed.offset)
     }
 
     /// Room for a record of `len` bytes in `extent` bytes, evicting only what

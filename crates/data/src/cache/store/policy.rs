@@ -11,8 +11,6 @@
 
 use super::super::ids::{ClientId, TicketId};
 use super::super::protocol::{ReadOrderAnnouncement, RequestError};
-use super::super::stats::ReadOrderStats;
-use super::super::table::{self, extent_for, SlotCode};
 use super::arena::{SlotIdx, SlotUse};
 use super::read_order::Standing;
 use super::{check_key, Store};
@@ -117,19 +115,7 @@ impl Store {
         if self.index.get(key).is_some() || self.fills.is_filling(key) {
             return Ok(PrefetchOutcome::Present);
         }
-        if len == 0 {
-            return Err(RequestError::EmptyRecord {
-                key: key.to_string(),
-            });
-        }
-        let cap = self.arena.cap();
-        let Some(extent) = extent_for(len).filter(|&e| e <= cap) else {
-            return Err(RequestError::RecordTooLarge {
-                key: key.to_string(),
-                len,
-                cap,
-            });
-        };
+        let extent = self.extent_of(key, len)?;
         self.learn_reads();
         self.refresh_read_orders();
         let Standing::Needed { distance } = self.read_orders.standing(key) else {
@@ -139,18 +125,12 @@ impl Store {
         let ticket = self.next_id;
         self.fills.start(ticket, key, client)?;
         self.next_id += 1;
-        match self.make_room(key, len, extent, Incoming::Ahead { distance }) {
-            Ok((slot, placed)) => {
-                let state = table::SlotState {
-                    generation: placed.generation,
-                    code: SlotCode::Filling,
-                };
-                self.table.set_state(slot, state);
-                self.fills.set_slot(ticket, slot);
+        match self.place_fill(ticket, key, len, extent, Incoming::Ahead { distance }) {
+            Ok(offset) => {
                 self.read_orders.count_prefetch(true);
                 Ok(PrefetchOutcome::Reserved {
                     ticket,
-                    offset: placed.offset,
+                    offset,
                     len,
                 })
             }
@@ -177,19 +157,6 @@ impl Store {
         match self.read_orders.standing(key) {
             Standing::Needed { .. } => Incoming::Demand,
             Standing::Unneeded => Incoming::Unannounced,
-        }
-    }
-
-    /// The planned policy's figures.
-    pub(super) fn read_order_stats(&self) -> ReadOrderStats {
-        let c = self.read_orders.counters();
-        ReadOrderStats {
-            live: self.read_orders.len(),
-            pending_uses: self.read_orders.pending_uses(),
-            announced: c.announced,
-            prefetched: c.prefetched,
-            prefetch_declined: c.prefetch_declined,
-            unannounced_declined: c.unannounced_declined,
         }
     }
 

@@ -24,6 +24,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::super::ids::ClientId;
 use super::super::protocol::{ReadOrderAnnouncement, RequestError};
+use super::super::stats::ReadOrderStats;
 use super::super::table::MAX_KEY_BYTES;
 
 /// Most uses one read order may announce (two epochs of a million clips of 6 frames
@@ -130,20 +131,6 @@ impl Stream {
     }
 }
 
-/// What the planned policy did, for the stats.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ReadOrderCounters {
-    /// Read orders announced.
-    pub announced: u64,
-    /// Prefetches given room.
-    pub prefetched: u64,
-    /// Prefetches declined (room only by evicting a record needed sooner).
-    pub prefetch_declined: u64,
-    /// Reads of records no read order names that got no room (everything evictable was
-    /// needed by a read order): read without the cache.
-    pub unannounced_declined: u64,
-}
-
 /// Every live read order.
 #[derive(Debug, Default)]
 pub struct ReadOrders {
@@ -151,7 +138,8 @@ pub struct ReadOrders {
     streams: HashMap<ClientId, Stream>,
     /// Reader connection -> the read order it reads for.
     reader_of: HashMap<ClientId, ClientId>,
-    counters: ReadOrderCounters,
+    /// What the planned policy did (its `live` and `pending_uses` unused).
+    counters: ReadOrderStats,
 }
 
 impl ReadOrders {
@@ -175,9 +163,14 @@ impl ReadOrders {
         self.streams.values().map(|s| s.pending).sum()
     }
 
-    /// What the policy did so far.
-    pub fn counters(&self) -> ReadOrderCounters {
-        self.counters
+    /// The planned policy's figures: what it did so far, and the read orders live
+    /// now.
+    pub fn stats(&self) -> ReadOrderStats {
+        ReadOrderStats {
+            live: self.len(),
+            pending_uses: self.pending_uses(),
+            ..self.counters
+        }
     }
 
     /// Counts a prefetch given room (`true`) or declined.

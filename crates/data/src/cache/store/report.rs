@@ -73,7 +73,7 @@ impl Store {
             totals,
             hit_rate: totals.hit_rate(),
             fill_latency_ms: self.stats.fill_latency(),
-            read_orders: self.read_order_stats(),
+            read_orders: self.read_orders.stats(),
             clients,
             jobs,
         }

@@ -165,3 +165,13 @@ fn unavailable(why: &str) -> ProbeMode {
         "no HDF5 probe executable ({why}); set {ENV_EXECUTABLE} to a vrtspike binary, or to `off` to open HDF5 files in-process (a corrupt file may then crash this process)"
     ))
 }
+
+/// The two files the tests probe, in `dir`: `good.h5` and `crashes.h5` (which the
+/// fake probes crash on); neither is HDF5.
+#[cfg(test)]
+fn files(dir: &Path) -> (PathBuf, PathBuf) {
+    let (good, bad) = (dir.join("good.h5"), dir.join("crashes.h5"));
+    std::fs::write(&good, b"good").unwrap();
+    std::fs::write(&bad, b"bad").unwrap();
+    (good, bad)
+}

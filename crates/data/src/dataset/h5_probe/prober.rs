@@ -196,7 +196,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::super::wire::hex;
-    use super::super::{unavailable, ENV_EXECUTABLE, ENV_TIMEOUT, GREETING};
+    use super::super::{files, unavailable, ENV_EXECUTABLE, ENV_TIMEOUT, GREETING};
     use super::*;
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::PermissionsExt;
@@ -228,13 +228,6 @@ mod tests {
             .lines()
             .filter(|l| *l == wanted)
             .count()
-    }
-
-    fn files(dir: &Path) -> (PathBuf, PathBuf) {
-        let (good, bad) = (dir.join("good.h5"), dir.join("crashes.h5"));
-        std::fs::write(&good, b"good").unwrap();
-        std::fs::write(&bad, b"bad").unwrap();
-        (good, bad)
     }
 
     #[test]

@@ -204,6 +204,7 @@ pub fn serve_stdio() -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::files;
     use super::super::wire::hex;
     use super::*;
     use std::os::unix::ffi::OsStrExt;
@@ -211,8 +212,7 @@ mod tests {
     #[test]
     fn serve_answers_each_request_with_a_verdict() {
         let dir = tempfile::tempdir().unwrap();
-        let good = dir.path().join("good.h5");
-        std::fs::write(&good, b"good").unwrap();
+        let (good, _) = files(dir.path());
         let input = format!("{}\nzz\n", hex(good.as_os_str().as_bytes()));
         let mut output = Vec::new();
         serve(input.as_bytes(), &mut output).unwrap();
