@@ -163,6 +163,17 @@ impl Job {
     }
 }
 
+/// `name` on PATH or in the sbin folders (daemons and `ip` live there).
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/bin"])
+        .map(|dir| Path::new(dir).join(name))
+        .find(|candidate| candidate.is_file());
+    found
+}
+
 /// Reads and parses a JSON file.
 pub fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -442,6 +453,7 @@ pub fn trained_a_step(run_dir: &Path) -> bool {
 }
 
 /// What the tiny U-Net training runs of the end-to-end tests differ in.
+#[derive(Debug, Clone, Copy)]
 pub struct TinyTrain {
     /// `TRAIN.TOTAL_STEPS`.
     pub total_steps: u64,
