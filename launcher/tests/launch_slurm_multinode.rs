@@ -80,24 +80,12 @@ fn cluster(slurmd_timeout_s: u64) -> ClusterShape {
 
 #[test]
 fn sbatch_template_on_a_real_three_node_slurm() {
-    let test = "launch_slurm_multinode";
-    let started = Instant::now();
-    let Some(bench) = Bench::set_up(test, cluster(DEFAULT_SLURMD_TIMEOUT_S), JOB) else {
-        return;
-    };
-    println!(
-        "{test}: three-node SLURM up in {:.1} s (cred_expire={} s, sched_interval={} s)",
-        started.elapsed().as_secs_f64(),
-        slurm_cluster::CRED_EXPIRE_S,
-        slurm_cluster::SCHED_INTERVAL_S
+    slurm_bench::run_suite(
+        "launch_slurm_multinode",
+        cluster(DEFAULT_SLURMD_TIMEOUT_S),
+        JOB,
+        &[Stop::Completes, Stop::Usr2ToEvery],
     );
-    let failed = slurm_bench::run_cases(test, &bench, &[Stop::Completes, Stop::Usr2ToEvery]);
-    drop(bench);
-    println!(
-        "{test}: all cases in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
-    assert!(failed.is_empty(), "failed cases: {failed:?}");
 }
 
 /// A node of a running job, lost: its link cut, then every process of its host
@@ -414,6 +402,8 @@ fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
         context()
     );
     let summary = bench.summary(job);
+    let attempts = summary["attempts"].as_array().map_or(0, Vec::len);
+    assert_eq!(attempts, 1, "no restart without node 1: {summary}");
     let failure = &summary["attempts"][0]["failure"];
     assert_eq!(failure["process"], "node 1", "{summary}\n{}", context());
     assert!(
@@ -437,16 +427,12 @@ fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
             .job(job)
             .is_some_and(|j| is_final_state(j.state()))
     });
-    let info = bench.info(job);
-    assert_eq!(info.state(), "COMPLETED", "{}", context());
+    let summary = bench.check_job_completed(job, 1, LOSS_TOTAL);
+    let hosts = bench.hosts_of(job);
     assert!(
-        !bench.hosts_of(job).contains(&loss.host),
-        "ran on the lost node again: {}",
-        info.brief()
+        !hosts.contains(&loss.host),
+        "ran on the lost node again: {hosts:?}"
     );
-    let summary = bench.summary(job);
-    assert_eq!(summary["exit"], "completed", "{summary}");
-    assert_eq!(summary["steps"], LOSS_TOTAL, "{summary}");
     assert_eq!(
         summary["attempts"][0]["resumed_from"],
         step_dir_name(loss.checkpoint),
@@ -485,13 +471,7 @@ fn a_lost_node_under_min_nodes_1_trains_on_to_completion_on_the_other() {
         "{}",
         context()
     );
-    bench.wait_gone(job);
-    let info = bench.info(job);
-    assert_eq!(info.state(), "COMPLETED", "{}", context());
-    assert_eq!(info.restarts(), 0, "{}", context());
-    let summary = bench.summary(job);
-    assert_eq!(summary["exit"], "completed", "{summary}\n{}", context());
-    assert_eq!(summary["steps"], LOSS_TOTAL, "{summary}");
+    let summary = bench.check_job_completed(job, 0, LOSS_TOTAL);
     let attempts = summary["attempts"].as_array().cloned().unwrap_or_default();
     assert_eq!(attempts.len(), 2, "{summary}");
     assert_eq!(attempts[0]["failure"]["process"], "node 1", "{summary}");

@@ -31,9 +31,7 @@ mod slurm_cluster;
 #[path = "common/vhosts.rs"]
 mod vhosts;
 
-use std::time::Instant;
-
-use slurm_bench::{Bench, ClusterShape, JobShape, Stop};
+use slurm_bench::{ClusterShape, JobShape, Stop};
 
 const CASES: [Stop; 7] = [
     Stop::Completes,
@@ -47,25 +45,9 @@ const CASES: [Stop; 7] = [
 
 #[test]
 fn sbatch_template_under_a_real_one_node_slurm() {
-    let started = Instant::now();
     let job = JobShape {
         nodes: 1,
         ranks_per_node: 2,
     };
-    let Some(bench) = Bench::set_up("launch_slurm_real", ClusterShape::OneNode, job) else {
-        return;
-    };
-    println!(
-        "launch_slurm_real: one-node SLURM up in {:.1} s (cred_expire={} s, sched_interval={} s)",
-        started.elapsed().as_secs_f64(),
-        slurm_cluster::CRED_EXPIRE_S,
-        slurm_cluster::SCHED_INTERVAL_S
-    );
-    let failed = slurm_bench::run_cases("launch_slurm_real", &bench, &CASES);
-    drop(bench);
-    println!(
-        "launch_slurm_real: all cases in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
-    assert!(failed.is_empty(), "failed cases: {failed:?}");
+    slurm_bench::run_suite("launch_slurm_real", ClusterShape::OneNode, job, &CASES);
 }

@@ -24,7 +24,7 @@ use vrtspike_contract::hostlist;
 use vrtspike_contract::rundir::RunLayout;
 
 use crate::common::{
-    alive, cmdline, launcher, read_json, synth_tiny, trained_a_step, vrtspike, wait_until,
+    alive, cmdline, launcher, read_json, synth, synth_tiny, trained_a_step, vrtspike, wait_until,
     write_tiny_config, TinyTrain,
 };
 use crate::slurm_cluster::{self, processes_under, JobInfo, MultiNode, NodeView, SlurmCluster};
@@ -292,14 +292,7 @@ impl Bench {
             .args(&submission.sbatch_args)
             .arg("launcher/slurm/vrtspike.sbatch")
             .args(&submission.script_args);
-        let output = command.output().unwrap_or_else(|e| panic!("sbatch: {e}"));
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success(),
-            "sbatch: {}\n{stdout}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let stdout = slurm_cluster::stdout_of(command, "sbatch");
         stdout
             .trim()
             .split(';')
@@ -445,18 +438,27 @@ impl Bench {
         });
     }
 
-    fn check_completed(&self, job: u32, stop: Stop) {
+    /// Waits until the job has left the queue, and checks that it COMPLETED
+    /// (exit 0) after `restarts` requeues, and node 0's summary says it completed
+    /// all `steps`; the summary.
+    pub fn check_job_completed(&self, job: u32, restarts: u32, steps: u64) -> Value {
         self.wait_gone(job);
         let info = self.info(job);
-        let output = self.output(job);
         let context = || self.failure(job, "");
         assert_eq!(info.state(), "COMPLETED", "{}", context());
-        assert_eq!(info.restarts(), 0, "{}", context());
+        assert_eq!(info.restarts(), restarts, "{}", context());
         assert_eq!(info.get("ExitCode"), "0:0", "{}", context());
         let summary = self.summary(job);
         assert_eq!(summary["exit"], "completed", "{summary}\n{}", context());
         assert_eq!(summary["status"], "completed", "{summary}");
-        assert_eq!(summary["steps"], stop.steps(), "{summary}");
+        assert_eq!(summary["steps"], steps, "{summary}");
+        summary
+    }
+
+    fn check_completed(&self, job: u32, stop: Stop) {
+        let summary = self.check_job_completed(job, 0, stop.steps());
+        let output = self.output(job);
+        let context = || self.failure(job, "");
         assert_eq!(
             summary["world_size"],
             self.job.nodes * self.job.ranks_per_node,
@@ -592,15 +594,7 @@ impl Bench {
             self.slurm.queue_state(job) != "PENDING"
         });
         figures.requeue_to_running_s = Some(resumed.duration_since(requeued).as_secs_f64());
-        self.wait_gone(job);
-        let info = self.info(job);
-        assert_eq!(info.state(), "COMPLETED", "{}", context());
-        assert_eq!(info.restarts(), 1, "{}", context());
-        assert_eq!(info.get("ExitCode"), "0:0", "{}", context());
-        let summary = self.summary(job);
-        assert_eq!(summary["exit"], "completed", "{summary}\n{}", context());
-        assert_eq!(summary["status"], "completed", "{summary}");
-        assert_eq!(summary["steps"], steps + RESUME_STEPS, "{summary}");
+        let summary = self.check_job_completed(job, 1, steps + RESUME_STEPS);
         assert_eq!(
             summary["attempts"][0]["resumed_from"],
             checkpoint.name(),
@@ -718,6 +712,28 @@ impl Bench {
     }
 }
 
+/// A whole SLURM test: the cluster up (or the skip), then each case, their
+/// figures printed; fails naming the cases that failed.
+pub fn run_suite(test: &str, cluster: ClusterShape, job: JobShape, cases: &[Stop]) {
+    let started = Instant::now();
+    let Some(bench) = Bench::set_up(test, cluster, job) else {
+        return;
+    };
+    println!(
+        "{test}: SLURM up in {:.1} s ({cluster:?}; cred_expire={} s, sched_interval={} s)",
+        started.elapsed().as_secs_f64(),
+        slurm_cluster::CRED_EXPIRE_S,
+        slurm_cluster::SCHED_INTERVAL_S
+    );
+    let failed = run_cases(test, &bench, cases);
+    drop(bench);
+    println!(
+        "{test}: all cases in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(failed.is_empty(), "failed cases: {failed:?}");
+}
+
 /// Runs each case on `bench`, printing its figures (or that it failed: its panic
 /// is printed above, and what it left is cleared before the next case); the cases
 /// that failed.
@@ -784,19 +800,22 @@ fn fresh_clone(dest: &Path) {
 /// A dataset whose validation frames are large enough for a validation of ~2 s.
 fn synth_validation(dir: &Path) -> PathBuf {
     let data = dir.join("data-val");
-    let output = Command::new(vrtspike())
-        .arg("synth")
-        .arg("--out")
-        .arg(&data)
-        .args(["--seqs", "1", "--test-seqs", "1", "--frames", "8"])
-        .args(["--height", "192", "--width", "256", "--seed", "9"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("vrtspike synth: {e}"));
-    assert!(
-        output.status.success(),
-        "synth: {}",
-        String::from_utf8_lossy(&output.stderr)
+    synth(
+        &data,
+        &[
+            "--seqs",
+            "1",
+            "--test-seqs",
+            "1",
+            "--frames",
+            "8",
+            "--height",
+            "192",
+            "--width",
+            "256",
+            "--seed",
+            "9",
+        ],
     );
     data
 }

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::common::{alive, cmdline, find_program, free_port, signal, wait_until};
+use crate::common::{alive, cmdline, find_program, free_port, missing, signal, wait_until};
 use crate::vhosts::{self, Host, VirtualHosts};
 
 /// The one-node cluster's node (and `MASTER_ADDR` of its jobs).
@@ -67,21 +67,11 @@ const PROGRAMS: [&str; 9] = [
 
 /// Why a real SLURM cannot run here, if it cannot.
 pub fn unavailable() -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("it needs root (slurmd starts the jobs as their user)".into());
-    }
-    let missing: Vec<&str> = PROGRAMS
-        .iter()
-        .copied()
-        .filter(|p| find_program(p).is_none())
-        .collect();
-    (!missing.is_empty()).then(|| {
-        format!(
-            "{} not found (Debian packages slurm-wlm and munge)",
-            missing.join(", ")
-        )
-    })
+    missing(
+        "slurmd starts the jobs as their user",
+        &PROGRAMS,
+        "slurm-wlm and munge",
+    )
 }
 
 /// Why a real SLURM on virtual hosts cannot run here, if it cannot.
@@ -301,19 +291,9 @@ impl SlurmCluster {
     /// Runs a client command to its end; its standard output, or a panic with
     /// what it said.
     pub fn run(&self, program: &str, args: &[&str]) -> String {
-        let output = self
-            .command(program)
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("{program}: {e}"));
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(
-            output.status.success(),
-            "{program} {args:?}: {}\n{stdout}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        stdout
+        let mut command = self.command(program);
+        command.args(args);
+        stdout_of(command, &format!("{program} {args:?}"))
     }
 
     /// The job as `scontrol` sees it (`None` once SLURM forgot it).
@@ -672,6 +652,20 @@ impl Drop for SlurmCluster {
             signal(pid, Signal::SIGKILL);
         }
     }
+}
+
+/// Runs `command` (`what` in messages) to its end; its standard output, or a
+/// panic with what it said.
+pub fn stdout_of(mut command: Command, what: &str) -> String {
+    let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what}: {}\n{stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
 }
 
 /// CPUs slurmd finds on this machine (`slurmd -C`), at least 1.

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::common::{alive, children_of, cmdline, find_program, signal, wait_until};
+use crate::common::{alive, children_of, cmdline, find_program, missing, signal, wait_until};
 
 /// The private subnet's first three octets.
 const SUBNET: &str = "10.214.0";
@@ -49,21 +49,11 @@ pub const PROGRAMS: [&str; 6] = ["unshare", "nsenter", "ip", "mount", "mkdir", "
 
 /// Why virtual hosts cannot be made here, if they cannot.
 pub fn unavailable() -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("it needs root (namespaces, mounts, veth pairs)".into());
-    }
-    let missing: Vec<&str> = PROGRAMS
-        .iter()
-        .copied()
-        .filter(|p| find_program(p).is_none())
-        .collect();
-    (!missing.is_empty()).then(|| {
-        format!(
-            "{} not found (Debian packages util-linux, iproute2, coreutils, hostname)",
-            missing.join(", ")
-        )
-    })
+    missing(
+        "namespaces, mounts, veth pairs",
+        &PROGRAMS,
+        "util-linux, iproute2, coreutils, hostname",
+    )
 }
 
 /// One host: the namespaces its init process keeps open.
