@@ -114,18 +114,25 @@ fn lose_node(bench: &Bench, job: u32, node_rank: u32, checkpoint: u64, step: u64
     let layout = RunLayout::new(&run_dir);
     let rank = node_rank * JOB.ranks_per_node;
     let mut seen = (0, 0);
-    bench.wait(
-        job,
-        &format!("checkpoint {checkpoint} and rank {rank} at step {step}"),
-        || {
-            let latest = layout.latest_checkpoint().map_or(0, |c| c.step);
-            let at = heartbeat::read(&run_dir, rank)
-                .ok()
-                .flatten()
-                .map_or(0, |b| b.progress.step);
-            seen = (at, latest);
-            latest >= checkpoint && at >= step
-        },
+    let what = format!("checkpoint {checkpoint} and rank {rank} at step {step}");
+    let mut ended = false;
+    bench.wait(job, &what, || {
+        let latest = layout.latest_checkpoint().map_or(0, |c| c.step);
+        let at = heartbeat::read(&run_dir, rank)
+            .ok()
+            .flatten()
+            .map_or(0, |b| b.progress.step);
+        seen = (at, latest);
+        ended = bench
+            .slurm
+            .job(job)
+            .is_some_and(|j| is_final_state(j.state()));
+        (latest >= checkpoint && at >= step) || ended
+    });
+    assert!(
+        !ended,
+        "{}",
+        bench.failure(job, &format!("job {job} ended before {what}"))
     );
     let host = bench
         .hosts_of(job)
