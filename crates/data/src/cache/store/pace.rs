@@ -23,7 +23,7 @@ use std::time::Instant;
 pub type Micros = u64;
 
 /// Observations older than this leave the rate's window.
-const WINDOW_US: Micros = 30_000_000;
+const WINDOW_US: Micros = 120_000_000;
 /// The window must span this much before the rate counts as known.
 const MIN_SPAN_US: Micros = 1_000_000;
 /// Observations closer than this to the last one kept are not kept.

@@ -80,13 +80,17 @@ pub struct Announcer {
 
 /// A record by id, in the table of records that read orders name.
 type KeyId = u32;
+/// A read order by its place among the live ones.
+type StreamIdx = u32;
+/// A job's pace by its place among the live ones.
+type PaceIdx = u32;
 
 /// A record some read order names.
 #[derive(Debug)]
 struct KeyEntry {
     name: Arc<str>,
     /// The read orders that name it, with its index in each.
-    named_by: Vec<(ClientId, u32)>,
+    named_by: Vec<(StreamIdx, u32)>,
     /// Its slot while it is cached.
     slot: Option<SlotIdx>,
 }
@@ -159,10 +163,12 @@ impl Keys {
 /// One reader's announced uses.
 #[derive(Debug)]
 struct Stream {
-    /// The announcing connection's pin page, where its reader writes its progress.
+    /// The announcing connection.
+    client: ClientId,
+    /// Its pin page, where its reader writes its progress.
     page: usize,
-    /// Whose pace its uses follow.
-    job: String,
+    /// The pace of its job, which its uses follow.
+    pace: PaceIdx,
     /// The step of the first use.
     first_step: u64,
     /// Its records (its own index -> the table's id).
@@ -264,22 +270,83 @@ impl Stream {
 }
 
 /// A job's pace and how many of its read orders are live.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct JobPace {
+    job: String,
     pace: Pace,
     orders: usize,
+}
+
+/// Live things in numbered places, the places of gone ones reused.
+#[derive(Debug)]
+struct Places<T> {
+    items: Vec<Option<T>>,
+    free: Vec<u32>,
+}
+
+impl<T> Default for Places<T> {
+    fn default() -> Self {
+        Places {
+            items: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> Places<T> {
+    fn insert(&mut self, item: T) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.items[i as usize] = Some(item);
+                i
+            }
+            None => {
+                self.items.push(Some(item));
+                (self.items.len() - 1) as u32
+            }
+        }
+    }
+
+    fn remove(&mut self, i: u32) -> Option<T> {
+        let item = self.items.get_mut(i as usize)?.take();
+        if item.is_some() {
+            self.free.push(i);
+        }
+        item
+    }
+
+    fn get(&self, i: u32) -> Option<&T> {
+        self.items.get(i as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, i: u32) -> Option<&mut T> {
+        self.items.get_mut(i as usize)?.as_mut()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.items
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.as_ref().map(|t| (i as u32, t)))
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.items.iter_mut().filter_map(Option::as_mut)
+    }
 }
 
 /// Every live read order.
 #[derive(Debug)]
 pub struct ReadOrders {
     keys: Keys,
-    /// By the connection that announced it.
-    streams: HashMap<ClientId, Stream>,
-    /// Reader connection -> the read order it reads for.
+    streams: Places<Stream>,
+    /// Announcing connection -> its read order.
+    by_client: HashMap<ClientId, StreamIdx>,
+    /// Reader connection -> the connection whose read order it reads for.
     reader_of: HashMap<ClientId, ClientId>,
-    /// By job.
-    paces: HashMap<String, JobPace>,
+    paces: Places<JobPace>,
+    /// Job -> its pace.
+    pace_of: HashMap<String, PaceIdx>,
     /// The cached records' ids, by slot (those some read order names).
     slot_keys: HashMap<SlotIdx, KeyId>,
     /// What the read orders may hold, in bytes.
@@ -293,9 +360,11 @@ impl Default for ReadOrders {
     fn default() -> Self {
         ReadOrders {
             keys: Keys::default(),
-            streams: HashMap::new(),
+            streams: Places::default(),
+            by_client: HashMap::new(),
             reader_of: HashMap::new(),
-            paces: HashMap::new(),
+            paces: Places::default(),
+            pace_of: HashMap::new(),
             slot_keys: HashMap::new(),
             budget: DEFAULT_BUDGET,
             counters: ReadOrderStats::default(),
@@ -321,22 +390,22 @@ impl ReadOrders {
 
     /// What the read orders hold now, in bytes.
     pub fn bytes(&self) -> u64 {
-        self.keys.bytes + self.streams.values().map(|s| s.bytes).sum::<u64>()
+        self.keys.bytes + self.streams.iter().map(|(_, s)| s.bytes).sum::<u64>()
     }
 
     /// Whether no read order is live (the store evicts by LRU alone then).
     pub fn is_empty(&self) -> bool {
-        self.streams.is_empty()
+        self.by_client.is_empty()
     }
 
     /// Read orders live now.
     pub fn len(&self) -> usize {
-        self.streams.len()
+        self.by_client.len()
     }
 
     /// Uses not used up over every read order.
     pub fn pending_uses(&self) -> usize {
-        self.streams.values().map(|s| s.pending).sum()
+        self.streams.iter().map(|(_, s)| s.pending).sum()
     }
 
     /// The planned policy's figures: what it did so far, and the read orders live
@@ -380,30 +449,56 @@ impl ReadOrders {
         check(&order)?;
         self.check_budget(owner.client, &order)?;
         self.forget(owner.client, index);
-        let stream = self.build(&owner, order, cached);
-        for &reader in &stream.readers {
+        for &reader in &order.readers {
             if let Some(other) = self.reader_of.insert(reader, owner.client) {
-                if let Some(s) = self.streams.get_mut(&other) {
+                let other = self.by_client.get(&other).copied();
+                if let Some(s) = other.and_then(|i| self.streams.get_mut(i)) {
                     s.readers.retain(|&r| r != reader);
                 }
             }
         }
-        let job = stream.job.clone();
-        let keys = stream.keys.clone();
-        self.streams.insert(owner.client, stream);
-        self.paces.entry(job).or_default().orders += 1;
+        let pace = self.pace_for(&owner);
+        let at = self.build(&owner, pace, order, cached);
+        self.by_client.insert(owner.client, at);
         self.counters.announced += 1;
         // Its reader's progress, then every record it names at its next use.
         let mut changed = Vec::new();
-        if let Some(s) = self.streams.get_mut(&owner.client) {
+        if let Some(s) = self.streams.get_mut(at) {
             s.now = s.first_step.min(progress);
             s.advance(progress, &mut changed);
         }
         self.observe_paces(now, index);
+        let keys = self
+            .streams
+            .get(at)
+            .map(|s| s.keys.clone())
+            .unwrap_or_default();
         for id in keys {
             self.update(id, index);
         }
         Ok(())
+    }
+
+    /// The pace of `owner`'s job (its own without a job), counting one more read
+    /// order.
+    fn pace_for(&mut self, owner: &Announcer) -> PaceIdx {
+        let job = match owner.job.as_str() {
+            "" => format!("connection {}", owner.client),
+            job => job.to_string(),
+        };
+        if let Some(&i) = self.pace_of.get(&job) {
+            if let Some(p) = self.paces.get_mut(i) {
+                p.orders += 1;
+                return i;
+            }
+        }
+        let i = self.paces.insert(JobPace {
+            job: job.clone(),
+            pace: Pace::new(),
+            orders: 1,
+        });
+        self.pace_of.insert(job, i);
+        i
     }
 
     /// Refuses a read order that would take the read orders past their budget.
@@ -426,7 +521,11 @@ impl ReadOrders {
             + keys * BYTES_PER_ORDER_KEY
             + new_keys
             + 8 * order.readers.len() as u64;
-        let replaced = self.streams.get(&owner).map_or(0, |s| s.bytes);
+        let replaced = self
+            .by_client
+            .get(&owner)
+            .and_then(|&i| self.streams.get(i))
+            .map_or(0, |s| s.bytes);
         let held = self.bytes().saturating_sub(replaced);
         if held.saturating_add(wanted) <= self.budget {
             return Ok(());
@@ -442,13 +541,15 @@ impl ReadOrders {
         })
     }
 
-    /// A read order's uses, in step order with each record's following use.
+    /// Builds `owner`'s read order (its uses in step order with each record's
+    /// following use) in a place of its own; returns the place.
     fn build(
         &mut self,
         owner: &Announcer,
+        pace: PaceIdx,
         order: ReadOrderAnnouncement,
         cached: &dyn Fn(&str) -> Option<SlotIdx>,
-    ) -> Stream {
+    ) -> StreamIdx {
         let ReadOrderAnnouncement {
             first_step,
             keys,
@@ -476,30 +577,16 @@ impl ReadOrders {
             next_same[pos] = head[k];
             head[k] = pos as u32;
         }
-        let job = match owner.job.as_str() {
-            "" => format!("connection {}", owner.client),
-            job => job.to_string(),
-        };
-        let mut ids = Vec::with_capacity(keys.len());
-        for (k, name) in keys.iter().enumerate() {
-            let id = self.keys.intern(name, cached);
-            if let Some(entry) = self.keys.get_mut(id) {
-                entry.named_by.push((owner.client, k as u32));
-                if let Some(slot) = entry.slot {
-                    self.slot_keys.insert(slot, id);
-                }
-            }
-            ids.push(id);
-        }
         let bytes = BYTES_PER_ORDER
             + use_key.len() as u64 * BYTES_PER_USE
             + keys.len() as u64 * BYTES_PER_ORDER_KEY
             + 8 * readers.len() as u64;
-        Stream {
+        let at = self.streams.insert(Stream {
+            client: owner.client,
             page: owner.page,
-            job,
+            pace,
             first_step,
-            keys: ids,
+            keys: Vec::new(),
             pending: use_key.len(),
             next_future: head.clone(),
             head,
@@ -510,36 +597,63 @@ impl ReadOrders {
             now: first_step,
             readers,
             bytes,
+        });
+        let mut ids = Vec::with_capacity(keys.len());
+        for (k, name) in keys.iter().enumerate() {
+            let id = self.keys.intern(name, cached);
+            if let Some(entry) = self.keys.get_mut(id) {
+                entry.named_by.push((at, k as u32));
+                if let Some(slot) = entry.slot {
+                    self.slot_keys.insert(slot, id);
+                }
+            }
+            ids.push(id);
         }
+        if let Some(s) = self.streams.get_mut(at) {
+            s.keys = ids;
+        }
+        at
     }
 
     /// Connection `client` ended: its read order goes (its records become unneeded
     /// unless another read order reads them), and it reads for no read order any
     /// more.
     pub fn forget(&mut self, client: ClientId, index: &mut EvictionIndex) {
-        if let Some(stream) = self.streams.remove(&client) {
-            for reader in &stream.readers {
-                if self.reader_of.get(reader) == Some(&client) {
-                    self.reader_of.remove(reader);
-                }
-            }
-            for &id in &stream.keys {
-                if let Some(entry) = self.keys.get_mut(id) {
-                    entry.named_by.retain(|&(c, _)| c != client);
-                }
-                self.update(id, index);
-                self.keys.release_if_unused(id);
-            }
-            if let Some(job) = self.paces.get_mut(&stream.job) {
-                job.orders -= 1;
-                if job.orders == 0 {
-                    self.paces.remove(&stream.job);
-                }
+        if let Some(at) = self.by_client.remove(&client) {
+            if let Some(stream) = self.streams.remove(at) {
+                self.drop_stream(at, stream, index);
             }
         }
         if let Some(owner) = self.reader_of.remove(&client) {
-            if let Some(stream) = self.streams.get_mut(&owner) {
+            let owner = self.by_client.get(&owner).copied();
+            if let Some(stream) = owner.and_then(|i| self.streams.get_mut(i)) {
                 stream.readers.retain(|&r| r != client);
+            }
+        }
+    }
+
+    /// What a read order that went leaves: its readers, its records' entries,
+    /// its job's pace if it was the job's last.
+    fn drop_stream(&mut self, at: StreamIdx, stream: Stream, index: &mut EvictionIndex) {
+        for reader in &stream.readers {
+            if self.reader_of.get(reader) == Some(&stream.client) {
+                self.reader_of.remove(reader);
+            }
+        }
+        for &id in &stream.keys {
+            if let Some(entry) = self.keys.get_mut(id) {
+                entry.named_by.retain(|&(s, _)| s != at);
+            }
+            self.update(id, index);
+            self.keys.release_if_unused(id);
+        }
+        let last = self.paces.get_mut(stream.pace).is_some_and(|p| {
+            p.orders -= 1;
+            p.orders == 0
+        });
+        if last {
+            if let Some(p) = self.paces.remove(stream.pace) {
+                self.pace_of.remove(&p.job);
             }
         }
     }
@@ -554,7 +668,7 @@ impl ReadOrders {
     ) {
         let mut changed = Vec::new();
         let mut ids = Vec::new();
-        for stream in self.streams.values_mut() {
+        for stream in self.streams.iter_mut() {
             let step = progress(stream.page);
             if step == stream.now {
                 continue;
@@ -573,24 +687,26 @@ impl ReadOrders {
     /// Each job's progress (its leading reader's) at `now`; when a job's pace is
     /// re-anchored every cached record is ranked again. Whether that happened.
     fn observe_paces(&mut self, now: Micros, index: &mut EvictionIndex) -> bool {
-        let mut progress: HashMap<&str, u64> = HashMap::with_capacity(self.paces.len());
-        for stream in self.streams.values() {
-            let p = progress.entry(stream.job.as_str()).or_insert(0);
-            *p = (*p).max(stream.now);
+        let mut progress = vec![None; self.paces.items.len()];
+        for (_, stream) in self.streams.iter() {
+            let p: &mut Option<u64> = &mut progress[stream.pace as usize];
+            *p = Some(p.map_or(stream.now, |p| p.max(stream.now)));
         }
-        let known: Vec<f64> = self
-            .paces
-            .values()
-            .filter_map(|j| j.pace.measured())
-            .collect();
-        let fallback = match known.len() {
+        let (mut known, mut sum) = (0usize, 0.0);
+        for (_, job) in self.paces.iter() {
+            if let Some(rate) = job.pace.measured() {
+                known += 1;
+                sum += rate;
+            }
+        }
+        let fallback = match known {
             0 => DEFAULT_RATE,
-            n => known.iter().sum::<f64>() / n as f64,
+            n => sum / n as f64,
         };
         let mut moved = false;
-        for (job, pace) in &mut self.paces {
-            if let Some(&step) = progress.get(job.as_str()) {
-                moved |= pace.pace.observe(now, step, fallback);
+        for (i, job) in self.paces.items.iter_mut().enumerate() {
+            if let (Some(job), Some(step)) = (job.as_mut(), progress[i]) {
+                moved |= job.pace.observe(now, step, fallback);
             }
         }
         if moved {
@@ -605,19 +721,17 @@ impl ReadOrders {
     /// Connection `reader` read `key`'s record: if it reads for a read order, the
     /// record's next use in that read order is used up.
     pub fn read(&mut self, reader: ClientId, key: &str, index: &mut EvictionIndex) {
-        let Some(&owner) = self.reader_of.get(&reader) else {
+        let Some(owner) = self.reader_of.get(&reader) else {
             return;
         };
-        let Some(id) = self.keys.id(key) else {
+        let (Some(&at), Some(id)) = (self.by_client.get(owner), self.keys.id(key)) else {
             return;
         };
-        let own = self.keys.get(id).and_then(|e| {
-            e.named_by
-                .iter()
-                .find(|&&(c, _)| c == owner)
-                .map(|&(_, k)| k)
-        });
-        let (Some(k), Some(stream)) = (own, self.streams.get_mut(&owner)) else {
+        let own = self
+            .keys
+            .get(id)
+            .and_then(|e| e.named_by.iter().find(|&&(s, _)| s == at).map(|&(_, k)| k));
+        let (Some(k), Some(stream)) = (own, self.streams.get_mut(at)) else {
             return;
         };
         if stream.consume(k) {
@@ -655,19 +769,19 @@ impl ReadOrders {
     fn next_use(&self, id: KeyId) -> Option<Micros> {
         let entry = self.keys.get(id)?;
         let mut soonest: Option<Micros> = None;
-        for &(owner, k) in &entry.named_by {
-            let Some(stream) = self.streams.get(&owner) else {
+        for &(at, k) in &entry.named_by {
+            let Some(stream) = self.streams.get(at) else {
                 continue;
             };
             let pos = stream.next_future[k as usize];
             if pos == NONE {
                 continue;
             }
-            let Some(job) = self.paces.get(&stream.job) else {
+            let Some(job) = self.paces.get(stream.pace) else {
                 continue;
             };
-            let at = job.pace.time_of(stream.step_of(pos));
-            soonest = Some(soonest.map_or(at, |s| s.min(at)));
+            let t = job.pace.time_of(stream.step_of(pos));
+            soonest = Some(soonest.map_or(t, |s| s.min(t)));
         }
         soonest
     }
