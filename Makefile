@@ -4,7 +4,7 @@
 #   make test   formatting, lints, the docs check, then every unit and multi-process test (with real one- and three-node SLURMs)
 #   make check-docs  every link, path, make target and vrtspike command the docs name exists
 #   make test-slurm  only the sbatch template under real one- and three-node SLURMs (~3 min; root)
-#   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
+#   make bench  benchmarks: the cache as JSON, the store's eviction at a node's scale, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
@@ -149,6 +149,7 @@ PEER := $(ROOT)/../shared/baselines/torch_loader.py
 
 bench: build
 	$(BIN) bench cache --json
+	$(BIN) bench store
 	@test -f $(BENCH_DATA)/dataset.yaml || \
 	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
 	@mkdir -p $(BENCH_OUT)
