@@ -14,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 use serde_json::Value;
 use vrtspike_contract::cache_serve::{self, CacheServe, StartError};
+use vrtspike_contract::logfile;
 
 use crate::signals;
 use crate::spawn::{self, ChildKind, Supervised};
@@ -66,7 +67,7 @@ pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
             "the cache server {} before accepting connections; the end of {}:\n{}",
             spawn::describe(status),
             spec.log.display(),
-            spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
+            logfile::tail(&spec.log, server.log_offset, logfile::TAIL_LINES).join("\n")
         ),
         Err(e) => {
             spawn::stop_all(&mut [&mut server], Duration::from_secs(1));

@@ -567,8 +567,7 @@ fn shared_setup(
         );
         return Ok(None);
     };
-    let (address, signature) = vrtspike_contract::cache_addr::node_shared_address(root)
-        .context("DATA.CACHE_SHARING node keys the cache server by the dataset's files")?;
+    let (address, signature) = vrtspike_contract::cache_addr::node_shared_address(root)?;
     tracing::info!(
         address,
         root = %signature.root.display(),
@@ -587,7 +586,7 @@ fn shared_setup(
         std::process::id()
     );
     let linger_s =
-        vrtspike_contract::cache_serve::linger_s(args.cache_linger_s, &|n| std::env::var(n).ok())
+        vrtspike_contract::shared_server::linger_s(args.cache_linger_s, &|n| std::env::var(n).ok())
             .map_err(anyhow::Error::msg)?;
     Ok(Some(SharedSetup {
         address,
@@ -605,15 +604,9 @@ impl JobSetup {
         let Some(shared) = &self.shared else {
             return cache_server::start(&spec);
         };
-        let serve = vrtspike_contract::cache_serve::CacheServe {
-            lifetime: vrtspike_contract::cache_serve::Lifetime::Shared {
-                linger_s: shared.linger_s,
-                started_by: &shared.job,
-            },
-            ..spec.serve
-        };
         shared_cache::attach_or_start(&shared_cache::SharedSpec {
-            serve,
+            serve: spec.serve,
+            linger_s: shared.linger_s,
             job: &shared.job,
             job_label: run_dir.layout.job_label(),
             log: spec.log,
@@ -803,7 +796,7 @@ fn free_port() -> Result<u16> {
 /// Marks the start of an attempt in a rank's log.
 fn banner(log: &Path, restart_count: u32, resumed_from: Option<&str>) {
     use std::io::Write;
-    if let Ok(mut file) = spawn::open_log(log) {
+    if let Ok((mut file, _)) = vrtspike_contract::logfile::open_append(log) {
         let _ = writeln!(
             file,
             "=== vrtspike-launch: attempt {restart_count} at {} UTC, checkpoint: {} ===",

@@ -4,7 +4,6 @@
 //! A `vrtspike` child starts with the job's signals blocked across `exec` (it
 //! counts them from its first instruction, see `vrtspike_contract::signals`).
 
-use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -13,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use vrtspike_contract::logfile;
 
 /// A child of the launcher, leader of its own process group.
 #[derive(Debug)]
@@ -52,8 +52,7 @@ pub fn spawn(
     log: &Path,
     kind: ChildKind,
 ) -> io::Result<Supervised> {
-    let out = open_log(log)?;
-    let log_offset = out.metadata()?.len();
+    let (out, log_offset) = logfile::open_append(log)?;
     let err = out.try_clone()?;
     let parent = std::process::id() as i32;
     command
@@ -105,11 +104,6 @@ pub fn vrtspike_helper(vrtspike: &Path) -> Command {
         command.pre_exec(vrtspike_contract::signals::block_in_child);
     }
     command
-}
-
-/// Opens a log for appending, creating it.
-pub fn open_log(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
 }
 
 impl Supervised {
@@ -194,24 +188,6 @@ pub fn signal_name(number: i32) -> String {
         .unwrap_or_else(|_| format!("signal {number}"))
 }
 
-/// Lines of a failed process's log kept in its failure report.
-pub const LOG_TAIL_LINES: usize = 20;
-
-/// The last `lines` lines of a log after byte `from` (fewer if it is shorter;
-/// empty if unreadable).
-pub fn log_tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
-    let Ok(bytes) = std::fs::read(path) else {
-        return Vec::new();
-    };
-    let start = usize::try_from(from).unwrap_or(usize::MAX).min(bytes.len());
-    let text = String::from_utf8_lossy(&bytes[start..]);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..]
-        .iter()
-        .map(|l| l.to_string())
-        .collect()
-}
-
 /// A stand-in `vrtspike` for tests of the launcher's helpers: a bash script (bash
 /// keeps the signal mask it inherits; dash clears it) that answers `plan`, `config`
 /// and `cache` with the JSON the launcher reads, saying `protected` (`true` when it
@@ -261,7 +237,7 @@ mod tests {
         assert_eq!(killed, ["stubborn"]);
         let status = child.status.unwrap_or_else(|| panic!("not reaped"));
         assert_eq!(describe(status), "was killed by SIGKILL");
-        assert_eq!(log_tail(&log, child.log_offset, 20), ["started"]);
+        assert_eq!(logfile::tail(&log, child.log_offset, 20), ["started"]);
     }
 
     #[test]
@@ -286,20 +262,5 @@ mod tests {
             bit(libc::SIGUSR2) | bit(libc::SIGTERM),
             "{line}"
         );
-    }
-
-    #[test]
-    fn tail_keeps_the_last_lines() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let log = dir.path().join("t.log");
-        let text: String = (0..30).map(|i| format!("line {i}\n")).collect();
-        std::fs::write(&log, text).unwrap_or_else(|e| panic!("{e}"));
-        let tail = log_tail(&log, 0, 20);
-        assert_eq!(tail.len(), 20);
-        assert_eq!(tail[0], "line 10");
-        assert_eq!(tail[19], "line 29");
-        assert_eq!(log_tail(&log, 10 * 7 + 18 * 8, 20), ["line 28", "line 29"]);
-        assert!(log_tail(&log, 1 << 40, 20).is_empty());
-        assert!(log_tail(&dir.path().join("none"), 0, 5).is_empty());
     }
 }

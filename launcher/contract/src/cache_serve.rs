@@ -7,9 +7,8 @@
 //! A node-shared server (`DATA.CACHE_SHARING: node`) is started instead with
 //! `--linger-s` (it outlives its starter while other jobs are attached, and exits
 //! once none has been for that long), and each job holds it with
-//! `vrtspike cache attach` ([`CacheAttach`]). Two jobs that start one at the same
-//! instant race for the address: the loser exits with [`EXIT_ADDRESS_IN_USE`] and
-//! attaches to the winner.
+//! `vrtspike cache attach` ([`CacheAttach`]) or a connection of its own: how a
+//! job attaches to it, or starts it, is [`crate::shared_server`].
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -24,47 +23,6 @@ pub const EXIT_ADDRESS_IN_USE: i32 = 73;
 
 /// The exit status of `cache attach` when no server listens at the address.
 pub const EXIT_NO_SERVER: i32 = 69;
-
-/// How many times a job tries to attach to the node-shared server, or start one
-/// and then attach, before it gives up (each failed round is a race lost to
-/// another job, or a server that stopped in between).
-pub const ATTACH_ROUNDS: usize = 5;
-
-/// Seconds a node-shared server stays after its last client left, unless told
-/// otherwise (the launcher's `--cache-linger-s`, [`LINGER_ENV`] for ranks that
-/// start one themselves): back-to-back jobs find the cache warm.
-pub const DEFAULT_LINGER_S: f64 = 30.0;
-
-/// The linger of a node-shared server, in seconds, when no `--cache-linger-s`
-/// names one (ranks that start one themselves under torchrun or srun read only
-/// this).
-pub const LINGER_ENV: &str = "VRTSPIKE_CACHE_LINGER_S";
-
-/// The linger of a node-shared server this process starts: `explicit` (the
-/// launcher's `--cache-linger-s`), else [`LINGER_ENV`] read through `var`, else
-/// 0 inside a SLURM allocation (a server that outlives its starter is out of
-/// reach of Slurm's process tracking, so it must not stay past the allocation's
-/// last job), else [`DEFAULT_LINGER_S`]. An error names the variable.
-pub fn linger_s(
-    explicit: Option<f64>,
-    var: &dyn Fn(&str) -> Option<String>,
-) -> Result<f64, String> {
-    if let Some(seconds) = explicit {
-        return Ok(seconds);
-    }
-    if let Some(text) = var(LINGER_ENV) {
-        return match text.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
-            _ => Err(format!(
-                "{LINGER_ENV}={text:?} is not a number of seconds >= 0"
-            )),
-        };
-    }
-    match var(crate::env::slurm::JOB_ID).filter(|id| !id.is_empty()) {
-        Some(_) => Ok(0.0),
-        None => Ok(DEFAULT_LINGER_S),
-    }
-}
 
 /// How long a server lives.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -351,27 +309,5 @@ mod tests {
             &|| false,
         );
         assert!(matches!(result, Err(StartError::Exited(_))), "{result:?}");
-    }
-
-    #[test]
-    fn the_linger_is_the_flag_then_the_variable_then_none_under_slurm() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
-                pairs
-                    .iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
-        assert_eq!(linger_s(None, &vars(&[])), Ok(DEFAULT_LINGER_S));
-        assert_eq!(linger_s(Some(4.0), &vars(&[(LINGER_ENV, "9")])), Ok(4.0));
-        assert_eq!(linger_s(None, &vars(&[(LINGER_ENV, "9")])), Ok(9.0));
-        assert_eq!(linger_s(None, &vars(&[("SLURM_JOB_ID", "12")])), Ok(0.0));
-        assert_eq!(
-            linger_s(None, &vars(&[("SLURM_JOB_ID", "12"), (LINGER_ENV, "5")])),
-            Ok(5.0)
-        );
-        let bad = linger_s(None, &vars(&[(LINGER_ENV, "-1")])).unwrap_err();
-        assert!(bad.contains(LINGER_ENV) && bad.contains("-1"), "{bad}");
     }
 }

@@ -28,9 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrtspike_contract::heartbeat::{self, Beat, Collectives, Progress};
+use vrtspike_contract::logfile;
 
 use crate::peers::Standing;
-use crate::spawn::{self, Supervised};
+use crate::spawn::Supervised;
 use crate::stacks;
 use crate::summary::Failure;
 pub use verdict::{Hang, HangKind, RankView, Timeouts};
@@ -330,7 +331,7 @@ impl HangWatch {
             signal: None,
             cause: hang.cause(),
             log: log.display().to_string(),
-            log_tail: spawn::log_tail(&log, log_offset, spawn::LOG_TAIL_LINES),
+            log_tail: logfile::tail(&log, log_offset, logfile::TAIL_LINES),
             class: None,
             stuck: true,
         }

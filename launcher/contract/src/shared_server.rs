@@ -1,0 +1,466 @@
+//! One attach-or-start for the node-shared cache server (`DATA.CACHE_SHARING: node`),
+//! for the launcher and for local rank 0 of a job that no launcher started
+//! (torchrun, srun). A job attaches to the server at the node-shared address; when
+//! none answers it starts one ([`SharedStart::start`]) and attaches to that. The
+//! server it starts is detached: its own process group and no parent-death signal,
+//! so it outlives its starter while other jobs are attached, and it stops itself
+//! once none has been for its linger ([`linger_s`]). Two jobs that start one at the
+//! same instant race for the address: the loser exits with [`EXIT_ADDRESS_IN_USE`]
+//! and its job attaches to the winner.
+//!
+//! How a job holds the server is the caller's (the launcher: a `vrtspike cache
+//! attach` child that its gang watches; a rank: a client connection), passed in as
+//! the attach to try.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use crate::cache_serve::{self, CacheServe, Lifetime, StartError, EXIT_ADDRESS_IN_USE};
+use crate::{logfile, seconds};
+
+/// How many times a job starts the node-shared server and attaches to it after
+/// its first attach found none, before it gives up (each failed round is a race
+/// lost to another job, or a server that stopped in between).
+pub const ATTACH_ROUNDS: usize = 5;
+
+/// Seconds a node-shared server stays after its last client left, unless told
+/// otherwise (the launcher's `--cache-linger-s`, [`LINGER_ENV`] for ranks that
+/// start one themselves): back-to-back jobs find the cache warm.
+pub const DEFAULT_LINGER_S: f64 = 30.0;
+
+/// The linger of a node-shared server, in seconds, when no `--cache-linger-s`
+/// names one (ranks that start one themselves under torchrun or srun read only
+/// this).
+pub const LINGER_ENV: &str = "VRTSPIKE_CACHE_LINGER_S";
+
+/// The linger of a node-shared server this process starts: `explicit` (the
+/// launcher's `--cache-linger-s`), else [`LINGER_ENV`] read through `var`, else
+/// 0 inside a SLURM allocation (a server that outlives its starter is out of
+/// reach of Slurm's process tracking, so it must not stay past the allocation's
+/// last job), else [`DEFAULT_LINGER_S`]. An error names the variable.
+pub fn linger_s(
+    explicit: Option<f64>,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Result<f64, String> {
+    if let Some(seconds) = explicit {
+        return Ok(seconds);
+    }
+    if let Some(text) = var(LINGER_ENV) {
+        return seconds::parse_seconds(&text).map_err(|e| format!("{LINGER_ENV}: {e}"));
+    }
+    match var(crate::env::slurm::JOB_ID).filter(|id| !id.is_empty()) {
+        Some(_) => Ok(0.0),
+        None => Ok(DEFAULT_LINGER_S),
+    }
+}
+
+/// How a job came to hold the node-shared server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Joined {
+    /// It was running already.
+    Attached,
+    /// This job started it.
+    Started,
+    /// This job started one, but another job's took the address first.
+    RaceLost,
+}
+
+/// Why a job could not hold the node-shared server.
+#[derive(Debug, thiserror::Error)]
+pub enum ShareError {
+    /// The server's log, its readiness pipe or its process could not be made.
+    #[error("{what} for the node-shared cache server at {address:?}: {source}")]
+    Io {
+        /// What was being done (naming the file, if one).
+        what: String,
+        /// The server's address.
+        address: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The server exited before it accepted connections (not for a lost race).
+    #[error(
+        "the node-shared cache server at {address:?} exited before accepting connections \
+         ({status}); the end of {}:\n{tail}",
+        log.display()
+    )]
+    Exited {
+        /// The server's address.
+        address: String,
+        /// How it ended.
+        status: ExitStatus,
+        /// Its log.
+        log: PathBuf,
+        /// The log's last lines from this start.
+        tail: String,
+    },
+    /// The server did not get ready (in time, or the wait was interrupted).
+    #[error("{source} (the node-shared cache server at {address:?}); see {}", log.display())]
+    NotReady {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+        /// Why.
+        source: StartError,
+    },
+    /// Every round lost a race, or met a server that stopped in between.
+    #[error(
+        "could not attach to, nor start, the node-shared cache server at {address:?} in \
+         {ATTACH_ROUNDS} tries; see {}",
+        log.display()
+    )]
+    GaveUp {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+    },
+}
+
+/// How this job starts the node-shared server when none answers.
+#[derive(Clone, Copy)]
+pub struct SharedStart<'a> {
+    /// Its command line; its lifetime is made [`Lifetime::Shared`] with the two
+    /// fields below.
+    pub serve: CacheServe<'a>,
+    /// Seconds it stays after the last job detached ([`linger_s`]).
+    pub linger_s: f64,
+    /// This job, as the jobs that attach later are told (`--started-by`).
+    pub started_by: &'a str,
+    /// The log its output is appended to.
+    pub log: &'a Path,
+    /// How long it may take to accept connections.
+    pub timeout: Duration,
+    /// Whether this process was asked to stop meanwhile (give up the wait).
+    pub interrupted: &'a dyn Fn() -> bool,
+}
+
+/// Holds this job to the node-shared server: `attach` (`None` when no server
+/// answers), else start one with `start` and attach again, up to
+/// [`ATTACH_ROUNDS`] times. Returns what `attach` gave and how it came.
+pub fn attach_or_start<H, E: From<ShareError>>(
+    start: &SharedStart,
+    attach: &mut dyn FnMut() -> Result<Option<H>, E>,
+) -> Result<(H, Joined), E> {
+    rounds(start.serve.address, start.log, attach, &mut || {
+        start.start()
+    })
+}
+
+/// The rounds of [`attach_or_start`], with the start passed in.
+fn rounds<H, E: From<ShareError>>(
+    address: &str,
+    log: &Path,
+    attach: &mut dyn FnMut() -> Result<Option<H>, E>,
+    start: &mut dyn FnMut() -> Result<Joined, ShareError>,
+) -> Result<(H, Joined), E> {
+    if let Some(hold) = attach()? {
+        return Ok((hold, Joined::Attached));
+    }
+    for _ in 0..ATTACH_ROUNDS {
+        let joined = start()?;
+        if let Some(hold) = attach()? {
+            return Ok((hold, joined));
+        }
+    }
+    Err(ShareError::GaveUp {
+        address: address.to_string(),
+        log: log.to_path_buf(),
+    }
+    .into())
+}
+
+impl SharedStart<'_> {
+    /// Starts a detached server and waits for its word: [`Joined::Started`] once
+    /// it is ready, [`Joined::RaceLost`] when another one holds the address (attach
+    /// to that one).
+    pub fn start(&self) -> Result<Joined, ShareError> {
+        let address = self.serve.address;
+        let io = |what: String| {
+            move |source| ShareError::Io {
+                what,
+                address: address.to_string(),
+                source,
+            }
+        };
+        let serve = CacheServe {
+            lifetime: Lifetime::Shared {
+                linger_s: self.linger_s,
+                started_by: self.started_by,
+            },
+            ..self.serve
+        };
+        let (mut command, mut pipe) = serve.command().map_err(io("its readiness pipe".into()))?;
+        let opening = || format!("opening {}", self.log.display());
+        let (out, offset) = logfile::open_append(self.log).map_err(io(opening()))?;
+        let err = out.try_clone().map_err(io(opening()))?;
+        // Its own process group (a Ctrl-C of the starter's terminal does not reach
+        // it), and no parent-death signal: it outlives its starter.
+        command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        let spawned = command.spawn();
+        pipe.close_child_end();
+        let mut child = spawned.map_err(io(format!("starting {}", serve.vrtspike.display())))?;
+        let waited = cache_serve::wait_ready(
+            &mut pipe,
+            self.timeout,
+            &mut || child.try_wait(),
+            self.interrupted,
+        );
+        match waited {
+            Ok(took) => {
+                tracing::info!(
+                    address,
+                    pid = child.id(),
+                    "started the node-shared cache server in {:.2} s (it stays while any job \
+                     is attached, and {} s after the last)",
+                    took.as_secs_f64(),
+                    self.linger_s
+                );
+                cache_serve::reap_in_background(child);
+                Ok(Joined::Started)
+            }
+            Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
+                tracing::info!(
+                    address,
+                    "another job started the node-shared cache server first: attaching to it"
+                );
+                Ok(Joined::RaceLost)
+            }
+            Err(StartError::Exited(status)) => Err(ShareError::Exited {
+                address: address.to_string(),
+                status,
+                log: self.log.to_path_buf(),
+                tail: logfile::tail(self.log, offset, logfile::TAIL_LINES).join("\n"),
+            }),
+            Err(source) => {
+                let _ = child.kill();
+                cache_serve::reap_in_background(child);
+                Err(ShareError::NotReady {
+                    address: address.to_string(),
+                    log: self.log.to_path_buf(),
+                    source,
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// A fake job: its attach finds a server from the `found`-th try on (never
+    /// with `usize::MAX`), and each start answers `started`.
+    struct Fake {
+        attaches: Cell<usize>,
+        starts: Cell<usize>,
+        found: usize,
+        started: Joined,
+    }
+
+    impl Fake {
+        fn new(found: usize, started: Joined) -> Fake {
+            Fake {
+                attaches: Cell::new(0),
+                starts: Cell::new(0),
+                found,
+                started,
+            }
+        }
+
+        fn run(&self) -> Result<(&'static str, Joined), ShareError> {
+            let mut attach = || {
+                self.attaches.set(self.attaches.get() + 1);
+                Ok((self.attaches.get() >= self.found).then_some("held"))
+            };
+            let mut start = || {
+                self.starts.set(self.starts.get() + 1);
+                Ok(self.started)
+            };
+            rounds(
+                "addr-x",
+                Path::new("/runs/a/cache.log"),
+                &mut attach,
+                &mut start,
+            )
+        }
+
+        fn counts(&self) -> (usize, usize) {
+            (self.attaches.get(), self.starts.get())
+        }
+    }
+
+    #[test]
+    fn a_running_server_is_attached_to_without_a_start() {
+        let fake = Fake::new(1, Joined::Started);
+        assert_eq!(fake.run().ok(), Some(("held", Joined::Attached)));
+        assert_eq!(fake.counts(), (1, 0));
+    }
+
+    #[test]
+    fn no_server_is_started_then_attached_to() {
+        let fake = Fake::new(2, Joined::Started);
+        assert_eq!(fake.run().ok(), Some(("held", Joined::Started)));
+        assert_eq!(fake.counts(), (2, 1));
+    }
+
+    #[test]
+    fn a_lost_race_attaches_to_the_winner() {
+        let fake = Fake::new(2, Joined::RaceLost);
+        assert_eq!(fake.run().ok(), Some(("held", Joined::RaceLost)));
+        assert_eq!(fake.counts(), (2, 1));
+        // A server that stopped between a start and the attach: the next round.
+        let fake = Fake::new(4, Joined::Started);
+        assert_eq!(fake.run().ok(), Some(("held", Joined::Started)));
+        assert_eq!(fake.counts(), (4, 3));
+    }
+
+    #[test]
+    fn every_round_failing_names_the_address_and_the_log() {
+        let fake = Fake::new(usize::MAX, Joined::RaceLost);
+        let error = fake.run().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(fake.counts(), (ATTACH_ROUNDS + 1, ATTACH_ROUNDS));
+        assert!(
+            error.contains("\"addr-x\"")
+                && error.contains("/runs/a/cache.log")
+                && error.contains(&format!("in {ATTACH_ROUNDS} tries")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_failed_attach_or_start_ends_the_rounds() {
+        let mut attach = || {
+            Err::<Option<()>, _>(ShareError::GaveUp {
+                address: "mine".into(),
+                log: PathBuf::from("l"),
+            })
+        };
+        let mut start = || -> Result<Joined, ShareError> { panic!("started after a failure") };
+        let error = rounds("a", Path::new("l"), &mut attach, &mut start).err();
+        assert!(error.is_some_and(|e| e.to_string().contains("\"mine\"")));
+        let mut attach = || Ok::<Option<()>, ShareError>(None);
+        let mut start = || {
+            Err(ShareError::NotReady {
+                address: "a".into(),
+                log: PathBuf::from("l"),
+                source: StartError::Interrupted,
+            })
+        };
+        let error = rounds("a", Path::new("l"), &mut attach, &mut start).err();
+        assert!(error.is_some_and(|e| e.to_string().contains("interrupted")));
+    }
+
+    #[test]
+    fn the_linger_is_the_flag_then_the_variable_then_none_under_slurm() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(linger_s(None, &vars(&[])), Ok(DEFAULT_LINGER_S));
+        assert_eq!(linger_s(Some(4.0), &vars(&[(LINGER_ENV, "9")])), Ok(4.0));
+        assert_eq!(linger_s(None, &vars(&[(LINGER_ENV, "9")])), Ok(9.0));
+        assert_eq!(linger_s(None, &vars(&[("SLURM_JOB_ID", "12")])), Ok(0.0));
+        assert_eq!(
+            linger_s(None, &vars(&[("SLURM_JOB_ID", "12"), (LINGER_ENV, "5")])),
+            Ok(5.0)
+        );
+        let bad = linger_s(None, &vars(&[(LINGER_ENV, "-1")])).unwrap_err();
+        assert!(bad.contains(LINGER_ENV) && bad.contains("\"-1\""), "{bad}");
+        assert!(linger_s(None, &vars(&[(LINGER_ENV, "1e300")])).is_err());
+    }
+
+    /// A stand-in `vrtspike` that runs `body` (bash: it keeps fds above 9).
+    fn fake_vrtspike(dir: &Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let exe = dir.join("vrtspike");
+        std::fs::write(&exe, format!("#!/bin/bash\n{body}\n")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))
+            .unwrap_or_else(|e| panic!("{e}"));
+        exe
+    }
+
+    fn start_with(exe: &Path, log: &Path) -> Result<Joined, ShareError> {
+        let start = SharedStart {
+            serve: CacheServe {
+                vrtspike: exe,
+                address: "vrtspike-test-shared",
+                config: Path::new("/c.yaml"),
+                cap: None,
+                overrides: &[],
+                lifetime: Lifetime::WithParent,
+            },
+            linger_s: 2.5,
+            started_by: "job t",
+            log,
+            timeout: Duration::from_secs(20),
+            interrupted: &|| false,
+        };
+        // A script just written may still be open for writing in a child that
+        // another test thread forked meanwhile (until its exec): try again then.
+        for _ in 0..100 {
+            match start.start() {
+                Err(ShareError::Io { source, .. })
+                    if source.raw_os_error() == Some(libc::ETXTBSY) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                other => return other,
+            }
+        }
+        start.start()
+    }
+
+    #[test]
+    fn a_started_server_lingers_in_its_own_process_group() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("logs/cache.log");
+        let exe = fake_vrtspike(
+            dir.path(),
+            "echo \"pid $$ group $(cut -d' ' -f5 /proc/$$/stat) args $*\"\n\
+             echo ready >&\"$VRTSPIKE_READY_FD\"",
+        );
+        assert_eq!(start_with(&exe, &log).ok(), Some(Joined::Started));
+        let text = std::fs::read_to_string(&log).unwrap_or_else(|e| panic!("{e}"));
+        let words: Vec<&str> = text.split_whitespace().collect();
+        assert_eq!(words.get(1), words.get(3), "its own group: {text}");
+        assert!(
+            text.contains("--linger-s=2.5 --started-by=job t")
+                && !text.contains("--exit-with-parent"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_lost_race_and_a_failed_start_are_told_apart() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("cache.log");
+        let lost = fake_vrtspike(dir.path(), &format!("exit {EXIT_ADDRESS_IN_USE}"));
+        assert_eq!(start_with(&lost, &log).ok(), Some(Joined::RaceLost));
+        std::fs::write(&log, "an earlier start\n").unwrap_or_else(|e| panic!("{e}"));
+        let failing = fake_vrtspike(dir.path(), "echo 'bad key DATA.X' >&2; exit 2");
+        let error = start_with(&failing, &log)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            error.contains("\"vrtspike-test-shared\"")
+                && error.contains("exit status: 2")
+                && error.ends_with("cache.log:\nbad key DATA.X"),
+            "{error}"
+        );
+    }
+}
