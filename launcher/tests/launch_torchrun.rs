@@ -77,7 +77,7 @@ fn torchrun_command(torchrun: &Path, dir: &Path, config: &Path, extra: &[&str]) 
     }
     // The node-shared server local rank 0 starts ends with the last rank, so the
     // test can check that nothing is left.
-    command.env(vrtspike_contract::cache_serve::LINGER_ENV, "0");
+    command.env(vrtspike_contract::shared_server::LINGER_ENV, "0");
     command
 }
 

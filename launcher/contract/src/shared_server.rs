@@ -229,7 +229,8 @@ impl SharedStart<'_> {
             Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
                 tracing::info!(
                     address,
-                    "another job started the node-shared cache server first: attaching to it"
+                    "another job's node-shared cache server took the address first: \
+                     attaching to it"
                 );
                 Ok(Joined::RaceLost)
             }
