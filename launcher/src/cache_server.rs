@@ -8,72 +8,31 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use vrtspike_contract::cache_serve::{self, CacheServe, StartError};
-use vrtspike_contract::logfile;
+use vrtspike_contract::cache_serve::{CacheServe, Watch};
 
-use crate::signals;
-use crate::spawn::{self, ChildKind, Supervised};
-
-/// How to start the server.
-pub struct CacheServerSpec<'a> {
-    /// Its command line (binary, address, config, cap, overrides).
-    pub serve: CacheServe<'a>,
-    /// Its log.
-    pub log: PathBuf,
-    /// How long it may take to accept connections.
-    pub start_timeout: Duration,
-}
+use crate::spawn::{self, Supervised};
 
 /// Starts the server and waits until it says it is ready; an error carries the
 /// server's own last log lines (e.g. a bad config key or a short /dev/shm).
-pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
-    let (vrtspike, address) = (spec.serve.vrtspike, spec.serve.address);
-    let (mut command, mut pipe) = spec
-        .serve
-        .command()
-        .context("creating the cache server's readiness pipe")?;
-    let spawned = spawn::spawn(
+pub fn start(serve: &CacheServe, watch: &Watch) -> Result<Supervised> {
+    let started = serve.start_logged(watch)?;
+    tracing::info!(
+        address = serve.address,
+        pid = started.child.id(),
+        "cache server ready in {:.2} s",
+        started.took.as_secs_f64()
+    );
+    let server = Supervised::adopt(
         "cache server".into(),
-        &mut command,
-        &spec.log,
-        ChildKind::Other,
+        started.child,
+        watch.log,
+        started.log_offset,
     );
-    pipe.close_child_end();
-    let mut server = spawned
-        .with_context(|| format!("starting the cache server ({})", vrtspike.display()))?
-        .with_stop_signal(Signal::SIGINT);
-    let waited = cache_serve::wait_ready(
-        &mut pipe,
-        spec.start_timeout,
-        &mut || server.poll(),
-        &|| signals::interrupts() > 0,
-    );
-    match waited {
-        Ok(took) => {
-            tracing::info!(
-                address,
-                pid = server.pid(),
-                "cache server ready in {:.2} s",
-                took.as_secs_f64()
-            );
-            Ok(server)
-        }
-        Err(StartError::Exited(status)) => bail!(
-            "the cache server {} before accepting connections; the end of {}:\n{}",
-            spawn::describe(status),
-            spec.log.display(),
-            logfile::tail(&spec.log, server.log_offset, logfile::TAIL_LINES).join("\n")
-        ),
-        Err(e) => {
-            spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
-            bail!("{e} (address {address:?}); see {}", spec.log.display())
-        }
-    }
+    Ok(server.with_stop_signal(Signal::SIGINT))
 }
 
 /// The server's statistics as JSON, or `None` if it does not answer.

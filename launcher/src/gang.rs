@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
-use vrtspike_contract::logfile;
+use vrtspike_contract::child;
 use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
@@ -457,7 +457,7 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         signal: status.signal().map(spawn::signal_name),
         cause,
         log: child.log.display().to_string(),
-        log_tail: logfile::tail(&child.log, child.log_offset, logfile::TAIL_LINES),
+        log_tail: child::tail(&child.log, child.log_offset, child::TAIL_LINES),
         class: None,
         stuck: false,
     }

@@ -10,33 +10,21 @@
 //! torchrun or srun use too); this is the launcher's attach, and its report of the
 //! server it attached to.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use nix::sys::signal::Signal;
-use vrtspike_contract::cache_serve::{self, CacheAttach, CacheServe, StartError, EXIT_NO_SERVER};
+use vrtspike_contract::cache_serve::{CacheAttach, ServeError, StartError, EXIT_NO_SERVER};
 use vrtspike_contract::shared_server::{self, SharedStart};
 
 use crate::cache_server;
-use crate::signals;
-use crate::spawn::{self, ChildKind, Supervised};
+use crate::spawn::{self, Supervised};
 
 /// How to reach, or start, the node-shared server.
 pub struct SharedSpec<'a> {
-    /// Its command line (the contract makes it a lingering one).
-    pub serve: CacheServe<'a>,
-    /// Seconds a server this job starts stays after the last job detached.
-    pub linger_s: f64,
-    /// The job, as the server's stats and logs name it.
-    pub job: &'a str,
-    /// The job as its ranks' clients name it for the per-job figures (the run
-    /// directory, `RunLayout::job_label`): the attach counts there too.
-    pub job_label: String,
-    /// The log of the server this launcher starts, and of its attach.
-    pub log: PathBuf,
-    /// How long the server may take to accept connections.
-    pub start_timeout: Duration,
+    /// How a server is started when none answers (its log and start timeout are
+    /// the attach's too).
+    pub start: SharedStart<'a>,
+    /// The job as its ranks' clients name it for the per-job figures.
+    pub job_label: &'a str,
     /// The cap this job asks for, in bytes (`--cache-size`, else the config's).
     pub wanted_cap: Option<u64>,
 }
@@ -44,70 +32,53 @@ pub struct SharedSpec<'a> {
 /// Attaches this job to the node-shared server, starting it first when none
 /// answers. Returns the attach child: watch it, and stop it at the end.
 pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
-    let start = SharedStart {
-        serve: spec.serve,
-        linger_s: spec.linger_s,
-        started_by: spec.job,
-        log: &spec.log,
-        timeout: spec.start_timeout,
-        interrupted: &|| signals::interrupts() > 0,
-    };
-    let (held, _) = shared_server::attach_or_start(&start, &mut || attach(spec))?;
+    let (held, _) = shared_server::attach_or_start(&spec.start, &mut || attach(spec))?;
     Ok(held)
 }
 
 /// Runs `vrtspike cache attach`; `None` when no server listens at the address.
 fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
-    let address = spec.serve.address;
-    let (mut command, mut pipe) = CacheAttach {
-        vrtspike: spec.serve.vrtspike,
-        address,
-        name: spec.job,
-    }
-    .command()
-    .context("creating the cache attach's readiness pipe")?;
-    command.env(vrtspike_contract::env::RUN_DIR, &spec.job_label);
-    let spawned = spawn::spawn(
-        "cache attach".into(),
-        &mut command,
-        &spec.log,
-        ChildKind::Other,
-    );
-    pipe.close_child_end();
-    let mut held = spawned
-        .context("starting vrtspike cache attach")?
-        .with_stop_signal(Signal::SIGINT);
-    let waited =
-        cache_serve::wait_ready(&mut pipe, spec.start_timeout, &mut || held.poll(), &|| {
-            signals::interrupts() > 0
-        });
-    match waited {
-        Ok(_) => {
+    let serve = &spec.start.serve;
+    let attach = CacheAttach {
+        vrtspike: serve.vrtspike,
+        address: serve.address,
+        name: spec.start.started_by,
+        job_label: spec.job_label,
+    };
+    match attach.start_logged(&spec.start.watch) {
+        Ok(started) => {
+            let log = spec.start.watch.log;
+            let held = Supervised::adopt(
+                "cache attach".into(),
+                started.child,
+                log,
+                started.log_offset,
+            )
+            .with_stop_signal(Signal::SIGINT);
             report_attached(spec, held.pid());
             Ok(Some(held))
         }
-        Err(StartError::Exited(status)) if status.code() == Some(EXIT_NO_SERVER) => Ok(None),
-        // The server stopped between the connect and the first answer: try again.
-        Err(StartError::Exited(status)) => {
-            tracing::warn!(
-                address,
-                "cache attach {}; trying again",
-                spawn::describe(status)
-            );
+        Err(ServeError::NotReady {
+            source: StartError::Exited(status),
+            ..
+        }) => {
+            // None there; or the server stopped between the connect and the
+            // first answer: try again.
+            if status.code() != Some(EXIT_NO_SERVER) {
+                let how = spawn::describe(status);
+                tracing::warn!(address = serve.address, "cache attach {how}; trying again");
+            }
             Ok(None)
         }
-        Err(e) => {
-            spawn::stop_all(&mut [&mut held], Duration::from_secs(1));
-            bail!("{e} (attaching to {address:?}); see {}", spec.log.display())
-        }
+        Err(e) => Err(e.into()),
     }
 }
 
 /// Logs which server this job attached to, who started it, and a cap that is
 /// not the one this job asked for.
 fn report_attached(spec: &SharedSpec, attach_pid: u32) {
-    let address = spec.serve.address;
-    let stats = cache_server::stats(spec.serve.vrtspike, address);
+    let address = spec.start.serve.address;
+    let stats = cache_server::stats(spec.start.serve.vrtspike, address);
     let pid = stats
         .as_ref()
         .and_then(|s| s["server_pid"].as_u64())
@@ -146,6 +117,8 @@ fn started_by(pid: u64) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]

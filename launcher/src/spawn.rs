@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use vrtspike_contract::logfile;
+use vrtspike_contract::{child, signals};
 
 /// A child of the launcher, leader of its own process group.
 #[derive(Debug)]
@@ -52,41 +52,19 @@ pub fn spawn(
     log: &Path,
     kind: ChildKind,
 ) -> io::Result<Supervised> {
-    let (out, log_offset) = logfile::open_append(log)?;
+    let (out, log_offset) = child::open_append(log)?;
     let err = out.try_clone()?;
-    let parent = std::process::id() as i32;
     command
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
         .process_group(0);
-    // SAFETY: the closure runs in the forked child before exec; it only makes the
-    // prctl, getppid and pthread_sigmask system calls, which are async-signal-safe,
-    // and allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // The launcher died between fork and prctl: nobody supervises us.
-            if libc::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            if kind == ChildKind::Vrtspike {
-                vrtspike_contract::signals::block_in_child()?;
-            }
-            Ok(())
-        });
+    child::die_with_starter(command);
+    if kind == ChildKind::Vrtspike {
+        signals::block_across_exec(command);
     }
     let child = command.spawn()?;
-    Ok(Supervised {
-        name,
-        child,
-        log: log.to_path_buf(),
-        log_offset,
-        status: None,
-        stop_signal: Signal::SIGTERM,
-    })
+    Ok(Supervised::adopt(name, child, log, log_offset))
 }
 
 /// The command of a `vrtspike` helper the launcher runs to its end (the plan
@@ -97,16 +75,25 @@ pub fn spawn(
 /// and the launcher decides what the job does.
 pub fn vrtspike_helper(vrtspike: &Path) -> Command {
     let mut command = Command::new(vrtspike);
-    command.env(vrtspike_contract::signals::HELPER_ENV, "1");
-    // SAFETY: the hook runs in the forked child before exec and only calls
-    // pthread_sigmask (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(vrtspike_contract::signals::block_in_child);
-    }
+    command.env(signals::HELPER_ENV, "1");
+    signals::block_across_exec(&mut command);
     command
 }
 
 impl Supervised {
+    /// `child`, started elsewhere as [`spawn`] starts one (its own process group,
+    /// its output appended to `log` from `log_offset` on), supervised from now on.
+    pub fn adopt(name: String, child: Child, log: &Path, log_offset: u64) -> Supervised {
+        Supervised {
+            name,
+            child,
+            log: log.to_path_buf(),
+            log_offset,
+            status: None,
+            stop_signal: Signal::SIGTERM,
+        }
+    }
+
     /// Stops it with `signal` instead of SIGTERM.
     pub fn with_stop_signal(mut self, signal: Signal) -> Supervised {
         self.stop_signal = signal;
@@ -237,7 +224,7 @@ mod tests {
         assert_eq!(killed, ["stubborn"]);
         let status = child.status.unwrap_or_else(|| panic!("not reaped"));
         assert_eq!(describe(status), "was killed by SIGKILL");
-        assert_eq!(logfile::tail(&log, child.log_offset, 20), ["started"]);
+        assert_eq!(child::tail(&log, child.log_offset, 20), ["started"]);
     }
 
     #[test]

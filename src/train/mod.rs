@@ -76,10 +76,10 @@ pub enum TrainError {
     /// libtorch failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
-    /// The node-shared cache server could not be attached to nor started (its
-    /// address and log named).
+    /// The node's cache server could not be started, nor the node-shared one
+    /// attached to (its address and log named).
     #[error(transparent)]
-    SharedCache(#[from] vrtspike_contract::shared_server::ShareError),
+    CacheServer(#[from] vrtspike_contract::cache_serve::ServeError),
     /// A file of the run directory could not be written.
     #[error("{path}: {message}")]
     Io {

@@ -19,13 +19,11 @@
 //! address names the job, the node and the attempt (a restarted attempt starts a
 //! fresh server: the old one ended with its rank 0), from `cache::default_address`.
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrtspike_contract::cache_serve::{self, CacheServe};
-use vrtspike_contract::logfile;
+use vrtspike_contract::cache_serve::{self, CacheServe, Watch};
 use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 
 use super::env::RankEnv;
@@ -185,9 +183,11 @@ fn attach_or_start_shared(
         serve: serve_command(address, from),
         linger_s,
         started_by: &started_by,
-        log: &log,
-        timeout: START_TIMEOUT,
-        interrupted: &|| false,
+        watch: Watch {
+            log: &log,
+            timeout: START_TIMEOUT,
+            interrupted: &|| false,
+        },
     };
     // Started (by this rank, or by another job that won the race): held at once,
     // since it waits for its first client longer than the linger.
@@ -200,44 +200,19 @@ fn attach_or_start_shared(
     Ok((hold, how))
 }
 
-/// Local rank 0: starts the job's own server, this rank's child with a
-/// parent-death signal, logging into the node's cache log, and waits for its word.
+/// Local rank 0: starts the job's own server (this rank's child, which dies with
+/// it), logging into the node's cache log, and waits for its word.
 fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, TrainError> {
     let log = env.layout().cache_log(env.contract.node_rank);
-    let (out, _) = logfile::open_append(&log).map_err(|e| TrainError::io(&log, e))?;
-    let err = out.try_clone().map_err(|e| TrainError::io(&log, e))?;
-    let serve = serve_command(address, from);
-    let (mut command, mut pipe) = serve
-        .command()
-        .map_err(|e| TrainError::io(&log, format!("the cache server's readiness pipe: {e}")))?;
-    command.stdin(Stdio::null()).stdout(out).stderr(err);
-    die_with_this_process(&mut command);
-    let spawned = command.spawn();
-    pipe.close_child_end();
-    let mut child = spawned.map_err(|e| {
-        TrainError::io(
-            from.vrtspike,
-            format!("starting the node's cache server: {e}"),
-        )
+    let started = serve_command(address, from).start_logged(&Watch {
+        log: &log,
+        timeout: START_TIMEOUT,
+        interrupted: &|| false,
     })?;
-    let waited =
-        cache_serve::wait_ready(&mut pipe, START_TIMEOUT, &mut || child.try_wait(), &|| {
-            false
-        });
-    match waited {
-        Ok(_) => Ok(OwnServer {
-            address: address.to_string(),
-            child,
-        }),
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(TrainError::io(
-                &log,
-                format!("{e}: the node's cache server at {address:?} (its log)"),
-            ))
-        }
-    }
+    Ok(OwnServer {
+        address: address.to_string(),
+        child: started.child,
+    })
 }
 
 /// `vrtspike cache serve` at `address` with the run's config and overrides, as
@@ -250,26 +225,6 @@ fn serve_command<'a>(address: &'a str, from: &ServeFrom<'a>) -> CacheServe<'a> {
         cap: None,
         overrides: from.overrides,
         lifetime: cache_serve::Lifetime::WithParent,
-    }
-}
-
-/// The child gets SIGKILL when this process dies (and is not started if it died
-/// already).
-fn die_with_this_process(command: &mut std::process::Command) {
-    let parent = std::process::id() as i32;
-    // SAFETY: the hook runs in the forked child before exec; it only makes the
-    // prctl and getppid system calls, which are async-signal-safe, and allocates
-    // nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
     }
 }
 

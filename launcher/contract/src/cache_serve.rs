@@ -11,10 +11,11 @@
 //! job attaches to it, or starts it, is [`crate::shared_server`].
 
 use std::os::unix::process::CommandExt;
-use std::path::Path;
-use std::process::{Command, ExitStatus};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::child;
 use crate::ready::{self, Readiness, ReadyPipe};
 use crate::signals;
 
@@ -68,6 +69,10 @@ pub struct CacheAttach<'a> {
     pub address: &'a str,
     /// The client's name in the server's stats (the job).
     pub name: &'a str,
+    /// The job as its ranks' clients name it for the per-job figures (the run
+    /// directory, `RunLayout::job_label`, in [`crate::env::RUN_DIR`]): the attach
+    /// counts there too.
+    pub job_label: &'a str,
 }
 
 impl CacheAttach<'_> {
@@ -78,8 +83,18 @@ impl CacheAttach<'_> {
             .args(["cache", "attach", "--exit-with-parent", "--address"])
             .arg(self.address)
             .arg("--name")
-            .arg(self.name);
+            .arg(self.name)
+            .env(crate::env::RUN_DIR, self.job_label);
         with_ready_pipe(command)
+    }
+
+    /// Starts the attach (it dies with its starter) and waits for its word, as
+    /// [`CacheServe::start_logged`] does.
+    pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
+        let (command, pipe) = self
+            .command()
+            .map_err(io_error(self.address, "a readiness pipe"))?;
+        spawn_logged(command, pipe, self.address, Lifetime::WithParent, watch)
     }
 }
 
@@ -139,20 +154,15 @@ impl CacheServe<'_> {
 /// signals blocked across `exec`.
 fn with_ready_pipe(mut command: Command) -> std::io::Result<(Command, ReadyPipe)> {
     let pipe = ReadyPipe::new()?;
-    let fd = pipe.child_fd();
-    if let Some(fd) = fd {
+    if let Some(fd) = pipe.child_fd() {
         command.env(ready::READY_FD, fd.to_string());
+        // SAFETY: the hook runs in the forked child before exec and only calls
+        // fcntl (async-signal-safe); it allocates nothing.
+        unsafe {
+            command.pre_exec(move || ready::inherit_in_child(fd));
+        }
     }
-    // SAFETY: the hook runs in the forked child before exec and only calls
-    // fcntl and pthread_sigmask (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if let Some(fd) = fd {
-                ready::inherit_in_child(fd)?;
-            }
-            signals::block_in_child()
-        });
-    }
+    signals::block_across_exec(&mut command);
     Ok((command, pipe))
 }
 
@@ -184,6 +194,153 @@ pub fn wait_ready(
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// Why a server could not be had (started, or attached to).
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Its log, its readiness pipe or its process could not be made.
+    #[error("{what} for the cache server at {address:?}: {source}")]
+    Io {
+        /// What was being done (naming the file, if one).
+        what: String,
+        /// The server's address.
+        address: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// It did not get ready: it exited first (the end of its log in `tail`), it
+    /// was too slow, or the wait was interrupted.
+    #[error("{source} (address {address:?}); see {}{tail}", log.display())]
+    NotReady {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+        /// Why.
+        source: StartError,
+        /// `:` and the log's last lines from this start, when it exited.
+        tail: String,
+    },
+    /// Every round of [`crate::shared_server::attach_or_start`] lost a race, or
+    /// met a server that stopped in between.
+    #[error(
+        "could not attach to, nor start, the node-shared cache server at {address:?} in \
+         {rounds} tries; see {}",
+        log.display()
+    )]
+    GaveUp {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+        /// The rounds tried.
+        rounds: usize,
+    },
+}
+
+/// Where a started child logs, and how long it is waited for.
+#[derive(Clone, Copy)]
+pub struct Watch<'a> {
+    /// The log its output is appended to.
+    pub log: &'a Path,
+    /// How long it may take to say it is ready.
+    pub timeout: Duration,
+    /// Whether this process was asked to stop meanwhile (give up the wait).
+    pub interrupted: &'a dyn Fn() -> bool,
+}
+
+/// A child that said it is ready.
+#[derive(Debug)]
+pub struct Started {
+    /// The process.
+    pub child: Child,
+    /// How long it took.
+    pub took: Duration,
+    /// The length of its log before it started: its own lines follow.
+    pub log_offset: u64,
+}
+
+impl CacheServe<'_> {
+    /// Starts the server in a process group of its own (a Ctrl-C of the starter's
+    /// terminal does not reach it) with its output appended to `watch.log`, and
+    /// waits for its word. One job's server ([`Lifetime::WithParent`]) gets SIGKILL
+    /// when its starter dies ([`child::die_with_starter`]); a shared one does not,
+    /// so it outlives its starter. A server that did not get ready is stopped and
+    /// reaped; one that exited has its log's last lines in the error.
+    pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
+        let (command, pipe) = self
+            .command()
+            .map_err(io_error(self.address, "a readiness pipe"))?;
+        spawn_logged(command, pipe, self.address, self.lifetime, watch)
+    }
+}
+
+/// What makes a [`ServeError::Io`] of `what` for `address`.
+fn io_error<'a>(address: &'a str, what: &'a str) -> impl FnOnce(std::io::Error) -> ServeError + 'a {
+    move |source| ServeError::Io {
+        what: what.to_string(),
+        address: address.to_string(),
+        source,
+    }
+}
+
+/// Spawns `command` as [`CacheServe::start_logged`] says, and waits on `pipe`.
+fn spawn_logged(
+    mut command: Command,
+    mut pipe: ReadyPipe,
+    address: &str,
+    lifetime: Lifetime,
+    watch: &Watch,
+) -> Result<Started, ServeError> {
+    let opening = format!("opening {}", watch.log.display());
+    let (out, log_offset) = child::open_append(watch.log).map_err(io_error(address, &opening))?;
+    let err = out.try_clone().map_err(io_error(address, &opening))?;
+    command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    if lifetime == Lifetime::WithParent {
+        child::die_with_starter(&mut command);
+    }
+    let spawned = command.spawn();
+    pipe.close_child_end();
+    let starting = format!("starting {}", command.get_program().to_string_lossy());
+    let mut process = spawned.map_err(io_error(address, &starting))?;
+    let waited = wait_ready(
+        &mut pipe,
+        watch.timeout,
+        &mut || process.try_wait(),
+        watch.interrupted,
+    );
+    let source = match waited {
+        Ok(took) => {
+            return Ok(Started {
+                child: process,
+                took,
+                log_offset,
+            })
+        }
+        Err(source) => source,
+    };
+    let tail = match source {
+        StartError::Exited(_) => {
+            let lines = child::tail(watch.log, log_offset, child::TAIL_LINES);
+            format!(":\n{}", lines.join("\n"))
+        }
+        _ => {
+            let _ = process.kill();
+            let _ = process.wait();
+            String::new()
+        }
+    };
+    Err(ServeError::NotReady {
+        address: address.to_string(),
+        log: watch.log.to_path_buf(),
+        source,
+        tail,
+    })
 }
 
 /// Waits for a node-shared server this process started on a thread, so it
@@ -272,8 +429,14 @@ mod tests {
             vrtspike: Path::new("/bin/vrtspike"),
             address: "vrtspike-cache-x",
             name: "job n0-42",
+            job_label: "runs/a",
         };
         let (command, pipe) = attach.command().unwrap_or_else(|e| panic!("{e}"));
+        let label = command
+            .get_envs()
+            .find(|(k, _)| *k == crate::env::RUN_DIR)
+            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()));
+        assert_eq!(label.as_deref(), Some("runs/a"));
         assert_eq!(
             args_of(&command),
             [

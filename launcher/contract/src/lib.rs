@@ -11,11 +11,12 @@
 //! job attaches to the node-shared one, or starts it), [`dataset_sig`] (which
 //! dataset a node-shared cache server holds) and [`hostlist`] (SLURM's
 //! compressed host lists); [`fnv`] is the one stable hash they all use, [`size`]
-//! and [`seconds`] the one reading of byte sizes and seconds, [`logfile`] a
-//! child's log. It links no libtorch, so the launcher stays free of it.
+//! and [`seconds`] the one reading of byte sizes and seconds, [`child`] a
+//! child's log and its tie to its starter. It links no libtorch, so the launcher stays free of it.
 
 pub mod cache_addr;
 pub mod cache_serve;
+pub mod child;
 pub mod dataset_sig;
 pub mod env;
 pub mod failure;
@@ -23,7 +24,6 @@ pub mod fnv;
 pub mod heartbeat;
 pub mod hostlist;
 mod json_file;
-pub mod logfile;
 pub mod pss;
 pub mod ready;
 pub mod rundir;

@@ -12,13 +12,12 @@
 //! attach` child that its gang watches; a rank: a client connection), passed in as
 //! the attach to try.
 
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
-use std::time::Duration;
+use std::path::Path;
 
-use crate::cache_serve::{self, CacheServe, Lifetime, StartError, EXIT_ADDRESS_IN_USE};
-use crate::{logfile, seconds};
+use crate::cache_serve::{
+    self, CacheServe, Lifetime, ServeError, StartError, Started, Watch, EXIT_ADDRESS_IN_USE,
+};
+use crate::seconds;
 
 /// How many times a job starts the node-shared server and attaches to it after
 /// its first attach found none, before it gives up (each failed round is a race
@@ -67,59 +66,6 @@ pub enum Joined {
     RaceLost,
 }
 
-/// Why a job could not hold the node-shared server.
-#[derive(Debug, thiserror::Error)]
-pub enum ShareError {
-    /// The server's log, its readiness pipe or its process could not be made.
-    #[error("{what} for the node-shared cache server at {address:?}: {source}")]
-    Io {
-        /// What was being done (naming the file, if one).
-        what: String,
-        /// The server's address.
-        address: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The server exited before it accepted connections (not for a lost race).
-    #[error(
-        "the node-shared cache server at {address:?} exited before accepting connections \
-         ({status}); the end of {}:\n{tail}",
-        log.display()
-    )]
-    Exited {
-        /// The server's address.
-        address: String,
-        /// How it ended.
-        status: ExitStatus,
-        /// Its log.
-        log: PathBuf,
-        /// The log's last lines from this start.
-        tail: String,
-    },
-    /// The server did not get ready (in time, or the wait was interrupted).
-    #[error("{source} (the node-shared cache server at {address:?}); see {}", log.display())]
-    NotReady {
-        /// The server's address.
-        address: String,
-        /// Its log.
-        log: PathBuf,
-        /// Why.
-        source: StartError,
-    },
-    /// Every round lost a race, or met a server that stopped in between.
-    #[error(
-        "could not attach to, nor start, the node-shared cache server at {address:?} in \
-         {ATTACH_ROUNDS} tries; see {}",
-        log.display()
-    )]
-    GaveUp {
-        /// The server's address.
-        address: String,
-        /// Its log.
-        log: PathBuf,
-    },
-}
-
 /// How this job starts the node-shared server when none answers.
 #[derive(Clone, Copy)]
 pub struct SharedStart<'a> {
@@ -130,32 +76,28 @@ pub struct SharedStart<'a> {
     pub linger_s: f64,
     /// This job, as the jobs that attach later are told (`--started-by`).
     pub started_by: &'a str,
-    /// The log its output is appended to.
-    pub log: &'a Path,
-    /// How long it may take to accept connections.
-    pub timeout: Duration,
-    /// Whether this process was asked to stop meanwhile (give up the wait).
-    pub interrupted: &'a dyn Fn() -> bool,
+    /// Its log, and how long it may take to accept connections.
+    pub watch: Watch<'a>,
 }
 
 /// Holds this job to the node-shared server: `attach` (`None` when no server
 /// answers), else start one with `start` and attach again, up to
 /// [`ATTACH_ROUNDS`] times. Returns what `attach` gave and how it came.
-pub fn attach_or_start<H, E: From<ShareError>>(
+pub fn attach_or_start<H, E: From<ServeError>>(
     start: &SharedStart,
     attach: &mut dyn FnMut() -> Result<Option<H>, E>,
 ) -> Result<(H, Joined), E> {
-    rounds(start.serve.address, start.log, attach, &mut || {
+    rounds(start.serve.address, start.watch.log, attach, &mut || {
         start.start()
     })
 }
 
 /// The rounds of [`attach_or_start`], with the start passed in.
-fn rounds<H, E: From<ShareError>>(
+fn rounds<H, E: From<ServeError>>(
     address: &str,
     log: &Path,
     attach: &mut dyn FnMut() -> Result<Option<H>, E>,
-    start: &mut dyn FnMut() -> Result<Joined, ShareError>,
+    start: &mut dyn FnMut() -> Result<Joined, ServeError>,
 ) -> Result<(H, Joined), E> {
     if let Some(hold) = attach()? {
         return Ok((hold, Joined::Attached));
@@ -166,9 +108,10 @@ fn rounds<H, E: From<ShareError>>(
             return Ok((hold, joined));
         }
     }
-    Err(ShareError::GaveUp {
+    Err(ServeError::GaveUp {
         address: address.to_string(),
         log: log.to_path_buf(),
+        rounds: ATTACH_ROUNDS,
     }
     .into())
 }
@@ -177,15 +120,8 @@ impl SharedStart<'_> {
     /// Starts a detached server and waits for its word: [`Joined::Started`] once
     /// it is ready, [`Joined::RaceLost`] when another one holds the address (attach
     /// to that one).
-    pub fn start(&self) -> Result<Joined, ShareError> {
+    pub fn start(&self) -> Result<Joined, ServeError> {
         let address = self.serve.address;
-        let io = |what: String| {
-            move |source| ShareError::Io {
-                what,
-                address: address.to_string(),
-                source,
-            }
-        };
         let serve = CacheServe {
             lifetime: Lifetime::Shared {
                 linger_s: self.linger_s,
@@ -193,28 +129,8 @@ impl SharedStart<'_> {
             },
             ..self.serve
         };
-        let (mut command, mut pipe) = serve.command().map_err(io("its readiness pipe".into()))?;
-        let opening = || format!("opening {}", self.log.display());
-        let (out, offset) = logfile::open_append(self.log).map_err(io(opening()))?;
-        let err = out.try_clone().map_err(io(opening()))?;
-        // Its own process group (a Ctrl-C of the starter's terminal does not reach
-        // it), and no parent-death signal: it outlives its starter.
-        command
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0);
-        let spawned = command.spawn();
-        pipe.close_child_end();
-        let mut child = spawned.map_err(io(format!("starting {}", serve.vrtspike.display())))?;
-        let waited = cache_serve::wait_ready(
-            &mut pipe,
-            self.timeout,
-            &mut || child.try_wait(),
-            self.interrupted,
-        );
-        match waited {
-            Ok(took) => {
+        match serve.start_logged(&self.watch) {
+            Ok(Started { child, took, .. }) => {
                 tracing::info!(
                     address,
                     pid = child.id(),
@@ -226,7 +142,10 @@ impl SharedStart<'_> {
                 cache_serve::reap_in_background(child);
                 Ok(Joined::Started)
             }
-            Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
+            Err(ServeError::NotReady {
+                source: StartError::Exited(status),
+                ..
+            }) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
                 tracing::info!(
                     address,
                     "another job's node-shared cache server took the address first: \
@@ -234,21 +153,7 @@ impl SharedStart<'_> {
                 );
                 Ok(Joined::RaceLost)
             }
-            Err(StartError::Exited(status)) => Err(ShareError::Exited {
-                address: address.to_string(),
-                status,
-                log: self.log.to_path_buf(),
-                tail: logfile::tail(self.log, offset, logfile::TAIL_LINES).join("\n"),
-            }),
-            Err(source) => {
-                let _ = child.kill();
-                cache_serve::reap_in_background(child);
-                Err(ShareError::NotReady {
-                    address: address.to_string(),
-                    log: self.log.to_path_buf(),
-                    source,
-                })
-            }
+            Err(e) => Err(e),
         }
     }
 }
@@ -256,6 +161,8 @@ impl SharedStart<'_> {
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+    use std::path::PathBuf;
+    use std::time::Duration;
 
     use super::*;
 
@@ -278,7 +185,7 @@ mod tests {
             }
         }
 
-        fn run(&self) -> Result<(&'static str, Joined), ShareError> {
+        fn run(&self) -> Result<(&'static str, Joined), ServeError> {
             let mut attach = || {
                 self.attaches.set(self.attaches.get() + 1);
                 Ok((self.attaches.get() >= self.found).then_some("held"))
@@ -341,20 +248,22 @@ mod tests {
     #[test]
     fn a_failed_attach_or_start_ends_the_rounds() {
         let mut attach = || {
-            Err::<Option<()>, _>(ShareError::GaveUp {
+            Err::<Option<()>, _>(ServeError::GaveUp {
                 address: "mine".into(),
                 log: PathBuf::from("l"),
+                rounds: 1,
             })
         };
-        let mut start = || -> Result<Joined, ShareError> { panic!("started after a failure") };
+        let mut start = || -> Result<Joined, ServeError> { panic!("started after a failure") };
         let error = rounds("a", Path::new("l"), &mut attach, &mut start).err();
         assert!(error.is_some_and(|e| e.to_string().contains("\"mine\"")));
-        let mut attach = || Ok::<Option<()>, ShareError>(None);
+        let mut attach = || Ok::<Option<()>, ServeError>(None);
         let mut start = || {
-            Err(ShareError::NotReady {
+            Err(ServeError::NotReady {
                 address: "a".into(),
                 log: PathBuf::from("l"),
                 source: StartError::Interrupted,
+                tail: String::new(),
             })
         };
         let error = rounds("a", Path::new("l"), &mut attach, &mut start).err();
@@ -394,7 +303,7 @@ mod tests {
         exe
     }
 
-    fn start_with(exe: &Path, log: &Path) -> Result<Joined, ShareError> {
+    fn start_with(exe: &Path, log: &Path) -> Result<Joined, ServeError> {
         let start = SharedStart {
             serve: CacheServe {
                 vrtspike: exe,
@@ -406,15 +315,17 @@ mod tests {
             },
             linger_s: 2.5,
             started_by: "job t",
-            log,
-            timeout: Duration::from_secs(20),
-            interrupted: &|| false,
+            watch: Watch {
+                log,
+                timeout: Duration::from_secs(20),
+                interrupted: &|| false,
+            },
         };
         // A script just written may still be open for writing in a child that
         // another test thread forked meanwhile (until its exec): try again then.
         for _ in 0..100 {
             match start.start() {
-                Err(ShareError::Io { source, .. })
+                Err(ServeError::Io { source, .. })
                     if source.raw_os_error() == Some(libc::ETXTBSY) =>
                 {
                     std::thread::sleep(Duration::from_millis(20));

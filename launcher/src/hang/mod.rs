@@ -27,8 +27,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use vrtspike_contract::child;
 use vrtspike_contract::heartbeat::{self, Beat, Collectives, Progress};
-use vrtspike_contract::logfile;
 
 use crate::relay::{RankReport, Relay, RelayHandle};
 use crate::spawn::Supervised;
@@ -311,7 +311,7 @@ impl HangWatch {
             signal: None,
             cause: hang.cause(),
             log: log.display().to_string(),
-            log_tail: logfile::tail(&log, log_offset, logfile::TAIL_LINES),
+            log_tail: child::tail(&log, log_offset, child::TAIL_LINES),
             class: None,
             stuck: true,
         }

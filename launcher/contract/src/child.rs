@@ -1,11 +1,14 @@
-//! A child's log file, as the launcher and a rank that starts the node's cache
-//! server both keep it: opened for appending (its folder made first), with the
-//! length it had, so the child's own lines are those after it, and the last lines
-//! after an offset for an error report.
+//! A child of a job's process, as the launcher and a rank that starts the node's
+//! cache server both start one: its log, opened for appending (its folder made
+//! first) with the length it had, so the child's own lines are those after it,
+//! and the last lines after an offset for an error report; and its tie to the
+//! process that starts it ([`die_with_starter`]).
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::process::Command;
 
 /// Lines of a failed process's log kept in its failure report.
 pub const TAIL_LINES: usize = 20;
@@ -34,6 +37,28 @@ pub fn tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
         .iter()
         .map(|l| l.to_string())
         .collect()
+}
+
+/// Has the child of `command` get SIGKILL when the thread that spawns it dies (so
+/// even `kill -9` of its starter takes it down), and not start at all when its
+/// starter died before that was set. Spawn it from a thread that lives as long as
+/// the starter: Linux sends the signal when the spawning *thread* exits.
+pub fn die_with_starter(command: &mut Command) {
+    let starter = std::process::id() as i32;
+    // SAFETY: the hook runs in the forked child before exec; it only makes the
+    // prctl and getppid system calls, which are async-signal-safe, and allocates
+    // nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != starter {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
 }
 
 #[cfg(test)]
@@ -66,5 +91,25 @@ mod tests {
         assert_eq!(offset, 8);
         std::io::Write::write_all(&mut file, b"mine\n").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(tail(&log, offset, TAIL_LINES), ["mine"]);
+    }
+
+    #[test]
+    fn a_tied_child_is_killed_when_its_spawning_thread_ends() {
+        let spawner = std::thread::spawn(|| {
+            let mut command = Command::new("sleep");
+            command.arg("30");
+            die_with_starter(&mut command);
+            command.spawn()
+        });
+        let mut child = spawner
+            .join()
+            .unwrap_or_else(|_| panic!("the spawning thread panicked"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Bounded: a child that outlived its starter would sleep 30 s.
+        let started = std::time::Instant::now();
+        let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
     }
 }
