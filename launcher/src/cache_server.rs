@@ -22,16 +22,11 @@ pub fn start(serve: &CacheServe, watch: &Watch) -> Result<Supervised> {
     let started = serve.start_logged(watch)?;
     tracing::info!(
         address = serve.address,
-        pid = started.child.id(),
+        pid = started.spawned.process.id(),
         "cache server ready in {:.2} s",
         started.took.as_secs_f64()
     );
-    let server = Supervised::adopt(
-        "cache server".into(),
-        started.child,
-        watch.log,
-        started.log_offset,
-    );
+    let server = Supervised::adopt("cache server".into(), started.spawned, watch.log);
     Ok(server.with_stop_signal(Signal::SIGINT))
 }
 
@@ -89,18 +84,16 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
     let shown: Value = serde_json::from_slice(&output.stdout)
         .with_context(|| format!("reading the JSON of config show for {}", config.display()))?;
     let key = |name: &str| &shown["keys"][name]["value"];
-    let ram_cache = key("DATA.USE_RAM_CACHE").as_bool().with_context(|| {
-        format!(
-            "config show for {} gives no boolean DATA.USE_RAM_CACHE",
-            config.display()
-        )
-    })?;
-    let collective_timeout_s = key("DIST.TIMEOUT_S").as_f64().with_context(|| {
-        format!(
-            "config show for {} gives no number DIST.TIMEOUT_S",
-            config.display()
-        )
-    })?;
+    let lacks = |what: String| format!("config show for {} gives no {what}", config.display());
+    let number = |name: &str| {
+        key(name)
+            .as_f64()
+            .with_context(|| lacks(format!("number {name}")))
+    };
+    let ram_cache = key("DATA.USE_RAM_CACHE")
+        .as_bool()
+        .with_context(|| lacks("boolean DATA.USE_RAM_CACHE".into()))?;
+    let collective_timeout_s = number("DIST.TIMEOUT_S")?;
     let shared = match key("DATA.CACHE_SHARING").as_str() {
         Some("node") => true,
         Some("job") => false,
@@ -110,12 +103,7 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
         ),
     };
     let data_root = key("DATA.ROOT").as_str().map(PathBuf::from);
-    let cache_gb = key("DATA.CACHE_SIZE_GB").as_f64().with_context(|| {
-        format!(
-            "config show for {} gives no number DATA.CACHE_SIZE_GB",
-            config.display()
-        )
-    })?;
+    let cache_gb = number("DATA.CACHE_SIZE_GB")?;
     Ok(ConfigFacts {
         ram_cache,
         collective_timeout_s,

@@ -48,13 +48,8 @@ fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
     match attach.start_logged(&spec.start.watch) {
         Ok(started) => {
             let log = spec.start.watch.log;
-            let held = Supervised::adopt(
-                "cache attach".into(),
-                started.child,
-                log,
-                started.log_offset,
-            )
-            .with_stop_signal(Signal::SIGINT);
+            let held = Supervised::adopt("cache attach".into(), started.spawned, log)
+                .with_stop_signal(Signal::SIGINT);
             report_attached(spec, held.pid());
             Ok(Some(held))
         }

@@ -5,14 +5,14 @@
 //! counts them from its first instruction, see `vrtspike_contract::signals`).
 
 use std::io;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use vrtspike_contract::{child, signals};
+use vrtspike_contract::child::{self, Spawned, Tie};
+use vrtspike_contract::signals;
 
 /// A child of the launcher, leader of its own process group.
 #[derive(Debug)]
@@ -52,19 +52,11 @@ pub fn spawn(
     log: &Path,
     kind: ChildKind,
 ) -> io::Result<Supervised> {
-    let (out, log_offset) = child::open_append(log)?;
-    let err = out.try_clone()?;
-    command
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .process_group(0);
-    child::die_with_starter(command);
     if kind == ChildKind::Vrtspike {
         signals::block_across_exec(command);
     }
-    let child = command.spawn()?;
-    Ok(Supervised::adopt(name, child, log, log_offset))
+    let spawned = child::spawn_logged(command, log, Tie::DiesWithStarter)?;
+    Ok(Supervised::adopt(name, spawned, log))
 }
 
 /// The command of a `vrtspike` helper the launcher runs to its end (the plan
@@ -81,14 +73,13 @@ pub fn vrtspike_helper(vrtspike: &Path) -> Command {
 }
 
 impl Supervised {
-    /// `child`, started elsewhere as [`spawn`] starts one (its own process group,
-    /// its output appended to `log` from `log_offset` on), supervised from now on.
-    pub fn adopt(name: String, child: Child, log: &Path, log_offset: u64) -> Supervised {
+    /// A child started into `log` (`child::spawn_logged`), supervised from now on.
+    pub fn adopt(name: String, spawned: Spawned, log: &Path) -> Supervised {
         Supervised {
             name,
-            child,
+            child: spawned.process,
             log: log.to_path_buf(),
-            log_offset,
+            log_offset: spawned.log_offset,
             status: None,
             stop_signal: Signal::SIGTERM,
         }

@@ -393,9 +393,7 @@ fn kill_9_of_node_1_s_launcher_ends_node_0_naming_it() {
     };
     let mut node0 = launch(0);
     let mut node1 = launch(1);
-    let up = wait_until(Duration::from_secs(60), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let up = job.two_ranks_started(Duration::from_secs(60));
     assert!(up, "the ranks never started");
     assert!(!nodes.pids(1).is_empty());
     node1.kill().unwrap_or_else(|e| panic!("{e}")); // SIGKILL

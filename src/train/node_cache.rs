@@ -211,7 +211,7 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, Tr
     })?;
     Ok(OwnServer {
         address: address.to_string(),
-        child: started.child,
+        child: started.spawned.process,
     })
 }
 

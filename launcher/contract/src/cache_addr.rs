@@ -82,14 +82,15 @@ mod tests {
 
     #[test]
     fn an_unreadable_dataset_says_why_its_files_are_read() {
-        let error = node_shared_address(std::path::Path::new("/no/such/dataset"))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let Err(error) = node_shared_address(std::path::Path::new("/no/such/dataset")) else {
+            panic!("a dataset that is not there was signed");
+        };
+        let text = error.to_string();
+        let why = "DATA.CACHE_SHARING node keys the cache server by the dataset's files: ";
+        assert!(text.starts_with(why), "{text}");
         assert!(
-            error.starts_with("DATA.CACHE_SHARING node keys the cache server by the dataset's")
-                && error.contains("/no/such/dataset"),
-            "{error}"
+            text.contains("signing the dataset at /no/such/dataset"),
+            "{text}"
         );
     }
 

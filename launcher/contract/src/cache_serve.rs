@@ -12,10 +12,10 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use crate::child;
+use crate::child::{self, Spawned, Tie};
 use crate::ready::{self, Readiness, ReadyPipe};
 use crate::signals;
 
@@ -76,8 +76,8 @@ pub struct CacheAttach<'a> {
 }
 
 impl CacheAttach<'_> {
-    /// The command with a new readiness pipe (see [`CacheServe::command`]).
-    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+    /// The attach's command line ([`CacheAttach::start_logged`] starts it).
+    pub fn command(&self) -> Command {
         let mut command = Command::new(self.vrtspike);
         command
             .args(["cache", "attach", "--exit-with-parent", "--address"])
@@ -85,24 +85,21 @@ impl CacheAttach<'_> {
             .arg("--name")
             .arg(self.name)
             .env(crate::env::RUN_DIR, self.job_label);
-        with_ready_pipe(command)
+        command
     }
 
     /// Starts the attach (it dies with its starter) and waits for its word, as
     /// [`CacheServe::start_logged`] does.
     pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
-        let (command, pipe) = self
-            .command()
-            .map_err(io_error(self.address, "a readiness pipe"))?;
-        spawn_logged(command, pipe, self.address, Lifetime::WithParent, watch)
+        start_logged(self.command(), self.address, Lifetime::WithParent, watch)
     }
 }
 
 /// Why the server did not get ready.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The pipe or the child could not be watched.
-    #[error("watching the cache server start: {0}")]
+    /// Its log, its readiness pipe or its process could not be made or watched.
+    #[error("starting the cache server: {0}")]
     Io(#[from] std::io::Error),
     /// It exited before it was ready.
     #[error("the cache server exited before accepting connections ({0})")]
@@ -116,10 +113,8 @@ pub enum StartError {
 }
 
 impl CacheServe<'_> {
-    /// The server's command with a new readiness pipe. The server gets the job's
-    /// signals blocked across `exec` (it settles them itself: it ignores them).
-    /// Spawn the command, then call [`ReadyPipe::close_child_end`] and [`wait_ready`].
-    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+    /// The server's command line ([`CacheServe::start_logged`] starts it).
+    pub fn command(&self) -> Command {
         let mut command = Command::new(self.vrtspike);
         command.args(["cache", "serve"]);
         match self.lifetime {
@@ -146,69 +141,13 @@ impl CacheServe<'_> {
         if let Some(cap) = self.cap {
             command.args(["--cap", cap]);
         }
-        with_ready_pipe(command)
-    }
-}
-
-/// `command` with a new readiness pipe whose write end it inherits, and the job's
-/// signals blocked across `exec`.
-fn with_ready_pipe(mut command: Command) -> std::io::Result<(Command, ReadyPipe)> {
-    let pipe = ReadyPipe::new()?;
-    if let Some(fd) = pipe.child_fd() {
-        command.env(ready::READY_FD, fd.to_string());
-        // SAFETY: the hook runs in the forked child before exec and only calls
-        // fcntl (async-signal-safe); it allocates nothing.
-        unsafe {
-            command.pre_exec(move || ready::inherit_in_child(fd));
-        }
-    }
-    signals::block_across_exec(&mut command);
-    Ok((command, pipe))
-}
-
-/// Waits up to `timeout` for the server's word on `pipe`; `exited` polls the
-/// child, `interrupted` says when to give up early. Returns how long it took.
-pub fn wait_ready(
-    pipe: &mut ReadyPipe,
-    timeout: Duration,
-    exited: &mut dyn FnMut() -> std::io::Result<Option<ExitStatus>>,
-    interrupted: &dyn Fn() -> bool,
-) -> Result<Duration, StartError> {
-    let started = Instant::now();
-    loop {
-        if interrupted() {
-            return Err(StartError::Interrupted);
-        }
-        let readiness = pipe.wait(Duration::from_millis(100))?;
-        if readiness == Readiness::Ready {
-            return Ok(started.elapsed());
-        }
-        if let Some(status) = exited()? {
-            return Err(StartError::Exited(status));
-        }
-        if started.elapsed() > timeout {
-            return Err(StartError::TimedOut(timeout.as_secs_f64()));
-        }
-        if readiness == Readiness::Closed {
-            // It closed the pipe unready, so it is exiting: look again shortly.
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        command
     }
 }
 
 /// Why a server could not be had (started, or attached to).
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// Its log, its readiness pipe or its process could not be made.
-    #[error("{what} for the cache server at {address:?}: {source}")]
-    Io {
-        /// What was being done (naming the file, if one).
-        what: String,
-        /// The server's address.
-        address: String,
-        /// The cause.
-        source: std::io::Error,
-    },
     /// It did not get ready: it exited first (the end of its log in `tail`), it
     /// was too slow, or the wait was interrupted.
     #[error("{source} (address {address:?}); see {}{tail}", log.display())]
@@ -253,94 +192,108 @@ pub struct Watch<'a> {
 /// A child that said it is ready.
 #[derive(Debug)]
 pub struct Started {
-    /// The process.
-    pub child: Child,
+    /// The process and where its own lines begin in its log.
+    pub spawned: Spawned,
     /// How long it took.
     pub took: Duration,
-    /// The length of its log before it started: its own lines follow.
-    pub log_offset: u64,
 }
 
 impl CacheServe<'_> {
     /// Starts the server in a process group of its own (a Ctrl-C of the starter's
     /// terminal does not reach it) with its output appended to `watch.log`, and
-    /// waits for its word. One job's server ([`Lifetime::WithParent`]) gets SIGKILL
-    /// when its starter dies ([`child::die_with_starter`]); a shared one does not,
-    /// so it outlives its starter. A server that did not get ready is stopped and
-    /// reaped; one that exited has its log's last lines in the error.
+    /// waits for its word on a readiness pipe ([`crate::ready`]). It gets the job's
+    /// signals blocked across `exec` (it settles them itself: it ignores them), and
+    /// one job's server ([`Lifetime::WithParent`]) SIGKILL when its starter dies
+    /// ([`Tie::DiesWithStarter`]); a shared one outlives its starter. A server
+    /// that did not get ready is stopped and reaped; one that exited has its log's
+    /// last lines in the error.
     pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
-        let (command, pipe) = self
-            .command()
-            .map_err(io_error(self.address, "a readiness pipe"))?;
-        spawn_logged(command, pipe, self.address, self.lifetime, watch)
+        start_logged(self.command(), self.address, self.lifetime, watch)
     }
 }
 
-/// What makes a [`ServeError::Io`] of `what` for `address`.
-fn io_error<'a>(address: &'a str, what: &'a str) -> impl FnOnce(std::io::Error) -> ServeError + 'a {
-    move |source| ServeError::Io {
-        what: what.to_string(),
-        address: address.to_string(),
-        source,
-    }
-}
-
-/// Spawns `command` as [`CacheServe::start_logged`] says, and waits on `pipe`.
-fn spawn_logged(
+/// Starts `command` as [`CacheServe::start_logged`] says.
+fn start_logged(
     mut command: Command,
-    mut pipe: ReadyPipe,
     address: &str,
     lifetime: Lifetime,
     watch: &Watch,
 ) -> Result<Started, ServeError> {
-    let opening = format!("opening {}", watch.log.display());
-    let (out, log_offset) = child::open_append(watch.log).map_err(io_error(address, &opening))?;
-    let err = out.try_clone().map_err(io_error(address, &opening))?;
-    command
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .process_group(0);
-    if lifetime == Lifetime::WithParent {
-        child::die_with_starter(&mut command);
-    }
-    let spawned = command.spawn();
-    pipe.close_child_end();
-    let starting = format!("starting {}", command.get_program().to_string_lossy());
-    let mut process = spawned.map_err(io_error(address, &starting))?;
-    let waited = wait_ready(
-        &mut pipe,
-        watch.timeout,
-        &mut || process.try_wait(),
-        watch.interrupted,
-    );
-    let source = match waited {
-        Ok(took) => {
-            return Ok(Started {
-                child: process,
-                took,
-                log_offset,
-            })
-        }
-        Err(source) => source,
-    };
-    let tail = match source {
-        StartError::Exited(_) => {
-            let lines = child::tail(watch.log, log_offset, child::TAIL_LINES);
-            format!(":\n{}", lines.join("\n"))
-        }
-        _ => {
-            let _ = process.kill();
-            let _ = process.wait();
-            String::new()
-        }
-    };
-    Err(ServeError::NotReady {
+    let not_ready = |source, tail| ServeError::NotReady {
         address: address.to_string(),
         log: watch.log.to_path_buf(),
         source,
         tail,
-    })
+    };
+    let tie = match lifetime {
+        Lifetime::WithParent => Tie::DiesWithStarter,
+        Lifetime::Shared { .. } => Tie::Outlives,
+    };
+    let (mut spawned, mut pipe) = spawn_ready(&mut command, watch.log, tie)
+        .map_err(|e| not_ready(e.into(), String::new()))?;
+    match wait_ready(&mut pipe, &mut spawned.process, watch) {
+        Ok(took) => Ok(Started { spawned, took }),
+        Err(source @ StartError::Exited(_)) => {
+            let lines = child::tail(watch.log, spawned.log_offset, child::TAIL_LINES);
+            Err(not_ready(source, format!(":\n{}", lines.join("\n"))))
+        }
+        Err(source) => {
+            let _ = spawned.process.kill();
+            let _ = spawned.process.wait();
+            Err(not_ready(source, String::new()))
+        }
+    }
+}
+
+/// Spawns `command` ([`child::spawn_logged`]) with a readiness pipe whose write
+/// end it inherits, and the job's signals blocked across `exec`.
+fn spawn_ready(
+    command: &mut Command,
+    log: &Path,
+    tie: Tie,
+) -> std::io::Result<(Spawned, ReadyPipe)> {
+    let mut pipe = ReadyPipe::new()?;
+    if let Some(fd) = pipe.child_fd() {
+        command.env(ready::READY_FD, fd.to_string());
+        // SAFETY: the hook runs in the forked child before exec and only calls
+        // fcntl (async-signal-safe); it allocates nothing.
+        unsafe {
+            command.pre_exec(move || ready::inherit_in_child(fd));
+        }
+    }
+    signals::block_across_exec(command);
+    let spawned = child::spawn_logged(command, log, tie);
+    pipe.close_child_end();
+    Ok((spawned?, pipe))
+}
+
+/// Waits up to `watch.timeout` for the word of `process` on `pipe`, giving up
+/// early once `watch.interrupted`. Returns how long it took.
+fn wait_ready(
+    pipe: &mut ReadyPipe,
+    process: &mut Child,
+    watch: &Watch,
+) -> Result<Duration, StartError> {
+    let started = Instant::now();
+    loop {
+        if (watch.interrupted)() {
+            return Err(StartError::Interrupted);
+        }
+        let readiness = pipe.wait(Duration::from_millis(100))?;
+        if readiness == Readiness::Ready {
+            return Ok(started.elapsed());
+        }
+        if let Some(status) = process.try_wait()? {
+            return Err(StartError::Exited(status));
+        }
+        if started.elapsed() > watch.timeout {
+            return Err(StartError::TimedOut(watch.timeout.as_secs_f64()));
+        }
+        if readiness == Readiness::Closed {
+            // It closed the pipe unready, so it is exiting: look again shortly.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 /// Waits for a node-shared server this process started on a thread, so it
@@ -370,13 +323,8 @@ mod tests {
             overrides: &overrides,
             lifetime: Lifetime::WithParent,
         };
-        let (command, pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let args: Vec<String> = command
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
         assert_eq!(
-            args,
+            args_of(&spec.command()),
             [
                 "cache",
                 "serve",
@@ -390,11 +338,6 @@ mod tests {
                 "16M"
             ]
         );
-        let fd = command
-            .get_envs()
-            .find(|(k, _)| *k == ready::READY_FD)
-            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()));
-        assert_eq!(fd, pipe.child_fd().map(|fd| fd.to_string()));
     }
 
     fn args_of(command: &Command) -> Vec<String> {
@@ -417,8 +360,7 @@ mod tests {
                 started_by: "job n0-42",
             },
         };
-        let (command, _pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let args = args_of(&command);
+        let args = args_of(&spec.command());
         assert!(!args.iter().any(|a| a == "--exit-with-parent"), "{args:?}");
         assert!(args.iter().any(|a| a == "--linger-s=2.5"), "{args:?}");
         assert!(
@@ -431,7 +373,7 @@ mod tests {
             name: "job n0-42",
             job_label: "runs/a",
         };
-        let (command, pipe) = attach.command().unwrap_or_else(|e| panic!("{e}"));
+        let command = attach.command();
         let label = command
             .get_envs()
             .find(|(k, _)| *k == crate::env::RUN_DIR)
@@ -449,11 +391,12 @@ mod tests {
                 "job n0-42"
             ]
         );
-        assert!(pipe.child_fd().is_some());
     }
 
     #[test]
-    fn a_server_that_exits_first_is_reported() {
+    fn a_server_that_exits_first_is_reported_with_its_log() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("cache.log");
         let spec = CacheServe {
             vrtspike: Path::new("/bin/false"),
             address: "x",
@@ -462,15 +405,40 @@ mod tests {
             overrides: &[],
             lifetime: Lifetime::WithParent,
         };
-        let (mut command, mut pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let mut child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-        pipe.close_child_end();
-        let result = wait_ready(
-            &mut pipe,
-            Duration::from_secs(10),
-            &mut || child.try_wait(),
-            &|| false,
+        let watch = Watch {
+            log: &log,
+            timeout: Duration::from_secs(10),
+            interrupted: &|| false,
+        };
+        let result = spec.start_logged(&watch);
+        assert!(
+            matches!(
+                &result,
+                Err(ServeError::NotReady {
+                    source: StartError::Exited(_),
+                    ..
+                })
+            ),
+            "{result:?}"
         );
-        assert!(matches!(result, Err(StartError::Exited(_))), "{result:?}");
+        let text = result.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            text.contains("(address \"x\")") && text.contains("cache.log:"),
+            "{text}"
+        );
+        let interrupted = spec.start_logged(&Watch {
+            interrupted: &|| true,
+            ..watch
+        });
+        assert!(
+            matches!(
+                interrupted,
+                Err(ServeError::NotReady {
+                    source: StartError::Interrupted,
+                    ..
+                })
+            ),
+            "{interrupted:?}"
+        );
     }
 }

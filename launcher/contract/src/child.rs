@@ -1,14 +1,15 @@
 //! A child of a job's process, as the launcher and a rank that starts the node's
 //! cache server both start one: its log, opened for appending (its folder made
 //! first) with the length it had, so the child's own lines are those after it,
-//! and the last lines after an offset for an error report; and its tie to the
-//! process that starts it ([`die_with_starter`]).
+//! and the last lines after an offset for an error report; its own process group;
+//! and its tie to the process that starts it ([`Tie`]). [`spawn_logged`] does it
+//! all.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 /// Lines of a failed process's log kept in its failure report.
 pub const TAIL_LINES: usize = 20;
@@ -39,11 +40,50 @@ pub fn tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
         .collect()
 }
 
-/// Has the child of `command` get SIGKILL when the thread that spawns it dies (so
-/// even `kill -9` of its starter takes it down), and not start at all when its
-/// starter died before that was set. Spawn it from a thread that lives as long as
-/// the starter: Linux sends the signal when the spawning *thread* exits.
-pub fn die_with_starter(command: &mut Command) {
+/// Whether a child ends with the process that starts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tie {
+    /// It gets SIGKILL when the thread that spawned it dies (so even `kill -9` of
+    /// its starter takes it down), and does not start at all when its starter
+    /// died before that was set. Spawn it from a thread that lives as long as the
+    /// starter: Linux sends the signal when the spawning *thread* exits.
+    DiesWithStarter,
+    /// It outlives its starter (a node-shared cache server).
+    Outlives,
+}
+
+/// A child started by [`spawn_logged`].
+#[derive(Debug)]
+pub struct Spawned {
+    /// The process.
+    pub process: Child,
+    /// The length of its log before it started: its own lines follow.
+    pub log_offset: u64,
+}
+
+/// Spawns `command` in a process group of its own (a signal to the group reaches
+/// everything it starts; a Ctrl-C of the starter's terminal does not reach it),
+/// stdin from `/dev/null`, stdout and stderr appended to `log`, tied to its
+/// starter as `tie` says.
+pub fn spawn_logged(command: &mut Command, log: &Path, tie: Tie) -> io::Result<Spawned> {
+    let (out, log_offset) = open_append(log)?;
+    let err = out.try_clone()?;
+    command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0);
+    if tie == Tie::DiesWithStarter {
+        die_with_starter(command);
+    }
+    Ok(Spawned {
+        process: command.spawn()?,
+        log_offset,
+    })
+}
+
+/// The pre-exec hook of [`Tie::DiesWithStarter`].
+fn die_with_starter(command: &mut Command) {
     let starter = std::process::id() as i32;
     // SAFETY: the hook runs in the forked child before exec; it only makes the
     // prctl and getppid system calls, which are async-signal-safe, and allocates
@@ -64,6 +104,28 @@ pub fn die_with_starter(command: &mut Command) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tied_child_is_killed_when_its_spawning_thread_ends() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("sleep.log");
+        let spawner = std::thread::spawn(move || {
+            let mut command = Command::new("sleep");
+            command.arg("30");
+            spawn_logged(&mut command, &log, Tie::DiesWithStarter)
+        });
+        let mut child = spawner
+            .join()
+            .unwrap_or_else(|_| panic!("the spawning thread panicked"))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .process;
+        // Bounded: a child that outlived its starter would sleep 30 s.
+        let started = std::time::Instant::now();
+        let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
 
     #[test]
     fn tail_keeps_the_last_lines() {
@@ -91,25 +153,5 @@ mod tests {
         assert_eq!(offset, 8);
         std::io::Write::write_all(&mut file, b"mine\n").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(tail(&log, offset, TAIL_LINES), ["mine"]);
-    }
-
-    #[test]
-    fn a_tied_child_is_killed_when_its_spawning_thread_ends() {
-        let spawner = std::thread::spawn(|| {
-            let mut command = Command::new("sleep");
-            command.arg("30");
-            die_with_starter(&mut command);
-            command.spawn()
-        });
-        let mut child = spawner
-            .join()
-            .unwrap_or_else(|_| panic!("the spawning thread panicked"))
-            .unwrap_or_else(|e| panic!("{e}"));
-        // Bounded: a child that outlived its starter would sleep 30 s.
-        let started = std::time::Instant::now();
-        let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-        use std::os::unix::process::ExitStatusExt;
-        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
-        assert!(started.elapsed() < std::time::Duration::from_secs(20));
     }
 }

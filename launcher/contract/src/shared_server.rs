@@ -130,16 +130,16 @@ impl SharedStart<'_> {
             ..self.serve
         };
         match serve.start_logged(&self.watch) {
-            Ok(Started { child, took, .. }) => {
+            Ok(Started { spawned, took }) => {
                 tracing::info!(
                     address,
-                    pid = child.id(),
+                    pid = spawned.process.id(),
                     "started the node-shared cache server in {:.2} s (it stays while any job \
                      is attached, and {} s after the last)",
                     took.as_secs_f64(),
                     self.linger_s
                 );
-                cache_serve::reap_in_background(child);
+                cache_serve::reap_in_background(spawned.process);
                 Ok(Joined::Started)
             }
             Err(ServeError::NotReady {
@@ -325,9 +325,10 @@ mod tests {
         // another test thread forked meanwhile (until its exec): try again then.
         for _ in 0..100 {
             match start.start() {
-                Err(ServeError::Io { source, .. })
-                    if source.raw_os_error() == Some(libc::ETXTBSY) =>
-                {
+                Err(ServeError::NotReady {
+                    source: StartError::Io(e),
+                    ..
+                }) if e.raw_os_error() == Some(libc::ETXTBSY) => {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 other => return other,

@@ -303,17 +303,12 @@ impl HangWatch {
                 (c.pid(), c.log.clone(), c.log_offset)
             });
         Failure {
-            node,
             rank: Some(hang.rank.rank),
-            process: format!("rank {}", hang.rank.rank),
             pid,
-            exit_code: None,
-            signal: None,
-            cause: hang.cause(),
             log: log.display().to_string(),
             log_tail: child::tail(&log, log_offset, child::TAIL_LINES),
-            class: None,
             stuck: true,
+            ..Failure::of(node, format!("rank {}", hang.rank.rank), hang.cause())
         }
     }
 }

@@ -9,12 +9,12 @@ use anyhow::Result;
 use vrtspike_contract::rundir::Checkpoint;
 
 use super::record::JobRecord;
-use super::setup::JobSetup;
+use super::setup::{JobSetup, Supervision};
 use crate::args::Args;
 use crate::env_contract::{self, AttemptEnv};
 use crate::gang::{self, GangSettings, RankLaunch};
 use crate::hang;
-use crate::peers::{PeerEvent, PeerLinks};
+use crate::peers::PeerEvent;
 use crate::rundir::RunDir;
 use crate::spawn::Supervised;
 use crate::summary::{AttemptRecord, Failure};
@@ -34,31 +34,17 @@ pub struct Attempt {
     pub end: gang::AttemptEnd,
 }
 
-/// What an attempt starts from.
-pub struct AttemptStart<'a> {
-    pub setup: &'a JobSetup,
-    pub args: &'a Args,
-    /// The links to the other nodes' launchers (multi-node jobs).
-    pub peers: Option<&'a PeerLinks>,
-    pub plan: AttemptPlan,
-    /// When the attempt before it failed (the restart latency is measured from it).
-    pub last_failed_at: Option<Instant>,
-}
-
-/// Starts the ranks of the attempt, supervises them to its end with the cache
-/// `server` held, and adds it to `record`.
+/// Starts the ranks of the attempt `plan` says, supervises them to its end with
+/// the cache `server` held, and adds it to `record` (the restart latency measured
+/// from `last_failed_at`, when the attempt before it failed).
 pub fn run(
-    start: AttemptStart,
+    ctx: Supervision,
+    plan: AttemptPlan,
+    last_failed_at: Option<Instant>,
     record: &mut JobRecord,
     server: Option<&mut Supervised>,
 ) -> Result<Attempt> {
-    let AttemptStart {
-        setup,
-        args,
-        peers,
-        plan,
-        last_failed_at,
-    } = start;
+    let Supervision { setup, args, peers } = ctx;
     let restart_count = plan.restart_count;
     let launches = launches(setup, args, &record.run_dir, plan);
     let resumed_from = record.run_dir.latest_checkpoint();
@@ -167,19 +153,12 @@ pub fn peer_failure(event: &PeerEvent) -> Failure {
         PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
         PeerEvent::View(s) => (0, format!("told how rank {} stands", s.rank), false),
     };
-    Failure {
+    let failure = Failure::of(
         node,
-        rank: None,
-        process: format!("node {node}"),
-        pid: 0,
-        exit_code: None,
-        signal: None,
-        cause: format!("node {node}: {cause}"),
-        log: String::new(),
-        log_tail: Vec::new(),
-        class: None,
-        stuck,
-    }
+        format!("node {node}"),
+        format!("node {node}: {cause}"),
+    );
+    Failure { stuck, ..failure }
 }
 
 /// Marks the start of an attempt in a rank's log.

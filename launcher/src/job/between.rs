@@ -10,8 +10,7 @@ use anyhow::{Context, Result};
 
 use super::attempt::{peer_failure, Attempt, AttemptPlan};
 use super::record::{Ending, JobRecord};
-use super::setup::JobSetup;
-use crate::args::Args;
+use super::setup::Supervision;
 use crate::peers::PeerLinks;
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
@@ -41,11 +40,10 @@ pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) 
 /// on several, node 0 picks the port and tells the others (`START`), and the
 /// others wait for it. `Err` is how the job ends instead (node 0 ended it).
 pub fn next_attempt(
+    ctx: Supervision,
     record: &JobRecord,
-    peers: Option<&PeerLinks>,
-    setup: &JobSetup,
-    args: &Args,
 ) -> Result<std::result::Result<AttemptPlan, Ending>> {
+    let Supervision { setup, args, peers } = ctx;
     let restart_count = record.attempts.len() as u32;
     let plan = |master_port| AttemptPlan {
         restart_count,
@@ -85,13 +83,8 @@ fn ending_without_node0(peers: &PeerLinks) -> Ending {
 }
 
 /// After an attempt: the job's ending, or a restart (after the policy's delay).
-pub fn after_attempt(
-    record: &mut JobRecord,
-    peers: Option<&PeerLinks>,
-    setup: &JobSetup,
-    args: &Args,
-    attempt: Attempt,
-) -> Next {
+pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt) -> Next {
+    let Supervision { setup, args, peers } = ctx;
     let Attempt {
         restart_count,
         resumed_step,

@@ -20,10 +20,10 @@ use crate::args::Args;
 use crate::peers::PeerLinks;
 use crate::rundir::RunDir;
 use crate::signals;
-use attempt::AttemptStart;
 use between::Next;
 pub use record::say;
 use record::{Ending, JobRecord};
+use setup::Supervision;
 
 /// A job: what the launcher knows about it, and its links to the other nodes'
 /// launchers (multi-node jobs).
@@ -57,29 +57,27 @@ impl Job {
             let timeout = Duration::from_secs_f64(args.peer_timeout_s);
             peers.wait_for_nodes(timeout, &|| signals::requested_ending().is_some())?;
         }
-        let peers = self.peers.as_ref();
+        let ctx = Supervision {
+            setup: &setup,
+            args,
+            peers: self.peers.as_ref(),
+        };
         let mut last_failed_at: Option<Instant> = None;
         let ending = loop {
             // Between attempts the last checkpoint is already on disk.
-            if let Some(ending) = between::ending_before_attempt(&mut self.record, peers) {
+            if let Some(ending) = between::ending_before_attempt(&mut self.record, ctx.peers) {
                 break ending;
             }
-            let plan = match between::next_attempt(&self.record, peers, &setup, args)? {
+            let plan = match between::next_attempt(ctx, &self.record)? {
                 Ok(plan) => plan,
                 Err(ending) => break ending,
             };
             if let Some(server) = server.as_mut() {
                 setup.cache.hold_again_if_gone(server)?;
             }
-            let start = AttemptStart {
-                setup: &setup,
-                args,
-                peers,
-                plan,
-                last_failed_at,
-            };
-            let attempt = attempt::run(start, &mut self.record, server.as_mut())?;
-            match between::after_attempt(&mut self.record, peers, &setup, args, attempt) {
+            let attempt =
+                attempt::run(ctx, plan, last_failed_at, &mut self.record, server.as_mut())?;
+            match between::after_attempt(ctx, &mut self.record, attempt) {
                 Next::End(ending) => break ending,
                 Next::Restart(failed_at) => last_failed_at = failed_at,
             }

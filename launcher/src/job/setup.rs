@@ -32,6 +32,15 @@ pub struct JobSetup {
     pub cache: NodeCache,
 }
 
+/// What each step of the supervision reads: what every attempt shares, the
+/// arguments, and the links to the other nodes' launchers (multi-node jobs).
+#[derive(Clone, Copy)]
+pub struct Supervision<'a> {
+    pub setup: &'a JobSetup,
+    pub args: &'a Args,
+    pub peers: Option<&'a PeerLinks>,
+}
+
 /// Resolves what every attempt shares; the node's place and the world's size go
 /// into `record` as soon as they are known (an error after them lands in this
 /// node's own summary).

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -156,11 +156,41 @@ impl Job {
         .ok()
     }
 
+    /// Whether ranks 0 and 1 of the first attempt recorded their pids within
+    /// `limit`.
+    pub fn two_ranks_started(&self, limit: Duration) -> bool {
+        wait_until(limit, || {
+            self.rank_pid(0, 0).is_some() && self.rank_pid(1, 0).is_some()
+        })
+    }
+
     /// A rank's log.
     pub fn rank_log(&self, rank: u32) -> String {
         std::fs::read_to_string(self.run_dir.join(format!("logs/rank{rank}.log")))
             .unwrap_or_default()
     }
+}
+
+/// The `start` events of a run's metrics (one per start of the ranks), in order.
+pub fn start_events(layout: &vrtspike_contract::RunLayout) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "start")
+        .collect()
+}
+
+/// The launcher of two CPU ranks on `config` that a preemption may end at any
+/// time (no restart; 60 s to checkpoint and exit), its output piped.
+pub fn preemptible_two_ranks(config: &Path, run_dir: &Path) -> std::io::Result<Child> {
+    launcher_command(config, run_dir)
+        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
+        .args(["--cache-size", "64M", "--grace-s", "60"])
+        .args(["--preempt-timeout-s", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
 }
 
 /// Reads and parses a JSON file.
