@@ -20,7 +20,7 @@ use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use common::{
-    alive, cmdline, process_tree, signal, synth_tiny_h5, texts, trained_a_step, wait_until,
+    cmdline, process_tree, signal, synth_tiny_h5, texts, trained_a_step, wait_until,
     write_tiny_config, TinyTrain,
 };
 
@@ -121,14 +121,8 @@ fn signal_every_process_once(sig: Signal, when: When) -> bool {
         ranks.steps >= 1 && ranks.steps < run.total_steps,
         "{ranks:?}"
     );
-    let gone = wait_until(Duration::from_secs(10), || !tree.iter().any(|p| alive(*p)));
-    let left: Vec<&String> = tree
-        .iter()
-        .zip(&names)
-        .filter(|(p, _)| alive(**p))
-        .map(|(_, n)| n)
-        .collect();
-    assert!(gone, "left behind: {left:?}");
+    let left = common::left_behind(&tree, &names, Duration::from_secs(10));
+    assert!(left.is_empty(), "left behind: {left:?}");
     let reached = |what: &str| names.iter().any(|n| n.contains(what));
     assert!(reached("cache serve"), "the cache server got it: {names:?}");
     if when == When::Training {

@@ -172,19 +172,7 @@ impl Drop for TwoNodes {
 
 /// The launcher arguments of node `node` of two, node 0 at [`NODE0_ADDR`].
 fn node_args(node: u32) -> Vec<String> {
-    [
-        "--gpus",
-        "0",
-        "--ranks",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([node.to_string(), "--master-addr".into(), NODE0_ADDR.into()])
-    .collect()
+    common::two_node_args(1, node, NODE0_ADDR, &[])
 }
 
 /// The last `final parameters agree` hash in a rank's log.

@@ -279,14 +279,8 @@ fn run_trial(tmp: &Path, config: &Path, trial: Trial) -> Result<Ended, String> {
             ranks_summary.steps
         ));
     }
-    let gone = wait_until(Duration::from_secs(10), || !tree.iter().any(|p| alive(*p)));
-    if !gone {
-        let left: Vec<&String> = tree
-            .iter()
-            .zip(&names)
-            .filter(|(p, _)| alive(**p))
-            .map(|(_, n)| n)
-            .collect();
+    let left = common::left_behind(&tree, &names, Duration::from_secs(10));
+    if !left.is_empty() {
         return fail(format!("left behind: {left:?}"));
     }
     Ok(Ended {

@@ -99,12 +99,16 @@ impl Job {
 
     /// The launcher command for this job with the stand-in rank, fast timings,
     /// a small cache, and `extra` arguments.
-    pub fn command(&self, extra: &[&str]) -> Command {
+    pub fn command<S: AsRef<std::ffi::OsStr>>(&self, extra: &[S]) -> Command {
         self.command_with_config(&self.config, extra)
     }
 
     /// [`Job::command`] with another config path.
-    pub fn command_with_config(&self, config: &Path, extra: &[&str]) -> Command {
+    pub fn command_with_config<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        config: &Path,
+        extra: &[S],
+    ) -> Command {
         let _ = vrtspike();
         let mut command = launcher_command(config, &self.run_dir);
         command
@@ -171,6 +175,27 @@ impl Job {
     }
 }
 
+/// The launcher arguments of node `node` of a two-node job of `ranks` CPU ranks a
+/// node, node 0 at `master`, then `extra`.
+pub fn two_node_args(ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
+    let (ranks, node) = (ranks.to_string(), node.to_string());
+    let ours = [
+        "--gpus",
+        "0",
+        "--ranks",
+        &ranks,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        &node,
+    ];
+    ours.iter()
+        .chain(&["--master-addr", master])
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// The `start` events of a run's metrics (one per start of the ranks), in order.
 pub fn start_events(layout: &vrtspike_contract::RunLayout) -> Vec<Value> {
     let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
@@ -191,6 +216,17 @@ pub fn preemptible_two_ranks(config: &Path, run_dir: &Path) -> std::io::Result<C
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+}
+
+/// The processes of `tree` (named by `names`, in order) still alive once
+/// `limit` has passed, or as soon as none is.
+pub fn left_behind<'a>(tree: &[u32], names: &'a [String], limit: Duration) -> Vec<&'a String> {
+    wait_until(limit, || !tree.iter().any(|p| alive(*p)));
+    tree.iter()
+        .zip(names)
+        .filter(|(p, _)| alive(**p))
+        .map(|(_, n)| n)
+        .collect()
 }
 
 /// Reads and parses a JSON file.
