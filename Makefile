@@ -92,9 +92,15 @@ endif
 build: setup
 	cargo build --release --workspace
 
+# ... and what runs without libtorch stays so: vrtspike-data (the crate of the
+# vrtspike-cache binary) has no tch or torch-sys among its dependencies.
 lint: setup
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --test gpu -- -D warnings
+	@deps=$$(cargo tree -p vrtspike-data -e normal,build --prefix none); \
+	if grep -E '^(tch|torch-sys) ' <<< "$$deps"; then \
+	  echo "vrtspike-data (vrtspike-cache) depends on libtorch (above): it must build without it"; exit 1; \
+	fi
 
 test: setup lint check-docs $(STAMPS)/apt-slurm
 	cargo test --workspace

@@ -61,7 +61,8 @@ class CheckDocsTest(unittest.TestCase):
         for rel in COPIED:
             os.makedirs(os.path.dirname(os.path.join(self.root, rel)) or self.root, exist_ok=True)
             shutil.copy(os.path.join(ROOT, rel), os.path.join(self.root, rel))
-        shutil.copytree(os.path.join(ROOT, "src/cli"), os.path.join(self.root, "src/cli"))
+        for cli in ("src/cli", "crates/data/src/cli"):
+            shutil.copytree(os.path.join(ROOT, cli), os.path.join(self.root, cli))
         os.makedirs(os.path.join(self.root, "tests"))
         open(os.path.join(self.root, "tests/cache_stress.rs"), "w").close()
         os.makedirs(os.path.join(self.root, "docs"))

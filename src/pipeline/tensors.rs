@@ -1,19 +1,21 @@
 //! A batch as tensors for the model: the only part of the pipeline that touches
-//! libtorch, kept apart so that what never runs a model (the loader benchmark's
-//! processes in `vrtspike-cache`) builds the pipeline without it.
+//! libtorch, kept in the trainer crate so that `vrtspike-data`'s pipeline (what the
+//! loader benchmark's processes in `vrtspike-cache` run) builds without it.
 
-use super::error::{PipelineError, Result};
-use super::loader::Batch;
-use super::sample::Sample;
+use vrtspike_data::pipeline::error::{PipelineError, Result};
+use vrtspike_data::pipeline::loader::Batch;
+use vrtspike_data::pipeline::sample::Sample;
 
-impl Batch {
+/// A batch as the model's input tensors.
+pub trait BatchTensors {
     /// Blur, sharp and voxels stacked as (B, L, 3, h, w), (B, L, 3, h, w) and
     /// (B, L, K, h_s, w_s) f32 tensors on `device`; on CUDA through pinned host memory
     /// with a non-blocking copy. Samples of different shapes are an error.
-    pub fn to_tensors(
-        &self,
-        device: tch::Device,
-    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
+    fn to_tensors(&self, device: tch::Device) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)>;
+}
+
+impl BatchTensors for Batch {
+    fn to_tensors(&self, device: tch::Device) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
         let first = self
             .samples
             .first()

@@ -11,7 +11,7 @@ pub mod comm;
 pub mod env;
 pub mod failure;
 pub mod heartbeat;
-pub mod loader_plan;
+pub mod loader_settings;
 pub mod loss;
 pub mod measure;
 pub mod metrics;

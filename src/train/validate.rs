@@ -15,6 +15,7 @@ use crate::model::Restorer;
 use crate::pipeline::loader::{Loader, LoaderBudget, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode};
 use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
+use crate::pipeline::BatchTensors;
 
 use super::amp::AmpMode;
 use super::env::RankEnv;

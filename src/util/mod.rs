@@ -1,15 +1,12 @@
-//! Small helpers shared by every part of the trainer: logging set-up, the heap policy
-//! of processes that run the model, the libraries mapped into this process, the
-//! machine's memory figures, byte-size parsing
-//! and printing, the seeded generator of shuffles, crops and synthetic data, and (in
-//! test builds) running one unit test alone in a fresh process. Imports nothing of
-//! the crate.
+//! Small helpers of the trainer: those without libtorch (logging set-up, the
+//! machine's memory figures, byte sizes, the seeded generator) from `vrtspike-data`,
+//! and the trainer's own: the heap policy of processes that run the model, the
+//! libraries mapped into this process, and (in test builds) running one unit test
+//! alone in a fresh process. Imports nothing of the crate.
+
+pub use vrtspike_data::util::{bytes, logging, meminfo, rng};
 
 #[cfg(test)]
 pub(crate) mod alone;
-pub mod bytes;
 pub mod heap;
-pub mod logging;
 pub mod maps;
-pub mod meminfo;
-pub mod rng;
