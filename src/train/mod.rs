@@ -76,6 +76,10 @@ pub enum TrainError {
     /// libtorch failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// The node's cache server could not be started, nor the node-shared one
+    /// attached to (its address and log named).
+    #[error(transparent)]
+    CacheServer(#[from] vrtspike_contract::cache_serve::ServeError),
     /// A file of the run directory could not be written.
     #[error("{path}: {message}")]
     Io {

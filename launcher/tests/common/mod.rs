@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -99,12 +99,16 @@ impl Job {
 
     /// The launcher command for this job with the stand-in rank, fast timings,
     /// a small cache, and `extra` arguments.
-    pub fn command(&self, extra: &[&str]) -> Command {
+    pub fn command<S: AsRef<std::ffi::OsStr>>(&self, extra: &[S]) -> Command {
         self.command_with_config(&self.config, extra)
     }
 
     /// [`Job::command`] with another config path.
-    pub fn command_with_config(&self, config: &Path, extra: &[&str]) -> Command {
+    pub fn command_with_config<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        config: &Path,
+        extra: &[S],
+    ) -> Command {
         let _ = vrtspike();
         let mut command = launcher_command(config, &self.run_dir);
         command
@@ -156,6 +160,14 @@ impl Job {
         .ok()
     }
 
+    /// Whether ranks 0 and 1 of the first attempt recorded their pids within
+    /// `limit`.
+    pub fn two_ranks_started(&self, limit: Duration) -> bool {
+        wait_until(limit, || {
+            self.rank_pid(0, 0).is_some() && self.rank_pid(1, 0).is_some()
+        })
+    }
+
     /// A rank's log.
     pub fn rank_log(&self, rank: u32) -> String {
         std::fs::read_to_string(self.run_dir.join(format!("logs/rank{rank}.log")))
@@ -192,6 +204,60 @@ pub fn missing(root_for: &str, programs: &[&str], packages: &str) -> Option<Stri
             absent.join(", ")
         )
     })
+}
+
+/// The launcher arguments of node `node` of a two-node job of `ranks` CPU ranks a
+/// node, node 0 at `master`, then `extra`.
+pub fn two_node_args(ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
+    let (ranks, node) = (ranks.to_string(), node.to_string());
+    let ours = [
+        "--gpus",
+        "0",
+        "--ranks",
+        &ranks,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        &node,
+    ];
+    ours.iter()
+        .chain(&["--master-addr", master])
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// The `start` events of a run's metrics (one per start of the ranks), in order.
+pub fn start_events(layout: &vrtspike_contract::RunLayout) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "start")
+        .collect()
+}
+
+/// The launcher of two CPU ranks on `config` that a preemption may end at any
+/// time (no restart; 60 s to checkpoint and exit), its output piped.
+pub fn preemptible_two_ranks(config: &Path, run_dir: &Path) -> std::io::Result<Child> {
+    launcher_command(config, run_dir)
+        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
+        .args(["--cache-size", "64M", "--grace-s", "60"])
+        .args(["--preempt-timeout-s", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+}
+
+/// The processes of `tree` (named by `names`, in order) still alive once
+/// `limit` has passed, or as soon as none is.
+pub fn left_behind<'a>(tree: &[u32], names: &'a [String], limit: Duration) -> Vec<&'a String> {
+    wait_until(limit, || !tree.iter().any(|p| alive(*p)));
+    tree.iter()
+        .zip(names)
+        .filter(|(p, _)| alive(**p))
+        .map(|(_, n)| n)
+        .collect()
 }
 
 /// Reads and parses a JSON file.

@@ -16,6 +16,7 @@ use clap::{Args, Subcommand};
 use crate::cache::{self, CacheClient, ClientOptions, Server, ServerConfig};
 use crate::config::{CacheSharing, Config};
 use crate::util::bytes::parse_size;
+use vrtspike_contract::seconds::{parse_positive_seconds, parse_seconds};
 
 /// Where `vrtspike cache serve` finds the cache server binary (over the one beside
 /// its own binary).
@@ -140,7 +141,7 @@ pub struct ClientArgs {
     trust: TrustArgs,
     /// Seconds to wait for the server to connect and for each answer; then fail
     /// (a hung server never hangs the caller, the launcher at exit among them).
-    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
+    #[arg(long, default_value_t = 10.0, value_parser = parse_positive_seconds)]
     timeout: f64,
 }
 
@@ -153,14 +154,6 @@ impl ClientArgs {
         let client = CacheClient::connect_with(&address, name, &options)
             .with_context(|| format!("{name} at {address} (--timeout {} s)", self.timeout))?;
         Ok((address, client))
-    }
-}
-
-/// A positive number of seconds.
-fn parse_seconds(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(s),
-        _ => Err(format!("{text:?} is not a number of seconds in (0, 86400]")),
     }
 }
 
@@ -211,7 +204,7 @@ pub struct ServeArgs {
     /// A node-shared server: stop once no client has been connected for this many
     /// seconds (from its start too), whoever started it; it ignores SIGUSR2 and
     /// SIGTERM. Exits 73 when another server holds the address.
-    #[arg(long, value_parser = parse_linger)]
+    #[arg(long, value_parser = parse_seconds)]
     linger_s: Option<f64>,
     /// Who started it (a job's name), shown to the jobs that attach.
     #[arg(long)]
@@ -224,14 +217,6 @@ pub struct ServeArgs {
     read_order_budget: u64,
 }
 
-/// Seconds of linger: zero or more.
-fn parse_linger(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => Ok(s),
-        _ => Err(format!("{text:?} is not a number of seconds in [0, 86400]")),
-    }
-}
-
 /// `cache stats`.
 #[derive(Args)]
 pub struct StatsArgs {
@@ -241,7 +226,7 @@ pub struct StatsArgs {
     #[arg(long)]
     json: bool,
     /// Print again every this many seconds until interrupted.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_seconds)]
     watch: Option<f64>,
 }
 
@@ -443,8 +428,7 @@ fn serve_address(address: &AddressArgs, run: Option<&Config>) -> Result<String> 
         .and_then(|run| run.data.root.as_deref());
     match (explicit, shared_root) {
         (false, Some(root)) => {
-            let (shared, signature) = vrtspike_contract::cache_addr::node_shared_address(root)
-                .context("DATA.CACHE_SHARING node keys the cache server by the dataset's files")?;
+            let (shared, signature) = vrtspike_contract::cache_addr::node_shared_address(root)?;
             println!(
                 "DATA.CACHE_SHARING is node: serving the jobs on {} ({} files) at {shared}",
                 signature.root.display(),
