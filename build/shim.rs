@@ -142,7 +142,6 @@ fn shim_cuda_includes(torch_root: &std::path::Path) -> Result<Vec<std::path::Pat
 /// the package that links libtorch (the `vrtspike` binary, tests, examples,
 /// benches), whatever the linker's `--as-needed` would decide, and tells the crate
 /// (`VRTSPIKE_LINKED_TORCH_CUDA`) so a test can check they are mapped at run time.
-/// Not into `vrtspike-cache`, the cache server, which links no libtorch.
 fn link_torch_cuda() {
     let arg = "-Wl,--push-state,--no-as-needed,-ltorch_cuda,-lc10_cuda,--pop-state";
     for target in ["-bin=vrtspike=", "-tests=", "-benches=", "-examples="] {

@@ -9,8 +9,8 @@
 - `vrtspike SUB [SUBSUB] --flag` names a real subcommand and a real long flag of it,
   and `vrtspike-launch --flag` a real flag of the launcher (flags after a bare `--`
   are `vrtspike train`'s). The commands are read from the clap definitions in
-  src/main.rs, src/cli/*.rs and launcher/src/args.rs, so the check runs before
-  any build.
+  src/main.rs, src/cli/*.rs, crates/data/src/cli/*.rs (`cache` and `bench`) and
+  launcher/src/args.rs, so the check runs before any build.
 - `cargo test --test NAME` and `cargo bench --bench NAME` name real targets.
 
 Code is what sits in `code spans` and fenced blocks; prose is not checked for
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 
 # Top-level folders whose paths in code must exist.
-REPO_ROOTS = ("src/", "launcher/", "scripts/", "configs/", "tests/", "docs/",
+REPO_ROOTS = ("src/", "crates/", "launcher/", "scripts/", "configs/", "tests/", "docs/",
               "benches/", "build/", ".ci/")
 # Placeholders in a path: `<N>`, `{a,b}`, `...`, `$VAR`, `[...]`.
 PLACEHOLDER = re.compile(r"[<>{}$\[\]]|\.\.\.")
@@ -238,8 +238,10 @@ def build_command(items: RustItems, type_name: str, seen: frozenset = frozenset(
 
 
 def load_binaries(root: str) -> tuple[Command, Command]:
-    """`vrtspike` (from src/main.rs and src/cli/) and `vrtspike-launch`."""
-    cli = sorted(glob.glob(os.path.join(root, "src/cli/*.rs")))
+    """`vrtspike` (from src/main.rs, src/cli/ and the data crate's cli/) and
+    `vrtspike-launch`."""
+    cli = sorted(glob.glob(os.path.join(root, "src/cli/*.rs"))
+                 + glob.glob(os.path.join(root, "crates/data/src/cli/*.rs")))
     vrtspike = build_command(parse_rust([os.path.join(root, "src/main.rs")] + cli), "Command")
     launcher = build_command(parse_rust([os.path.join(root, "launcher/src/args.rs")]), "Args")
     if not vrtspike.subcommands or "train" not in vrtspike.subcommands:
@@ -262,7 +264,7 @@ def make_targets(root: str) -> set[str]:
 def cargo_targets(root: str) -> tuple[set[str], set[str]]:
     """Names of integration test and bench targets of the workspace."""
     tests, benches = set(), set()
-    for base in (root, os.path.join(root, "launcher")):
+    for base in (root, os.path.join(root, "crates/data"), os.path.join(root, "launcher")):
         for p in glob.glob(os.path.join(base, "tests/*.rs")):
             tests.add(os.path.basename(p)[:-3])
         for p in glob.glob(os.path.join(base, "tests/*/main.rs")):
@@ -465,6 +467,9 @@ def check_commands(doc: Doc, vrtspike: Command, launcher: Command,
     for number, code in doc.code:
         for m in BINARY.finditer(code):
             if "..." in m.group(1):
+                continue
+            # `cargo test -p vrtspike-launch ...` names a package, not a command.
+            if re.search(r"(?:^|\s)(?:-p|--package)$", code[: m.start(1)].rstrip()):
                 continue
             words = code[m.end():]
             end = COMMAND_END.search(" " + words + " ")

@@ -61,7 +61,8 @@ class CheckDocsTest(unittest.TestCase):
         for rel in COPIED:
             os.makedirs(os.path.dirname(os.path.join(self.root, rel)) or self.root, exist_ok=True)
             shutil.copy(os.path.join(ROOT, rel), os.path.join(self.root, rel))
-        shutil.copytree(os.path.join(ROOT, "src/cli"), os.path.join(self.root, "src/cli"))
+        for cli in ("src/cli", "crates/data/src/cli"):
+            shutil.copytree(os.path.join(ROOT, cli), os.path.join(self.root, cli))
         os.makedirs(os.path.join(self.root, "tests"))
         open(os.path.join(self.root, "tests/cache_stress.rs"), "w").close()
         os.makedirs(os.path.join(self.root, "docs"))
@@ -138,6 +139,11 @@ class CheckDocsTest(unittest.TestCase):
 
     def test_a_continued_line_is_one_command(self) -> None:
         self.assert_one("```\nvrtspike plan --config C \\\n    --gpu-memory 48G\n```\n", "--gpu-memory", line_in_extra=2)
+
+    def test_a_package_name_is_not_a_command(self) -> None:
+        extra = "`cargo test -p vrtspike-launch --test cache_stress -- --ignored`\n"
+        self.assertEqual(self.problems_with(extra), [])
+        self.assert_one("`cargo test -p vrtspike-launch --test cache_strss`\n", "cache_strss")
 
     def test_a_missing_test_target(self) -> None:
         self.assert_one("`cargo test --test cache_strss`\n", "cache_strss")

@@ -8,10 +8,6 @@ use vrtspike_contract::signals::{self, Disposition};
 
 mod cli;
 
-// What `cli/cache.rs` and `cli/bench.rs` name through `crate::`: the library's
-// modules here, the `vrtspike-cache` binary's own copies there.
-use vrtspike::{bench, cache, config, util};
-
 // SLURM sends a step's SIGUSR2 and SIGTERM to every process of the step: count
 // them from before libtorch's constructors run, until `settle_job_signals` says
 // what this subcommand does with them.
@@ -106,7 +102,7 @@ impl Command {
         let (usr2, term) = match self {
             Command::Train(_) => (Disposition::Count, Disposition::Count),
             Command::H5Probe(_) => (Disposition::Ignore, Disposition::Ignore),
-            Command::Cache(cmd) if cmd.ends_with_parent() => {
+            Command::Cache(cmd) if cmd.ignores_job_signals() => {
                 (Disposition::Ignore, Disposition::Ignore)
             }
             _ if helper => (Disposition::Ignore, Disposition::Ignore),

@@ -9,6 +9,18 @@ use std::time::Duration;
 
 use vrtspike::testkit::process::{spawn_cache_server, wait_for_child_server, ChildGuard};
 
+/// Fails, saying how to build it, unless a `vrtspike-cache` lies beside `vrtspike`:
+/// it is `vrtspike-data`'s binary, which `cargo test --workspace` builds and
+/// `cargo test --test cache_binary` alone does not.
+fn assert_server_built() {
+    let server = Path::new(env!("CARGO_BIN_EXE_vrtspike")).with_file_name("vrtspike-cache");
+    assert!(
+        server.is_file(),
+        "{} is missing: run `cargo build -p vrtspike-data` (or `cargo test --workspace`)",
+        server.display()
+    );
+}
+
 fn address(tag: &str) -> String {
     format!("vrtspike-test-bin-{tag}-{}", std::process::id())
 }
@@ -23,6 +35,7 @@ fn binary_and_torch(pid: u32) -> (String, bool) {
 
 #[test]
 fn cache_serve_runs_the_server_without_libtorch() {
+    assert_server_built();
     let exe = Path::new(env!("CARGO_BIN_EXE_vrtspike"));
     let address = address("own");
     let (child, client) = spawn_cache_server(exe, &address, 16 << 20, None).unwrap();
@@ -79,8 +92,9 @@ fn a_server_binary_of_other_sources_is_not_used() {
 #[test]
 fn the_loader_benchmark_runs_without_libtorch() {
     // `vrtspike bench loader` hands over to `vrtspike-cache`, which runs the ranks
-    // (dataset, pipeline, the planned policy's plans) and the server without
+    // (dataset, pipeline, the planned policy's read orders) and the server without
     // libtorch: a process that loads it holds far more than 100 MB.
+    assert_server_built();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let options = vrtspike::synth::SynthOptions {
@@ -120,7 +134,7 @@ fn the_loader_benchmark_runs_without_libtorch() {
     assert!(output.status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(report["samples_last_epoch"], 10, "{report}");
-    assert_eq!(report["store"]["plans_announced"], 4, "{report}");
+    assert_eq!(report["store"]["read_orders_announced"], 4, "{report}");
     let own = report["server_memory"]["overhead_mb"].as_f64().unwrap();
     assert!(
         own < 100.0,

@@ -2,7 +2,7 @@
 //! `vrtspike train` on a synthetic set four times the cache, once with
 //! `DATA.CACHE_POLICY: planned` (the ranks announce their reads; the loader
 //! prefetches) and once with `lru`, end with byte-identical weights, while the
-//! server shows the plans were there (or not) and that records were evicted.
+//! server shows the read orders were there (or not) and that records were evicted.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -73,7 +73,7 @@ fn planned_and_lru_train_the_same_weights() {
         .sum();
     let cap = bytes / 4;
 
-    let (planned, with_plans) = train(tmp.path(), &data, "planned", cap);
+    let (planned, with_orders) = train(tmp.path(), &data, "planned", cap);
     let (lru, without) = train(tmp.path(), &data, "lru", cap);
     assert!(
         planned == lru,
@@ -81,12 +81,20 @@ fn planned_and_lru_train_the_same_weights() {
     );
     // Both ranks announced each epoch they started (12 steps of 2 x 2 samples over
     // 21 clips: 3 epochs), and the cache was too small for the data.
-    assert!(with_plans.plan.announced >= 4, "{:?}", with_plans.plan);
     assert!(
-        with_plans.plan.prefetched + with_plans.plan.prefetch_declined > 0,
-        "the loaders prefetched: {:?}",
-        with_plans.plan
+        with_orders.read_orders.announced >= 4,
+        "{:?}",
+        with_orders.read_orders
     );
-    assert!(with_plans.evictions > 0 && without.evictions > 0);
-    assert_eq!(without.plan.announced, 0, "{:?}", without.plan);
+    assert!(
+        with_orders.read_orders.prefetched + with_orders.read_orders.prefetch_declined > 0,
+        "the loaders prefetched: {:?}",
+        with_orders.read_orders
+    );
+    assert!(with_orders.evictions > 0 && without.evictions > 0);
+    assert_eq!(
+        without.read_orders.announced, 0,
+        "{:?}",
+        without.read_orders
+    );
 }

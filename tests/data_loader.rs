@@ -13,6 +13,7 @@ use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
 use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
 use vrtspike::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
+use vrtspike::pipeline::BatchTensors;
 use vrtspike::synth::{self, BlurLengths, SynthOptions};
 
 fn tiny(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
@@ -309,16 +310,16 @@ fn the_planned_policy_and_its_prefetch_give_the_same_batches() {
     assert!(s.disk_bytes > 0, "{s:?}");
     let check = CacheClient::connect(&address, "check").unwrap();
     let server = check.stats().unwrap();
-    assert_eq!(server.plan.plans, 1, "{:?}", server.plan);
+    assert_eq!(server.read_orders.live, 1, "{:?}", server.read_orders);
     assert_eq!(
-        server.plan.announced, 3,
-        "one plan an epoch: {:?}",
-        server.plan
+        server.read_orders.announced, 3,
+        "one read order an epoch: {:?}",
+        server.read_orders
     );
     assert!(
-        server.plan.prefetched + server.plan.prefetch_declined > 0,
+        server.read_orders.prefetched + server.read_orders.prefetch_declined > 0,
         "the prefetch thread asked: {:?}",
-        server.plan
+        server.read_orders
     );
     assert!(server.evictions > 0, "{server:?}");
     // A rank that resumes mid-epoch announces from there and reads the same.

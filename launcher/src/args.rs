@@ -6,6 +6,7 @@ use std::str::FromStr;
 
 use clap::{Parser, ValueEnum};
 use nix::sys::signal::Signal;
+use vrtspike_contract::seconds::{parse_positive_seconds, parse_seconds};
 
 /// Runs a vrtspike training job on this node: the node's cache server, then one
 /// rank per GPU (or `--gpus 0 --ranks N` CPU ranks), supervised as a gang.
@@ -36,11 +37,11 @@ pub struct Args {
     pub max_restarts: u32,
 
     /// Seconds between SIGTERM and SIGKILL when the gang is stopped.
-    #[arg(long, default_value_t = 10.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
     pub grace_s: f64,
 
     /// Seconds to wait before a restart.
-    #[arg(long, default_value_t = 1.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_seconds)]
     pub restart_delay_s: f64,
 
     /// Signal that asks for preemption (SIGTERM always does too): the ranks get
@@ -49,7 +50,7 @@ pub struct Args {
     pub preempt_signal: Signal,
 
     /// Seconds the ranks have to checkpoint and exit after a preemption request.
-    #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 300.0, value_parser = parse_seconds)]
     pub preempt_timeout_s: f64,
 
     /// Seconds a rank may stay at one step, phase and collective (per its
@@ -57,7 +58,7 @@ pub struct Args {
     /// counts as hung: it is named, every rank's stacks are saved in the run dir,
     /// and the gang restarts from the last checkpoint. Keep it below DIST.TIMEOUT_S
     /// so the hung rank is named before the waiting ones time out; 0 disables.
-    #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 300.0, value_parser = parse_seconds)]
     pub hang_timeout_s: f64,
 
     /// Seconds a rank's liveness tick (a thread of its own advances it twice a
@@ -65,7 +66,7 @@ pub struct Args {
     /// as stopped (SIGSTOP, a debugger, a wedged process): it is named, with the
     /// ranks waiting for it, stacks are saved and the gang restarts, as for a hang.
     /// 0 disables.
-    #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 30.0, value_parser = parse_seconds)]
     pub stall_timeout_s: f64,
 
     /// Number of nodes (each runs its own launcher); needs --master-addr and
@@ -95,7 +96,7 @@ pub struct Args {
     pub control_port: Option<u16>,
 
     /// Seconds a node's launcher keeps trying to reach node 0's launcher.
-    #[arg(long, default_value_t = 300.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 300.0, value_parser = parse_seconds)]
     pub peer_timeout_s: f64,
 
     /// Whether to take the node layout from SLURM's environment.
@@ -117,18 +118,18 @@ pub struct Args {
     pub cache_size: Option<String>,
 
     /// Seconds the cache server has to start accepting connections.
-    #[arg(long, default_value_t = 60.0, value_parser = non_negative_seconds)]
+    #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
     pub cache_start_timeout_s: f64,
 
     /// With `DATA.CACHE_SHARING: node`: seconds a node-shared cache server this
     /// launcher starts stays after the last job detached (back-to-back jobs find
     /// the cache warm). Default: VRTSPIKE_CACHE_LINGER_S, else 0 inside a SLURM
     /// allocation, else 30. Given twice, the last wins.
-    #[arg(long, value_parser = non_negative_seconds, overrides_with = "cache_linger_s")]
+    #[arg(long, value_parser = parse_seconds, overrides_with = "cache_linger_s")]
     pub cache_linger_s: Option<f64>,
 
     /// Seconds between samples of the job's memory (summed Pss of the process tree).
-    #[arg(long, default_value_t = 1.0, value_parser = positive_seconds)]
+    #[arg(long, default_value_t = 1.0, value_parser = parse_positive_seconds)]
     pub pss_interval_s: f64,
 
     /// Testing hook: a program run instead of `vrtspike` for the ranks (it gets the
@@ -166,20 +167,6 @@ pub fn parse_signal(text: &str) -> Result<Signal, String> {
         None => Err(format!(
             "{text:?} is not a signal name (e.g. SIGUSR2) or number"
         )),
-    }
-}
-
-fn non_negative_seconds(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(secs) if secs.is_finite() && secs >= 0.0 => Ok(secs),
-        _ => Err(format!("{text:?} is not a number of seconds (0 or more)")),
-    }
-}
-
-fn positive_seconds(text: &str) -> Result<f64, String> {
-    match non_negative_seconds(text)? {
-        secs if secs > 0.0 => Ok(secs),
-        _ => Err(format!("{text:?} must be more than 0 seconds")),
     }
 }
 
@@ -231,5 +218,8 @@ mod tests {
         assert_eq!(args.set, ["TRAIN.LR=0.1", "DATA.CROP_SIZE=64"]);
         assert!(args.no_plan_check);
         assert!(Args::try_parse_from(["x", "--config", "c", "--grace-s", "-1"]).is_err());
+        // Past a day: refused here, not a panic where it becomes a Duration.
+        assert!(Args::try_parse_from(["x", "--config", "c", "--grace-s", "1e300"]).is_err());
+        assert!(Args::try_parse_from(["x", "--config", "c", "--pss-interval-s", "0"]).is_err());
     }
 }

@@ -8,71 +8,26 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use vrtspike_contract::cache_serve::{self, CacheServe, StartError};
+use vrtspike_contract::cache_serve::{CacheServe, Watch};
 
-use crate::signals;
-use crate::spawn::{self, ChildKind, Supervised};
-
-/// How to start the server.
-pub struct CacheServerSpec<'a> {
-    /// Its command line (binary, address, config, cap, overrides).
-    pub serve: CacheServe<'a>,
-    /// Its log.
-    pub log: PathBuf,
-    /// How long it may take to accept connections.
-    pub start_timeout: Duration,
-}
+use crate::spawn::{self, Supervised};
 
 /// Starts the server and waits until it says it is ready; an error carries the
 /// server's own last log lines (e.g. a bad config key or a short /dev/shm).
-pub fn start(spec: &CacheServerSpec) -> Result<Supervised> {
-    let (vrtspike, address) = (spec.serve.vrtspike, spec.serve.address);
-    let (mut command, mut pipe) = spec
-        .serve
-        .command()
-        .context("creating the cache server's readiness pipe")?;
-    let spawned = spawn::spawn(
-        "cache server".into(),
-        &mut command,
-        &spec.log,
-        ChildKind::Other,
+pub fn start(serve: &CacheServe, watch: &Watch) -> Result<Supervised> {
+    let started = serve.start_logged(watch)?;
+    tracing::info!(
+        address = serve.address,
+        pid = started.spawned.process.id(),
+        "cache server ready in {:.2} s",
+        started.took.as_secs_f64()
     );
-    pipe.close_child_end();
-    let mut server = spawned
-        .with_context(|| format!("starting the cache server ({})", vrtspike.display()))?
-        .with_stop_signal(Signal::SIGINT);
-    let waited = cache_serve::wait_ready(
-        &mut pipe,
-        spec.start_timeout,
-        &mut || server.poll(),
-        &|| signals::interrupts() > 0,
-    );
-    match waited {
-        Ok(took) => {
-            tracing::info!(
-                address,
-                pid = server.pid(),
-                "cache server ready in {:.2} s",
-                took.as_secs_f64()
-            );
-            Ok(server)
-        }
-        Err(StartError::Exited(status)) => bail!(
-            "the cache server {} before accepting connections; the end of {}:\n{}",
-            spawn::describe(status),
-            spec.log.display(),
-            spawn::log_tail(&spec.log, server.log_offset, 20).join("\n")
-        ),
-        Err(e) => {
-            spawn::stop_all(&mut [&mut server], Duration::from_secs(1));
-            bail!("{e} (address {address:?}); see {}", spec.log.display())
-        }
-    }
+    let server = Supervised::adopt("cache server".into(), started.spawned, watch.log);
+    Ok(server.with_stop_signal(Signal::SIGINT))
 }
 
 /// The server's statistics as JSON, or `None` if it does not answer.
@@ -129,18 +84,16 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
     let shown: Value = serde_json::from_slice(&output.stdout)
         .with_context(|| format!("reading the JSON of config show for {}", config.display()))?;
     let key = |name: &str| &shown["keys"][name]["value"];
-    let ram_cache = key("DATA.USE_RAM_CACHE").as_bool().with_context(|| {
-        format!(
-            "config show for {} gives no boolean DATA.USE_RAM_CACHE",
-            config.display()
-        )
-    })?;
-    let collective_timeout_s = key("DIST.TIMEOUT_S").as_f64().with_context(|| {
-        format!(
-            "config show for {} gives no number DIST.TIMEOUT_S",
-            config.display()
-        )
-    })?;
+    let lacks = |what: String| format!("config show for {} gives no {what}", config.display());
+    let number = |name: &str| {
+        key(name)
+            .as_f64()
+            .with_context(|| lacks(format!("number {name}")))
+    };
+    let ram_cache = key("DATA.USE_RAM_CACHE")
+        .as_bool()
+        .with_context(|| lacks("boolean DATA.USE_RAM_CACHE".into()))?;
+    let collective_timeout_s = number("DIST.TIMEOUT_S")?;
     let shared = match key("DATA.CACHE_SHARING").as_str() {
         Some("node") => true,
         Some("job") => false,
@@ -150,12 +103,7 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
         ),
     };
     let data_root = key("DATA.ROOT").as_str().map(PathBuf::from);
-    let cache_gb = key("DATA.CACHE_SIZE_GB").as_f64().with_context(|| {
-        format!(
-            "config show for {} gives no number DATA.CACHE_SIZE_GB",
-            config.display()
-        )
-    })?;
+    let cache_gb = number("DATA.CACHE_SIZE_GB")?;
     Ok(ConfigFacts {
         ram_cache,
         collective_timeout_s,

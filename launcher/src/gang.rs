@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
+use vrtspike_contract::child;
 use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
@@ -388,22 +389,11 @@ fn missed_deadline(
             timing.preempt_timeout,
         ),
     };
-    let failure = Failure {
-        node: timing.node_rank,
-        rank: None,
-        process: "ranks".into(),
-        pid: 0,
-        exit_code: None,
-        signal: None,
-        cause: format!(
-            "the ranks did not checkpoint and exit within {:.0} s of {why}",
-            limit.as_secs_f64()
-        ),
-        log: String::new(),
-        log_tail: Vec::new(),
-        class: None,
-        stuck: false,
-    };
+    let cause = format!(
+        "the ranks did not checkpoint and exit within {:.0} s of {why}",
+        limit.as_secs_f64()
+    );
+    let failure = Failure::of(timing.node_rank, "ranks".into(), cause);
     tracing::error!("{}", failure.cause);
     let mut end = stop_gang(ranks, outcome, Some(failure), Duration::ZERO);
     if missed.terminated {
@@ -448,17 +438,13 @@ pub fn failure_of(node: u32, rank: Option<u32>, child: &Supervised, status: Exit
         spawn::describe(status)
     );
     Failure {
-        node,
         rank,
-        process: child.name.clone(),
         pid: child.pid(),
         exit_code: status.code(),
         signal: status.signal().map(spawn::signal_name),
-        cause,
         log: child.log.display().to_string(),
-        log_tail: spawn::log_tail(&child.log, child.log_offset, spawn::LOG_TAIL_LINES),
-        class: None,
-        stuck: false,
+        log_tail: child::tail(&child.log, child.log_offset, child::TAIL_LINES),
+        ..Failure::of(node, child.name.clone(), cause)
     }
 }
 

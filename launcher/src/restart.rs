@@ -77,17 +77,11 @@ mod tests {
 
     fn failure(process: &str, code: Option<i32>) -> Failure {
         Failure {
-            node: 0,
             rank: Some(1),
-            process: process.into(),
             pid: 1,
             exit_code: code,
             signal: code.is_none().then(|| "SIGKILL".to_string()),
-            cause: String::new(),
-            log: String::new(),
-            log_tail: Vec::new(),
-            class: None,
-            stuck: false,
+            ..Failure::of(0, process.into(), String::new())
         }
     }
 

@@ -5,41 +5,26 @@
 //! which is what the gang watches instead of the server: if the server goes, the
 //! attach ends and the attempt fails like on a dead server of the job's own.
 //!
-//! When no server answers at the address, the launcher starts one with
-//! `--linger-s`, *not* as a child for life: no parent-death signal, its own process
-//! group, so it outlives this launcher while other jobs are attached, and stops
-//! itself once no client has been connected for the linger. Two launchers that
-//! start one at the same instant race for the abstract address; the loser exits
-//! with `EXIT_ADDRESS_IN_USE` and this launcher attaches to the winner.
+//! The rounds of attach and start, the detached start and the race for the address
+//! are the contract's (`vrtspike_contract::shared_server`, which ranks under
+//! torchrun or srun use too); this is the launcher's attach, and its report of the
+//! server it attached to.
 
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use nix::sys::signal::Signal;
-use vrtspike_contract::cache_serve::{
-    self, CacheAttach, CacheServe, StartError, ATTACH_ROUNDS, EXIT_ADDRESS_IN_USE, EXIT_NO_SERVER,
-};
+use vrtspike_contract::cache_serve::{CacheAttach, ServeError, StartError, EXIT_NO_SERVER};
+use vrtspike_contract::shared_server::{self, SharedStart};
 
 use crate::cache_server;
-use crate::signals;
-use crate::spawn::{self, ChildKind, Supervised};
+use crate::spawn::{self, Supervised};
 
 /// How to reach, or start, the node-shared server.
 pub struct SharedSpec<'a> {
-    /// Its command line (with [`cache_serve::Lifetime::Shared`]).
-    pub serve: CacheServe<'a>,
-    /// The job, as the server's stats and logs name it.
-    pub job: &'a str,
-    /// The job as its ranks' clients name it for the per-job figures (the run
-    /// directory, `RunLayout::job_label`): the attach counts there too.
-    pub job_label: String,
-    /// The log of the server this launcher starts, and of its attach.
-    pub log: PathBuf,
-    /// How long the server may take to accept connections.
-    pub start_timeout: Duration,
+    /// How a server is started when none answers (its log and start timeout are
+    /// the attach's too).
+    pub start: SharedStart<'a>,
+    /// The job as its ranks' clients name it for the per-job figures.
+    pub job_label: &'a str,
     /// The cap this job asks for, in bytes (`--cache-size`, else the config's).
     pub wanted_cap: Option<u64>,
 }
@@ -47,71 +32,48 @@ pub struct SharedSpec<'a> {
 /// Attaches this job to the node-shared server, starting it first when none
 /// answers. Returns the attach child: watch it, and stop it at the end.
 pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
-    for _ in 0..ATTACH_ROUNDS {
-        if let Some(held) = attach(spec)? {
-            return Ok(held);
-        }
-        start(spec)?;
-    }
-    bail!(
-        "could not attach to, nor start, the shared cache server at {:?} in {ATTACH_ROUNDS} tries; see {}",
-        spec.serve.address,
-        spec.log.display()
-    )
+    let (held, _) = shared_server::attach_or_start(&spec.start, &mut || attach(spec))?;
+    Ok(held)
 }
 
 /// Runs `vrtspike cache attach`; `None` when no server listens at the address.
 fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
-    let address = spec.serve.address;
-    let (mut command, mut pipe) = CacheAttach {
-        vrtspike: spec.serve.vrtspike,
-        address,
-        name: spec.job,
-    }
-    .command()
-    .context("creating the cache attach's readiness pipe")?;
-    command.env(vrtspike_contract::env::RUN_DIR, &spec.job_label);
-    let spawned = spawn::spawn(
-        "cache attach".into(),
-        &mut command,
-        &spec.log,
-        ChildKind::Other,
-    );
-    pipe.close_child_end();
-    let mut held = spawned
-        .context("starting vrtspike cache attach")?
-        .with_stop_signal(Signal::SIGINT);
-    let waited =
-        cache_serve::wait_ready(&mut pipe, spec.start_timeout, &mut || held.poll(), &|| {
-            signals::interrupts() > 0
-        });
-    match waited {
-        Ok(_) => {
+    let serve = &spec.start.serve;
+    let attach = CacheAttach {
+        vrtspike: serve.vrtspike,
+        address: serve.address,
+        name: spec.start.started_by,
+        job_label: spec.job_label,
+    };
+    match attach.start_logged(&spec.start.watch) {
+        Ok(started) => {
+            let log = spec.start.watch.log;
+            let held = Supervised::adopt("cache attach".into(), started.spawned, log)
+                .with_stop_signal(Signal::SIGINT);
             report_attached(spec, held.pid());
             Ok(Some(held))
         }
-        Err(StartError::Exited(status)) if status.code() == Some(EXIT_NO_SERVER) => Ok(None),
-        // The server stopped between the connect and the first answer: try again.
-        Err(StartError::Exited(status)) => {
-            tracing::warn!(
-                address,
-                "cache attach {}; trying again",
-                spawn::describe(status)
-            );
+        Err(ServeError::NotReady {
+            source: StartError::Exited(status),
+            ..
+        }) => {
+            // None there; or the server stopped between the connect and the
+            // first answer: try again.
+            if status.code() != Some(EXIT_NO_SERVER) {
+                let how = spawn::describe(status);
+                tracing::warn!(address = serve.address, "cache attach {how}; trying again");
+            }
             Ok(None)
         }
-        Err(e) => {
-            spawn::stop_all(&mut [&mut held], Duration::from_secs(1));
-            bail!("{e} (attaching to {address:?}); see {}", spec.log.display())
-        }
+        Err(e) => Err(e.into()),
     }
 }
 
 /// Logs which server this job attached to, who started it, and a cap that is
 /// not the one this job asked for.
 fn report_attached(spec: &SharedSpec, attach_pid: u32) {
-    let address = spec.serve.address;
-    let stats = cache_server::stats(spec.serve.vrtspike, address);
+    let address = spec.start.serve.address;
+    let stats = cache_server::stats(spec.start.serve.vrtspike, address);
     let pid = stats
         .as_ref()
         .and_then(|s| s["server_pid"].as_u64())
@@ -148,77 +110,10 @@ fn started_by(pid: u64) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Starts a shared server and waits for its word; returns when it is ready, or
-/// when another one won the address (then attach to that one).
-fn start(spec: &SharedSpec) -> Result<()> {
-    let address = spec.serve.address;
-    let (mut command, mut pipe) = spec
-        .serve
-        .command()
-        .context("creating the cache server's readiness pipe")?;
-    let out =
-        spawn::open_log(&spec.log).with_context(|| format!("opening {}", spec.log.display()))?;
-    let log_offset = out.metadata().map(|m| m.len()).unwrap_or(0);
-    let err = out
-        .try_clone()
-        .with_context(|| format!("opening {}", spec.log.display()))?;
-    // Its own process group (a Ctrl-C of this job's terminal does not reach it),
-    // and no parent-death signal: it outlives this launcher while others use it.
-    command
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .process_group(0);
-    let mut child = command
-        .spawn()
-        .with_context(|| format!("starting the shared cache server ({address})"))?;
-    pipe.close_child_end();
-    let waited = cache_serve::wait_ready(
-        &mut pipe,
-        spec.start_timeout,
-        &mut || child.try_wait(),
-        &|| signals::interrupts() > 0,
-    );
-    match waited {
-        Ok(took) => {
-            tracing::info!(
-                address,
-                pid = child.id(),
-                "started the node-shared cache server in {:.2} s (it stays while any job is \
-                 attached, and {} s after the last)",
-                took.as_secs_f64(),
-                linger_of(spec)
-            );
-            cache_serve::reap_in_background(child);
-            Ok(())
-        }
-        Err(StartError::Exited(status)) if status.code() == Some(EXIT_ADDRESS_IN_USE) => {
-            tracing::info!(address, "another job started the shared cache server first");
-            Ok(())
-        }
-        Err(StartError::Exited(status)) => bail!(
-            "the shared cache server {} before accepting connections; the end of {}:\n{}",
-            spawn::describe(status),
-            spec.log.display(),
-            spawn::log_tail(&spec.log, log_offset, 20).join("\n")
-        ),
-        Err(e) => {
-            let _ = child.kill();
-            cache_serve::reap_in_background(child);
-            bail!("{e} (address {address:?}); see {}", spec.log.display())
-        }
-    }
-}
-
-fn linger_of(spec: &SharedSpec) -> f64 {
-    match spec.serve.lifetime {
-        cache_serve::Lifetime::Shared { linger_s, .. } => linger_s,
-        cache_serve::Lifetime::WithParent => 0.0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]

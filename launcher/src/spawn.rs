@@ -4,15 +4,15 @@
 //! A `vrtspike` child starts with the job's signals blocked across `exec` (it
 //! counts them from its first instruction, see `vrtspike_contract::signals`).
 
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use vrtspike_contract::child::{self, Spawned, Tie};
+use vrtspike_contract::signals;
 
 /// A child of the launcher, leader of its own process group.
 #[derive(Debug)]
@@ -52,42 +52,11 @@ pub fn spawn(
     log: &Path,
     kind: ChildKind,
 ) -> io::Result<Supervised> {
-    let out = open_log(log)?;
-    let log_offset = out.metadata()?.len();
-    let err = out.try_clone()?;
-    let parent = std::process::id() as i32;
-    command
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .process_group(0);
-    // SAFETY: the closure runs in the forked child before exec; it only makes the
-    // prctl, getppid and pthread_sigmask system calls, which are async-signal-safe,
-    // and allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // The launcher died between fork and prctl: nobody supervises us.
-            if libc::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            if kind == ChildKind::Vrtspike {
-                vrtspike_contract::signals::block_in_child()?;
-            }
-            Ok(())
-        });
+    if kind == ChildKind::Vrtspike {
+        signals::block_across_exec(command);
     }
-    let child = command.spawn()?;
-    Ok(Supervised {
-        name,
-        child,
-        log: log.to_path_buf(),
-        log_offset,
-        status: None,
-        stop_signal: Signal::SIGTERM,
-    })
+    let spawned = child::spawn_logged(command, log, Tie::DiesWithStarter)?;
+    Ok(Supervised::adopt(name, spawned, log))
 }
 
 /// The command of a `vrtspike` helper the launcher runs to its end (the plan
@@ -98,21 +67,24 @@ pub fn spawn(
 /// and the launcher decides what the job does.
 pub fn vrtspike_helper(vrtspike: &Path) -> Command {
     let mut command = Command::new(vrtspike);
-    command.env(vrtspike_contract::signals::HELPER_ENV, "1");
-    // SAFETY: the hook runs in the forked child before exec and only calls
-    // pthread_sigmask (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(vrtspike_contract::signals::block_in_child);
-    }
+    command.env(signals::HELPER_ENV, "1");
+    signals::block_across_exec(&mut command);
     command
 }
 
-/// Opens a log for appending, creating it.
-pub fn open_log(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
-}
-
 impl Supervised {
+    /// A child started into `log` (`child::spawn_logged`), supervised from now on.
+    pub fn adopt(name: String, spawned: Spawned, log: &Path) -> Supervised {
+        Supervised {
+            name,
+            child: spawned.process,
+            log: log.to_path_buf(),
+            log_offset: spawned.log_offset,
+            status: None,
+            stop_signal: Signal::SIGTERM,
+        }
+    }
+
     /// Stops it with `signal` instead of SIGTERM.
     pub fn with_stop_signal(mut self, signal: Signal) -> Supervised {
         self.stop_signal = signal;
@@ -194,24 +166,6 @@ pub fn signal_name(number: i32) -> String {
         .unwrap_or_else(|_| format!("signal {number}"))
 }
 
-/// Lines of a failed process's log kept in its failure report.
-pub const LOG_TAIL_LINES: usize = 20;
-
-/// The last `lines` lines of a log after byte `from` (fewer if it is shorter;
-/// empty if unreadable).
-pub fn log_tail(path: &Path, from: u64, lines: usize) -> Vec<String> {
-    let Ok(bytes) = std::fs::read(path) else {
-        return Vec::new();
-    };
-    let start = usize::try_from(from).unwrap_or(usize::MAX).min(bytes.len());
-    let text = String::from_utf8_lossy(&bytes[start..]);
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..]
-        .iter()
-        .map(|l| l.to_string())
-        .collect()
-}
-
 /// A stand-in `vrtspike` for tests of the launcher's helpers: a bash script (bash
 /// keeps the signal mask it inherits; dash clears it) that answers `plan`, `config`
 /// and `cache` with the JSON the launcher reads, saying `protected` (`true` when it
@@ -261,7 +215,7 @@ mod tests {
         assert_eq!(killed, ["stubborn"]);
         let status = child.status.unwrap_or_else(|| panic!("not reaped"));
         assert_eq!(describe(status), "was killed by SIGKILL");
-        assert_eq!(log_tail(&log, child.log_offset, 20), ["started"]);
+        assert_eq!(child::tail(&log, child.log_offset, 20), ["started"]);
     }
 
     #[test]
@@ -286,20 +240,5 @@ mod tests {
             bit(libc::SIGUSR2) | bit(libc::SIGTERM),
             "{line}"
         );
-    }
-
-    #[test]
-    fn tail_keeps_the_last_lines() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let log = dir.path().join("t.log");
-        let text: String = (0..30).map(|i| format!("line {i}\n")).collect();
-        std::fs::write(&log, text).unwrap_or_else(|e| panic!("{e}"));
-        let tail = log_tail(&log, 0, 20);
-        assert_eq!(tail.len(), 20);
-        assert_eq!(tail[0], "line 10");
-        assert_eq!(tail[19], "line 29");
-        assert_eq!(log_tail(&log, 10 * 7 + 18 * 8, 20), ["line 28", "line 29"]);
-        assert!(log_tail(&log, 1 << 40, 20).is_empty());
-        assert!(log_tail(&dir.path().join("none"), 0, 5).is_empty());
     }
 }

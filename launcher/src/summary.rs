@@ -85,6 +85,24 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// A failure of `process` on `node` that no exit status, pid or log tells of
+    /// (the ranks as a whole, another node): `cause` says it all.
+    pub fn of(node: u32, process: String, cause: String) -> Failure {
+        Failure {
+            node,
+            rank: None,
+            process,
+            pid: 0,
+            exit_code: None,
+            signal: None,
+            cause,
+            log: String::new(),
+            log_tail: Vec::new(),
+            class: None,
+            stuck: false,
+        }
+    }
+
     /// Adds the rank's own account of this failure: its failure record (written by
     /// this very process) or, without one, its out-of-memory exit code. The cause
     /// gets the rank's message: `rank 1 (pid 7) exited with code 12: out of memory in ...`.

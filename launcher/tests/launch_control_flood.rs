@@ -119,19 +119,9 @@ fn memory(pid: u32) -> (u64, u64) {
 }
 
 fn node(job: &Job, node: u32, port: u16, control: u16, log: &std::path::Path) -> Child {
-    let (node, port, control) = (node.to_string(), port.to_string(), control.to_string());
+    let (port, control) = (port.to_string(), control.to_string());
     let log = std::fs::File::create(log).unwrap_or_else(|e| panic!("{e}"));
-    job.command(&[
-        "--gpus",
-        "0",
-        "--ranks",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        &node,
-        "--master-addr",
-        "127.0.0.1",
+    let extra = [
         "--master-port",
         &port,
         "--control-port",
@@ -140,11 +130,12 @@ fn node(job: &Job, node: u32, port: u16, control: u16, log: &std::path::Path) ->
         "0",
         "--grace-s",
         "2",
-    ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::from(log))
-    .spawn()
-    .unwrap_or_else(|e| panic!("{e}"))
+    ];
+    job.command(&common::two_node_args(1, node, "127.0.0.1", &extra))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]

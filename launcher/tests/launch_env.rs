@@ -126,20 +126,8 @@ fn second_node_offsets_ranks() {
     let master_port = common::free_port();
     let node0 = common::fake_node0(control_port, master_port);
     let (master_port, control_port) = (master_port.to_string(), control_port.to_string());
-    let mut command = job.command(&[
-        "--gpus",
-        "0",
-        "--ranks",
-        "2",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--control-port",
-        &control_port,
-    ]);
+    let extra = ["--control-port", &control_port];
+    let mut command = job.command(&common::two_node_args(2, 1, "127.0.0.1", &extra));
     command.env("VRTSPIKE_JOB_SECRET", common::TEST_SECRET);
     let output = common::run_with_limit(command, LIMIT);
     let (stdout, stderr) = texts(&output);
@@ -177,22 +165,8 @@ fn second_node_offsets_ranks() {
 fn a_job_secret_under_128_bits_is_refused_naming_the_variable() {
     let job = Job::new("exit 0");
     let control_port = common::free_port().to_string();
-    let mut command = job.command(&[
-        "--gpus",
-        "0",
-        "--ranks",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--control-port",
-        &control_port,
-        "--peer-timeout-s",
-        "1",
-    ]);
+    let extra = ["--control-port", &control_port, "--peer-timeout-s", "1"];
+    let mut command = job.command(&common::two_node_args(1, 1, "127.0.0.1", &extra));
     // 16 hex digits: 64 bits, found offline from one recorded handshake.
     command.env("VRTSPIKE_JOB_SECRET", "0123456789abcdef");
     let output = common::run_with_limit(command, LIMIT);

@@ -12,7 +12,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -21,8 +20,8 @@ use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use common::{
-    alive, cmdline, launcher_command, process_tree, signal, synth_tiny_h5, texts, trained_a_step,
-    wait_until, write_tiny_config, TinyTrain,
+    cmdline, process_tree, signal, synth_tiny_h5, texts, trained_a_step, wait_until,
+    write_tiny_config, TinyTrain,
 };
 
 const LIMIT: Duration = Duration::from_secs(180);
@@ -83,19 +82,7 @@ fn signal_every_process_once(sig: Signal, when: When) -> bool {
     let config = write_tiny_config(tmp.path(), &data, &run);
     let run_dir = tmp.path().join("run");
     let layout = RunLayout::new(&run_dir);
-    let launcher = launcher_command(&config, &run_dir)
-        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
-        .args([
-            "--cache-size",
-            "64M",
-            "--grace-s",
-            "60",
-            "--preempt-timeout-s",
-            "60",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+    let launcher = common::preemptible_two_ranks(&config, &run_dir)
         .unwrap_or_else(|e| panic!("starting the launcher: {e}"));
     let pid = launcher.id();
     let ready = wait_until(LIMIT, || match when {
@@ -134,14 +121,8 @@ fn signal_every_process_once(sig: Signal, when: When) -> bool {
         ranks.steps >= 1 && ranks.steps < run.total_steps,
         "{ranks:?}"
     );
-    let gone = wait_until(Duration::from_secs(10), || !tree.iter().any(|p| alive(*p)));
-    let left: Vec<&String> = tree
-        .iter()
-        .zip(&names)
-        .filter(|(p, _)| alive(**p))
-        .map(|(_, n)| n)
-        .collect();
-    assert!(gone, "left behind: {left:?}");
+    let left = common::left_behind(&tree, &names, Duration::from_secs(10));
+    assert!(left.is_empty(), "left behind: {left:?}");
     let reached = |what: &str| names.iter().any(|n| n.contains(what));
     assert!(reached("cache serve"), "the cache server got it: {names:?}");
     if when == When::Training {

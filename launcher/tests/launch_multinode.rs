@@ -49,27 +49,12 @@ PY
 fn two_nodes_on_loopback_meet_at_the_master() {
     let job = Job::new(RENDEZVOUS);
     let port = free_port().to_string();
-    let node = |rank: &'static str| {
-        let port = port.clone();
-        let command = job.command(&[
-            "--gpus",
-            "0",
-            "--ranks",
-            "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--max-restarts",
-            "0",
-        ]);
+    let node = |rank: u32| {
+        let extra = ["--master-port", &port, "--max-restarts", "0"];
+        let command = job.command(&common::two_node_args(2, rank, "127.0.0.1", &extra));
         std::thread::spawn(move || common::run_with_limit(command, Duration::from_secs(40)))
     };
-    let (node0, node1) = (node("0"), node("1"));
+    let (node0, node1) = (node(0), node(1));
     for (name, handle) in [("node 0", node0), ("node 1", node1)] {
         let output = handle
             .join()
@@ -114,25 +99,10 @@ fn two_nodes_on_loopback_meet_at_the_master() {
 
 /// The launcher command of node `node` of two on loopback.
 fn node_command(job: &Job, node: u32, port: u16, extra: &[&str]) -> Command {
-    let (node, port) = (node.to_string(), port.to_string());
-    let mut args = vec![
-        "--gpus",
-        "0",
-        "--ranks",
-        "2",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        &node,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        &port,
-        "--grace-s",
-        "2",
-    ];
+    let port = port.to_string();
+    let mut args = vec!["--master-port", &port, "--grace-s", "2"];
     args.extend_from_slice(extra);
-    job.command(&args)
+    job.command(&common::two_node_args(2, node, "127.0.0.1", &args))
 }
 
 fn spawn_quiet(mut command: Command) -> Child {

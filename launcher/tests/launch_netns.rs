@@ -172,19 +172,7 @@ impl Drop for TwoNodes {
 
 /// The launcher arguments of node `node` of two, node 0 at [`NODE0_ADDR`].
 fn node_args(node: u32) -> Vec<String> {
-    [
-        "--gpus",
-        "0",
-        "--ranks",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([node.to_string(), "--master-addr".into(), NODE0_ADDR.into()])
-    .collect()
+    common::two_node_args(1, node, NODE0_ADDR, &[])
 }
 
 /// The last `final parameters agree` hash in a rank's log.
@@ -393,9 +381,7 @@ fn kill_9_of_node_1_s_launcher_ends_node_0_naming_it() {
     };
     let mut node0 = launch(0);
     let mut node1 = launch(1);
-    let up = wait_until(Duration::from_secs(60), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let up = job.two_ranks_started(Duration::from_secs(60));
     assert!(up, "the ranks never started");
     assert!(!nodes.pids(1).is_empty());
     node1.kill().unwrap_or_else(|e| panic!("{e}")); // SIGKILL

@@ -20,7 +20,6 @@ mod common;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,9 +28,7 @@ use nix::sys::signal::Signal;
 use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
-use common::{
-    alive, cmdline, launcher_command, process_tree, synth_tiny, texts, wait_until, wait_with_limit,
-};
+use common::{alive, cmdline, process_tree, synth_tiny, texts, wait_until, wait_with_limit};
 
 /// Trials of the loop in the test suite (about 7 s each on a 2-core machine).
 const TRIALS: u32 = 10;
@@ -206,19 +203,7 @@ struct Ended {
 fn run_trial(tmp: &Path, config: &Path, trial: Trial) -> Result<Ended, String> {
     let run_dir = tmp.join(format!("run{}", trial.index));
     let layout = RunLayout::new(&run_dir);
-    let launcher = launcher_command(config, &run_dir)
-        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
-        .args([
-            "--cache-size",
-            "64M",
-            "--grace-s",
-            "60",
-            "--preempt-timeout-s",
-            "60",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+    let launcher = common::preemptible_two_ranks(config, &run_dir)
         .map_err(|e| format!("starting the launcher: {e}"))?;
     let pid = launcher.id();
     let started = wait_until(LIMIT, || {
@@ -294,14 +279,8 @@ fn run_trial(tmp: &Path, config: &Path, trial: Trial) -> Result<Ended, String> {
             ranks_summary.steps
         ));
     }
-    let gone = wait_until(Duration::from_secs(10), || !tree.iter().any(|p| alive(*p)));
-    if !gone {
-        let left: Vec<&String> = tree
-            .iter()
-            .zip(&names)
-            .filter(|(p, _)| alive(**p))
-            .map(|(_, n)| n)
-            .collect();
+    let left = common::left_behind(&tree, &names, Duration::from_secs(10));
+    if !left.is_empty() {
         return fail(format!("left behind: {left:?}"));
     }
     Ok(Ended {

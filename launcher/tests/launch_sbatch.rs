@@ -68,9 +68,7 @@ fn batch_job_signalled(job: &Job, sig: Signal) -> Output {
         command.env_remove(name);
     }
     let mut script = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-    let ranks_up = wait_until(Duration::from_secs(30), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let ranks_up = job.two_ranks_started(Duration::from_secs(30));
     if !ranks_up {
         let _ = script.kill();
     }

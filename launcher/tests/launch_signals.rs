@@ -31,9 +31,7 @@ fn kill_9_of_the_launcher_leaves_nothing() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
-    let ranks_up = wait_until(Duration::from_secs(20), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let ranks_up = job.two_ranks_started(Duration::from_secs(20));
     assert!(ranks_up, "the ranks never started");
     let children = children_of(launcher.id());
     assert_eq!(children.len(), 3, "cache server + 2 ranks: {children:?}");
@@ -77,9 +75,7 @@ fn preempt_with(sig: Signal) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
-    let ranks_up = wait_until(Duration::from_secs(20), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let ranks_up = job.two_ranks_started(Duration::from_secs(20));
     assert!(ranks_up, "the ranks never started");
     let asked = Instant::now();
     signal(launcher.id(), sig);
@@ -156,9 +152,7 @@ fn preempt_job(body: &str, extra: &[&str]) -> (Option<i32>, serde_json::Value) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
-    let ranks_up = wait_until(Duration::from_secs(20), || {
-        job.rank_pid(0, 0).is_some() && job.rank_pid(1, 0).is_some()
-    });
+    let ranks_up = job.two_ranks_started(Duration::from_secs(20));
     assert!(ranks_up, "the ranks never started");
     signal(launcher.id(), Signal::SIGUSR2);
     let exited = wait_until(Duration::from_secs(15), || {

@@ -77,7 +77,7 @@ fn torchrun_command(torchrun: &Path, dir: &Path, config: &Path, extra: &[&str]) 
     }
     // The node-shared server local rank 0 starts ends with the last rank, so the
     // test can check that nothing is left.
-    command.env(vrtspike_contract::cache_serve::LINGER_ENV, "0");
+    command.env(vrtspike_contract::shared_server::LINGER_ENV, "0");
     command
 }
 
@@ -255,13 +255,8 @@ fn a_rank_killed_under_torchrun_restarts_both_from_the_checkpoint() {
         (TrainStatus::Completed, TOTAL_STEPS)
     );
     assert_eq!(ranks.restarts, 1, "{ranks:?}");
-    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
-    let starts: Vec<serde_json::Value> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["event"] == "start")
-        .collect();
-    assert_eq!(starts.len(), 2, "{metrics}");
+    let starts = common::start_events(&layout);
+    assert_eq!(starts.len(), 2, "{starts:?}");
     assert_eq!(starts[1]["restart_count"], 1);
     let resumed = starts[1]["step"].as_u64();
     assert!(

@@ -106,13 +106,8 @@ fn preempted_real_ranks_checkpoint_and_a_relaunch_resumes_to_the_end() {
         Some(TOTAL_STEPS)
     );
     // The second start began at the checkpoint's step, not from scratch.
-    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
-    let starts: Vec<serde_json::Value> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["event"] == "start")
-        .collect();
-    assert_eq!(starts.len(), 2, "{metrics}");
+    let starts = common::start_events(&layout);
+    assert_eq!(starts.len(), 2, "{starts:?}");
     assert_eq!(starts[1]["step"], stopped_at);
     let resumed_from = starts[1]["resumed_from"].as_str().unwrap_or("");
     assert!(resumed_from.ends_with(&checkpoint.name()), "{resumed_from}");

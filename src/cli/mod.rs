@@ -1,10 +1,11 @@
 //! The `vrtspike` subcommands, one file each: argument types, the glue from them to
 //! the library, and printing. Library logic lives in the library; this folder only
-//! parses, calls and prints.
+//! parses, calls and prints. `cache` and `bench` are `vrtspike-data`'s command line
+//! (`crates/data/src/cli/`), which the `vrtspike-cache` binary shares.
+
+pub use vrtspike_data::cli::{bench, cache};
 
 pub mod analyze;
-pub mod bench;
-pub mod cache;
 pub mod config;
 pub mod demo;
 pub mod h5_probe;

@@ -94,7 +94,7 @@ impl std::fmt::Debug for Ddp {
 /// (the order backward produces gradients), one open bucket per key, and a
 /// bucket closes once it reaches its cap (the first closed one `first_cap`,
 /// later ones `cap`). Returns each bucket's parameter indices.
-pub fn plan_buckets<K: PartialEq + Clone>(
+pub fn bucket_groups<K: PartialEq + Clone>(
     params: &[(usize, K)],
     first_cap: usize,
     cap: usize,
@@ -141,9 +141,9 @@ impl Ddp {
             .iter()
             .map(|p| (tensor_bytes(p), (p.kind(), p.device())))
             .collect();
-        let plan = plan_buckets(&keys, options.first_bucket_bytes, options.bucket_bytes);
-        let mut buckets = Vec::with_capacity(plan.len());
-        for members in plan {
+        let groups = bucket_groups(&keys, options.first_bucket_bytes, options.bucket_bytes);
+        let mut buckets = Vec::with_capacity(groups.len());
+        for members in groups {
             let mut spans = Vec::with_capacity(members.len());
             let mut offset = 0i64;
             for &index in &members {
@@ -412,20 +412,20 @@ mod tests {
         // Seven f32 params of 0.4 MB and one of 30 MB, registration order.
         let mut params: Vec<(usize, u8)> = vec![(400 * 1024, 0); 7];
         params.insert(2, (30 * MB, 0));
-        let plan = plan_buckets(&params, MB, 25 * MB);
+        let groups = bucket_groups(&params, MB, 25 * MB);
         // Backwards: 7,6,5 reach 1.2 MB >= 1 MB; 4,3,2(30 MB) reach the 25 MB cap;
         // 1,0 are the tail.
-        assert_eq!(plan, vec![vec![7, 6, 5], vec![4, 3, 2], vec![1, 0]]);
-        let every: usize = plan.iter().map(Vec::len).sum();
+        assert_eq!(groups, vec![vec![7, 6, 5], vec![4, 3, 2], vec![1, 0]]);
+        let every: usize = groups.iter().map(Vec::len).sum();
         assert_eq!(every, params.len());
     }
 
     #[test]
     fn buckets_never_mix_dtypes() {
         let params = vec![(10, "f32"), (10, "f16"), (10, "f32"), (10, "f16")];
-        let plan = plan_buckets(&params, 1000, 1000);
-        assert_eq!(plan, vec![vec![3, 1], vec![2, 0]]);
-        assert!(plan_buckets::<u8>(&[], 1, 1).is_empty());
+        let groups = bucket_groups(&params, 1000, 1000);
+        assert_eq!(groups, vec![vec![3, 1], vec![2, 0]]);
+        assert!(bucket_groups::<u8>(&[], 1, 1).is_empty());
     }
 
     #[test]

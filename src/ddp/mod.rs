@@ -16,7 +16,7 @@ mod runtime;
 pub use cuda_mem::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak, CudaMemoryStats};
 pub use error::DistError;
 pub use flat::{
-    check_parameters, parameter_hash, plan_buckets, Ddp, DdpOptions, BUCKET_BYTES,
+    bucket_groups, check_parameters, parameter_hash, Ddp, DdpOptions, BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
 };
 pub use group::{nccl_available, Backend, CommStats, GroupOptions, ProcessGroup, ReduceOp};

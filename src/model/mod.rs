@@ -33,6 +33,15 @@ pub use unet::UnetSpike;
 pub use vrt::Vrt;
 pub use weights::{load_safetensors, save_safetensors};
 
+/// The tiny VRT-Spike config (`configs/tiny/vrt_spike_tiny.yaml`) that unit tests of
+/// the model and the training step run.
+#[cfg(test)]
+pub(crate) fn tiny_vrt_spike() -> crate::config::Config {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let path = root.join("configs/tiny/vrt_spike_tiny.yaml");
+    crate::config::Config::load(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// Why a model could not be built, run, loaded or saved.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

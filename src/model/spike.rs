@@ -17,35 +17,35 @@ use crate::config::{ChunkShape, Chunking, FuseConfig, ModelConfig};
 
 /// How per-pixel attention is cut into spatial chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkPlan {
+pub struct ChunkGrid {
     /// Chunk height in pixels.
     pub rows: i64,
     /// Chunk width in pixels.
     pub cols: i64,
 }
 
-impl ChunkPlan {
+impl ChunkGrid {
     /// The chunk for a batch of `batch` over an (h, w) map: from the token budget when
     /// `ADAPTIVE_CHUNK`, else `CHUNK_SIZE`; square tiles or bands of full rows.
-    pub fn choose(cfg: &Chunking, batch: i64, h: i64, w: i64) -> ChunkPlan {
+    pub fn choose(cfg: &Chunking, batch: i64, h: i64, w: i64) -> ChunkGrid {
         let budget = (cfg.max_batch_tokens / batch.max(1)).max(1); // pixels per chunk
         match (cfg.chunk_shape, cfg.adaptive_chunk) {
             (ChunkShape::Square, true) => {
                 let side = ((budget as f64).sqrt().floor() as i64).max(1);
-                ChunkPlan {
+                ChunkGrid {
                     rows: side.min(h),
                     cols: side.min(w),
                 }
             }
-            (ChunkShape::Row, true) => ChunkPlan {
+            (ChunkShape::Row, true) => ChunkGrid {
                 rows: (budget / w.max(1)).clamp(1, h),
                 cols: w,
             },
-            (ChunkShape::Square, false) => ChunkPlan {
+            (ChunkShape::Square, false) => ChunkGrid {
                 rows: cfg.chunk_size.min(h),
                 cols: cfg.chunk_size.min(w),
             },
-            (ChunkShape::Row, false) => ChunkPlan {
+            (ChunkShape::Row, false) => ChunkGrid {
                 rows: cfg.chunk_size.min(h),
                 cols: w,
             },
@@ -58,10 +58,10 @@ const CHUNKS: &str = "per-pixel chunks";
 
 /// Applies `f` to every pixel's sequence over time, chunk by chunk. Inputs are
 /// (N, C_i, D, H, W); `f` gets (N * pixels, D, C_i) per input and returns
-/// (N * pixels, D, C_out). The result is (N, C_out, D, H, W), independent of `plan`.
+/// (N * pixels, D, C_out). The result is (N, C_out, D, H, W), independent of `grid`.
 pub fn per_pixel(
     inputs: &[&Tensor],
-    plan: ChunkPlan,
+    grid: ChunkGrid,
     f: impl Fn(&[Tensor]) -> Result<Tensor, ModelError>,
 ) -> Result<Tensor, ModelError> {
     let s = inputs[0].size();
@@ -69,11 +69,11 @@ pub fn per_pixel(
     let mut rows_out = Vec::new();
     let mut y0 = 0;
     while y0 < h {
-        let rh = plan.rows.min(h - y0);
+        let rh = grid.rows.min(h - y0);
         let mut tiles = Vec::new();
         let mut x0 = 0;
         while x0 < w {
-            let cw = plan.cols.min(w - x0);
+            let cw = grid.cols.min(w - x0);
             let seqs = inputs
                 .iter()
                 .map(|t| {
@@ -432,10 +432,10 @@ impl SpikeBranch {
                 resized.at_stage(&format!("level {l} resize"))?
             };
             if !self.tsa[l].is_empty() {
-                let plan = ChunkPlan::choose(&self.tsa_chunks, n, th, tw);
+                let grid = ChunkGrid::choose(&self.tsa_chunks, n, th, tw);
                 let layers = &self.tsa[l];
                 let checkpointing = self.checkpointing;
-                f = per_pixel(&[&f], plan, |seqs| {
+                f = per_pixel(&[&f], grid, |seqs| {
                     let mut y = seqs[0].shallow_clone();
                     for (j, layer) in layers.iter().enumerate() {
                         y = layer
@@ -462,10 +462,10 @@ impl SpikeBranch {
             )));
         }
         let s = x.size();
-        let plan = ChunkPlan::choose(&self.fuse_chunks, s[0], s[3], s[4]);
+        let grid = ChunkGrid::choose(&self.fuse_chunks, s[0], s[3], s[4]);
         let fuse = &self.fuse[i];
         let checkpointing = self.checkpointing;
-        let update = per_pixel(&[x, spike], plan, |seqs| {
+        let update = per_pixel(&[x, spike], grid, |seqs| {
             fuse.forward_checkpointed(&seqs[0], &seqs[1], checkpointing)
         })?;
         x.f_add(&update).at_stage("residual")
@@ -500,28 +500,28 @@ mod tests {
     use tch::{Device, Kind};
 
     #[test]
-    fn chunk_plans_respect_the_budget() {
+    fn chunk_grids_respect_the_budget() {
         let mut cfg = FuseConfig {
             max_batch_tokens: 1000,
             ..FuseConfig::default()
         }
         .chunking();
-        let p = ChunkPlan::choose(&cfg, 2, 64, 64);
-        assert_eq!(p, ChunkPlan { rows: 22, cols: 22 });
+        let p = ChunkGrid::choose(&cfg, 2, 64, 64);
+        assert_eq!(p, ChunkGrid { rows: 22, cols: 22 });
         assert!(2 * p.rows * p.cols <= 1000);
         cfg.chunk_shape = ChunkShape::Row;
-        let p = ChunkPlan::choose(&cfg, 2, 64, 64);
-        assert_eq!(p, ChunkPlan { rows: 7, cols: 64 });
+        let p = ChunkGrid::choose(&cfg, 2, 64, 64);
+        assert_eq!(p, ChunkGrid { rows: 7, cols: 64 });
         cfg.adaptive_chunk = false;
         cfg.chunk_size = 5;
         assert_eq!(
-            ChunkPlan::choose(&cfg, 2, 64, 64),
-            ChunkPlan { rows: 5, cols: 64 }
+            ChunkGrid::choose(&cfg, 2, 64, 64),
+            ChunkGrid { rows: 5, cols: 64 }
         );
         cfg.chunk_shape = ChunkShape::Square;
         assert_eq!(
-            ChunkPlan::choose(&cfg, 2, 64, 3),
-            ChunkPlan { rows: 5, cols: 3 }
+            ChunkGrid::choose(&cfg, 2, 64, 3),
+            ChunkGrid { rows: 5, cols: 3 }
         );
     }
 
@@ -532,15 +532,15 @@ mod tests {
         let weights = Tensor::randn([4, 5], opts);
         // A per-pixel function that mixes time: softmax over frames.
         let f = |s: &[Tensor]| s[0].softmax(1, Kind::Float).matmul(&weights);
-        let whole = per_pixel(&[&x], ChunkPlan { rows: 7, cols: 9 }, |s| Ok(f(s))).unwrap();
+        let whole = per_pixel(&[&x], ChunkGrid { rows: 7, cols: 9 }, |s| Ok(f(s))).unwrap();
         assert_eq!(whole.size(), vec![2, 5, 3, 7, 9]);
-        for plan in [
-            ChunkPlan { rows: 2, cols: 4 },
-            ChunkPlan { rows: 1, cols: 9 },
-            ChunkPlan { rows: 3, cols: 3 },
+        for grid in [
+            ChunkGrid { rows: 2, cols: 4 },
+            ChunkGrid { rows: 1, cols: 9 },
+            ChunkGrid { rows: 3, cols: 3 },
         ] {
-            let chunked = per_pixel(&[&x], plan, |s| Ok(f(s))).unwrap();
-            assert!(chunked.allclose(&whole, 1e-6, 1e-6, false), "{plan:?}");
+            let chunked = per_pixel(&[&x], grid, |s| Ok(f(s))).unwrap();
+            assert!(chunked.allclose(&whole, 1e-6, 1e-6, false), "{grid:?}");
         }
         // Pixel (1, 2) of sample 1 equals the function on that pixel alone.
         let one = x
@@ -578,17 +578,17 @@ mod tests {
         let fuse = branch.fuse_chunking();
         assert!(fuse.adaptive_chunk);
         assert_eq!(fuse.chunk_size, 64);
-        // The TSA plan uses its fixed 80-row bands, FUSE its token budget.
+        // The TSA grid uses its fixed 80-row bands, FUSE its token budget.
         assert_eq!(
-            ChunkPlan::choose(&tsa, 2, 128, 128),
-            ChunkPlan {
+            ChunkGrid::choose(&tsa, 2, 128, 128),
+            ChunkGrid {
                 rows: 80,
                 cols: 128
             }
         );
         assert_eq!(
-            ChunkPlan::choose(&fuse, 2, 128, 128),
-            ChunkPlan {
+            ChunkGrid::choose(&fuse, 2, 128, 128),
+            ChunkGrid {
                 rows: 16,
                 cols: 128
             }

@@ -576,7 +576,7 @@ mod tests {
 
     #[test]
     fn an_allocation_failure_is_an_error_naming_the_stage() {
-        let mut cfg = crate::config::tiny_vrt_spike().model;
+        let mut cfg = crate::model::tiny_vrt_spike().model;
         cfg.spike.enabled = false;
         let vs = nn::VarStore::new(Device::Cpu);
         let net = Vrt::new(&vs.root(), &cfg).unwrap();

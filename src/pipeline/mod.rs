@@ -1,19 +1,10 @@
-//! The input pipeline of a rank: clips and their samples (crop aligned between RGB
-//! and spike resolution, voxels, dihedral augmentation), the distributed sampler,
-//! and the loader whose worker threads build batches from a [`RecordSource`]: the
-//! node cache ([`CacheSource`]) or the disk ([`DiskSource`]), telling the cache its
-//! coming reads ([`plan`]: the planned policy and its prefetch). It imports `config`,
-//! `dataset`, `cache` and `util`, never the model or the trainer.
+//! The input pipeline of a rank: everything of `vrtspike-data`'s pipeline (clips
+//! and their samples, the distributed sampler, the loader over a record source),
+//! and a batch as tensors for the model ([`tensors`], the one part that uses
+//! libtorch).
 
-pub mod error;
-pub mod loader;
-pub mod plan;
-pub mod sample;
-pub mod sampler;
-pub mod source;
+pub use vrtspike_data::pipeline::*;
+
 pub mod tensors;
-pub mod transform;
 
-pub use error::PipelineError;
-pub use loader::{Batch, Loader, LoaderOptions};
-pub use source::{CacheSource, DiskSource, RecordSource};
+pub use tensors::BatchTensors;

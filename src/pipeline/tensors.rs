@@ -1,24 +1,35 @@
 //! A batch as tensors for the model: the only part of the pipeline that touches
-//! libtorch, kept apart so that what never runs a model (the loader benchmark's
-//! processes in `vrtspike-cache`) builds the pipeline without it. Each sample's
-//! values are copied once, straight into the host tensors a caller's allocator
-//! makes (the trainer's are page-locked on a GPU rank, see `train::transfer`).
+//! libtorch, kept in the trainer crate so that `vrtspike-data`'s pipeline (what the
+//! loader benchmark's processes in `vrtspike-cache` run) builds without it. Each
+//! sample's values are copied once, straight into the host tensors a caller's
+//! allocator makes (the trainer's are page-locked on a GPU rank, see
+//! `train::transfer`).
 
-use super::error::{PipelineError, Result};
-use super::loader::Batch;
-use super::sample::Sample;
+use vrtspike_data::pipeline::error::{PipelineError, Result};
+use vrtspike_data::pipeline::loader::Batch;
+use vrtspike_data::pipeline::sample::Sample;
 
 /// Makes a host tensor of the given dims (float32, contiguous, on the CPU).
 pub type HostAlloc<'a> = dyn Fn(&[i64]) -> std::result::Result<tch::Tensor, tch::TchError> + 'a;
 
-impl Batch {
+/// A batch as the model's input tensors.
+pub trait BatchTensors {
     /// Blur, sharp and voxels stacked as (B, L, 3, h, w), (B, L, 3, h, w) and
     /// (B, L, K, h_s, w_s) f32 tensors on `device`, through plain host memory.
     /// Samples of different shapes are an error.
-    pub fn to_tensors(
+    fn to_tensors(&self, device: tch::Device) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)>;
+
+    /// [`BatchTensors::to_tensors`]' three tensors on the host, made by `alloc`
+    /// (which must return a contiguous float32 CPU tensor of the dims asked), each
+    /// sample's values copied into them once.
+    fn to_host_tensors(
         &self,
-        device: tch::Device,
-    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
+        alloc: &HostAlloc<'_>,
+    ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)>;
+}
+
+impl BatchTensors for Batch {
+    fn to_tensors(&self, device: tch::Device) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {
         let plain = |dims: &[i64]| tch::Tensor::f_empty(dims, (tch::Kind::Float, tch::Device::Cpu));
         let (blur, sharp, voxels) = self.to_host_tensors(&plain)?;
         if device == tch::Device::Cpu {
@@ -28,10 +39,7 @@ impl Batch {
         Ok((to(blur)?, to(sharp)?, to(voxels)?))
     }
 
-    /// [`Batch::to_tensors`]' three tensors on the host, made by `alloc` (which must
-    /// return a contiguous float32 CPU tensor of the dims asked), each sample's
-    /// values copied into them once.
-    pub fn to_host_tensors(
+    fn to_host_tensors(
         &self,
         alloc: &HostAlloc<'_>,
     ) -> Result<(tch::Tensor, tch::Tensor, tch::Tensor)> {

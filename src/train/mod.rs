@@ -12,7 +12,7 @@ pub mod env;
 pub mod failure;
 pub mod figures;
 pub mod heartbeat;
-pub mod loader_plan;
+pub mod loader_settings;
 pub mod loss;
 pub mod measure;
 pub mod metrics;
@@ -80,6 +80,10 @@ pub enum TrainError {
     /// libtorch failed.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// The node's cache server could not be started, nor the node-shared one
+    /// attached to (its address and log named).
+    #[error(transparent)]
+    CacheServer(#[from] vrtspike_contract::cache_serve::ServeError),
     /// A file of the run directory could not be written.
     #[error("{path}: {message}")]
     Io {

@@ -8,9 +8,10 @@
 //! of this user and dataset, at the address the launcher uses too
 //! (`cache_addr::node_shared_address`): local rank 0 attaches to it when it runs,
 //! else starts it with a linger (`VRTSPIKE_CACHE_LINGER_S`, default 30 s, 0 in a
-//! SLURM allocation) in its
-//! own process group and without a parent-death signal, so it serves every job
-//! that uses it and ends by itself once none has been connected for the linger.
+//! SLURM allocation), detached, so it serves every job that uses it and ends by
+//! itself once none has been connected for the linger. The rounds, the start and
+//! the race for the address are the launcher's too
+//! (`vrtspike_contract::shared_server`); the attach here is a client connection.
 //!
 //! With `job`, the server is this job's: local rank 0's child with a parent-death
 //! signal, so it ends with that rank (and with the job: nothing is left after
@@ -18,12 +19,12 @@
 //! address names the job, the node and the attempt (a restarted attempt starts a
 //! fresh server: the old one ended with its rank 0), from `cache::default_address`.
 
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::path::Path;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrtspike_contract::cache_serve::{self, CacheServe};
+use vrtspike_contract::cache_serve::{self, CacheServe, Watch};
+use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 
 use super::env::RankEnv;
 use super::TrainError;
@@ -149,18 +150,14 @@ fn shared_address(config: &Config) -> Result<Option<String>, TrainError> {
         );
         return Ok(None);
     };
-    let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root).map_err(|e| {
-        TrainError::io(
-            root,
-            format!("DATA.CACHE_SHARING node keys the cache server by the dataset's files: {e}"),
-        )
-    })?;
+    let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root)
+        .map_err(|e| TrainError::io(root, e))?;
     Ok(Some(address))
 }
 
 /// Local rank 0 with a node-shared server: attaches to the one running, else
-/// starts it (see the module doc). Returns its connection to hold, and which it
-/// did.
+/// starts it (the contract's [`shared_server::attach_or_start`]). Returns its
+/// connection to hold, and which it did.
 fn attach_or_start_shared(
     env: &RankEnv,
     address: &str,
@@ -173,155 +170,62 @@ fn attach_or_start_shared(
     let quick = cache::ClientOptions::from_env()
         .map_err(|e| TrainError::io(from.config, format!("the cache client's options: {e}")))?
         .waiting(Duration::from_secs(2));
-    for _ in 0..cache_serve::ATTACH_ROUNDS {
-        if let Ok(hold) = CacheClient::connect_with(address, &who, &quick) {
-            return Ok((hold, "attached (node-shared)"));
-        }
-        // Started (by this rank, or by another job that won the race): hold it
-        // at once; it waits for its first client longer than the linger.
-        let how = match start_shared(env, address, from)? {
-            true => "started (node-shared)",
-            false => "attached (node-shared, another job started it at the same time)",
-        };
-        if let Ok(hold) = CacheClient::connect_with(address, &who, &quick) {
-            return Ok((hold, how));
-        }
-    }
-    Err(TrainError::io(
-        &env.layout().cache_log(env.contract.node_rank),
-        format!(
-            "could not attach to, nor start, the node-shared cache server at {address:?} in \
-             {} tries (its log)",
-            cache_serve::ATTACH_ROUNDS
-        ),
-    ))
-}
-
-/// Starts a node-shared server, detached from this rank; `false` when another
-/// one took the address first (attach to that one).
-fn start_shared(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<bool, TrainError> {
+    let log = env.layout().cache_log(env.contract.node_rank);
     let started_by = format!("job {} (rank {})", env.layout().job_label(), env.rank);
-    let lifetime = cache_serve::Lifetime::Shared {
-        linger_s: linger_s()?,
+    let linger_s =
+        shared_server::linger_s(None, &|name| std::env::var(name).ok()).map_err(|message| {
+            TrainError::Env {
+                var: shared_server::LINGER_ENV.to_string(),
+                message,
+            }
+        })?;
+    let start = SharedStart {
+        serve: serve_command(address, from),
+        linger_s,
         started_by: &started_by,
+        watch: Watch {
+            log: &log,
+            timeout: START_TIMEOUT,
+            interrupted: &|| false,
+        },
     };
-    let (mut child, waited) = spawn_server(env, address, from, lifetime)?;
-    match waited {
-        Ok(_) => {
-            vrtspike_contract::cache_serve::reap_in_background(child);
-            Ok(true)
-        }
-        Err(cache_serve::StartError::Exited(status))
-            if status.code() == Some(cache_serve::EXIT_ADDRESS_IN_USE) =>
-        {
-            Ok(false)
-        }
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(server_failed(env, address, e))
-        }
-    }
+    // Started (by this rank, or by another job that won the race): held at once,
+    // since it waits for its first client longer than the linger.
+    let mut attach = || Ok(CacheClient::connect_with(address, &who, &quick).ok());
+    let (hold, joined) = shared_server::attach_or_start::<_, TrainError>(&start, &mut attach)?;
+    let how = match joined {
+        Joined::Started => "started (node-shared)",
+        Joined::Attached | Joined::RaceLost => "attached (node-shared)",
+    };
+    Ok((hold, how))
 }
 
-/// The linger of a shared server this rank starts ([`cache_serve::linger_s`]).
-fn linger_s() -> Result<f64, TrainError> {
-    cache_serve::linger_s(None, &|name| std::env::var(name).ok()).map_err(|message| {
-        TrainError::Env {
-            var: cache_serve::LINGER_ENV.to_string(),
-            message,
-        }
+/// Local rank 0: starts the job's own server (this rank's child, which dies with
+/// it), logging into the node's cache log, and waits for its word.
+fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, TrainError> {
+    let log = env.layout().cache_log(env.contract.node_rank);
+    let started = serve_command(address, from).start_logged(&Watch {
+        log: &log,
+        timeout: START_TIMEOUT,
+        interrupted: &|| false,
+    })?;
+    Ok(OwnServer {
+        address: address.to_string(),
+        child: started.spawned.process,
     })
 }
 
-/// Local rank 0: starts the job's own server and waits for its word.
-fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, TrainError> {
-    let (mut child, waited) = spawn_server(env, address, from, cache_serve::Lifetime::WithParent)?;
-    match waited {
-        Ok(_) => Ok(OwnServer {
-            address: address.to_string(),
-            child,
-        }),
-        Err(e) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(server_failed(env, address, e))
-        }
-    }
-}
-
-/// Spawns `vrtspike cache serve` at `address` with `lifetime`, logging into the
-/// node's cache log, and waits for its word. A job's own server is this rank's
-/// child with a parent-death signal; a shared one gets its own process group and
-/// none, so it outlives this rank while other jobs read from it.
-fn spawn_server(
-    env: &RankEnv,
-    address: &str,
-    from: &ServeFrom,
-    lifetime: cache_serve::Lifetime,
-) -> Result<(Child, Result<Duration, cache_serve::StartError>), TrainError> {
-    let log = env.layout().cache_log(env.contract.node_rank);
-    let out = open_log(&log)?;
-    let err = out.try_clone().map_err(|e| TrainError::io(&log, e))?;
-    let spec = CacheServe {
+/// `vrtspike cache serve` at `address` with the run's config and overrides, as
+/// the job's own server (a [`SharedStart`] makes it a lingering one).
+fn serve_command<'a>(address: &'a str, from: &ServeFrom<'a>) -> CacheServe<'a> {
+    CacheServe {
         vrtspike: from.vrtspike,
         address,
         config: from.config,
         cap: None,
         overrides: from.overrides,
-        lifetime,
-    };
-    let (mut command, mut pipe) = spec
-        .command()
-        .map_err(|e| TrainError::io(&log, format!("the cache server's readiness pipe: {e}")))?;
-    command.stdin(Stdio::null()).stdout(out).stderr(err);
-    match lifetime {
-        cache_serve::Lifetime::WithParent => die_with_this_process(&mut command),
-        cache_serve::Lifetime::Shared { .. } => {
-            command.process_group(0);
-        }
+        lifetime: cache_serve::Lifetime::WithParent,
     }
-    let spawned = command.spawn();
-    pipe.close_child_end();
-    let mut child = spawned.map_err(|e| {
-        TrainError::io(
-            from.vrtspike,
-            format!("starting the node's cache server: {e}"),
-        )
-    })?;
-    let waited =
-        cache_serve::wait_ready(&mut pipe, START_TIMEOUT, &mut || child.try_wait(), &|| {
-            false
-        });
-    Ok((child, waited))
-}
-
-/// The child gets SIGKILL when this process dies (and is not started if it died
-/// already).
-fn die_with_this_process(command: &mut std::process::Command) {
-    let parent = std::process::id() as i32;
-    // SAFETY: the hook runs in the forked child before exec; it only makes the
-    // prctl and getppid system calls, which are async-signal-safe, and allocates
-    // nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
-}
-
-/// A server that did not start, naming its address and its log.
-fn server_failed(env: &RankEnv, address: &str, e: cache_serve::StartError) -> TrainError {
-    TrainError::io(
-        &env.layout().cache_log(env.contract.node_rank),
-        format!("{e}: the node's cache server at {address:?} (its log)"),
-    )
 }
 
 /// Other local ranks: waits until local rank 0's server accepts; returns the
@@ -347,17 +251,6 @@ fn wait_for(address: &str, rank: usize) -> Result<CacheClient, TrainError> {
             }
         }
     }
-}
-
-fn open_log(path: &PathBuf) -> Result<std::fs::File, TrainError> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
-    }
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| TrainError::io(path, e))
 }
 
 #[cfg(test)]

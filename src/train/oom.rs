@@ -221,7 +221,7 @@ mod tests {
     use tch::{Kind, Tensor};
 
     fn config() -> Config {
-        crate::config::tiny_vrt_spike()
+        crate::model::tiny_vrt_spike()
     }
 
     /// A real allocation failure of the CPU allocator.

@@ -26,7 +26,7 @@ use super::comm::{self, BackwardFailure, Communication};
 use super::env::RankEnv;
 use super::figures::{read_pending, LocalFigures, PendingStep, Settled, UpdateFigures};
 use super::heartbeat::{self, Phase};
-use super::loader_plan::{LoaderPlan, NodeFacts};
+use super::loader_settings::{LoaderSettings, NodeFacts};
 use super::loss::f_charbonnier;
 use super::metrics::MetricsSink;
 use super::oom::{self, OomPhase, OomSite};
@@ -163,7 +163,7 @@ impl<'a> RunBuilder<'a> {
         let dir = env.checkpoint_dir();
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         let splits = open_splits(config)?;
-        let loader_plan = plan_loaders(config, env, &splits.train);
+        let loader_settings = resolve_loader_settings(config, env, &splits.train);
         let mut model = build_model(config, env.device)?;
         let sampler = DistributedSampler::new(
             splits.clips.clips.len(),
@@ -172,7 +172,7 @@ impl<'a> RunBuilder<'a> {
                 rank: env.rank,
                 shuffle: true,
                 seed: config.train.seed,
-                remainder: loader_plan.remainder,
+                remainder: loader_settings.remainder,
             },
         )?;
         let resumed_from = checkpoint::latest(&dir);
@@ -187,7 +187,7 @@ impl<'a> RunBuilder<'a> {
         let data = open_data(
             config,
             env,
-            &loader_plan,
+            &loader_settings,
             splits,
             sampler,
             cursor,
@@ -380,20 +380,20 @@ fn check_same_start(
 }
 
 /// The loader settings of this rank, resolved once (and logged by rank 0).
-fn plan_loaders(config: &Config, env: &RankEnv, train: &DatasetIndex) -> LoaderPlan {
+fn resolve_loader_settings(config: &Config, env: &RankEnv, train: &DatasetIndex) -> LoaderSettings {
     let node = NodeFacts::this_machine(env.local_world_size, env.device.is_cuda());
-    let plan = LoaderPlan::resolve(config, node, Some(train));
+    let settings = LoaderSettings::resolve(config, node, Some(train));
     if env.rank == 0 {
-        plan.log();
+        settings.log();
     }
-    plan
+    settings
 }
 
 /// This rank's training loader (at `cursor` when resuming) and validator.
 fn open_data(
     config: &Config,
     env: &RankEnv,
-    loader_plan: &LoaderPlan,
+    loader_settings: &LoaderSettings,
     splits: Splits,
     sampler: DistributedSampler,
     cursor: Option<SamplerState>,
@@ -403,7 +403,7 @@ fn open_data(
     let options = LoaderOptions::from_config(
         config,
         rank,
-        &loader_plan.budget,
+        &loader_settings.budget,
         Purpose::Train,
         env.cache_addr.clone(),
     );
@@ -421,7 +421,7 @@ fn open_data(
             config,
             index,
             env,
-            &loader_plan.budget,
+            &loader_settings.budget,
             amp,
         )?),
         None => None,

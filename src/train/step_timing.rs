@@ -164,7 +164,7 @@ mod tests {
 
     #[test]
     fn every_kernel_times_a_whole_step_of_the_tiny_model() {
-        let mut config = crate::config::tiny_vrt_spike();
+        let mut config = crate::model::tiny_vrt_spike();
         config.train.max_grad_norm = Some(0.1);
         let probe: Arc<dyn MemoryProbe> =
             Arc::new(RssProbe::start(std::time::Duration::from_millis(1)));

@@ -11,6 +11,7 @@ use std::ffi::{c_char, c_void};
 use tch::{Device, Kind, TchError, Tensor};
 
 use crate::pipeline::loader::Batch;
+use crate::pipeline::BatchTensors;
 
 use super::TrainError;
 

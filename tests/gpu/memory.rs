@@ -7,6 +7,7 @@ use vrtspike::ddp::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
 use vrtspike::pipeline::loader::Batch;
 use vrtspike::pipeline::sample::Sample;
 use vrtspike::pipeline::transform::Dihedral;
+use vrtspike::pipeline::BatchTensors;
 use vrtspike::train::transfer::{batch_to_device, copy_async, empty_pinned};
 
 use super::{cuda, max_abs_diff};

@@ -9,7 +9,9 @@
 use ipc_channel::ipc::IpcMessage;
 use proptest::prelude::*;
 
-use vrtspike::cache::protocol::{LeaseGrant, PlanAnnouncement, Reply, Request, RequestError};
+use vrtspike::cache::protocol::{
+    LeaseGrant, ReadOrderAnnouncement, Reply, Request, RequestError, Welcome,
+};
 use vrtspike::cache::store::{GetOutcome, Store};
 
 use super::{accepted, bounded_by_input, check, largest_allocation, mutated, names};
@@ -35,7 +37,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Request::Invalidate { key: key.clone() },
         Request::Stats,
         Request::Shutdown,
-        Request::Plan(PlanAnnouncement {
+        Request::ReadOrder(ReadOrderAnnouncement {
             first_step: 40,
             keys: vec![key.clone(), "b".into()],
             steps: vec![vec![0, 1], vec![], vec![1]],
@@ -59,7 +61,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
         Reply::NotCached,
         Reply::Done,
         Reply::Declined,
-        Reply::Welcome {
+        Reply::Welcome(Welcome {
             client: 1,
             store_id: 2,
             store_len: 3,
@@ -67,7 +69,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
             pin_page: 5,
             fill_wait_ms: 120_000,
             store_fd_follows: true,
-        },
+        }),
         Reply::Error(RequestError::StoreFull {
             key: key.clone(),
             len: 1,
@@ -140,8 +142,8 @@ enum Op {
     Invalidate(u8),
     /// The peer writes a nonsense read into its own pin page.
     RecordRead(u64),
-    /// A plan with any first step, key indices (some past its list) and readers.
-    Plan(u64, Vec<Vec<u8>>, Vec<u64>),
+    /// A read order with any first step, key indices (some past its list) and readers.
+    ReadOrder(u64, Vec<Vec<u8>>, Vec<u64>),
     /// The peer writes any progress into its own pin page.
     Progress(u64),
     Prefetch(u8, u64),
@@ -168,7 +170,7 @@ fn op() -> impl Strategy<Value = Op> {
             prop::collection::vec(prop::collection::vec(0u8..8, 0..4), 0..8),
             prop::collection::vec(any::<u64>(), 0..3),
         )
-            .prop_map(|(first, steps, readers)| Op::Plan(first, steps, readers)),
+            .prop_map(|(first, steps, readers)| Op::ReadOrder(first, steps, readers)),
         any::<u64>().prop_map(Op::Progress),
         ((0u8..6), any_len()).prop_map(|(k, len)| Op::Prefetch(k, len)),
         Just(Op::Disconnect),
@@ -248,9 +250,9 @@ fn apply(store: &mut Store, peer: &mut Peer, op: &Op) -> Result<(), TestCaseErro
             }
         }
         Op::RecordRead(slot) => store.pin_page(peer.page).record_read(*slot as usize),
-        Op::Plan(first_step, steps, readers) => {
+        Op::ReadOrder(first_step, steps, readers) => {
             // Six keys listed; indices 6 and 7 name none.
-            let plan = PlanAnnouncement {
+            let order = ReadOrderAnnouncement {
                 first_step: *first_step,
                 keys: (0u8..6).map(|k| key(&k)).collect(),
                 steps: steps
@@ -259,7 +261,7 @@ fn apply(store: &mut Store, peer: &mut Peer, op: &Op) -> Result<(), TestCaseErro
                     .collect(),
                 readers: readers.clone(),
             };
-            if let Err(e) = store.announce_plan(peer.client, plan) {
+            if let Err(e) = store.announce_read_order(peer.client, order) {
                 refused(e, "names key".into())?;
             }
         }

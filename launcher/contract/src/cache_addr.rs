@@ -31,13 +31,18 @@ pub fn shared_cache_address(uid: u32, digest: u64, slurm_job: Option<&str>) -> S
     cache_address(uid, &job)
 }
 
+/// Why the node-shared server's address could not be had.
+#[derive(Debug, thiserror::Error)]
+#[error("DATA.CACHE_SHARING node keys the cache server by the dataset's files: {0}")]
+pub struct SharedAddressError(#[from] pub crate::dataset_sig::SignatureError);
+
 /// The node-shared server's address for the dataset at `root` (signed by
 /// [`crate::dataset_sig::sign`]) for this process's user, in this process's SLURM
-/// allocation if any; with the signature. The launcher and ranks that no
-/// launcher started (torchrun, srun) name it alike.
+/// allocation if any; with the signature. The launcher, ranks that no launcher
+/// started (torchrun, srun) and `cache serve --config` name it alike.
 pub fn node_shared_address(
     root: &std::path::Path,
-) -> Result<(String, crate::dataset_sig::DatasetSignature), crate::dataset_sig::SignatureError> {
+) -> Result<(String, crate::dataset_sig::DatasetSignature), SharedAddressError> {
     let signature = crate::dataset_sig::sign(root)?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { libc::geteuid() };
@@ -73,6 +78,20 @@ mod tests {
         assert_eq!(ambient_job(&|_| None), "default");
         assert_eq!(ambient_job(&|_| Some("77".into())), "slurm77");
         assert_eq!(ambient_job(&|_| Some(String::new())), "default");
+    }
+
+    #[test]
+    fn an_unreadable_dataset_says_why_its_files_are_read() {
+        let Err(error) = node_shared_address(std::path::Path::new("/no/such/dataset")) else {
+            panic!("a dataset that is not there was signed");
+        };
+        let text = error.to_string();
+        let why = "DATA.CACHE_SHARING node keys the cache server by the dataset's files: ";
+        assert!(text.starts_with(why), "{text}");
+        assert!(
+            text.contains("signing the dataset at /no/such/dataset"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -7,15 +7,15 @@
 //! A node-shared server (`DATA.CACHE_SHARING: node`) is started instead with
 //! `--linger-s` (it outlives its starter while other jobs are attached, and exits
 //! once none has been for that long), and each job holds it with
-//! `vrtspike cache attach` ([`CacheAttach`]). Two jobs that start one at the same
-//! instant race for the address: the loser exits with [`EXIT_ADDRESS_IN_USE`] and
-//! attaches to the winner.
+//! `vrtspike cache attach` ([`CacheAttach`]) or a connection of its own: how a
+//! job attaches to it, or starts it, is [`crate::shared_server`].
 
 use std::os::unix::process::CommandExt;
-use std::path::Path;
-use std::process::{Command, ExitStatus};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+use crate::child::{self, Spawned, Tie};
 use crate::ready::{self, Readiness, ReadyPipe};
 use crate::signals;
 
@@ -24,47 +24,6 @@ pub const EXIT_ADDRESS_IN_USE: i32 = 73;
 
 /// The exit status of `cache attach` when no server listens at the address.
 pub const EXIT_NO_SERVER: i32 = 69;
-
-/// How many times a job tries to attach to the node-shared server, or start one
-/// and then attach, before it gives up (each failed round is a race lost to
-/// another job, or a server that stopped in between).
-pub const ATTACH_ROUNDS: usize = 5;
-
-/// Seconds a node-shared server stays after its last client left, unless told
-/// otherwise (the launcher's `--cache-linger-s`, [`LINGER_ENV`] for ranks that
-/// start one themselves): back-to-back jobs find the cache warm.
-pub const DEFAULT_LINGER_S: f64 = 30.0;
-
-/// The linger of a node-shared server, in seconds, when no `--cache-linger-s`
-/// names one (ranks that start one themselves under torchrun or srun read only
-/// this).
-pub const LINGER_ENV: &str = "VRTSPIKE_CACHE_LINGER_S";
-
-/// The linger of a node-shared server this process starts: `explicit` (the
-/// launcher's `--cache-linger-s`), else [`LINGER_ENV`] read through `var`, else
-/// 0 inside a SLURM allocation (a server that outlives its starter is out of
-/// reach of Slurm's process tracking, so it must not stay past the allocation's
-/// last job), else [`DEFAULT_LINGER_S`]. An error names the variable.
-pub fn linger_s(
-    explicit: Option<f64>,
-    var: &dyn Fn(&str) -> Option<String>,
-) -> Result<f64, String> {
-    if let Some(seconds) = explicit {
-        return Ok(seconds);
-    }
-    if let Some(text) = var(LINGER_ENV) {
-        return match text.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s >= 0.0 => Ok(s),
-            _ => Err(format!(
-                "{LINGER_ENV}={text:?} is not a number of seconds >= 0"
-            )),
-        };
-    }
-    match var(crate::env::slurm::JOB_ID).filter(|id| !id.is_empty()) {
-        Some(_) => Ok(0.0),
-        None => Ok(DEFAULT_LINGER_S),
-    }
-}
 
 /// How long a server lives.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -110,26 +69,37 @@ pub struct CacheAttach<'a> {
     pub address: &'a str,
     /// The client's name in the server's stats (the job).
     pub name: &'a str,
+    /// The job as its ranks' clients name it for the per-job figures (the run
+    /// directory, `RunLayout::job_label`, in [`crate::env::RUN_DIR`]): the attach
+    /// counts there too.
+    pub job_label: &'a str,
 }
 
 impl CacheAttach<'_> {
-    /// The command with a new readiness pipe (see [`CacheServe::command`]).
-    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+    /// The attach's command line ([`CacheAttach::start_logged`] starts it).
+    pub fn command(&self) -> Command {
         let mut command = Command::new(self.vrtspike);
         command
             .args(["cache", "attach", "--exit-with-parent", "--address"])
             .arg(self.address)
             .arg("--name")
-            .arg(self.name);
-        with_ready_pipe(command)
+            .arg(self.name)
+            .env(crate::env::RUN_DIR, self.job_label);
+        command
+    }
+
+    /// Starts the attach (it dies with its starter) and waits for its word, as
+    /// [`CacheServe::start_logged`] does.
+    pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
+        start_logged(self.command(), self.address, Lifetime::WithParent, watch)
     }
 }
 
 /// Why the server did not get ready.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The pipe or the child could not be watched.
-    #[error("watching the cache server start: {0}")]
+    /// Its log, its readiness pipe or its process could not be made or watched.
+    #[error("starting the cache server: {0}")]
     Io(#[from] std::io::Error),
     /// It exited before it was ready.
     #[error("the cache server exited before accepting connections ({0})")]
@@ -143,10 +113,8 @@ pub enum StartError {
 }
 
 impl CacheServe<'_> {
-    /// The server's command with a new readiness pipe. The server gets the job's
-    /// signals blocked across `exec` (it settles them itself: it ignores them).
-    /// Spawn the command, then call [`ReadyPipe::close_child_end`] and [`wait_ready`].
-    pub fn command(&self) -> std::io::Result<(Command, ReadyPipe)> {
+    /// The server's command line ([`CacheServe::start_logged`] starts it).
+    pub fn command(&self) -> Command {
         let mut command = Command::new(self.vrtspike);
         command.args(["cache", "serve"]);
         match self.lifetime {
@@ -173,53 +141,153 @@ impl CacheServe<'_> {
         if let Some(cap) = self.cap {
             command.args(["--cap", cap]);
         }
-        with_ready_pipe(command)
+        command
     }
 }
 
-/// `command` with a new readiness pipe whose write end it inherits, and the job's
-/// signals blocked across `exec`.
-fn with_ready_pipe(mut command: Command) -> std::io::Result<(Command, ReadyPipe)> {
-    let pipe = ReadyPipe::new()?;
-    let fd = pipe.child_fd();
-    if let Some(fd) = fd {
+/// Why a server could not be had (started, or attached to).
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// It did not get ready: it exited first (the end of its log in `tail`), it
+    /// was too slow, or the wait was interrupted.
+    #[error("{source} (address {address:?}); see {}{tail}", log.display())]
+    NotReady {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+        /// Why.
+        source: StartError,
+        /// `:` and the log's last lines from this start, when it exited.
+        tail: String,
+    },
+    /// Every round of [`crate::shared_server::attach_or_start`] lost a race, or
+    /// met a server that stopped in between.
+    #[error(
+        "could not attach to, nor start, the node-shared cache server at {address:?} in \
+         {rounds} tries; see {}",
+        log.display()
+    )]
+    GaveUp {
+        /// The server's address.
+        address: String,
+        /// Its log.
+        log: PathBuf,
+        /// The rounds tried.
+        rounds: usize,
+    },
+}
+
+/// Where a started child logs, and how long it is waited for.
+#[derive(Clone, Copy)]
+pub struct Watch<'a> {
+    /// The log its output is appended to.
+    pub log: &'a Path,
+    /// How long it may take to say it is ready.
+    pub timeout: Duration,
+    /// Whether this process was asked to stop meanwhile (give up the wait).
+    pub interrupted: &'a dyn Fn() -> bool,
+}
+
+/// A child that said it is ready.
+#[derive(Debug)]
+pub struct Started {
+    /// The process and where its own lines begin in its log.
+    pub spawned: Spawned,
+    /// How long it took.
+    pub took: Duration,
+}
+
+impl CacheServe<'_> {
+    /// Starts the server in a process group of its own (a Ctrl-C of the starter's
+    /// terminal does not reach it) with its output appended to `watch.log`, and
+    /// waits for its word on a readiness pipe ([`crate::ready`]). It gets the job's
+    /// signals blocked across `exec` (it settles them itself: it ignores them), and
+    /// one job's server ([`Lifetime::WithParent`]) SIGKILL when its starter dies
+    /// ([`Tie::DiesWithStarter`]); a shared one outlives its starter. A server
+    /// that did not get ready is stopped and reaped; one that exited has its log's
+    /// last lines in the error.
+    pub fn start_logged(&self, watch: &Watch) -> Result<Started, ServeError> {
+        start_logged(self.command(), self.address, self.lifetime, watch)
+    }
+}
+
+/// Starts `command` as [`CacheServe::start_logged`] says.
+fn start_logged(
+    mut command: Command,
+    address: &str,
+    lifetime: Lifetime,
+    watch: &Watch,
+) -> Result<Started, ServeError> {
+    let not_ready = |source, tail| ServeError::NotReady {
+        address: address.to_string(),
+        log: watch.log.to_path_buf(),
+        source,
+        tail,
+    };
+    let tie = match lifetime {
+        Lifetime::WithParent => Tie::DiesWithStarter,
+        Lifetime::Shared { .. } => Tie::Outlives,
+    };
+    let (mut spawned, mut pipe) = spawn_ready(&mut command, watch.log, tie)
+        .map_err(|e| not_ready(e.into(), String::new()))?;
+    match wait_ready(&mut pipe, &mut spawned.process, watch) {
+        Ok(took) => Ok(Started { spawned, took }),
+        Err(source @ StartError::Exited(_)) => {
+            let lines = child::tail(watch.log, spawned.log_offset, child::TAIL_LINES);
+            Err(not_ready(source, format!(":\n{}", lines.join("\n"))))
+        }
+        Err(source) => {
+            let _ = spawned.process.kill();
+            let _ = spawned.process.wait();
+            Err(not_ready(source, String::new()))
+        }
+    }
+}
+
+/// Spawns `command` ([`child::spawn_logged`]) with a readiness pipe whose write
+/// end it inherits, and the job's signals blocked across `exec`.
+fn spawn_ready(
+    command: &mut Command,
+    log: &Path,
+    tie: Tie,
+) -> std::io::Result<(Spawned, ReadyPipe)> {
+    let mut pipe = ReadyPipe::new()?;
+    if let Some(fd) = pipe.child_fd() {
         command.env(ready::READY_FD, fd.to_string());
+        // SAFETY: the hook runs in the forked child before exec and only calls
+        // fcntl (async-signal-safe); it allocates nothing.
+        unsafe {
+            command.pre_exec(move || ready::inherit_in_child(fd));
+        }
     }
-    // SAFETY: the hook runs in the forked child before exec and only calls
-    // fcntl and pthread_sigmask (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            if let Some(fd) = fd {
-                ready::inherit_in_child(fd)?;
-            }
-            signals::block_in_child()
-        });
-    }
-    Ok((command, pipe))
+    signals::block_across_exec(command);
+    let spawned = child::spawn_logged(command, log, tie);
+    pipe.close_child_end();
+    Ok((spawned?, pipe))
 }
 
-/// Waits up to `timeout` for the server's word on `pipe`; `exited` polls the
-/// child, `interrupted` says when to give up early. Returns how long it took.
-pub fn wait_ready(
+/// Waits up to `watch.timeout` for the word of `process` on `pipe`, giving up
+/// early once `watch.interrupted`. Returns how long it took.
+fn wait_ready(
     pipe: &mut ReadyPipe,
-    timeout: Duration,
-    exited: &mut dyn FnMut() -> std::io::Result<Option<ExitStatus>>,
-    interrupted: &dyn Fn() -> bool,
+    process: &mut Child,
+    watch: &Watch,
 ) -> Result<Duration, StartError> {
     let started = Instant::now();
     loop {
-        if interrupted() {
+        if (watch.interrupted)() {
             return Err(StartError::Interrupted);
         }
         let readiness = pipe.wait(Duration::from_millis(100))?;
         if readiness == Readiness::Ready {
             return Ok(started.elapsed());
         }
-        if let Some(status) = exited()? {
+        if let Some(status) = process.try_wait()? {
             return Err(StartError::Exited(status));
         }
-        if started.elapsed() > timeout {
-            return Err(StartError::TimedOut(timeout.as_secs_f64()));
+        if started.elapsed() > watch.timeout {
+            return Err(StartError::TimedOut(watch.timeout.as_secs_f64()));
         }
         if readiness == Readiness::Closed {
             // It closed the pipe unready, so it is exiting: look again shortly.
@@ -255,13 +323,8 @@ mod tests {
             overrides: &overrides,
             lifetime: Lifetime::WithParent,
         };
-        let (command, pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let args: Vec<String> = command
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
         assert_eq!(
-            args,
+            args_of(&spec.command()),
             [
                 "cache",
                 "serve",
@@ -275,11 +338,6 @@ mod tests {
                 "16M"
             ]
         );
-        let fd = command
-            .get_envs()
-            .find(|(k, _)| *k == ready::READY_FD)
-            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()));
-        assert_eq!(fd, pipe.child_fd().map(|fd| fd.to_string()));
     }
 
     fn args_of(command: &Command) -> Vec<String> {
@@ -302,8 +360,7 @@ mod tests {
                 started_by: "job n0-42",
             },
         };
-        let (command, _pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let args = args_of(&command);
+        let args = args_of(&spec.command());
         assert!(!args.iter().any(|a| a == "--exit-with-parent"), "{args:?}");
         assert!(args.iter().any(|a| a == "--linger-s=2.5"), "{args:?}");
         assert!(
@@ -314,8 +371,14 @@ mod tests {
             vrtspike: Path::new("/bin/vrtspike"),
             address: "vrtspike-cache-x",
             name: "job n0-42",
+            job_label: "runs/a",
         };
-        let (command, pipe) = attach.command().unwrap_or_else(|e| panic!("{e}"));
+        let command = attach.command();
+        let label = command
+            .get_envs()
+            .find(|(k, _)| *k == crate::env::RUN_DIR)
+            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()));
+        assert_eq!(label.as_deref(), Some("runs/a"));
         assert_eq!(
             args_of(&command),
             [
@@ -328,11 +391,12 @@ mod tests {
                 "job n0-42"
             ]
         );
-        assert!(pipe.child_fd().is_some());
     }
 
     #[test]
-    fn a_server_that_exits_first_is_reported() {
+    fn a_server_that_exits_first_is_reported_with_its_log() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = dir.path().join("cache.log");
         let spec = CacheServe {
             vrtspike: Path::new("/bin/false"),
             address: "x",
@@ -341,37 +405,40 @@ mod tests {
             overrides: &[],
             lifetime: Lifetime::WithParent,
         };
-        let (mut command, mut pipe) = spec.command().unwrap_or_else(|e| panic!("{e}"));
-        let mut child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-        pipe.close_child_end();
-        let result = wait_ready(
-            &mut pipe,
-            Duration::from_secs(10),
-            &mut || child.try_wait(),
-            &|| false,
-        );
-        assert!(matches!(result, Err(StartError::Exited(_))), "{result:?}");
-    }
-
-    #[test]
-    fn the_linger_is_the_flag_then_the_variable_then_none_under_slurm() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
-                pairs
-                    .iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| v.to_string())
-            }
+        let watch = Watch {
+            log: &log,
+            timeout: Duration::from_secs(10),
+            interrupted: &|| false,
         };
-        assert_eq!(linger_s(None, &vars(&[])), Ok(DEFAULT_LINGER_S));
-        assert_eq!(linger_s(Some(4.0), &vars(&[(LINGER_ENV, "9")])), Ok(4.0));
-        assert_eq!(linger_s(None, &vars(&[(LINGER_ENV, "9")])), Ok(9.0));
-        assert_eq!(linger_s(None, &vars(&[("SLURM_JOB_ID", "12")])), Ok(0.0));
-        assert_eq!(
-            linger_s(None, &vars(&[("SLURM_JOB_ID", "12"), (LINGER_ENV, "5")])),
-            Ok(5.0)
+        let result = spec.start_logged(&watch);
+        assert!(
+            matches!(
+                &result,
+                Err(ServeError::NotReady {
+                    source: StartError::Exited(_),
+                    ..
+                })
+            ),
+            "{result:?}"
         );
-        let bad = linger_s(None, &vars(&[(LINGER_ENV, "-1")])).unwrap_err();
-        assert!(bad.contains(LINGER_ENV) && bad.contains("-1"), "{bad}");
+        let text = result.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            text.contains("(address \"x\")") && text.contains("cache.log:"),
+            "{text}"
+        );
+        let interrupted = spec.start_logged(&Watch {
+            interrupted: &|| true,
+            ..watch
+        });
+        assert!(
+            matches!(
+                interrupted,
+                Err(ServeError::NotReady {
+                    source: StartError::Interrupted,
+                    ..
+                })
+            ),
+            "{interrupted:?}"
+        );
     }
 }

@@ -7,12 +7,16 @@
 //! finding a hung or stopped rank), [`failure`] (why a rank failed, in its own
 //! words, and its exit code), [`signals`] (SIGUSR2 and SIGTERM, which SLURM sends
 //! to every process of a job, counted from the first instruction), [`cache_serve`]
-//! (how a job's cache server is started and waited for), [`dataset_sig`] (which
+//! (how a job's cache server is started and waited for), [`shared_server`] (how a
+//! job attaches to the node-shared one, or starts it), [`dataset_sig`] (which
 //! dataset a node-shared cache server holds) and [`hostlist`] (SLURM's
-//! compressed host lists); [`fnv`] is the one stable hash they all use. It links no libtorch, so the launcher stays free of it.
+//! compressed host lists); [`fnv`] is the one stable hash they all use, [`size`]
+//! and [`seconds`] the one reading of byte sizes and seconds, [`child`] a
+//! child's log and its tie to its starter. It links no libtorch, so the launcher stays free of it.
 
 pub mod cache_addr;
 pub mod cache_serve;
+pub mod child;
 pub mod dataset_sig;
 pub mod env;
 pub mod failure;
@@ -23,6 +27,8 @@ mod json_file;
 pub mod pss;
 pub mod ready;
 pub mod rundir;
+pub mod seconds;
+pub mod shared_server;
 pub mod signals;
 pub mod size;
 pub mod summary;

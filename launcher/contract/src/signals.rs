@@ -230,6 +230,17 @@ pub fn block_in_child() -> io::Result<()> {
     mask(libc::SIG_BLOCK)
 }
 
+/// Has the child of `command` start its new program with the job's signals
+/// blocked ([`block_in_child`] as its `pre_exec` hook).
+pub fn block_across_exec(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the hook runs in the forked child before exec and only calls
+    // pthread_sigmask (async-signal-safe); it allocates nothing.
+    unsafe {
+        command.pre_exec(block_in_child);
+    }
+}
+
 /// Installs the counting handler for the job's signals and blocks them in the
 /// main thread, so every thread started later inherits them blocked (see the
 /// module doc). Errors are ignored here (there is nowhere to report them this

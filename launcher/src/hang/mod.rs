@@ -27,33 +27,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use vrtspike_contract::child;
 use vrtspike_contract::heartbeat::{self, Beat, Collectives, Progress};
 
-use crate::peers::Standing;
-use crate::spawn::{self, Supervised};
+use crate::relay::{RankReport, Relay, RelayHandle};
+use crate::spawn::Supervised;
 use crate::stacks;
 use crate::summary::Failure;
 pub use verdict::{Hang, HangKind, RankView, Timeouts};
-
-/// How a node's watch tells the other nodes how its ranks stand, and hears how
-/// theirs do (the control link, [`crate::peers::PeerLinks`]).
-pub trait Relay: Send + Sync {
-    /// Tells the other nodes how this node's ranks stand.
-    fn send(&self, standings: &[Standing]);
-    /// How the other nodes' ranks stood in attempt `attempt` when their launchers
-    /// last said.
-    fn heard(&self, attempt: u32) -> Vec<Standing>;
-}
-
-/// A shared [`Relay`].
-#[derive(Clone)]
-pub struct RelayHandle(pub Arc<dyn Relay>);
-
-impl std::fmt::Debug for RelayHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RelayHandle")
-    }
-}
 
 /// How hangs are found in one attempt.
 #[derive(Debug, Clone)]
@@ -204,9 +185,9 @@ impl HangWatch {
             .as_ref()
             .map(|relay| relay.0.heard(self.check.attempt))
             .unwrap_or_default();
-        for standing in heard {
-            if views.iter().all(|v| v.rank != standing.rank) {
-                views.push(self.remote_view(&standing));
+        for report in heard {
+            if views.iter().all(|v| v.rank != report.rank) {
+                views.push(self.remote_view(&report));
             }
         }
         views.sort_by_key(|v| v.rank);
@@ -214,27 +195,27 @@ impl HangWatch {
     }
 
     /// Another node's rank as its launcher last said.
-    fn remote_view(&self, standing: &Standing) -> RankView {
+    fn remote_view(&self, report: &RankReport) -> RankView {
         RankView {
-            rank: standing.rank,
-            node: standing.rank / self.check.ranks_per_node,
-            progress: standing.progress,
-            collectives: standing.collectives,
-            still_for: Duration::from_millis(standing.still_ms),
-            silent_for: standing.silent_ms.map(Duration::from_millis),
-            pid: standing.pid,
+            rank: report.rank,
+            node: report.rank / self.check.ranks_per_node,
+            progress: report.progress,
+            collectives: report.collectives,
+            still_for: Duration::from_millis(report.still_ms),
+            silent_for: report.silent_ms.map(Duration::from_millis),
+            pid: report.pid,
             state: None,
             local: false,
         }
     }
 
     /// How this node's ranks stand as of `now`, for the other nodes.
-    fn standings(&self, now: Instant) -> Vec<Standing> {
+    fn reports(&self, now: Instant) -> Vec<RankReport> {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         self.views(now)
             .iter()
             .filter(|v| v.local)
-            .map(|v| Standing {
+            .map(|v| RankReport {
                 attempt: self.check.attempt,
                 rank: v.rank,
                 pid: v.pid,
@@ -277,7 +258,7 @@ impl HangWatch {
         self.next_read = now + self.interval;
         self.read_all(now);
         if let Some(relay) = &self.check.relay {
-            relay.0.send(&self.standings(now));
+            relay.0.send(&self.reports(now));
         }
         let timeouts = self.check.timeouts;
         if timeouts.hang.is_none() && timeouts.stall.is_none() {
@@ -322,17 +303,12 @@ impl HangWatch {
                 (c.pid(), c.log.clone(), c.log_offset)
             });
         Failure {
-            node,
             rank: Some(hang.rank.rank),
-            process: format!("rank {}", hang.rank.rank),
             pid,
-            exit_code: None,
-            signal: None,
-            cause: hang.cause(),
             log: log.display().to_string(),
-            log_tail: spawn::log_tail(&log, log_offset, spawn::LOG_TAIL_LINES),
-            class: None,
+            log_tail: child::tail(&log, log_offset, child::TAIL_LINES),
             stuck: true,
+            ..Failure::of(node, format!("rank {}", hang.rank.rank), hang.cause())
         }
     }
 }
@@ -442,17 +418,17 @@ mod tests {
 
     /// One end of an in-memory control link between two watches.
     struct LinkEnd {
-        mine: Arc<std::sync::Mutex<Vec<Standing>>>,
-        theirs: Arc<std::sync::Mutex<Vec<Standing>>>,
+        mine: Arc<std::sync::Mutex<Vec<RankReport>>>,
+        theirs: Arc<std::sync::Mutex<Vec<RankReport>>>,
     }
 
     impl Relay for LinkEnd {
-        fn send(&self, standings: &[Standing]) {
+        fn send(&self, reports: &[RankReport]) {
             let mut theirs = self.theirs.lock().unwrap_or_else(|p| p.into_inner());
-            theirs.retain(|s| standings.iter().all(|n| n.rank != s.rank));
-            theirs.extend_from_slice(standings);
+            theirs.retain(|s| reports.iter().all(|n| n.rank != s.rank));
+            theirs.extend_from_slice(reports);
         }
-        fn heard(&self, attempt: u32) -> Vec<Standing> {
+        fn heard(&self, attempt: u32) -> Vec<RankReport> {
             let mine = self.mine.lock().unwrap_or_else(|p| p.into_inner());
             mine.iter()
                 .filter(|s| s.attempt == attempt)

@@ -46,7 +46,7 @@ pub struct RankView {
 impl RankView {
     /// How far it got: its step and phase, then the collectives it entered, then
     /// the gradient buckets it launched inside the last.
-    fn standing(&self) -> (Option<Progress>, u64, u32) {
+    fn how_far(&self) -> (Option<Progress>, u64, u32) {
         (
             self.progress,
             self.collectives.entered,
@@ -148,14 +148,14 @@ pub fn find_hang(views: &[RankView], timeouts: Timeouts, world_size: u32) -> Opt
     }
     let mut candidates: Vec<&RankView> = local.iter().filter(|v| v.still_for >= timeout).collect();
     candidates.sort_by(|a, b| {
-        (a.standing(), std::cmp::Reverse(a.still_for), a.rank).cmp(&(
-            b.standing(),
+        (a.how_far(), std::cmp::Reverse(a.still_for), a.rank).cmp(&(
+            b.how_far(),
             std::cmp::Reverse(b.still_for),
             b.rank,
         ))
     });
     let hung = candidates.into_iter().find(|candidate| {
-        world_size == 1 || views.iter().any(|v| v.standing() > candidate.standing())
+        world_size == 1 || views.iter().any(|v| v.how_far() > candidate.how_far())
     })?;
     Some(Hang::of(kind_of(hung), hung, views))
 }
@@ -200,7 +200,7 @@ pub fn culprit_of(failed: u32, views: &[RankView], silence: Duration) -> Option<
     let laggard = others
         .iter()
         .filter(|v| behind(v) && v.still_for >= victim.still_for.max(silence))
-        .min_by_key(|v| (v.standing(), v.rank))?;
+        .min_by_key(|v| (v.how_far(), v.rank))?;
     Some(Hang::of(kind_of(laggard), laggard, views))
 }
 

@@ -36,6 +36,8 @@ use anyhow::{bail, Context, Result};
 
 use control::Control;
 
+use crate::relay::{RankReport, Relay};
+
 /// How long a connection may take over its whole handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshakes in flight from one address, at most.
@@ -48,7 +50,6 @@ pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(5);
 /// Something another node said, as this launcher must act on it: a line of the
 /// protocol.
 pub use wire::Message as PeerEvent;
-pub use wire::Standing;
 
 /// Where this launcher meets the others.
 #[derive(Debug, Clone)]
@@ -77,18 +78,18 @@ struct Shared {
     /// What the other nodes said, in order (but how their ranks stand).
     events: Mutex<Vec<PeerEvent>>,
     /// How each other node's rank stands, by rank: the last word.
-    standings: Mutex<HashMap<u32, Standing>>,
+    reports: Mutex<HashMap<u32, RankReport>>,
 }
 
 impl Shared {
-    /// Keeps `message`: a rank's standing replaces the last of that rank; any
+    /// Keeps `message`: a rank's report replaces the last of that rank; any
     /// other line is kept in order.
     fn push(&self, event: PeerEvent) {
-        if let PeerEvent::View(standing) = event {
-            self.standings
+        if let PeerEvent::View(report) = event {
+            self.reports
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(standing.rank, standing);
+                .insert(report.rank, report);
             return;
         }
         self.events
@@ -235,21 +236,21 @@ impl PeerLinks {
 
     /// Tells the other nodes how this node's ranks stand (they compare their own
     /// ranks with them).
-    pub fn relay_standings(&self, standings: &[Standing]) {
-        for standing in standings {
-            self.shared.send(&PeerEvent::View(*standing), None);
+    pub fn relay_reports(&self, reports: &[RankReport]) {
+        for report in reports {
+            self.shared.send(&PeerEvent::View(*report), None);
         }
     }
 
     /// How the other nodes' ranks stood in attempt `attempt` when their launchers
     /// last said.
-    pub fn standings(&self, attempt: u32) -> Vec<Standing> {
-        let standings = self
+    pub fn reports(&self, attempt: u32) -> Vec<RankReport> {
+        let reports = self
             .shared
-            .standings
+            .reports
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        standings
+        reports
             .values()
             .filter(|s| s.attempt == attempt)
             .copied()
@@ -309,13 +310,13 @@ impl PeerLinks {
 
 /// The hang watch tells the other nodes how this node's ranks stand, and hears
 /// theirs, over the links.
-impl crate::hang::Relay for PeerLinks {
-    fn send(&self, standings: &[Standing]) {
-        self.relay_standings(standings);
+impl Relay for PeerLinks {
+    fn send(&self, reports: &[RankReport]) {
+        self.relay_reports(reports);
     }
 
-    fn heard(&self, attempt: u32) -> Vec<Standing> {
-        self.standings(attempt)
+    fn heard(&self, attempt: u32) -> Vec<RankReport> {
+        self.reports(attempt)
     }
 }
 

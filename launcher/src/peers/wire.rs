@@ -17,83 +17,7 @@
 
 use vrtspike_contract::heartbeat::{CollectiveOp, Collectives, Phase, Progress};
 
-/// How one rank stands, as the launcher of its node sees it (a `VIEW` line).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Standing {
-    /// The attempt its record belongs to.
-    pub attempt: u32,
-    /// The rank.
-    pub rank: u32,
-    /// Its process, once known.
-    pub pid: Option<u32>,
-    /// Its step and phase (`None`: no heartbeat yet).
-    pub progress: Option<Progress>,
-    /// Its collectives.
-    pub collectives: Collectives,
-    /// Milliseconds since its step, phase or collectives last changed.
-    pub still_ms: u64,
-    /// Milliseconds since its liveness tick last changed (`None`: no tick yet).
-    pub silent_ms: Option<u64>,
-}
-
-impl Standing {
-    fn fields(&self) -> String {
-        let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-        let c = &self.collectives;
-        format!(
-            "{} {} {} {} {} {} {} {} {} {} {}",
-            self.attempt,
-            self.rank,
-            or_dash(self.pid.map(|p| p.to_string())),
-            or_dash(self.progress.map(|p| p.step.to_string())),
-            or_dash(self.progress.map(|p| p.phase.name().to_string())),
-            c.entered,
-            c.completed,
-            c.last.map_or("-", CollectiveOp::name),
-            c.buckets,
-            self.still_ms,
-            or_dash(self.silent_ms.map(|s| s.to_string())),
-        )
-    }
-
-    fn parse(rest: &str) -> Option<Standing> {
-        let f: Vec<&str> = rest.split(' ').collect();
-        let [attempt, rank, pid, step, phase, entered, completed, op, buckets, still, silent] =
-            f[..]
-        else {
-            return None;
-        };
-        fn maybe(text: &str) -> Option<&str> {
-            (text != "-").then_some(text)
-        }
-        let progress = match (maybe(step), maybe(phase)) {
-            (Some(step), Some(phase)) => Some(Progress {
-                step: step.parse().ok()?,
-                phase: Phase::parse(phase)?,
-            }),
-            (None, None) => None,
-            _ => return None,
-        };
-        let last = match maybe(op) {
-            Some(name) => Some(CollectiveOp::parse(name)?),
-            None => None,
-        };
-        Some(Standing {
-            attempt: attempt.parse().ok()?,
-            rank: rank.parse().ok()?,
-            pid: maybe(pid).map(str::parse::<u32>).transpose().ok()?,
-            progress,
-            collectives: Collectives {
-                entered: entered.parse().ok()?,
-                completed: completed.parse().ok()?,
-                last,
-                buckets: buckets.parse().ok()?,
-            },
-            still_ms: still.parse().ok()?,
-            silent_ms: maybe(silent).map(str::parse::<u64>).transpose().ok()?,
-        })
-    }
-}
+use crate::relay::RankReport;
 
 /// One line of the protocol, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,7 +53,7 @@ pub enum Message {
         node: u32,
     },
     /// How a rank stands, from its node's launcher.
-    View(Standing),
+    View(RankReport),
 }
 
 impl Message {
@@ -163,7 +87,7 @@ impl Message {
             "DONE" => Some(Message::Done {
                 node: rest.trim().parse().ok()?,
             }),
-            "VIEW" => Standing::parse(rest.trim_end()).map(Message::View),
+            "VIEW" => parse_view(rest.trim_end()).map(Message::View),
             _ => None,
         }
     }
@@ -185,9 +109,67 @@ impl Message {
             ),
             Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
             Message::Done { node } => format!("DONE {node}\n"),
-            Message::View(standing) => format!("VIEW {}\n", standing.fields()),
+            Message::View(report) => format!("VIEW {}\n", view_fields(report)),
         }
     }
+}
+
+/// The fields of a `VIEW` line.
+fn view_fields(report: &RankReport) -> String {
+    let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    let c = &report.collectives;
+    format!(
+        "{} {} {} {} {} {} {} {} {} {} {}",
+        report.attempt,
+        report.rank,
+        or_dash(report.pid.map(|p| p.to_string())),
+        or_dash(report.progress.map(|p| p.step.to_string())),
+        or_dash(report.progress.map(|p| p.phase.name().to_string())),
+        c.entered,
+        c.completed,
+        c.last.map_or("-", CollectiveOp::name),
+        c.buckets,
+        report.still_ms,
+        or_dash(report.silent_ms.map(|s| s.to_string())),
+    )
+}
+
+/// A `VIEW` line's fields; `None` if they are not one.
+fn parse_view(rest: &str) -> Option<RankReport> {
+    let f: Vec<&str> = rest.split(' ').collect();
+    let [attempt, rank, pid, step, phase, entered, completed, op, buckets, still, silent] = f[..]
+    else {
+        return None;
+    };
+    fn maybe(text: &str) -> Option<&str> {
+        (text != "-").then_some(text)
+    }
+    let progress = match (maybe(step), maybe(phase)) {
+        (Some(step), Some(phase)) => Some(Progress {
+            step: step.parse().ok()?,
+            phase: Phase::parse(phase)?,
+        }),
+        (None, None) => None,
+        _ => return None,
+    };
+    let last = match maybe(op) {
+        Some(name) => Some(CollectiveOp::parse(name)?),
+        None => None,
+    };
+    Some(RankReport {
+        attempt: attempt.parse().ok()?,
+        rank: rank.parse().ok()?,
+        pid: maybe(pid).map(str::parse::<u32>).transpose().ok()?,
+        progress,
+        collectives: Collectives {
+            entered: entered.parse().ok()?,
+            completed: completed.parse().ok()?,
+            last,
+            buckets: buckets.parse().ok()?,
+        },
+        still_ms: still.parse().ok()?,
+        silent_ms: maybe(silent).map(str::parse::<u64>).transpose().ok()?,
+    })
 }
 
 #[cfg(test)]
@@ -218,7 +200,7 @@ mod tests {
                 cause: "no restart left".into(),
             },
             Message::Done { node: 4 },
-            Message::View(Standing {
+            Message::View(RankReport {
                 attempt: 1,
                 rank: 3,
                 pid: Some(4242),
@@ -235,7 +217,7 @@ mod tests {
                 still_ms: 1500,
                 silent_ms: Some(250),
             }),
-            Message::View(Standing {
+            Message::View(RankReport {
                 attempt: 0,
                 rank: 2,
                 pid: None,

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -99,12 +99,16 @@ impl Job {
 
     /// The launcher command for this job with the stand-in rank, fast timings,
     /// a small cache, and `extra` arguments.
-    pub fn command(&self, extra: &[&str]) -> Command {
+    pub fn command<S: AsRef<std::ffi::OsStr>>(&self, extra: &[S]) -> Command {
         self.command_with_config(&self.config, extra)
     }
 
     /// [`Job::command`] with another config path.
-    pub fn command_with_config(&self, config: &Path, extra: &[&str]) -> Command {
+    pub fn command_with_config<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        config: &Path,
+        extra: &[S],
+    ) -> Command {
         let _ = vrtspike();
         let mut command = launcher_command(config, &self.run_dir);
         command
@@ -156,11 +160,104 @@ impl Job {
         .ok()
     }
 
+    /// Whether ranks 0 and 1 of the first attempt recorded their pids within
+    /// `limit`.
+    pub fn two_ranks_started(&self, limit: Duration) -> bool {
+        wait_until(limit, || {
+            self.rank_pid(0, 0).is_some() && self.rank_pid(1, 0).is_some()
+        })
+    }
+
     /// A rank's log.
     pub fn rank_log(&self, rank: u32) -> String {
         std::fs::read_to_string(self.run_dir.join(format!("logs/rank{rank}.log")))
             .unwrap_or_default()
     }
+}
+
+/// `name` on PATH or in the sbin folders (daemons and `ip` live there).
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/bin"])
+        .map(|dir| Path::new(dir).join(name))
+        .find(|candidate| candidate.is_file());
+    found
+}
+
+/// Why a test that needs root (for `root_for`) and `programs` (from the Debian
+/// packages `packages`) cannot run here, if it cannot.
+pub fn missing(root_for: &str, programs: &[&str], packages: &str) -> Option<String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some(format!("it needs root ({root_for})"));
+    }
+    let absent: Vec<&str> = programs
+        .iter()
+        .copied()
+        .filter(|p| find_program(p).is_none())
+        .collect();
+    (!absent.is_empty()).then(|| {
+        format!(
+            "{} not found (Debian packages {packages})",
+            absent.join(", ")
+        )
+    })
+}
+
+/// The launcher arguments of node `node` of a two-node job of `ranks` CPU ranks a
+/// node, node 0 at `master`, then `extra`.
+pub fn two_node_args(ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
+    let (ranks, node) = (ranks.to_string(), node.to_string());
+    let ours = [
+        "--gpus",
+        "0",
+        "--ranks",
+        &ranks,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        &node,
+    ];
+    ours.iter()
+        .chain(&["--master-addr", master])
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// The `start` events of a run's metrics (one per start of the ranks), in order.
+pub fn start_events(layout: &vrtspike_contract::RunLayout) -> Vec<Value> {
+    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "start")
+        .collect()
+}
+
+/// The launcher of two CPU ranks on `config` that a preemption may end at any
+/// time (no restart; 60 s to checkpoint and exit), its output piped.
+pub fn preemptible_two_ranks(config: &Path, run_dir: &Path) -> std::io::Result<Child> {
+    launcher_command(config, run_dir)
+        .args(["--gpus", "0", "--ranks", "2", "--max-restarts", "0"])
+        .args(["--cache-size", "64M", "--grace-s", "60"])
+        .args(["--preempt-timeout-s", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+}
+
+/// The processes of `tree` (named by `names`, in order) still alive once
+/// `limit` has passed, or as soon as none is.
+pub fn left_behind<'a>(tree: &[u32], names: &'a [String], limit: Duration) -> Vec<&'a String> {
+    wait_until(limit, || !tree.iter().any(|p| alive(*p)));
+    tree.iter()
+        .zip(names)
+        .filter(|(p, _)| alive(**p))
+        .map(|(_, n)| n)
+        .collect()
 }
 
 /// Reads and parses a JSON file.
@@ -419,19 +516,25 @@ pub fn synth_tiny_h5(dir: &Path) -> PathBuf {
 
 fn synth_tiny_as(dir: &Path, extra: &[&str]) -> PathBuf {
     let data = dir.join("data");
+    let mut args = vec!["--seqs", "2", "--test-seqs", "1", "--frames", "6"];
+    args.extend(["--height", "64", "--width", "96", "--seed", "9"]);
+    args.extend(extra);
+    synth(&data, &args);
+    data
+}
+
+/// `vrtspike synth --out data args...`, or a panic with what it said.
+pub fn synth(data: &Path, args: &[&str]) {
     let output = Command::new(vrtspike())
         .arg("synth")
         .arg("--out")
-        .arg(&data)
-        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
-        .args(["--height", "64", "--width", "96", "--seed", "9"])
-        .args(extra)
+        .arg(data)
+        .args(args)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
     let (stdout, stderr) = texts(&output);
     assert!(output.status.success(), "synth: {stdout}\n{stderr}");
-    data
 }
 
 /// Whether rank 0 has logged a finished training step in `run_dir`.
@@ -442,6 +545,7 @@ pub fn trained_a_step(run_dir: &Path) -> bool {
 }
 
 /// What the tiny U-Net training runs of the end-to-end tests differ in.
+#[derive(Debug, Clone, Copy)]
 pub struct TinyTrain {
     /// `TRAIN.TOTAL_STEPS`.
     pub total_steps: u64,

@@ -471,7 +471,7 @@ mod tests {
 
     #[test]
     fn the_backward_pass_is_split_between_the_main_path_parts() {
-        let cfg = crate::config::tiny_vrt_spike().model;
+        let cfg = crate::model::tiny_vrt_spike().model;
         let p = profile(&cfg, Device::Cpu, &options(32), Arc::new(NoMemory)).unwrap();
         let names: Vec<&str> = p.parts.iter().map(|r| r.part.as_str()).collect();
         assert_eq!(names[..3], ["spynet", "conv_first", "spike_encoder"]);
@@ -494,7 +494,7 @@ mod tests {
 
     #[test]
     fn peaks_come_from_the_probe_on_every_part() {
-        let mut cfg = crate::config::tiny_vrt_spike().model;
+        let mut cfg = crate::model::tiny_vrt_spike().model;
         cfg.spike.enabled = false;
         let probe = Arc::new(RssProbe::start(std::time::Duration::from_millis(1)));
         let p = profile(&cfg, Device::Cpu, &options(16), probe).unwrap();

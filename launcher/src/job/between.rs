@@ -1,0 +1,170 @@
+//! What happens between two attempts: after one, whether the job restarts from
+//! the last checkpoint (the restart policy, the other nodes' word) or ends, and
+//! why; before the next, whether an ending was asked for meanwhile (a signal, a
+//! node that left), and the next attempt's number and rendezvous port (node 0's
+//! word on several nodes).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+use super::attempt::{peer_failure, Attempt, AttemptPlan};
+use super::record::{Ending, JobRecord};
+use super::setup::Supervision;
+use crate::peers::PeerLinks;
+use crate::restart::{Decision, FailedAttempt, RestartPolicy};
+use crate::signals;
+use crate::summary::ExitKind;
+
+/// What follows an attempt.
+pub enum Next {
+    End(Ending),
+    /// Another attempt; the failure's time measures the restart latency.
+    Restart(Option<Instant>),
+}
+
+/// An ending asked for before the next attempt starts: a signal, or another
+/// node leaving the job (then its failure is the job's first, if none was).
+pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) -> Option<Ending> {
+    if let Some(ending) = signals::requested_ending() {
+        return Some((ending, None));
+    }
+    let event = peers.and_then(PeerLinks::quit)?;
+    let failure = peer_failure(&event);
+    let why = format!("{} (node {} left the job)", failure.cause, failure.node);
+    record.first_failure.get_or_insert(failure);
+    Some((ExitKind::Failed, Some(why)))
+}
+
+/// The next attempt's number and rendezvous port: this node's own on one node;
+/// on several, node 0 picks the port and tells the others (`START`), and the
+/// others wait for it. `Err` is how the job ends instead (node 0 ended it).
+pub fn next_attempt(
+    ctx: Supervision,
+    record: &JobRecord,
+) -> Result<std::result::Result<AttemptPlan, Ending>> {
+    let Supervision { setup, args, peers } = ctx;
+    let restart_count = record.attempts.len() as u32;
+    let plan = |master_port| AttemptPlan {
+        restart_count,
+        master_port,
+    };
+    let pick = || match setup.topology.master_port {
+        Some(port) => Ok(port),
+        None => free_port(),
+    };
+    let Some(peers) = peers else {
+        return Ok(Ok(plan(pick()?)));
+    };
+    if setup.topology.node_rank == 0 {
+        let master_port = pick()?;
+        peers.announce_start(restart_count, master_port);
+        return Ok(Ok(plan(master_port)));
+    }
+    let timeout = Duration::from_secs_f64(args.peer_timeout_s);
+    let interrupted = || signals::requested_ending().is_some();
+    match peers.wait_start(restart_count, timeout, &interrupted)? {
+        Some(master_port) => Ok(Ok(plan(master_port))),
+        None => Ok(Err(ending_without_node0(peers))),
+    }
+}
+
+/// How this node ends when node 0 starts no next attempt.
+fn ending_without_node0(peers: &PeerLinks) -> Ending {
+    if let Some(ending) = signals::requested_ending() {
+        return (ending, None);
+    }
+    if let Some(event) = peers.quit() {
+        let failure = peer_failure(&event);
+        return (ExitKind::Failed, Some(failure.cause));
+    }
+    let why = "node 0 ended the job while this node's attempt failed: no restart alone";
+    (ExitKind::Failed, Some(why.to_string()))
+}
+
+/// After an attempt: the job's ending, or a restart (after the policy's delay).
+pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt) -> Next {
+    let Supervision { setup, args, peers } = ctx;
+    let Attempt {
+        restart_count,
+        resumed_step,
+        end,
+    } = attempt;
+    if end.outcome == ExitKind::Interrupted {
+        return Next::End((end.outcome, end.failure.map(|f| f.cause)));
+    }
+    let Some(failure) = end.failure else {
+        return Next::End((end.outcome, None));
+    };
+    if record.first_failure.is_none() {
+        record.first_failure = Some(failure.clone());
+    }
+    if let Some(peers) = peers.filter(|_| failure.node == setup.topology.node_rank) {
+        peers.report_failure(restart_count, &failure.cause, failure.stuck);
+    }
+    if peers.and_then(PeerLinks::quit).is_some() {
+        return Next::End((ExitKind::Failed, Some("a node left the job".into())));
+    }
+    if end.preempting {
+        let why = "it failed while checkpointing for a preemption";
+        return Next::End((ExitKind::Failed, Some(why.into())));
+    }
+    // A request that came while the gang was being stopped: the last
+    // checkpoint is on disk, so end as asked instead of restarting.
+    if let Some(ending) = signals::requested_ending() {
+        return Next::End((ending, None));
+    }
+    // Node 0 decides for the job; the others wait for its next START.
+    if peers.is_some() && setup.topology.node_rank != 0 {
+        tracing::warn!("{}; waiting for node 0 to restart the job", failure.cause);
+        return Next::Restart(end.failed_at);
+    }
+    let ended = peers.map(PeerLinks::ended_nodes).unwrap_or_default();
+    if !ended.is_empty() {
+        let why = format!("node(s) {ended:?} already ended: no restart without them");
+        return Next::End((ExitKind::Failed, Some(why)));
+    }
+    let previous_failure = record
+        .attempts
+        .iter()
+        .rev()
+        .nth(1)
+        .and_then(|a| a.failure.as_ref());
+    // Progress: a checkpoint of a higher step than the attempt started from.
+    let made_progress = record.run_dir.latest_checkpoint().map(|c| c.step) > resumed_step;
+    let policy = RestartPolicy {
+        max_restarts: args.max_restarts,
+        delay: Duration::from_secs_f64(args.restart_delay_s),
+    };
+    match policy.decide(&FailedAttempt {
+        restarts_done: restart_count,
+        failure: &failure,
+        made_progress,
+        previous_failure,
+    }) {
+        Decision::GiveUp(why) => Next::End((ExitKind::Failed, Some(why))),
+        Decision::Restart(delay) => {
+            tracing::warn!(
+                "{}; restarting in {:.1} s",
+                failure.cause,
+                delay.as_secs_f64()
+            );
+            interruptible_sleep(delay);
+            Next::Restart(end.failed_at)
+        }
+    }
+}
+
+/// A TCP port free right now (the ranks bind it moments later).
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind(("0.0.0.0", 0)).context("finding a free port")?;
+    Ok(listener.local_addr().context("finding a free port")?.port())
+}
+
+/// Sleeps, waking early on a signal the loop must handle.
+fn interruptible_sleep(duration: Duration) {
+    let until = Instant::now() + duration;
+    while Instant::now() < until && signals::requested_ending().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

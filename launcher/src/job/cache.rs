@@ -1,0 +1,214 @@
+//! The node's cache server across the job's attempts: this job's own (a child the
+//! gang watches), or the node-shared one that the job holds with an attach
+//! (`DATA.CACHE_SHARING: node`). It is started, or attached to, before the first
+//! attempt and held again between attempts when it went away; at the end its
+//! figures are asked for the summary (a shared server's with this job's own entry)
+//! before it is stopped (a shared one: only the attach, the server lingers).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use vrtspike_contract::cache_serve::{CacheServe, Lifetime, Watch};
+use vrtspike_contract::shared_server::SharedStart;
+
+use crate::args::Args;
+use crate::cache_server::{self, ConfigFacts};
+use crate::rundir::RunDir;
+use crate::shared_cache::{self, SharedSpec};
+use crate::signals;
+use crate::spawn::{self, Supervised};
+
+/// How this node's cache server is started (and restarted, or attached to again).
+pub struct NodeCache {
+    /// `DATA.USE_RAM_CACHE`: the ranks read through a cache server.
+    pub enabled: bool,
+    /// The server's address.
+    pub address: String,
+    /// The `vrtspike` binary that starts it.
+    vrtspike: PathBuf,
+    /// The run config and its `--set` overrides.
+    config: PathBuf,
+    overrides: Vec<String>,
+    /// `--cache-size`, over the config's cap.
+    cap: Option<String>,
+    /// Its log (and its attach's).
+    log: PathBuf,
+    start_timeout: Duration,
+    /// This job as its ranks' clients name it (the run directory).
+    job_label: String,
+    /// `DATA.CACHE_SHARING: node`: the node-shared server this job attaches to.
+    shared: Option<SharedSetup>,
+}
+
+/// The node-shared cache server of this job's dataset.
+struct SharedSetup {
+    /// This job as the server's stats name it: the run directory and launcher.
+    job: String,
+    /// The cap this job asks for.
+    wanted_cap: u64,
+    /// Seconds a server this job starts stays after the last job detached.
+    linger_s: f64,
+}
+
+impl NodeCache {
+    /// This node's cache server for the config's `facts`: the node-shared one of
+    /// its dataset, else one of this job's own (with a warning when the config
+    /// names no DATA.ROOT to key a shared one by).
+    pub fn resolve(
+        args: &Args,
+        facts: &ConfigFacts,
+        vrtspike: PathBuf,
+        config: PathBuf,
+        run_dir: &RunDir,
+        node_rank: u32,
+    ) -> Result<NodeCache> {
+        let shared = match facts.ram_cache && facts.shared {
+            true => shared_setup(args, facts, run_dir)?,
+            false => None,
+        };
+        Ok(NodeCache {
+            enabled: facts.ram_cache,
+            address: match &shared {
+                Some((address, _)) => address.clone(),
+                None => cache_server::address(node_rank),
+            },
+            vrtspike,
+            config,
+            overrides: args.set.clone(),
+            cap: args.cache_size.clone(),
+            log: run_dir.layout.cache_log(node_rank),
+            start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
+            job_label: run_dir.layout.job_label(),
+            shared: shared.map(|(_, setup)| setup),
+        })
+    }
+
+    /// Whether the job attaches to the node-shared server.
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// The server before the first attempt; `None` with `DATA.USE_RAM_CACHE: false`.
+    pub fn hold_first(&self) -> Result<Option<Supervised>> {
+        if !self.enabled {
+            tracing::info!("DATA.USE_RAM_CACHE is false: no cache server, ranks read from disk");
+            return Ok(None);
+        }
+        self.hold().map(Some)
+    }
+
+    /// Starts this job's cache server, or attaches to the node-shared one (starting
+    /// it if none runs): what the gang watches and the job stops at its end.
+    pub fn hold(&self) -> Result<Supervised> {
+        let serve = CacheServe {
+            vrtspike: &self.vrtspike,
+            address: &self.address,
+            config: &self.config,
+            cap: self.cap.as_deref(),
+            overrides: &self.overrides,
+            lifetime: Lifetime::WithParent,
+        };
+        let watch = Watch {
+            log: &self.log,
+            timeout: self.start_timeout,
+            interrupted: &|| signals::interrupts() > 0,
+        };
+        let Some(shared) = &self.shared else {
+            return cache_server::start(&serve, &watch);
+        };
+        shared_cache::attach_or_start(&SharedSpec {
+            start: SharedStart {
+                serve,
+                linger_s: shared.linger_s,
+                started_by: &shared.job,
+                watch,
+            },
+            job_label: &self.job_label,
+            wanted_cap: Some(shared.wanted_cap),
+        })
+    }
+
+    /// Between attempts: holds the server again if it (or this job's attach to
+    /// it) went away.
+    pub fn hold_again_if_gone(&self, server: &mut Supervised) -> Result<()> {
+        if server.running() {
+            return Ok(());
+        }
+        match self.shared {
+            Some(_) => tracing::warn!(
+                "the node-shared cache server went away: attaching again (or starting one)"
+            ),
+            None => tracing::warn!("restarting the cache server"),
+        }
+        *server = self.hold()?;
+        Ok(())
+    }
+
+    /// Asks for the server's figures, then stops it (a shared one: this job's
+    /// attach). A shared server's figures are every attached job's together:
+    /// this job's own are its entry in `jobs` (its ranks name it by the run
+    /// directory), added as `sharing.this_job`.
+    pub fn stop(&self, mut server: Supervised) -> Option<serde_json::Value> {
+        let mut stats = cache_server::stats(&self.vrtspike, &self.address);
+        if let (Some(shared), Some(serde_json::Value::Object(figures))) =
+            (&self.shared, stats.as_mut())
+        {
+            let this_job = figures
+                .get("jobs")
+                .and_then(serde_json::Value::as_array)
+                .and_then(|jobs| jobs.iter().find(|j| j["job"] == self.job_label.as_str()))
+                .cloned();
+            figures.insert(
+                "sharing".into(),
+                serde_json::json!({"mode": "node", "address": self.address,
+                    "job": shared.job, "figures": "server-wide", "this_job": this_job}),
+            );
+        }
+        spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        stats
+    }
+}
+
+/// The node-shared server's address and this job's name for it; `None` (one
+/// server for this job, with a warning) when the config names no DATA.ROOT.
+fn shared_setup(
+    args: &Args,
+    facts: &ConfigFacts,
+    run_dir: &RunDir,
+) -> Result<Option<(String, SharedSetup)>> {
+    let Some(root) = &facts.data_root else {
+        tracing::warn!(
+            "DATA.CACHE_SHARING is node but DATA.ROOT is null: this job starts a cache server \
+             of its own"
+        );
+        return Ok(None);
+    };
+    let (address, signature) = vrtspike_contract::cache_addr::node_shared_address(root)?;
+    tracing::info!(
+        address,
+        root = %signature.root.display(),
+        files = signature.files,
+        bytes = signature.bytes,
+        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset"
+    );
+    let wanted_cap = match args.cache_size.as_deref() {
+        Some(text) => vrtspike_contract::size::parse_size(text)
+            .with_context(|| format!("--cache-size {text:?} is not a size (e.g. 20G)"))?,
+        None => facts.cache_bytes,
+    };
+    let job = format!(
+        "job {} (launcher pid {})",
+        run_dir.path.display(),
+        std::process::id()
+    );
+    let linger_s =
+        vrtspike_contract::shared_server::linger_s(args.cache_linger_s, &|n| std::env::var(n).ok())
+            .map_err(anyhow::Error::msg)?;
+    let setup = SharedSetup {
+        job,
+        wanted_cap,
+        linger_s,
+    };
+    Ok(Some((address, setup)))
+}

@@ -1,0 +1,182 @@
+//! The job's record, and its summary: what the launcher knows about the job (the
+//! node's place in it, every attempt, the first failure, the memory peaks, the
+//! cache server's figures), written to `summary.json` at every exit, with the
+//! ending reported and where to look at the run.
+
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Result;
+
+use crate::args::Args;
+use crate::peers::PeerLinks;
+use crate::pss;
+use crate::rundir::RunDir;
+use crate::summary::{AttemptRecord, ExitKind, Failure, Summary};
+
+/// How the job ended, with the reason it gave up restarting, if it did.
+pub type Ending = (ExitKind, Option<String>);
+
+/// What the launcher knows about the job, gathered for the summary.
+pub struct JobRecord {
+    pub run_dir: RunDir,
+    started: Instant,
+    /// Wall-clock time of the launch (rank 0's figures must be newer).
+    launched: SystemTime,
+    pub nnodes: u32,
+    pub node_rank: u32,
+    pub world_size: u32,
+    pub local_world_size: u32,
+    /// Every attempt so far, in order.
+    pub attempts: Vec<AttemptRecord>,
+    /// The failure that started the restarts (or ended the job).
+    pub first_failure: Option<Failure>,
+    sampler: pss::PssSampler,
+    /// The cache server's figures, asked for before it was stopped.
+    pub cache_stats: Option<serde_json::Value>,
+}
+
+impl JobRecord {
+    /// The record of a job that starts now (its memory sampled from now on).
+    pub fn new(run_dir: RunDir, args: &Args) -> JobRecord {
+        JobRecord {
+            run_dir,
+            started: Instant::now(),
+            launched: SystemTime::now(),
+            nnodes: args.nnodes.unwrap_or(1),
+            node_rank: args.node_rank.unwrap_or(0),
+            world_size: 0,
+            local_world_size: 0,
+            attempts: Vec::new(),
+            first_failure: None,
+            sampler: pss::PssSampler::start(
+                std::process::id(),
+                Duration::from_secs_f64(args.pss_interval_s),
+            ),
+            cache_stats: None,
+        }
+    }
+
+    /// Writes the summary, tells the other nodes (`peers`) how this one ends,
+    /// reports the ending, and returns the exit status.
+    pub fn finish(self, result: Result<Ending>, peers: Option<&PeerLinks>) -> u8 {
+        let (exit, error) = match result {
+            Ok((kind, why)) => {
+                let error = match (&self.first_failure, kind) {
+                    (Some(failure), ExitKind::Failed) => Some(match why {
+                        Some(why) => format!("{} ({why})", failure.cause),
+                        None => failure.cause.clone(),
+                    }),
+                    _ => why,
+                };
+                (kind, error)
+            }
+            Err(e) => (ExitKind::Error, Some(format!("{e:#}"))),
+        };
+        let summary = Summary {
+            exit,
+            exit_code: exit.exit_code(),
+            error: error.clone(),
+            failure: self.first_failure.clone(),
+            restarts: self.attempts.len().saturating_sub(1) as u32,
+            attempts: self.attempts,
+            run_dir: self.run_dir.path.display().to_string(),
+            nnodes: self.nnodes,
+            node_rank: self.node_rank,
+            world_size: self.world_size,
+            local_world_size: self.local_world_size,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            memory: self.sampler.peaks(),
+            cache: self.cache_stats,
+        };
+        if let Some(peers) = peers {
+            match exit {
+                ExitKind::Completed | ExitKind::Preempted => peers.report_end(None),
+                _ => peers.report_end(Some(error.as_deref().unwrap_or("failed"))),
+            }
+        }
+        let summary_path = self.run_dir.layout.launcher_summary(self.node_rank);
+        let train_summary = self.run_dir.layout.train_summary();
+        if let Err(e) = summary.write(&summary_path, &train_summary, self.launched) {
+            tracing::error!("{e:#}");
+        }
+        report_ending(exit, error.as_deref(), summary.failure.as_ref());
+        for line in where_to_look(&self.run_dir.path, &summary_path) {
+            say(&line);
+        }
+        exit.exit_code()
+    }
+}
+
+/// Logs how the job ended; a failed job's failing log's last lines go to stderr.
+fn report_ending(exit: ExitKind, error: Option<&str>, failure: Option<&Failure>) {
+    match (error, failure) {
+        (Some(error), Some(failure)) if exit == ExitKind::Failed => {
+            tracing::error!("job failed: {error}");
+            if !failure.log.is_empty() {
+                let mut report = format!(
+                    "--- last {} lines of {} ---\n",
+                    failure.log_tail.len(),
+                    failure.log
+                );
+                for line in &failure.log_tail {
+                    report.push_str(line);
+                    report.push('\n');
+                }
+                report.push_str("---");
+                eprintln!("{report}");
+            }
+        }
+        (Some(error), _) => tracing::error!("{error}"),
+        (None, _) => tracing::info!("job {}", exit.name()),
+    }
+}
+
+/// Prints one line of the launcher's real output; a closed stdout (e.g. piped into
+/// `head`) must not stop the launcher, so write errors are ignored.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
+/// Where to look at the run once it ends: rank 0's TensorBoard events, the plot
+/// (or how to draw it) and the summary.
+fn where_to_look(run_dir: &Path, summary: &Path) -> Vec<String> {
+    let mut lines = Vec::new();
+    let tb = run_dir.join("tb");
+    if tb.is_dir() {
+        lines.push(format!(
+            "tensorboard: {} (tensorboard --logdir {})",
+            tb.display(),
+            tb.display()
+        ));
+    }
+    let plot = run_dir.join("plot.png");
+    if plot.is_file() {
+        lines.push(format!("plot: {}", plot.display()));
+    } else {
+        lines.push(format!("plot: vrtspike plot {}", run_dir.display()));
+    }
+    lines.push(format!("summary: {}", summary.display()));
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_end_report_names_what_exists() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let summary = dir.path().join("summary.json");
+        let lines = where_to_look(dir.path(), &summary);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("plot: vrtspike plot "), "{lines:?}");
+        std::fs::create_dir(dir.path().join("tb")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(dir.path().join("plot.png"), b"png").unwrap_or_else(|e| panic!("{e}"));
+        let lines = where_to_look(dir.path(), &summary);
+        assert!(lines[0].starts_with("tensorboard: "), "{lines:?}");
+        assert!(lines[1].ends_with("plot.png"), "{lines:?}");
+        assert!(lines[2].ends_with("summary.json"), "{lines:?}");
+    }
+}
