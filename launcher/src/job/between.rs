@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use super::attempt::{peer_failure, Attempt, AttemptPlan};
 use super::record::{Ending, JobRecord};
 use super::setup::Supervision;
-use crate::peers::PeerLinks;
+use crate::peers::{liveness, PeerEvent, PeerLinks};
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
 use crate::summary::ExitKind;
@@ -33,7 +33,42 @@ pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) 
     let failure = peer_failure(&event);
     let why = format!("{} (node {} left the job)", failure.cause, failure.node);
     record.first_failure.get_or_insert(failure);
-    Some((ExitKind::Failed, Some(why)))
+    Some((left_kind(&event), Some(why)))
+}
+
+/// How the job ends when a node left it: lost (silent: the job may go on
+/// without it after a requeue) or failed (its launcher gave up or went away).
+fn left_kind(event: &PeerEvent) -> ExitKind {
+    match event {
+        PeerEvent::Lost { .. } => ExitKind::NodeLost,
+        _ => ExitKind::Failed,
+    }
+}
+
+/// Node 0 before a restart: waits until every other node's launcher has been
+/// heard lately (a node gone silent is found lost within `--peer-silence-s`), so
+/// that the gang never restarts short by accident; `Some` is the ending when one
+/// left instead.
+fn ending_if_a_node_is_quiet(peers: &PeerLinks, silence: Duration) -> Option<Ending> {
+    let lately = liveness::beat_interval(silence) * 2;
+    let deadline = Instant::now() + silence + lately * 2;
+    let mut told = false;
+    while !peers.all_heard_within(lately) && Instant::now() < deadline {
+        if peers.quit().is_some() || signals::requested_ending().is_some() {
+            break;
+        }
+        if !told {
+            tracing::warn!("a node has been silent lately: no restart until it is heard or lost");
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if let Some(ending) = signals::requested_ending() {
+        return Some((ending, None));
+    }
+    let event = peers.quit()?;
+    let failure = peer_failure(&event);
+    Some((left_kind(&event), Some(failure.cause)))
 }
 
 /// The next attempt's number and rendezvous port: this node's own on one node;
@@ -57,6 +92,10 @@ pub fn next_attempt(
         return Ok(Ok(plan(pick()?)));
     };
     if setup.topology.node_rank == 0 {
+        let silence = Duration::from_secs_f64(args.peer_silence_s);
+        if let Some(ending) = ending_if_a_node_is_quiet(peers, silence) {
+            return Ok(Err(ending));
+        }
         let master_port = pick()?;
         peers.announce_start(restart_count, master_port);
         return Ok(Ok(plan(master_port)));
@@ -76,7 +115,7 @@ fn ending_without_node0(peers: &PeerLinks) -> Ending {
     }
     if let Some(event) = peers.quit() {
         let failure = peer_failure(&event);
-        return (ExitKind::Failed, Some(failure.cause));
+        return (left_kind(&event), Some(failure.cause));
     }
     let why = "node 0 ended the job while this node's attempt failed: no restart alone";
     (ExitKind::Failed, Some(why.to_string()))
@@ -102,8 +141,9 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
     if let Some(peers) = peers.filter(|_| failure.node == setup.topology.node_rank) {
         peers.report_failure(restart_count, &failure.cause, failure.stuck);
     }
-    if peers.and_then(PeerLinks::quit).is_some() {
-        return Next::End((ExitKind::Failed, Some("a node left the job".into())));
+    if let Some(event) = peers.and_then(PeerLinks::quit) {
+        let why = format!("node {} left the job", peer_failure(&event).node);
+        return Next::End((left_kind(&event), Some(why)));
     }
     if end.preempting {
         let why = "it failed while checkpointing for a preemption";
