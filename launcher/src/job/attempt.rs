@@ -53,11 +53,11 @@ pub fn run(
         banner(&launch.log, restart_count, resumed_name.as_deref());
     }
     if restart_count > 0 {
-        tracing::info!(
-            "restart {restart_count} of {}, from checkpoint {}",
-            args.max_restarts,
-            resumed_name.as_deref().unwrap_or("(none yet)")
-        );
+        let from = match &resumed_name {
+            Some(name) => format!("from checkpoint {name}"),
+            None => "from the start (no checkpoint yet)".to_string(),
+        };
+        tracing::info!("restart {restart_count} of {}, {from}", args.max_restarts);
     }
     let started = Instant::now();
     let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
