@@ -433,10 +433,15 @@ mod tests {
             })
             .collect();
         let per_rank = samplers[0].epoch_len(2);
-        assert!(samplers.iter().all(|s| s.epoch_len(2) == per_rank), "lockstep");
+        assert!(
+            samplers.iter().all(|s| s.epoch_len(2) == per_rank),
+            "lockstep"
+        );
         for _ in 0..steps.unwrap_or(per_rank) {
             for s in samplers.iter_mut() {
-                let (_, index) = s.next_index().unwrap_or_else(|| panic!("epoch ended early"));
+                let (_, index) = s
+                    .next_index()
+                    .unwrap_or_else(|| panic!("epoch ended early"));
                 taken.push(index);
             }
         }
