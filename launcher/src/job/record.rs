@@ -112,7 +112,10 @@ impl JobRecord {
 fn report_ending(exit: ExitKind, error: Option<&str>, failure: Option<&Failure>) {
     match (error, failure) {
         (Some(error), Some(failure)) if matches!(exit, ExitKind::Failed | ExitKind::NodeLost) => {
-            tracing::error!("job failed: {error}");
+            match exit {
+                ExitKind::NodeLost => tracing::error!("job stopped, a node lost: {error}"),
+                _ => tracing::error!("job failed: {error}"),
+            }
             if !failure.log.is_empty() {
                 let mut report = format!(
                     "--- last {} lines of {} ---\n",
