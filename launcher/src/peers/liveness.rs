@@ -62,6 +62,18 @@ impl Heard {
         silent
     }
 
+    /// The nodes not heard since `since`.
+    pub fn unheard_since(&self, since: Instant) -> Vec<u32> {
+        let at = self.at.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unheard: Vec<u32> = at
+            .iter()
+            .filter(|(_, at)| **at <= since)
+            .map(|(node, _)| *node)
+            .collect();
+        unheard.sort_unstable();
+        unheard
+    }
+
     /// Forgets `node` (its link is closed).
     fn forget(&self, node: u32) {
         let mut at = self.at.lock().unwrap_or_else(|p| p.into_inner());
@@ -155,6 +167,10 @@ mod tests {
         heard.now(2);
         let silent = heard.silent(Duration::from_millis(20));
         assert_eq!(silent.iter().map(|s| s.0).collect::<Vec<_>>(), [1]);
+        let since = Instant::now();
+        assert_eq!(heard.unheard_since(since), [1, 2]);
+        heard.now(1);
+        assert_eq!(heard.unheard_since(since), [2]);
         assert!(!this_host().is_empty());
     }
 }

@@ -333,11 +333,12 @@ impl PeerLinks {
             .cloned()
     }
 
-    /// Whether every other node was heard within `within` (nodes that left
-    /// aside).
-    pub fn all_heard_within(&self, within: Duration) -> bool {
-        let quiet = self.shared.heard.silent(within);
-        quiet.iter().all(|(node, _)| self.shared.has_left(*node))
+    /// Whether every other linked node has said something since `since` (nodes
+    /// that left aside): a beat comes every [`liveness::beat_interval`] from a
+    /// live launcher.
+    pub fn all_heard_since(&self, since: Instant) -> bool {
+        let unheard = self.shared.heard.unheard_since(since);
+        unheard.iter().all(|node| self.shared.has_left(*node))
     }
 
     /// Whether `node` said it ended normally.
@@ -779,10 +780,13 @@ mod tests {
         let read = std::io::Read::read_to_string(&mut reader, &mut rest);
         assert!(read.is_ok(), "the link stayed open: {read:?}");
         assert!(rest.contains("BEAT 0 "), "node 0 beat on the link: {rest}");
-        // The nodes that beat stay heard; the lost one is no longer waited for.
+        // The nodes that beat are heard again; the lost one is no longer waited for.
         std::thread::sleep(silence * 2);
-        assert!(node0.all_heard_within(silence));
-        assert!(node2.all_heard_within(silence));
+        let since = Instant::now();
+        assert!(!node0.all_heard_since(since) && !node2.all_heard_since(since));
+        wait_for("fresh beats", || {
+            node0.all_heard_since(since) && node2.all_heard_since(since)
+        });
         assert_eq!(node0.shared.linked(), [2]);
         let events = node0
             .shared
