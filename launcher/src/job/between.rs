@@ -30,10 +30,15 @@ pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) 
         return Some((ending, None));
     }
     let event = peers.and_then(PeerLinks::quit)?;
-    let failure = peer_failure(&event);
-    let why = format!("{} (node {} left the job)", failure.cause, failure.node);
-    note_departure(record, &event);
-    Some((left_kind(&event), Some(why)))
+    Some(left_ending(record, &event))
+}
+
+/// The ending of a job that `event`'s node left, its failure kept in `record`
+/// ([`note_departure`]).
+fn left_ending(record: &mut JobRecord, event: &PeerEvent) -> Ending {
+    note_departure(record, event);
+    let why = format!("node {} left the job", peer_failure(event).node);
+    (left_kind(event), Some(why))
 }
 
 /// Keeps the failure of a node that left as the job's first failure, if none
@@ -93,9 +98,7 @@ fn ending_if_a_node_is_quiet(
         return Some((ending, None));
     }
     let event = peers.quit()?;
-    note_departure(record, &event);
-    let why = format!("node {} left the job", peer_failure(&event).node);
-    Some((left_kind(&event), Some(why)))
+    Some(left_ending(record, &event))
 }
 
 /// The next attempt's number and rendezvous port: this node's own on one node;
@@ -141,9 +144,7 @@ fn ending_without_node0(peers: &PeerLinks, record: &mut JobRecord) -> Ending {
         return (ending, None);
     }
     if let Some(event) = peers.quit() {
-        note_departure(record, &event);
-        let why = format!("node {} left the job", peer_failure(&event).node);
-        return (left_kind(&event), Some(why));
+        return left_ending(record, &event);
     }
     let why = "node 0 ended the job while this node's attempt failed: no restart alone";
     (ExitKind::Failed, Some(why.to_string()))
@@ -170,9 +171,7 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
         peers.report_failure(restart_count, &failure.cause, failure.stuck);
     }
     if let Some(event) = peers.and_then(PeerLinks::quit) {
-        note_departure(record, &event);
-        let why = format!("node {} left the job", peer_failure(&event).node);
-        return Next::End((left_kind(&event), Some(why)));
+        return Next::End(left_ending(record, &event));
     }
     if end.preempting {
         let why = "it failed while checkpointing for a preemption";
