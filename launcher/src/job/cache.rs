@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use vrtspike_contract::cache_serve::{CacheServe, Lifetime, Watch};
+use vrtspike_contract::dataset_sig::Coverage;
 use vrtspike_contract::shared_server::SharedStart;
 
 use crate::args::Args;
@@ -188,9 +189,12 @@ fn shared_setup(
     tracing::info!(
         address,
         root = %signature.root.display(),
-        files = signature.files,
-        bytes = signature.bytes,
-        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset"
+        files = signature.tally.files,
+        bytes = signature.tally.bytes,
+        full = signature.coverage == Coverage::Full,
+        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset \
+         (signed in {:.2} s, once for the job's ranks on this node)",
+        signature.took.as_secs_f64()
     );
     let wanted_cap = match args.cache_size.as_deref() {
         Some(text) => vrtspike_contract::size::parse_size(text)
