@@ -150,6 +150,7 @@ PEER := $(ROOT)/../shared/baselines/torch_loader.py
 bench: build
 	$(BIN) bench cache --json
 	$(BIN) bench store
+	$(BIN) bench sign
 	@test -f $(BENCH_DATA)/dataset.yaml || \
 	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
 	@mkdir -p $(BENCH_OUT)

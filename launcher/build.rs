@@ -4,8 +4,11 @@
 //!
 //! - `vrtspike_no_root`: the build does not run as root (network namespaces, mounts);
 //! - `vrtspike_no_ip`: no `ip` (iproute2) on `PATH`;
-//! - `vrtspike_no_torchrun`: no `torchrun` in `$VIRTUAL_ENV` or the workspace's `.venv`.
+//! - `vrtspike_no_torchrun`: no `torchrun` in `$VIRTUAL_ENV` or the workspace's `.venv`;
+//! - `vrtspike_skip_real_slurm`: `VRTSPIKE_SKIP_REAL_SLURM=1` (the tests under a real
+//!   Slurm, which need root and Debian's slurm-wlm and munge).
 //!
+//! (The checks are `../build/facilities.rs`, shared with the workspace's package.)
 //! Under `CI=true` none is set: CI runs as root with torchrun installed, so every
 //! test runs there and one whose facility is missing fails, saying what it needs.
 //! A test that is not ignored fails the same way when its facility is missing at
@@ -13,48 +16,32 @@
 
 use std::path::{Path, PathBuf};
 
+include!("../build/facilities.rs");
+
 fn main() {
-    for cfg in ["vrtspike_no_root", "vrtspike_no_ip", "vrtspike_no_torchrun"] {
-        println!("cargo:rustc-check-cfg=cfg({cfg})");
-    }
     println!("cargo:rerun-if-changed=build.rs");
-    for var in ["CI", "VIRTUAL_ENV", "PATH", "USER", "SUDO_USER"] {
+    println!("cargo:rerun-if-changed=../build/facilities.rs");
+    for var in [
+        "VIRTUAL_ENV",
+        "USER",
+        "SUDO_USER",
+        "VRTSPIKE_SKIP_REAL_SLURM",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        return;
-    }
-    if !runs_as_root() {
-        println!("cargo:rustc-cfg=vrtspike_no_root");
-    }
-    if on_path("ip").is_none() {
-        println!("cargo:rustc-cfg=vrtspike_no_ip");
     }
     let torchrun = torchrun();
     if let Some(bin) = torchrun.as_deref().and_then(Path::parent) {
         println!("cargo:rerun-if-changed={}", bin.display());
     }
-    if torchrun.is_none() {
-        println!("cargo:rustc-cfg=vrtspike_no_torchrun");
-    }
-}
-
-/// Whether the effective uid is 0 (from `/proc/self/status`).
-fn runs_as_root() -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))
-        .and_then(|ids| ids.split_whitespace().nth(1))
-        .is_some_and(|effective| effective == "0")
-}
-
-/// `name` on `PATH`.
-fn on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(name))
-        .find(|exe| exe.is_file())
+    facilities(&[
+        ("vrtspike_no_root", !runs_as_root()),
+        ("vrtspike_no_ip", on_path("ip").is_none()),
+        ("vrtspike_no_torchrun", torchrun.is_none()),
+        (
+            "vrtspike_skip_real_slurm",
+            std::env::var("VRTSPIKE_SKIP_REAL_SLURM").is_ok_and(|v| v == "1"),
+        ),
+    ]);
 }
 
 /// torchrun of the project's virtualenv (as `tests/launch_torchrun.rs` finds it).

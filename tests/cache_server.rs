@@ -132,12 +132,21 @@ fn an_abandoned_fill_passes_to_a_waiter() {
             .unwrap();
         has_pattern("key", &lease)
     });
-    std::thread::sleep(Duration::from_millis(200));
+    // The waiter is inside its get once the server counted its wait (polled, not
+    // slept): only then is the fill abandoned, so the waiter takes it over.
+    assert!(
+        wait_until(Duration::from_secs(60), || {
+            first.stats().is_ok_and(|s| s.totals.waits == 1)
+        }),
+        "the second client never waited for the fill: {:?}",
+        first.stats()
+    );
     drop(ticket); // abandons the fill
     assert!(waiter.join().unwrap());
     let stats = first.stats().unwrap();
     assert_eq!(stats.totals.fills_abandoned, 1);
     assert_eq!(stats.totals.fills, 1);
+    assert_eq!(stats.totals.waits, 1, "{stats:?}");
 }
 
 #[test]

@@ -24,6 +24,7 @@ use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use crate::echo::LogEcho;
 use crate::hang::{self, HangCheck, HangWatch};
+use crate::reattach::Keeper;
 use crate::signals;
 use crate::spawn::{self, ChildKind, Supervised};
 use crate::summary::{ExitKind, Failure};
@@ -81,12 +82,12 @@ pub struct AttemptEnd {
 /// The node's cache process the gang watches: the job's own server, or its
 /// attach to the node-shared one.
 pub struct CacheHold<'a> {
-    /// The process; its end ends the attempt unless `reattach` replaces it.
+    /// The process; its end ends the attempt unless `keeper` replaces it.
     pub process: &'a mut Supervised,
-    /// Node-shared: attaches again (starting a server if none runs) when the attach
-    /// ends, while the ranks go on (their loaders read from disk and connect to
-    /// the new server).
-    pub reattach: Option<&'a dyn Fn() -> Result<Supervised>>,
+    /// Node-shared: attaches again (starting a server if none runs) on its own
+    /// thread when the attach ends, while the ranks go on (their loaders read from
+    /// disk and connect to the new server) and the gang goes on watching them.
+    pub keeper: Option<&'a Keeper>,
 }
 
 /// Starts the ranks (rank 0's log echoed to the terminal when it runs here) and
@@ -186,6 +187,7 @@ fn supervise(
     mut hang: HangWatch,
 ) -> AttemptEnd {
     let mut preempting = false;
+    let keeper = cache_server.as_ref().and_then(|hold| hold.keeper);
     let mut end = watch(
         ranks,
         cache_server,
@@ -195,31 +197,36 @@ fn supervise(
         &mut hang,
     );
     end.preempting = preempting;
+    // A re-attach under way gives up with the attempt; the next one asks again.
+    if let Some(keeper) = keeper {
+        keeper.give_up();
+    }
     end
 }
 
-/// A node-shared server's attach ended with `status`: attaches again (or starts
-/// a server) while the ranks go on. `false` when this is no shared attach, or
-/// attaching again failed.
-fn reattached(hold: &mut CacheHold, status: std::process::ExitStatus) -> bool {
-    let Some(reattach) = hold.reattach else {
-        return false;
-    };
-    tracing::warn!(
-        "the node-shared cache server went away (its attach {}): attaching again, or \
-         starting one; the ranks read from disk meanwhile",
-        spawn::describe(status)
-    );
-    match reattach() {
-        Ok(process) => {
-            *hold.process = process;
-            true
-        }
-        Err(e) => {
-            tracing::error!("attaching to the node-shared cache server again: {e:#}");
-            false
-        }
+/// Looks after the node's cache process: a node-shared server's attach that
+/// ended is held again by the keeper in the background (the ranks read from
+/// disk meanwhile), and the keeper's new hold replaces it. `Some` when the
+/// process ended and nothing replaces it (the job's own server): the attempt fails.
+fn cache_gone(hold: &mut CacheHold, node_rank: u32) -> Option<Failure> {
+    if let Some(process) = hold.keeper.and_then(Keeper::take) {
+        *hold.process = process;
     }
+    let Ok(Some(status)) = hold.process.poll() else {
+        return None;
+    };
+    let Some(keeper) = hold.keeper else {
+        return Some(failure_of(node_rank, None, hold.process, status));
+    };
+    if !keeper.busy() {
+        tracing::warn!(
+            "the node-shared cache server went away (its attach {}): attaching again, or \
+             starting one, in the background; the ranks read from disk meanwhile",
+            spawn::describe(status)
+        );
+        keeper.ask();
+    }
+    None
 }
 
 /// When the ranks must be done after a stop request, and how the attempt ends
@@ -295,14 +302,12 @@ fn watch(
             tracing::error!("{}: stopping the other ranks", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
-        if let Some(hold) = cache_server.as_mut() {
-            if let Ok(Some(status)) = hold.process.poll() {
-                if !reattached(hold, status) {
-                    let failure = failure_of(timing.node_rank, None, hold.process, status);
-                    tracing::error!("{}: stopping the ranks", failure.cause);
-                    return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
-                }
-            }
+        if let Some(failure) = cache_server
+            .as_mut()
+            .and_then(|hold| cache_gone(hold, timing.node_rank))
+        {
+            tracing::error!("{}: stopping the ranks", failure.cause);
+            return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
         if let Some(failure) = peer_stop() {
             tracing::error!("{}: stopping the ranks of this node", failure.cause);

@@ -16,6 +16,7 @@ mod job;
 mod peers;
 mod plan_check;
 mod pss;
+mod reattach;
 mod relay;
 mod restart;
 mod rundir;

@@ -3,21 +3,26 @@
 //! dataset share one cache server, which outlives the job that started it (whether
 //! that job ends or its launcher is killed with `kill -9`) while another job reads
 //! from it, then lingers and exits, leaving neither a process nor its abstract
-//! socket; two launchers started at the same instant end up with one server;
+//! socket; two launchers started at the same instant (their servers held until both
+//! have come) end up with one server, the other's having lost the race;
 //! `kill -9` of the shared server with two jobs attached: both train on without a
 //! restart, one starts a new server and the other attaches to it; a server started
 //! by hand (`vrtspike cache serve --config C`) serves the jobs on C's dataset and
-//! stays after them until stopped.
+//! stays after them until stopped; after `kill -9` of the shared server the
+//! launcher holds it again in the background: a preemption meanwhile is handled at
+//! once, and a server that never comes back does not end the job. The dataset holds a dangling link and a folder
+//! of mode 000 beside its data, as a volume may.
 
 mod common;
 
 use std::fs::File;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{
-    alive, exit_code, launcher_command, read_json, signal, synth_tiny, vrtspike, wait_until,
+    alive, exit_code, launcher_command_at, read_json, signal, synth_tiny, vrtspike, wait_until,
     write_tiny_config, TinyTrain,
 };
 use nix::sys::signal::Signal;
@@ -39,10 +44,19 @@ struct Setup {
     address: String,
 }
 
+impl Drop for Setup {
+    /// Opens `lost+found` again, so that an ordinary user's test removes its folder.
+    fn drop(&mut self) {
+        let lost = self.dir.join("data").join("lost+found");
+        let _ = std::fs::set_permissions(&lost, std::fs::Permissions::from_mode(0o755));
+    }
+}
+
 fn setup() -> Setup {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let dir = tmp.path().to_path_buf();
     let data = synth_tiny(&dir);
+    odd_entries(&data);
     let run = TinyTrain {
         total_steps: ENDLESS,
         ckpt_every: ENDLESS,
@@ -59,6 +73,21 @@ fn setup() -> Setup {
         config,
         address,
     }
+}
+
+/// What a dataset volume may hold beside the data, which the dataset's signature
+/// signs by kind and name (it failed the launcher before): a root-owned
+/// `lost+found` of mode 000 at the root (unreadable to an ordinary user;
+/// `dataset_sig`'s unit test reads it as `nobody`), and a link to nothing beside
+/// the sequences.
+fn odd_entries(data: &Path) {
+    let lost = data.join("lost+found");
+    std::fs::create_dir(&lost).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(lost.join("#1234"), b"orphan").unwrap_or_else(|e| panic!("{e}"));
+    std::fs::set_permissions(&lost, std::fs::Permissions::from_mode(0o000))
+        .unwrap_or_else(|e| panic!("{e}"));
+    std::os::unix::fs::symlink("/no/such/sequence", data.join("train").join("dangling-seq"))
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Kills the launchers (and a hand-started server) a test started if it fails
@@ -85,11 +114,27 @@ fn launch(s: &Setup, name: &str, reaper: &mut Reaper) -> (Child, PathBuf) {
 
 /// [`launch`] with `restarts` restarts allowed.
 fn launch_with(s: &Setup, name: &str, reaper: &mut Reaper, restarts: u32) -> (Child, PathBuf) {
+    launch_from(&common::launcher(), s, name, reaper, restarts)
+}
+
+/// [`launch`] of the launcher at `exe`.
+fn launch_at(exe: &Path, s: &Setup, name: &str, reaper: &mut Reaper) -> (Child, PathBuf) {
+    launch_from(exe, s, name, reaper, 0)
+}
+
+/// [`launch_with`] of the launcher at `exe`.
+fn launch_from(
+    exe: &Path,
+    s: &Setup,
+    name: &str,
+    reaper: &mut Reaper,
+    restarts: u32,
+) -> (Child, PathBuf) {
     let run = s.dir.join(name);
     let out = s.dir.join(format!("{name}.out"));
     let file = File::create(&out).unwrap_or_else(|e| panic!("{e}"));
     let err = file.try_clone().unwrap_or_else(|e| panic!("{e}"));
-    let child = launcher_command(&s.config, &run)
+    let child = launcher_command_at(exe, &s.config, &run)
         .args(["--gpus", "0", "--ranks", "1", "--max-restarts"])
         .arg(restarts.to_string())
         .args(["--cache-size", "64M", "--preempt-timeout-s", "60"])
@@ -324,12 +369,57 @@ fn is_server(pid: u32) -> bool {
     common::cmdline(pid).contains("--linger-s")
 }
 
+/// A link to the launcher beside a stand-in `vrtspike`, steered by files in
+/// `<dir>/control`: each `cache serve` waits until `parties` of them have come (a
+/// file each in `<dir>/barrier`, polled for at most 60 s), so launchers that found
+/// no server start theirs at one instant and race for the address however the
+/// machine schedules them; while `control/fail` exists a `cache serve` fails at
+/// once (exit 3); while `control/hold` exists it waits (after touching
+/// `control/held`), as a server that never gets ready. Every other command, and
+/// `cache serve` past these, runs the real `vrtspike`.
+fn stand_in_launcher(dir: &Path, parties: usize) -> PathBuf {
+    let bin = dir.join("stand-in-bin");
+    let barrier = dir.join("barrier");
+    for folder in [&bin, &barrier, &dir.join("control")] {
+        std::fs::create_dir_all(folder).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let exe = bin.join("vrtspike-launch");
+    std::fs::hard_link(common::launcher(), &exe)
+        .or_else(|_| std::fs::copy(common::launcher(), &exe).map(|_| ()))
+        .unwrap_or_else(|e| panic!("placing the launcher in {}: {e}", bin.display()));
+    let script = format!(
+        "#!/bin/bash\n\
+         if [[ \"$1 $2\" == \"cache serve\" ]]; then\n\
+           if [[ -e {control}/fail ]]; then echo 'stand-in: cache serve fails' >&2; exit 3; fi\n\
+           if [[ -e {control}/hold ]]; then\n\
+             touch {control}/held\n\
+             for _ in $(seq 12000); do [[ -e {control}/hold ]] || break; sleep 0.05; done\n\
+           fi\n\
+           touch {barrier}/$$\n\
+           for _ in $(seq 1200); do\n\
+             (( $(ls {barrier} | wc -l) >= {parties} )) && break\n\
+             sleep 0.05\n\
+           done\n\
+         fi\n\
+         exec {real} \"$@\"\n",
+        control = dir.join("control").display(),
+        barrier = barrier.display(),
+        real = vrtspike().display(),
+    );
+    let stand_in = bin.join("vrtspike");
+    std::fs::write(&stand_in, script).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::set_permissions(&stand_in, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("{e}"));
+    exe
+}
+
 #[test]
 fn two_launchers_started_at_the_same_instant_share_one_server() {
     let s = setup();
     let mut reaper = Reaper(Vec::new());
-    let (mut one, one_run) = launch(&s, "one", &mut reaper);
-    let (mut two, two_run) = launch(&s, "two", &mut reaper);
+    let racing = stand_in_launcher(&s.dir, 2);
+    let (mut one, one_run) = launch_at(&racing, &s, "one", &mut reaper);
+    let (mut two, two_run) = launch_at(&racing, &s, "two", &mut reaper);
     let (one_out, two_out) = (s.dir.join("one.out"), s.dir.join("two.out"));
     wait_for_steps(&one_run, 0, &mut one, &one_out);
     wait_for_steps(&two_run, 0, &mut two, &two_out);
@@ -348,6 +438,19 @@ fn two_launchers_started_at_the_same_instant_share_one_server() {
         started,
         1,
         "one server started:\n{}\n---\n{}",
+        read(&one_out),
+        read(&two_out)
+    );
+    // The race ran: the other launcher's server found the address taken (it
+    // exited with EXIT_ADDRESS_IN_USE) and its launcher attached to the winner.
+    let lost = [&one_out, &two_out]
+        .iter()
+        .filter(|out| read(out).contains("took the address first: attaching to it"))
+        .count();
+    assert_eq!(
+        lost,
+        1,
+        "one launcher lost the race:\n{}\n---\n{}",
         read(&one_out),
         read(&two_out)
     );
@@ -460,10 +563,16 @@ fn a_server_started_by_hand_serves_the_jobs_and_stays_after_them() {
     assert!(job_figures(&s.address, &run).is_some_and(|f| lookups(&f) > 0));
     preempt(&mut job, &run, &out);
 
-    // No linger: it serves on after the job, until it is stopped.
-    std::thread::sleep(Duration::from_secs(3));
+    // No linger: it serves on after the job, until it is stopped. Once the job
+    // has detached (the server lists no job), a server with a linger would go
+    // within it (1 s for the launchers' servers here): polled for 3 s, it stays.
+    let detached = wait_until(LIMIT, || attached_jobs(&s.address).is_empty());
+    assert!(detached, "{:?}", stats(&s.address));
+    let stopped = wait_until(Duration::from_secs(3), || {
+        !alive(server) || !socket_exists(&s.address)
+    });
     assert!(
-        alive(server),
+        !stopped && server_pid(&s.address) == server,
         "the hand-started server stopped with the job"
     );
     let stopped = Command::new(vrtspike())
@@ -475,4 +584,84 @@ fn a_server_started_by_hand_serves_the_jobs_and_stays_after_them() {
     let code = exit_code(&mut hand, LIMIT);
     assert_eq!(code, Some(0), "cache serve after its shutdown");
     assert_gone_after_linger(&s.address, server);
+}
+
+/// Touches (or removes) the stand-in's control file `name` ([`stand_in_launcher`]).
+fn control(s: &Setup, name: &str, on: bool) {
+    let path = s.dir.join("control").join(name);
+    let done = match on {
+        true => std::fs::write(&path, b""),
+        false => std::fs::remove_file(&path),
+    };
+    done.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// One job on a stand-in `vrtspike`, trained past its first step; the shared
+/// server's pid.
+fn one_job_on_a_stand_in(s: &Setup, reaper: &mut Reaper) -> (Child, PathBuf, PathBuf, u32) {
+    let exe = stand_in_launcher(&s.dir, 1);
+    let (mut job, run) = launch_at(&exe, s, "job", reaper);
+    let out = s.dir.join("job.out");
+    wait_for_steps(&run, 0, &mut job, &out);
+    let server = server_pid(&s.address);
+    (job, run, out, server)
+}
+
+#[test]
+fn a_preemption_while_the_server_is_held_again_is_handled_at_once() {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let (mut job, run, out, server) = one_job_on_a_stand_in(&s, &mut reaper);
+    // The next server never gets ready: the re-attach after the kill stays under
+    // way for as long as the test lasts.
+    control(&s, "hold", true);
+    signal(server, Signal::SIGKILL);
+    let held = wait_until(LIMIT, || s.dir.join("control/held").exists());
+    assert!(held, "no server was started again:\n{}", read(&out));
+    assert!(read(&out).contains("in the background"), "{}", read(&out));
+    // The ranks train on, reading from disk.
+    let before = steps(&run);
+    wait_for_steps(&run, before + 2, &mut job, &out);
+    // SIGUSR2 is handled while the re-attach waits: the ranks checkpoint and the
+    // job ends, although no server ever got ready.
+    signal(job.id(), Signal::SIGUSR2);
+    let code = exit_code(&mut job, LIMIT);
+    let log = read(&out);
+    assert_eq!(code, Some(0), "{log}");
+    let summary = read_json(&RunLayout::new(&run).launcher_summary(0));
+    assert_eq!(summary["exit"], "preempted", "{summary}");
+    assert_eq!(summary["restarts"], 0, "{summary}");
+    assert!(
+        s.dir.join("control/hold").exists()
+            && !log.contains("holding the node-shared cache server again"),
+        "the re-attach finished before the preemption was handled:\n{log}"
+    );
+    control(&s, "hold", false);
+}
+
+#[test]
+fn a_shared_server_gone_for_good_never_ends_the_job() {
+    let s = setup();
+    let mut reaper = Reaper(Vec::new());
+    let (mut job, run, out, server) = one_job_on_a_stand_in(&s, &mut reaper);
+    // Every later start fails: the server is gone for good.
+    control(&s, "fail", true);
+    signal(server, Signal::SIGKILL);
+    let failing = wait_until(LIMIT, || {
+        read(&out)
+            .matches("attaching to the node-shared cache server again failed")
+            .count()
+            >= 2
+    });
+    assert!(failing, "{}", read(&out));
+    // The ranks train on from disk, and the job ends as asked, with no restart.
+    let before = steps(&run);
+    wait_for_steps(&run, before + 3, &mut job, &out);
+    signal(job.id(), Signal::SIGUSR2);
+    let code = exit_code(&mut job, LIMIT);
+    assert_eq!(code, Some(0), "{}", read(&out));
+    let summary = read_json(&RunLayout::new(&run).launcher_summary(0));
+    assert_eq!(summary["exit"], "preempted", "{summary}");
+    assert_eq!(summary["restarts"], 0, "{summary}");
+    assert!(!socket_exists(&s.address), "a server came back");
 }

@@ -20,8 +20,8 @@
 //! the figures (signal to the launcher's summary, requeue to running again).
 //!
 //! It needs root and the packages `slurm-wlm` and `munge` (`make test` installs
-//! them): without them it fails, unless `VRTSPIKE_SKIP_REAL_SLURM=1` (refused under
-//! `CI`) makes it say that it skipped.
+//! them): without them it fails, unless it was built with
+//! `VRTSPIKE_SKIP_REAL_SLURM=1` (not under `CI`), which marks it ignored.
 
 mod common;
 #[path = "common/slurm_bench.rs"]
@@ -44,6 +44,10 @@ const CASES: [Stop; 7] = [
 ];
 
 #[test]
+#[cfg_attr(
+    vrtspike_skip_real_slurm,
+    ignore = "VRTSPIKE_SKIP_REAL_SLURM=1: needs root, slurm-wlm and munge"
+)]
 fn sbatch_template_under_a_real_one_node_slurm() {
     let job = JobShape {
         nodes: 1,

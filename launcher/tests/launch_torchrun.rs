@@ -197,6 +197,21 @@ fn torchrun_ranks_train_through_the_node_cache() {
     );
     assert!(context.contains("node cache server attached"), "{context}");
     assert!(layout.cache_log(0).is_file());
+    // The dataset was signed once on the node: local rank 0 published the
+    // server's address for rank 1 in the run directory.
+    let published: Vec<String> = std::fs::read_dir(run.join("rendezvous"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".cache-addr"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    assert!(
+        published.len() == 1
+            && published[0].trim().starts_with("vrtspike-cache-u")
+            && published[0].contains("-ds"),
+        "{published:?}"
+    );
     assert!(
         seen.values().any(|c| c.contains("cache serve")),
         "local rank 0 ran the node's cache server: {seen:?}"

@@ -20,6 +20,7 @@ pub mod node_cache;
 pub mod oom;
 pub mod optim;
 pub mod preempt;
+pub mod published;
 pub mod rendezvous;
 pub mod report;
 pub mod run;

@@ -6,7 +6,8 @@
 //!
 //! With `DATA.CACHE_SHARING: node` (the default) the server is the node-shared one
 //! of this user and dataset, at the address the launcher uses too
-//! (`cache_addr::node_shared_address`): local rank 0 attaches to it when it runs,
+//! (`cache_addr::node_shared_address`), signed by local rank 0 alone and published
+//! in the run directory for the others: local rank 0 attaches to it when it runs,
 //! else starts it with a linger (`VRTSPIKE_CACHE_LINGER_S`, default 30 s, 0 in a
 //! SLURM allocation), detached, so it serves every job that uses it and ends by
 //! itself once none has been connected for the linger. The rounds, the start and
@@ -24,9 +25,11 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use vrtspike_contract::cache_serve::{self, CacheServe, Watch};
+use vrtspike_contract::dataset_sig::{SignOptions, BUDGET_ENV};
 use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 
 use super::env::RankEnv;
+use super::published;
 use super::TrainError;
 use crate::cache::{self, CacheClient, CacheError};
 use crate::config::{CacheSharing, Config};
@@ -92,7 +95,7 @@ pub fn start_or_attach(
     if !config.data.use_ram_cache || env.cache_addr.is_some() {
         return Ok(None);
     }
-    let shared = shared_address(config)?;
+    let shared = shared_address(env, config)?;
     let address = match &shared {
         Some(address) => address.clone(),
         None => cache::default_address(&job_name(env)),
@@ -139,7 +142,9 @@ fn job_name(env: &RankEnv) -> String {
 
 /// The node-shared server's address with `DATA.CACHE_SHARING: node`; `None`
 /// with `job`, or (with a warning) when no `DATA.ROOT` names a dataset to key it.
-fn shared_address(config: &Config) -> Result<Option<String>, TrainError> {
+/// Signed once a node: local rank 0 signs the dataset and publishes the address
+/// in the run directory; the other local ranks read it there.
+fn shared_address(env: &RankEnv, config: &Config) -> Result<Option<String>, TrainError> {
     if config.data.cache_sharing != CacheSharing::Node {
         return Ok(None);
     }
@@ -150,9 +155,30 @@ fn shared_address(config: &Config) -> Result<Option<String>, TrainError> {
         );
         return Ok(None);
     };
-    let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root)
-        .map_err(|e| TrainError::io(root, e))?;
-    Ok(Some(address))
+    let path = env.layout().shared_cache_address(&job_name(env));
+    if env.local_rank == 0 {
+        let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root)
+            .map_err(|e| TrainError::io(root, e))?;
+        published::publish(&path, &address)?;
+        return Ok(Some(address));
+    }
+    let budget = SignOptions::from_env()
+        .map_err(|e| TrainError::Env {
+            var: BUDGET_ENV.to_string(),
+            message: e.to_string(),
+        })?
+        .budget;
+    match published::wait_for(&path, budget + START_TIMEOUT)? {
+        Some(address) => Ok(Some(address)),
+        None => Err(TrainError::io(
+            &path,
+            format!(
+                "local rank 0 did not publish the node-shared cache server's address within \
+                 {:.0} s (see its log)",
+                (budget + START_TIMEOUT).as_secs_f64()
+            ),
+        )),
+    }
 }
 
 /// Local rank 0 with a node-shared server: attaches to the one running, else

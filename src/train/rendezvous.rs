@@ -6,11 +6,12 @@
 //! directory must be shared by the nodes, as the checkpoints already require.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vrtspike_contract::env::{self as contract, Rendezvous};
 
 use super::env::RankEnv;
+use super::published;
 use super::TrainError;
 
 /// Fills in the rank's rendezvous (rank 0's store) when srun's variables left the
@@ -54,42 +55,25 @@ fn publish(path: &Path) -> Result<u16, TrainError> {
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
         .map_err(|e| TrainError::io(path, format!("finding a free port to publish: {e}")))?;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
-    }
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    std::fs::write(&tmp, format!("{port}\n")).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))?;
+    published::publish(path, &port.to_string())?;
     Ok(port)
 }
 
 /// Other ranks: the port rank 0 wrote to `path`, waiting up to `timeout`.
 fn read_published(path: &Path, timeout: Duration) -> Result<u16, TrainError> {
-    let started = Instant::now();
-    loop {
-        match std::fs::read_to_string(path) {
-            Ok(text) => {
-                return text.trim().parse().map_err(|_| {
-                    TrainError::io(path, format!("not a port number: {:?}", text.trim()))
-                })
-            }
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(TrainError::io(path, e))
-            }
-            Err(_) if started.elapsed() > timeout => {
-                return Err(TrainError::Env {
-                    var: contract::MASTER_PORT.to_string(),
-                    message: format!(
-                        "not set, and rank 0 did not publish its port in {} within {:.0} s \
-                         (is the run directory shared by every node? else set MASTER_PORT)",
-                        path.display(),
-                        timeout.as_secs_f64()
-                    ),
-                })
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
-        }
-    }
+    let Some(text) = published::wait_for(path, timeout)? else {
+        return Err(TrainError::Env {
+            var: contract::MASTER_PORT.to_string(),
+            message: format!(
+                "not set, and rank 0 did not publish its port in {} within {:.0} s \
+                 (is the run directory shared by every node? else set MASTER_PORT)",
+                path.display(),
+                timeout.as_secs_f64()
+            ),
+        });
+    };
+    text.parse()
+        .map_err(|_| TrainError::io(path, format!("not a port number: {text:?}")))
 }
 
 #[cfg(test)]

@@ -23,7 +23,8 @@ pub const CONFIG_RESOLVED_FILE: &str = "config.resolved.yaml";
 pub const CHECKPOINT_STATE_FILE: &str = "state.json";
 /// Node 0's launcher's control link: address, port and the job's secret (mode 0600).
 pub const CONTROL_FILE: &str = "control.json";
-/// Rendezvous ports that rank 0 publishes when no launcher chose one (srun).
+/// Rendezvous ports that rank 0 publishes when no launcher chose one (srun), and
+/// the node-shared cache server's address local rank 0 publishes (torchrun, srun).
 pub const RENDEZVOUS_DIR: &str = "rendezvous";
 
 /// The paths of one run directory.
@@ -121,6 +122,14 @@ impl RunLayout {
     /// The port rank 0 of the job named `tag` publishes (`rendezvous/<tag>.port`).
     pub fn rendezvous_port(&self, tag: &str) -> PathBuf {
         self.root.join(RENDEZVOUS_DIR).join(format!("{tag}.port"))
+    }
+
+    /// The node-shared cache server's address that local rank 0 of the job named
+    /// `tag` publishes for the other local ranks (`rendezvous/<tag>.cache-addr`).
+    pub fn shared_cache_address(&self, tag: &str) -> PathBuf {
+        self.root
+            .join(RENDEZVOUS_DIR)
+            .join(format!("{tag}.cache-addr"))
     }
 
     /// The latest complete checkpoint of this run.

@@ -15,6 +15,7 @@ use crate::env_contract::{self, AttemptEnv};
 use crate::gang::{self, GangSettings, RankLaunch};
 use crate::hang;
 use crate::peers::PeerEvent;
+use crate::reattach::Keeper;
 use crate::rundir::RunDir;
 use crate::spawn::Supervised;
 use crate::summary::{AttemptRecord, Failure};
@@ -35,7 +36,8 @@ pub struct Attempt {
 }
 
 /// Starts the ranks of the attempt `plan` says, supervises them to its end with
-/// the cache `server` held, and adds it to `record` (the restart latency measured
+/// the cache `server` held (again by `keeper`, a node-shared one that went away),
+/// and adds it to `record` (the restart latency measured
 /// from `last_failed_at`, when the attempt before it failed).
 pub fn run(
     ctx: Supervision,
@@ -43,6 +45,7 @@ pub fn run(
     last_failed_at: Option<Instant>,
     record: &mut JobRecord,
     server: Option<&mut Supervised>,
+    keeper: Option<&Keeper>,
 ) -> Result<Attempt> {
     let Supervision { setup, args, peers } = ctx;
     let restart_count = plan.restart_count;
@@ -83,14 +86,7 @@ pub fn run(
         run_dir: &record.run_dir.path,
         attempt: restart_count,
     };
-    let reattach = || setup.cache.hold();
-    let hold = server.map(|process| gang::CacheHold {
-        process,
-        reattach: setup
-            .cache
-            .is_shared()
-            .then_some(&reattach as &dyn Fn() -> Result<Supervised>),
-    });
+    let hold = server.map(|process| gang::CacheHold { process, keeper });
     let mut end = gang::run_attempt(&launches, hold, timing, &peer_stop, hang)?;
     end.failure = end
         .failure

@@ -1,7 +1,9 @@
 //! The node's cache server across the job's attempts: this job's own (a child the
 //! gang watches), or the node-shared one that the job holds with an attach
 //! (`DATA.CACHE_SHARING: node`). It is started, or attached to, before the first
-//! attempt and held again between attempts when it went away; at the end its
+//! attempt; this job's own is started again between attempts when it went away,
+//! the node-shared one is held again in the background while an attempt runs
+//! ([`crate::reattach`]); at the end its
 //! figures are asked for the summary (a shared server's with this job's own entry)
 //! before it is stopped (a shared one: only the attach, the server lingers).
 
@@ -10,16 +12,19 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use vrtspike_contract::cache_serve::{CacheServe, Lifetime, Watch};
+use vrtspike_contract::dataset_sig::Coverage;
 use vrtspike_contract::shared_server::SharedStart;
 
 use crate::args::Args;
 use crate::cache_server::{self, ConfigFacts};
+use crate::reattach::Keeper;
 use crate::rundir::RunDir;
 use crate::shared_cache::{self, SharedSpec};
 use crate::signals;
 use crate::spawn::{self, Supervised};
 
 /// How this node's cache server is started (and restarted, or attached to again).
+#[derive(Clone)]
 pub struct NodeCache {
     /// `DATA.USE_RAM_CACHE`: the ranks read through a cache server.
     pub enabled: bool,
@@ -42,6 +47,7 @@ pub struct NodeCache {
 }
 
 /// The node-shared cache server of this job's dataset.
+#[derive(Clone)]
 struct SharedSetup {
     /// This job as the server's stats name it: the run directory and launcher.
     job: String,
@@ -84,11 +90,6 @@ impl NodeCache {
         })
     }
 
-    /// Whether the job attaches to the node-shared server.
-    pub fn is_shared(&self) -> bool {
-        self.shared.is_some()
-    }
-
     /// The server before the first attempt; `None` with `DATA.USE_RAM_CACHE: false`.
     pub fn hold_first(&self) -> Result<Option<Supervised>> {
         if !self.enabled {
@@ -101,6 +102,12 @@ impl NodeCache {
     /// Starts this job's cache server, or attaches to the node-shared one (starting
     /// it if none runs): what the gang watches and the job stops at its end.
     pub fn hold(&self) -> Result<Supervised> {
+        self.hold_unless(&|| false)
+    }
+
+    /// [`NodeCache::hold`], giving up early once `give_up` says so (or the job is
+    /// interrupted).
+    pub fn hold_unless(&self, give_up: &dyn Fn() -> bool) -> Result<Supervised> {
         let serve = CacheServe {
             vrtspike: &self.vrtspike,
             address: &self.address,
@@ -112,7 +119,7 @@ impl NodeCache {
         let watch = Watch {
             log: &self.log,
             timeout: self.start_timeout,
-            interrupted: &|| signals::interrupts() > 0,
+            interrupted: &|| signals::interrupts() > 0 || give_up(),
         };
         let Some(shared) = &self.shared else {
             return cache_server::start(&serve, &watch);
@@ -129,27 +136,51 @@ impl NodeCache {
         })
     }
 
-    /// Between attempts: holds the server again if it (or this job's attach to
-    /// it) went away.
+    /// Between attempts: starts this job's own server again if it went away. A
+    /// node-shared one is held again by the keeper ([`NodeCache::keeper`]) while
+    /// the next attempt runs, never here: a server that stays gone does not end
+    /// the job (its ranks read from disk).
     pub fn hold_again_if_gone(&self, server: &mut Supervised) -> Result<()> {
-        if server.running() {
+        if server.running() || self.shared.is_some() {
             return Ok(());
         }
-        match self.shared {
-            Some(_) => tracing::warn!(
-                "the node-shared cache server went away: attaching again (or starting one)"
-            ),
-            None => tracing::warn!("restarting the cache server"),
-        }
+        tracing::warn!("restarting the cache server");
         *server = self.hold()?;
         Ok(())
+    }
+
+    /// The thread that holds the node-shared server again when it went away
+    /// ([`Keeper`]); `None` for this job's own server.
+    pub fn keeper(&self) -> Result<Option<Keeper>> {
+        if self.shared.is_none() {
+            return Ok(None);
+        }
+        let cache = self.clone();
+        let keeper = Keeper::start(Box::new(move |give_up: &dyn Fn() -> bool| {
+            cache.hold_unless(give_up)
+        }))
+        .context("starting the thread that holds the node-shared cache server again")?;
+        Ok(Some(keeper))
     }
 
     /// Asks for the server's figures, then stops it (a shared one: this job's
     /// attach). A shared server's figures are every attached job's together:
     /// this job's own are its entry in `jobs` (its ranks name it by the run
-    /// directory), added as `sharing.this_job`.
-    pub fn stop(&self, mut server: Supervised) -> Option<serde_json::Value> {
+    /// directory), added as `sharing.this_job`. A hold the `keeper` got as the
+    /// last attempt ended replaces the gone one; the keeper stops after the
+    /// figures are in (the attaches it started end with its thread, and with the
+    /// last of them a shared server with a short linger).
+    pub fn stop(
+        &self,
+        mut server: Supervised,
+        keeper: Option<Keeper>,
+    ) -> Option<serde_json::Value> {
+        if let Some(keeper) = &keeper {
+            keeper.give_up();
+            if let Some(held) = keeper.take() {
+                server = held;
+            }
+        }
         let mut stats = cache_server::stats(&self.vrtspike, &self.address);
         if let (Some(shared), Some(serde_json::Value::Object(figures))) =
             (&self.shared, stats.as_mut())
@@ -166,6 +197,10 @@ impl NodeCache {
             );
         }
         spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
+        // One its re-attach got while giving up.
+        if let Some(mut late) = keeper.and_then(Keeper::finish) {
+            spawn::stop_all(&mut [&mut late], Duration::from_secs(5));
+        }
         stats
     }
 }
@@ -188,9 +223,12 @@ fn shared_setup(
     tracing::info!(
         address,
         root = %signature.root.display(),
-        files = signature.files,
-        bytes = signature.bytes,
-        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset"
+        files = signature.tally.files,
+        bytes = signature.tally.bytes,
+        full = signature.coverage == Coverage::Full,
+        "DATA.CACHE_SHARING is node: one cache server for this user's jobs on this dataset \
+         (signed in {:.2} s, once for the job's ranks on this node)",
+        signature.took.as_secs_f64()
     );
     let wanted_cap = match args.cache_size.as_deref() {
         Some(text) => vrtspike_contract::size::parse_size(text)

@@ -49,6 +49,10 @@ impl Job {
             self.peers = Some(links);
         }
         let mut server = setup.cache.hold_first()?;
+        let keeper = match server {
+            Some(_) => setup.cache.keeper()?,
+            None => None,
+        };
         if let Some(peers) = self
             .peers
             .as_ref()
@@ -75,15 +79,21 @@ impl Job {
             if let Some(server) = server.as_mut() {
                 setup.cache.hold_again_if_gone(server)?;
             }
-            let attempt =
-                attempt::run(ctx, plan, last_failed_at, &mut self.record, server.as_mut())?;
+            let attempt = attempt::run(
+                ctx,
+                plan,
+                last_failed_at,
+                &mut self.record,
+                server.as_mut(),
+                keeper.as_ref(),
+            )?;
             match between::after_attempt(ctx, &mut self.record, attempt) {
                 Next::End(ending) => break ending,
                 Next::Restart(failed_at) => last_failed_at = failed_at,
             }
         };
         if let Some(server) = server {
-            self.record.cache_stats = setup.cache.stop(server);
+            self.record.cache_stats = setup.cache.stop(server, keeper);
         }
         Ok(ending)
     }

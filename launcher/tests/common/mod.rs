@@ -24,7 +24,13 @@ pub fn launcher() -> PathBuf {
 /// detaches (`--cache-linger-s 0`; a later `--cache-linger-s` wins), so a test
 /// that checks that nothing is left needs no wait.
 pub fn launcher_command(config: &Path, run_dir: &Path) -> Command {
-    let mut command = Command::new(launcher());
+    launcher_command_at(&launcher(), config, run_dir)
+}
+
+/// [`launcher_command`] of the launcher at `exe` (a link to [`launcher`] beside a
+/// stand-in `vrtspike`: the launcher runs the `vrtspike` beside it).
+pub fn launcher_command_at(exe: &Path, config: &Path, run_dir: &Path) -> Command {
+    let mut command = Command::new(exe);
     command
         .arg("--config")
         .arg(config)

@@ -1,12 +1,13 @@
 //! The benchmarks `vrtspike bench` runs (and the stress tests reuse): the cache
 //! benchmark's driver and workers ([`cache`]), the loader benchmark over ranks
 //! ([`loader`]), its table of eviction policies against Belady's bound
-//! ([`policy`]), the store's eviction at a node's scale ([`store`]) and their
-//! latency histogram. They sit on top of the library and
-//! `testkit`; no library layer imports them.
+//! ([`policy`]), the store's eviction at a node's scale ([`store`]), the
+//! dataset's signature ([`sign`]) and their latency histogram. They sit on top
+//! of the library and `testkit`; no library layer imports them.
 
 pub mod cache;
 pub mod histogram;
 pub mod loader;
 pub mod policy;
+pub mod sign;
 pub mod store;

@@ -14,6 +14,7 @@ use super::cache::{hand_over, Where};
 use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
 use crate::bench::loader as loader_bench;
 use crate::bench::policy as policy_bench;
+use crate::bench::sign as sign_bench;
 use crate::bench::store as store_bench;
 use crate::config::CachePolicy;
 use crate::util::bytes::{human, parse_size};
@@ -35,6 +36,9 @@ pub enum BenchCommand {
     /// The store's eviction at a node's scale, in one process on a simulated clock:
     /// the time of a reserve when full, what the read orders hold per record.
     Store(StoreBenchArgs),
+    /// The signature of a dataset of many files (what keys a node-shared cache
+    /// server): the walk's time, and its fallback when the budget runs out.
+    Sign(SignBenchArgs),
     /// One rank of `bench loader` (run by it, not by hand).
     #[command(hide = true)]
     LoaderWorker {
@@ -65,6 +69,33 @@ pub struct StoreBenchArgs {
     /// Reads in all.
     #[arg(long, default_value_t = 400_000)]
     reads: usize,
+}
+
+/// `bench sign`.
+#[derive(Args)]
+pub struct SignBenchArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Files in the tree.
+    #[arg(long, default_value_t = 100_000)]
+    files: usize,
+    /// Files per sequence folder.
+    #[arg(long, default_value_t = 100)]
+    per_folder: usize,
+    /// Where the tree is written (a fresh folder under it, removed after); default
+    /// the temp folder.
+    #[arg(long)]
+    under: Option<PathBuf>,
+    /// Signatures after the first.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Walker threads (default: as a job signs).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// The budget of the last signature, in seconds (short, to show the fallback).
+    #[arg(long, default_value_t = 0.05)]
+    short_budget_s: f64,
 }
 
 /// `bench cache`.
@@ -123,6 +154,22 @@ pub fn run(command: BenchCommand, place: Where) -> Result<()> {
                 ..Default::default()
             };
             let report = store_bench::run(options)?;
+            match args.json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => println!("{report}"),
+            }
+            Ok(())
+        }
+        BenchCommand::Sign(args) => {
+            let report = sign_bench::run(&sign_bench::SignBenchOptions {
+                files: args.files,
+                per_folder: args.per_folder,
+                under: args.under,
+                repeats: args.repeats,
+                threads: args.threads,
+                short_budget: std::time::Duration::try_from_secs_f64(args.short_budget_s)
+                    .context("--short-budget-s is not a number of seconds")?,
+            })?;
             match args.json {
                 true => println!("{}", serde_json::to_string(&report)?),
                 false => println!("{report}"),

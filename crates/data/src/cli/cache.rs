@@ -432,7 +432,7 @@ fn serve_address(address: &AddressArgs, run: Option<&Config>) -> Result<String> 
             println!(
                 "DATA.CACHE_SHARING is node: serving the jobs on {} ({} files) at {shared}",
                 signature.root.display(),
-                signature.files
+                signature.tally.files
             );
             Ok(shared)
         }
