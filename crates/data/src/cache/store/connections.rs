@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use super::super::ids::ClientId;
-use super::super::pins::PinPage;
+use super::super::pins::{PageCounts, PinPage};
 use super::super::protocol::RequestError;
 use super::super::table::MAX_CONNECTIONS;
 
@@ -40,8 +40,8 @@ pub struct ClientLabel {
 pub struct Departed {
     /// The connection that left.
     pub connection: Connection,
-    /// Hits it counted in shared memory.
-    pub shared_hits: u64,
+    /// What it counted in shared memory.
+    pub shared: PageCounts,
 }
 
 /// The connected and retired clients.
@@ -106,12 +106,9 @@ impl Connections {
         page_of: impl Fn(usize) -> PinPage<'p>,
     ) -> Option<Departed> {
         let connection = self.by_id.remove(&id)?;
-        let shared_hits = page_of(connection.page).retire();
+        let shared = page_of(connection.page).retire();
         self.retired.insert(id, connection.page);
-        Some(Departed {
-            connection,
-            shared_hits,
-        })
+        Some(Departed { connection, shared })
     }
 
     /// Client `id` is gone for good (its rendezvous socket closed): its retired
@@ -248,7 +245,7 @@ mod tests {
         pa.count_hit();
         let gone = conns.disconnect(1, page_of(&words)).unwrap();
         assert_eq!(
-            (gone.shared_hits, gone.connection.who.name.as_str()),
+            (gone.shared.hits, gone.connection.who.name.as_str()),
             (2, "a")
         );
         assert_eq!(

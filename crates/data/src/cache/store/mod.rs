@@ -231,7 +231,7 @@ impl Store {
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
         };
-        self.stats.disconnected(client, gone.shared_hits);
+        self.stats.disconnected(client, gone.shared);
         let abandoned = self.fills.abandon_all(client);
         for fill in &abandoned {
             self.stats.count(fill.client, Event::FillAbandoned);
