@@ -251,7 +251,8 @@ pub fn run(command: CacheCommand, place: Where) -> Result<()> {
 }
 
 /// Holds a connection until the server goes: exits 69 when there is none at
-/// all, else says it is ready (the launcher waits for that) and then fails only
+/// all, 74 when the one there is not ours (another user's process, or another
+/// build's server: the message says which), else says it is ready (the launcher waits for that) and then fails only
 /// when the server stops answering.
 fn attach(args: AttachArgs) -> Result<()> {
     if args.exit_with_parent {
@@ -266,6 +267,13 @@ fn attach(args: AttachArgs) -> Result<()> {
         {
             eprintln!("no cache server at {address}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
+        }
+        Err(
+            e @ (cache::CacheError::ForeignServer { .. }
+            | cache::CacheError::ProtocolVersion { .. }),
+        ) => {
+            eprintln!("{e}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }
         Err(e) => return Err(e.into()),
     };
