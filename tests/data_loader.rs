@@ -5,7 +5,8 @@
 //! mid-epoch resume, and a clear error without a server; two loaders reading one
 //! root differently (`DATA.USE_PRECOMPUTED_VOXELS` true and false) through one
 //! server each get their own records, and a cached record of another layout than
-//! the reader expects is read from disk and counted.
+//! the reader expects is read from disk and counted; workers the server has no
+//! connection left for read from disk, and the loader starts and serves all.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -510,4 +511,33 @@ fn a_cached_record_of_another_layout_is_read_from_disk_and_counted() {
     );
     let json = serde_json::to_value(&stats).unwrap();
     assert_eq!(json["totals"]["layout_mismatches"], read.cache_bypass);
+}
+
+#[test]
+fn workers_the_server_has_no_connection_for_read_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed(dir.path());
+    let reference = epoch(&mut loader(&data, in_order(&data.1), 4, None), 0);
+    // Three connections in all: the holder's, then two of the four workers'.
+    let address = format!("vrtspike-test-loader-no-page-{}", std::process::id());
+    let mut config = ServerConfig::new(address.clone(), 64 << 20);
+    config.connections = 3;
+    let _server = spawn_server(config).unwrap();
+    let holder = CacheClient::connect(&address, "holder").unwrap();
+    let mut cached = Loader::new(
+        data.0.clone(),
+        data.1.clone(),
+        in_order(&data.1),
+        options(4, Some(&address)),
+    )
+    .expect("a loader whose workers the server refused must still start");
+    let got = epoch(&mut cached, 0);
+    assert_same(&reference, &got, "workers without a connection");
+    let server = holder.stats().unwrap();
+    assert_eq!(server.clients.len(), 3, "two workers refused: {server}");
+    let s = cached.stats();
+    assert!(
+        s.cache_misses > 0,
+        "the connected workers read through the cache: {s:?}"
+    );
 }

@@ -256,6 +256,8 @@ impl<'a> PinPage<'a> {
 /// Every connection's page, as the server maps them.
 pub struct PinPages {
     base: *const AtomicU64,
+    /// Pages there are.
+    count: usize,
     _backing: Arc<dyn Backing>,
 }
 
@@ -272,34 +274,41 @@ impl std::fmt::Debug for PinPages {
 }
 
 impl PinPages {
-    /// [`MAX_CONNECTIONS`] zeroed pages on the heap (tests, single-process tools).
-    pub fn on_heap() -> PinPages {
-        let words: Box<[AtomicU64]> = (0..MAX_CONNECTIONS * PAGE_WORDS)
-            .map(|_| AtomicU64::new(0))
-            .collect();
+    /// `count` zeroed pages on the heap (tests, single-process tools; at most
+    /// [`MAX_CONNECTIONS`]).
+    pub fn on_heap(count: usize) -> PinPages {
+        let count = count.min(MAX_CONNECTIONS);
+        let words: Box<[AtomicU64]> = (0..count * PAGE_WORDS).map(|_| AtomicU64::new(0)).collect();
         let base = words.as_ptr();
         PinPages {
             base,
+            count,
             _backing: Arc::new(words),
         }
     }
 
-    /// The pages at `base`.
+    /// The `count` pages at `base`.
     ///
     /// # Safety
-    /// `base` must be 8-byte aligned and point at [`MAX_CONNECTIONS`] pages of
+    /// `base` must be 8-byte aligned and point at `count` pages of
     /// [`PAGE_WORDS`] words each, readable and writable, that only atomics touch and
     /// that stay valid while `backing` lives.
-    pub unsafe fn over(base: *const u8, backing: Arc<dyn Backing>) -> PinPages {
+    pub unsafe fn over(base: *const u8, count: usize, backing: Arc<dyn Backing>) -> PinPages {
         PinPages {
             base: base.cast(),
+            count,
             _backing: backing,
         }
     }
 
-    /// Connection page `page` (below [`MAX_CONNECTIONS`]).
+    /// Pages there are.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Connection page `page` (below [`Self::count`]).
     pub fn page(&self, page: usize) -> PinPage<'_> {
-        assert!(page < MAX_CONNECTIONS, "pin page {page} out of range");
+        assert!(page < self.count, "pin page {page} out of range");
         // SAFETY: the page lies inside the pages (asserted) that `_backing` keeps
         // alive for `&self`'s lifetime, and holds only atomics (constructor contract).
         let words =

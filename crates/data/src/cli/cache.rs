@@ -215,6 +215,11 @@ pub struct ServeArgs {
     /// what they hold.
     #[arg(long, value_parser = parse_size, default_value = "256M")]
     read_order_budget: u64,
+    /// Connections served at once (a pin page of 4 KiB each in the store); one
+    /// past them is refused and that loader worker reads from disk. Default: 8 a
+    /// core of this node, at least 512.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    connections: Option<u32>,
 }
 
 /// `cache stats`.
@@ -399,6 +404,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     config.allowed_uids.extend(&args.allow_uids);
     config.linger = args.linger_s.map(Duration::from_secs_f64);
     config.read_order_budget = args.read_order_budget;
+    if let Some(connections) = args.connections {
+        config.connections = connections as usize;
+    }
     let server = match Server::bind(config) {
         Ok(server) => server,
         Err(e @ cache::CacheError::AddressInUse { .. }) if args.linger_s.is_some() => {

@@ -5,7 +5,7 @@
 //! bounded prefetch window; the loader reports data_time and the cache hit rate.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -338,6 +338,7 @@ impl Loader {
             crossbeam_channel::bounded::<Result<Option<ClientId>>>(options.workers);
         let counters = Arc::new(SharedCounters::default());
         let mut threads = Vec::with_capacity(options.workers);
+        let refusal_told = Arc::new(AtomicBool::new(false));
         for w in 0..options.workers {
             let (index, clips, options_w, counters) = (
                 index.clone(),
@@ -345,6 +346,7 @@ impl Loader {
                 options.clone(),
                 counters.clone(),
             );
+            let refusal_told = Arc::clone(&refusal_told);
             let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
             let name = format!("loader-{}-{w}", options.rank);
             let label = format!("{}/{name}", options.client_name);
@@ -357,6 +359,25 @@ impl Loader {
                             let source =
                                 CacheSource::new(client, address, &label, counters.reads.clone());
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
+                        }
+                        Err(err) if err.is_connection_refusal() => {
+                            if !refusal_told.swap(true, Ordering::Relaxed) {
+                                tracing::warn!(%err, address,
+                                    "a loader worker got no connection to the cache server (all \
+                                     its connections are taken): it reads from disk (`cache serve \
+                                     --connections` serves more; further refusals of this loader \
+                                     are not logged)");
+                            }
+                            let _ = ready.send(Ok(None));
+                            worker_loop(
+                                DiskSource::default(),
+                                &index,
+                                &clips,
+                                &options_w,
+                                &counters,
+                                tasks,
+                                done,
+                            );
                         }
                         Err(err) => {
                             let _ = ready.send(Err(err.into()));

@@ -166,6 +166,12 @@ impl CacheClient {
                     client,
                 })
             }
+            Reply::Error(error @ RequestError::TooManyConnections { .. }) => {
+                return Err(CacheError::Refused {
+                    request: "hello",
+                    error,
+                })
+            }
             other => welcome_of(other).map_err(handshake_err)?,
         };
         let mapping = map_store(&welcome, address, &stream).map_err(|e| match e {
