@@ -348,7 +348,7 @@ impl Loader {
             );
             let refusal_told = Arc::clone(&refusal_told);
             let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
-            let name = format!("loader-{}-{w}", options.rank);
+            let name = super::node_workers::worker_name(options.rank, w);
             let label = format!("{}/{name}", options.client_name);
             let handle = std::thread::Builder::new()
                 .name(name.clone())
