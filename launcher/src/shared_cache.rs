@@ -38,11 +38,11 @@ pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
     Ok(held)
 }
 
-/// What holds the node-shared address is not a server this job may use: another
-/// user's process (the address squatted) or another build's server. The job
-/// falls back to a server of its own.
+/// What holds the node-shared address is not a server this job can use: another
+/// user's process (the address squatted), another build's server, or one with no
+/// connection left for the job. The job falls back to a server of its own.
 #[derive(Debug, thiserror::Error)]
-#[error("the node-shared cache address {address:?} is held by a server this job may not use{why}")]
+#[error("the node-shared cache address {address:?} is held by a server this job cannot use{why}")]
 pub struct NotOurs {
     /// The node-shared address.
     pub address: String,

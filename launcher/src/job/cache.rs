@@ -4,9 +4,10 @@
 //! attempt and held again between attempts when it went away; at the end its
 //! figures are asked for the summary (a shared server's with this job's own entry)
 //! before it is stopped (a shared one: only the attach, the server lingers). When
-//! the node-shared address is held by a server the job may not use (another
-//! user's process, another build's server), the job falls back to a server of its
-//! own, says so once and notes it in the summary's `cache.sharing`.
+//! the node-shared address is held by a server the job cannot use (another
+//! user's process, another build's server, one with no connection left), the job
+//! falls back to a server of its own, says so once and notes it in the summary's
+//! `cache.sharing`.
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -256,8 +256,9 @@ pub fn run(command: CacheCommand, place: Where) -> Result<()> {
 }
 
 /// Holds a connection until the server goes: exits 69 when there is none at
-/// all, 74 when the one there is not ours (another user's process, or another
-/// build's server: the message says which), else says it is ready (the launcher waits for that) and then fails only
+/// all, 74 when the one there is not ours to use (another user's process,
+/// another build's server, or one with no connection left: the message says
+/// which), else says it is ready (the launcher waits for that) and then fails only
 /// when the server stops answering.
 fn attach(args: AttachArgs) -> Result<()> {
     if args.exit_with_parent {
@@ -277,6 +278,10 @@ fn attach(args: AttachArgs) -> Result<()> {
             e @ (cache::CacheError::ForeignServer { .. }
             | cache::CacheError::ProtocolVersion { .. }),
         ) => {
+            eprintln!("{e}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
+        }
+        Err(e) if e.is_connection_refusal() => {
             eprintln!("{e}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }

@@ -25,6 +25,9 @@ use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
 
+/// Whether a loader worker of this process was refused a connection (and said so).
+static REFUSAL_TOLD: AtomicBool = AtomicBool::new(false);
+
 /// Validation loaders use at most this many of the rank's workers (full frames,
 /// batch 1: more would only hold more frames in memory).
 pub const MAX_VAL_WORKERS: usize = 2;
@@ -338,7 +341,6 @@ impl Loader {
             crossbeam_channel::bounded::<Result<Option<ClientId>>>(options.workers);
         let counters = Arc::new(SharedCounters::default());
         let mut threads = Vec::with_capacity(options.workers);
-        let refusal_told = Arc::new(AtomicBool::new(false));
         for w in 0..options.workers {
             let (index, clips, options_w, counters) = (
                 index.clone(),
@@ -346,7 +348,6 @@ impl Loader {
                 options.clone(),
                 counters.clone(),
             );
-            let refusal_told = Arc::clone(&refusal_told);
             let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
             let name = super::node_workers::worker_name(options.rank, w);
             let label = format!("{}/{name}", options.client_name);
@@ -361,12 +362,12 @@ impl Loader {
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
                         Err(err) if err.is_connection_refusal() => {
-                            if !refusal_told.swap(true, Ordering::Relaxed) {
+                            if !REFUSAL_TOLD.swap(true, Ordering::Relaxed) {
                                 tracing::warn!(%err, address,
                                     "a loader worker got no connection to the cache server (all \
                                      its connections are taken): it reads from disk (`cache serve \
-                                     --connections` serves more; further refusals of this loader \
-                                     are not logged)");
+                                     --connections` serves more; further refusals in this \
+                                     process are not logged)");
                             }
                             let _ = ready.send(Ok(None));
                             worker_loop(
