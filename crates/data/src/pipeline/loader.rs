@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::cache::protocol::ClientId;
-use crate::cache::CacheClient;
+use crate::cache::{CacheClient, CacheError};
 use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
 use crate::util::rng::SplitMix64;
@@ -242,6 +242,32 @@ pub struct Loader {
     announcer: Option<ReadOrderAnnouncer>,
 }
 
+/// A loader worker's connection to the cache server at `address`: none without an
+/// address, nor when the server has no connection left for it (the worker reads
+/// from disk; the first such worker of the process says so); an error when it
+/// cannot connect otherwise.
+fn connect_worker(
+    address: Option<&str>,
+    label: &str,
+) -> std::result::Result<Option<CacheClient>, CacheError> {
+    let Some(address) = address else {
+        return Ok(None);
+    };
+    match CacheClient::connect(address, label) {
+        Ok(client) => Ok(Some(client)),
+        Err(err) if err.is_connection_refusal() => {
+            if !REFUSAL_TOLD.swap(true, Ordering::Relaxed) {
+                tracing::warn!(%err, address,
+                    "a loader worker got no connection to the cache server (all its connections \
+                     are taken): it reads from disk (`cache serve --connections` serves more; \
+                     further refusals in this process are not logged)");
+            }
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
 fn worker_loop<S: RecordSource>(
     mut source: S,
     index: &DatasetIndex,
@@ -353,50 +379,25 @@ impl Loader {
             let label = format!("{}/{name}", options.client_name);
             let handle = std::thread::Builder::new()
                 .name(name.clone())
-                .spawn(move || match &options_w.cache_address {
-                    Some(address) => match CacheClient::connect(address, &label) {
-                        Ok(client) => {
+                .spawn(
+                    move || match connect_worker(options_w.cache_address.as_deref(), &label) {
+                        Ok(Some(client)) => {
                             let _ = ready.send(Ok(Some(client.id())));
-                            let source =
-                                CacheSource::new(client, address, &label, counters.reads.clone());
+                            let address = client.address().to_string();
+                            let reads = counters.reads.clone();
+                            let source = CacheSource::new(client, &address, &label, reads);
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
-                        Err(err) if err.is_connection_refusal() => {
-                            if !REFUSAL_TOLD.swap(true, Ordering::Relaxed) {
-                                tracing::warn!(%err, address,
-                                    "a loader worker got no connection to the cache server (all \
-                                     its connections are taken): it reads from disk (`cache serve \
-                                     --connections` serves more; further refusals in this \
-                                     process are not logged)");
-                            }
+                        Ok(None) => {
                             let _ = ready.send(Ok(None));
-                            worker_loop(
-                                DiskSource::default(),
-                                &index,
-                                &clips,
-                                &options_w,
-                                &counters,
-                                tasks,
-                                done,
-                            );
+                            let source = DiskSource::default();
+                            worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
                         Err(err) => {
                             let _ = ready.send(Err(err.into()));
                         }
                     },
-                    None => {
-                        let _ = ready.send(Ok(None));
-                        worker_loop(
-                            DiskSource::default(),
-                            &index,
-                            &clips,
-                            &options_w,
-                            &counters,
-                            tasks,
-                            done,
-                        );
-                    }
-                })
+                )
                 .map_err(|e| PipelineError::Request(format!("cannot start loader thread: {e}")))?;
             threads.push(handle);
         }
