@@ -5,7 +5,9 @@
 //! say hello, or handshakes that never connect to their channel, do not keep a real
 //! client out; a silent server does not hang `cache stats`; a get that waits for
 //! another's fill longer than its reply timeout keeps its connection; the one-shot
-//! handshake directories do not outlive their handshake, nor a killed server.
+//! handshake directories do not outlive their handshake, nor a killed server. A
+//! server of another protocol version (another build's) is never attached, and the
+//! error names both versions.
 //!
 //! No sleep stands in for synchronisation and no upper bound on elapsed time is
 //! asserted (a loaded machine would trip it): the tests poll the server's stats or
@@ -27,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use common::{fill_pattern, has_pattern, unique_address, wait_until, ServerProc};
 use vrtspike::cache::admission::HandshakeLimits;
+use vrtspike::cache::rendezvous::CACHE_PROTOCOL_VERSION;
 use vrtspike::cache::{spawn_server, CacheClient, CacheError, ClientOptions, Lookup, ServerConfig};
 use vrtspike::testkit::process::wait_for_child_server;
 
@@ -514,5 +517,80 @@ fn a_fill_wait_longer_than_the_reply_timeout_keeps_the_connection() {
     assert!(
         waited > Duration::from_secs(2),
         "the get did not wait past its reply timeout ({waited:?}): the test proves nothing"
+    );
+}
+
+/// The error of a connect to `address`, polled until a server listens there.
+fn refusal_of(address: &str) -> CacheError {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match CacheClient::connect(address, "other-build") {
+            Err(CacheError::Connect { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => return e,
+            Ok(_) => panic!("attached to a server of another protocol version"),
+        }
+    }
+}
+
+#[test]
+fn a_server_of_another_protocol_version_is_never_attached() {
+    let ours = CACHE_PROTOCOL_VERSION;
+    let address = unique_address("other-version");
+    let mut config = ServerConfig::new(address.clone(), 1 << 20);
+    config.protocol = ours + 1;
+    let server = spawn_server(config).unwrap();
+    let err = refusal_of(&address);
+    let CacheError::ProtocolVersion {
+        server: v, client, ..
+    } = err
+    else {
+        panic!("expected ProtocolVersion, got {err}");
+    };
+    assert_eq!((v, client), (ours + 1, ours));
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("speaks cache protocol version {}", ours + 1))
+            && text.contains(&format!("this build speaks version {ours}"))
+            && text.contains(&address),
+        "{text}"
+    );
+    drop(server);
+}
+
+#[test]
+fn a_server_from_before_versions_is_left_before_the_hello() {
+    // A fake server greeting as builds before versions did: the channel's name
+    // alone. The client must leave without connecting to the channel.
+    let address = unique_address("unversioned");
+    let listener = std::os::unix::net::UnixListener::bind_addr(
+        &SocketAddr::from_abstract_name(address.as_bytes()).unwrap(),
+    )
+    .unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 1];
+        stream.read_exact(&mut hello).unwrap();
+        let greeting = b"channel /tmp/vrtspike-no-such-channel/socket";
+        stream
+            .write_all(&(greeting.len() as u32).to_le_bytes())
+            .unwrap();
+        stream.write_all(greeting).unwrap();
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        // What the client sends next: nothing, it closes (no acknowledgement).
+        let mut rest = Vec::new();
+        stream.read_to_end(&mut rest).map(|_| rest)
+    });
+    let err = refusal_of(&address);
+    let CacheError::ProtocolVersion { server, client, .. } = err else {
+        panic!("expected ProtocolVersion, got {err}");
+    };
+    assert_eq!((server, client), (1, CACHE_PROTOCOL_VERSION));
+    let after = fake.join().unwrap();
+    assert_eq!(
+        after.ok(),
+        Some(Vec::new()),
+        "the client sent more after the greeting"
     );
 }

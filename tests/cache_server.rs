@@ -233,6 +233,7 @@ fn bad_requests_get_errors_and_the_server_keeps_serving() {
     let e = refused(
         client
             .call(Request::Hello {
+                protocol: vrtspike::cache::rendezvous::CACHE_PROTOCOL_VERSION,
                 name: "again".into(),
                 job: String::new(),
                 pid: 1,

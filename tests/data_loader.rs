@@ -2,13 +2,18 @@
 //! of the worker count, the same samples from disk and through the cache (with the
 //! hit rate reported), records of three sizes through a cache a third of their size,
 //! reads the cache cannot take served from disk and counted as bypasses, exact
-//! mid-epoch resume, and a clear error without a server.
+//! mid-epoch resume, and a clear error without a server; two loaders reading one
+//! root differently (`DATA.USE_PRECOMPUTED_VOXELS` true and false) through one
+//! server each get their own records, and a cached record of another layout than
+//! the reader expects is read from disk and counted; workers the server has no
+//! connection left for read from disk, and the loader starts and serves all.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use vrtspike::cache::{spawn_server, CacheClient, ServerConfig};
 use vrtspike::config::{Augment, CachePolicy};
+use vrtspike::dataset::index::{SpikeSource, Storage};
 use vrtspike::dataset::{DatasetIndex, IndexOptions};
 use vrtspike::pipeline::loader::{Batch, Loader, LoaderOptions};
 use vrtspike::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
@@ -406,4 +411,133 @@ fn missing_server_is_a_clear_error() {
     .unwrap()
     .to_string();
     assert!(err.contains("vrtspike-test-nobody-here"), "{err}");
+}
+
+/// The tiny dataset of [`tiny`] with `spike_vox/` grids of 8 bins beside its
+/// `spike/` streams, indexed twice: reading the streams
+/// (`DATA.USE_PRECOMPUTED_VOXELS: false`) and reading the grids (`true`).
+fn both_spike_sources(dir: &Path) -> [(Arc<DatasetIndex>, Arc<ClipIndex>); 2] {
+    tiny(dir);
+    synth::write_precomputed_voxels(dir, 8).unwrap();
+    [false, true].map(|voxels| {
+        let options = IndexOptions {
+            spike_source: SpikeSource::from_flag(Some(voxels)),
+            ..IndexOptions::default()
+        };
+        let index = DatasetIndex::open_folder(dir, "train", options).unwrap();
+        let clips = ClipIndex::new(&index, ClipWindows::sliding(4));
+        (Arc::new(index), Arc::new(clips))
+    })
+}
+
+#[test]
+fn two_loaders_reading_one_root_differently_never_share_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let [raw, vox] = both_spike_sources(dir.path());
+    assert!(matches!(
+        vox.0.sequences[0].storage,
+        Storage::FolderVoxels { bins: 8 }
+    ));
+    assert_eq!(raw.0.sequences[0].storage, Storage::Folder);
+    let (raw_key, vox_key) = (raw.0.record_key(0, 0), vox.0.record_key(0, 0));
+    assert_ne!(raw_key, vox_key);
+    assert!(raw_key.contains("/dat/train/") && vox_key.contains("/vox8/train/"));
+    // Each one's first batch from disk alone.
+    let first_from_disk = |data: &(Arc<DatasetIndex>, Arc<ClipIndex>)| {
+        let mut alone = loader(data, sampler(&data.1), 1, None);
+        epoch(&mut alone, 0).swap_remove(0)
+    };
+    let (raw_disk, vox_disk) = (first_from_disk(&raw), first_from_disk(&vox));
+    // The two encodings give different voxels (f16 grids against the streams'
+    // own voxelization): a record of one read as the other's would show.
+    assert_ne!(raw_disk.samples, vox_disk.samples);
+    let address = format!("vrtspike-test-two-sources-{}", std::process::id());
+    let _server = spawn_server(ServerConfig::new(address.clone(), 64 << 20)).unwrap();
+    // The grids' reader fills the cache first, then the streams' reader reads the
+    // same frames through it; then the grids' reader again, from a warm cache.
+    for (data, disk) in [(&vox, &vox_disk), (&raw, &raw_disk), (&vox, &vox_disk)] {
+        let mut shared = loader(data, sampler(&data.1), 2, Some(&address));
+        let first = epoch(&mut shared, 0).swap_remove(0);
+        assert_eq!(
+            first.samples, disk.samples,
+            "a first batch through the cache"
+        );
+    }
+    let client = CacheClient::connect(&address, "test").unwrap();
+    let stats = client.stats().unwrap();
+    assert_eq!(stats.totals.layout_mismatches, 0, "{stats:?}");
+    // Every frame was read by both, each into a record of its own.
+    assert_eq!(stats.records, 2 * raw.0.frame_count(), "{stats}");
+}
+
+#[test]
+fn a_cached_record_of_another_layout_is_read_from_disk_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let [raw, vox] = both_spike_sources(dir.path());
+    let mut alone = loader(&raw, sampler(&raw.1), 1, None);
+    let from_disk = epoch(&mut alone, 0);
+    let address = format!("vrtspike-test-foreign-layout-{}", std::process::id());
+    let _server = spawn_server(ServerConfig::new(address.clone(), 64 << 20)).unwrap();
+    // Every key the streams' reader uses holds the grids' record of that frame (as
+    // a build that keyed records by their frame alone left them).
+    let client = CacheClient::connect(&address, "planter").unwrap();
+    let (raw_index, vox_index) = (&raw.0, &vox.0);
+    for (s, seq) in raw_index.sequences.iter().enumerate() {
+        for f in 0..seq.frames.len() {
+            let len = vox_index.record_layout(s, f).byte_len();
+            let planted = client.get_or_fill(&raw_index.record_key(s, f), len, |slot| {
+                vox_index.encode_into(s, f, slot)
+            });
+            drop(planted.unwrap());
+        }
+    }
+    let mut shared = loader(&raw, sampler(&raw.1), 2, Some(&address));
+    let through_cache = epoch(&mut shared, 0);
+    assert_same(&from_disk, &through_cache, "records of another layout");
+    let read = shared.stats();
+    drop(shared);
+    assert_eq!((read.cache_hits, read.cache_misses), (0, 0), "{read:?}");
+    assert!(read.cache_bypass > 0, "{read:?}");
+    let stats = client.stats().unwrap();
+    assert_eq!(
+        stats.totals.layout_mismatches, read.cache_bypass,
+        "every record read from disk was a mismatch, counted by the server"
+    );
+    assert!(
+        stats
+            .to_string()
+            .contains(&format!("layout mismatches {}", read.cache_bypass)),
+        "{stats}"
+    );
+    let json = serde_json::to_value(&stats).unwrap();
+    assert_eq!(json["totals"]["layout_mismatches"], read.cache_bypass);
+}
+
+#[test]
+fn workers_the_server_has_no_connection_for_read_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed(dir.path());
+    let reference = epoch(&mut loader(&data, in_order(&data.1), 4, None), 0);
+    // Three connections in all: the holder's, then two of the four workers'.
+    let address = format!("vrtspike-test-loader-no-page-{}", std::process::id());
+    let mut config = ServerConfig::new(address.clone(), 64 << 20);
+    config.connections = 3;
+    let _server = spawn_server(config).unwrap();
+    let holder = CacheClient::connect(&address, "holder").unwrap();
+    let mut cached = Loader::new(
+        data.0.clone(),
+        data.1.clone(),
+        in_order(&data.1),
+        options(4, Some(&address)),
+    )
+    .expect("a loader whose workers the server refused must still start");
+    let got = epoch(&mut cached, 0);
+    assert_same(&reference, &got, "workers without a connection");
+    let server = holder.stats().unwrap();
+    assert_eq!(server.clients.len(), 3, "two workers refused: {server}");
+    let s = cached.stats();
+    assert!(
+        s.cache_misses > 0,
+        "the connected workers read through the cache: {s:?}"
+    );
 }

@@ -12,7 +12,9 @@
 
 use anyhow::Result;
 use nix::sys::signal::Signal;
-use vrtspike_contract::cache_serve::{CacheAttach, ServeError, StartError, EXIT_NO_SERVER};
+use vrtspike_contract::cache_serve::{
+    CacheAttach, ServeError, StartError, EXIT_NOT_OURS, EXIT_NO_SERVER,
+};
 use vrtspike_contract::shared_server::{self, SharedStart};
 
 use crate::cache_server;
@@ -36,7 +38,20 @@ pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
     Ok(held)
 }
 
-/// Runs `vrtspike cache attach`; `None` when no server listens at the address.
+/// What holds the node-shared address is not a server this job can use: another
+/// user's process (the address squatted), another build's server, or one with no
+/// connection left for the job. The job falls back to a server of its own.
+#[derive(Debug, thiserror::Error)]
+#[error("the node-shared cache address {address:?} is held by a server this job cannot use{why}")]
+pub struct NotOurs {
+    /// The node-shared address.
+    pub address: String,
+    /// `:` and what the attach said (the uid, or the two protocol versions).
+    pub why: String,
+}
+
+/// Runs `vrtspike cache attach`; `None` when no server listens at the address,
+/// [`NotOurs`] when the one there is not this job's to use.
 fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
     let serve = &spec.start.serve;
     let attach = CacheAttach {
@@ -53,6 +68,15 @@ fn attach(spec: &SharedSpec) -> Result<Option<Supervised>> {
             report_attached(spec, held.pid());
             Ok(Some(held))
         }
+        Err(ServeError::NotReady {
+            source: StartError::Exited(status),
+            tail,
+            ..
+        }) if status.code() == Some(EXIT_NOT_OURS) => Err(NotOurs {
+            address: serve.address.to_string(),
+            why: tail,
+        }
+        .into()),
         Err(ServeError::NotReady {
             source: StartError::Exited(status),
             ..

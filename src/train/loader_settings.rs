@@ -1,10 +1,11 @@
 //! The loader settings of a rank, resolved once for the run: `TOTAL_WORKERS` for this
-//! node (`auto`: 80% of the cores with at least 4 per GPU, lowered by the memory
+//! node (`auto`: 80% of the cores with at least 4 per GPU, less the loader workers
+//! other jobs already run through the node's cache server, lowered by the memory
 //! plan when the loaders' in-flight bytes would not fit) split over the node's
 //! ranks, the training and validation prefetch factors, and `DROP_LAST` (which also
 //! picks the training sampler's remainder: drop the tail, or pad by wrapping).
 
-use crate::config::Config;
+use crate::config::{Config, Workers};
 use crate::dataset::DatasetIndex;
 use crate::pipeline::loader::LoaderBudget;
 use crate::pipeline::sampler::Remainder;
@@ -21,6 +22,9 @@ pub struct NodeFacts {
     pub local_ranks: usize,
     /// Host RAM in bytes.
     pub ram_bytes: u64,
+    /// Loader workers other jobs run through this node's cache server now
+    /// (`TOTAL_WORKERS: auto` leaves their cores to them).
+    pub other_jobs_workers: usize,
 }
 
 impl NodeFacts {
@@ -33,6 +37,7 @@ impl NodeFacts {
             gpus: if on_gpu { local_ranks } else { 0 },
             local_ranks: local_ranks.max(1),
             ram_bytes: sys.total_memory(),
+            other_jobs_workers: 0,
         }
     }
 }
@@ -44,6 +49,9 @@ pub struct LoaderSettings {
     pub node_workers: u32,
     /// `auto`'s count before the memory cap, when the cap lowered it.
     pub capped_from: Option<u32>,
+    /// `auto`'s count before the workers of other jobs on the node's cache server
+    /// were left their cores, when there were any.
+    pub shared_from: Option<u32>,
     /// This rank's workers, prefetch factors and `DROP_LAST`.
     pub budget: LoaderBudget,
     /// The training sampler's remainder (`DROP_LAST`: drop; else pad).
@@ -69,10 +77,12 @@ impl LoaderSettings {
         let facts = index.and_then(grid_facts);
         let (sample, _) = plan::sample_bytes(config, facts.as_ref());
         let workers = plan::node_workers(config, machine, sample);
-        let per_rank = (workers.workers as usize / node.local_ranks.max(1)).max(1);
+        let (node_workers, shared_from) = leave_to_other_jobs(config, workers.workers, node);
+        let per_rank = (node_workers as usize / node.local_ranks.max(1)).max(1);
         LoaderSettings {
-            node_workers: workers.workers,
+            node_workers,
             capped_from: workers.capped_from,
+            shared_from,
             budget: LoaderBudget::new(config, per_rank),
             remainder: if config.dataloader.drop_last {
                 Remainder::Drop
@@ -92,6 +102,14 @@ impl LoaderSettings {
                 100.0 * plan::HOST_SHARE_LIMIT
             );
         }
+        if let Some(from) = self.shared_from {
+            tracing::info!(
+                "DATALOADER.TOTAL_WORKERS: auto lowered from {from} to {} loader threads on this \
+                 node: other jobs already run {} through the node's cache server",
+                self.node_workers,
+                from - self.node_workers
+            );
+        }
         let b = &self.budget;
         tracing::info!(
             node_workers = self.node_workers,
@@ -102,6 +120,19 @@ impl LoaderSettings {
             "loader"
         );
     }
+}
+
+/// `workers` of the node for `TOTAL_WORKERS: auto`, less the workers other jobs
+/// run through its cache server (at least one a rank); with what it was, when
+/// lowered. A count in the config is kept as it is.
+fn leave_to_other_jobs(config: &Config, workers: u32, node: NodeFacts) -> (u32, Option<u32>) {
+    let others = u32::try_from(node.other_jobs_workers).unwrap_or(u32::MAX);
+    if config.dataloader.total_workers != Workers::Auto || others == 0 {
+        return (workers, None);
+    }
+    let floor = u32::try_from(node.local_ranks.max(1)).unwrap_or(u32::MAX);
+    let left = workers.saturating_sub(others).max(floor);
+    (left, (left < workers).then_some(workers))
 }
 
 /// The sizes of the first sequence of `index` (the sample shape needs only those).
@@ -135,6 +166,7 @@ mod tests {
             gpus: 4,
             local_ranks: 4,
             ram_bytes: 256 * GB,
+            other_jobs_workers: 0,
         };
         let c = config(
             "DATALOADER:\n  TOTAL_WORKERS: 12\n  TRAIN_PREFETCH_FACTOR: 3\n  \
@@ -161,6 +193,33 @@ mod tests {
     }
 
     #[test]
+    fn auto_leaves_other_jobs_workers_their_cores() {
+        let node = NodeFacts {
+            cores: 40,
+            gpus: 4,
+            local_ranks: 4,
+            ram_bytes: 256 * GB,
+            other_jobs_workers: 20,
+        };
+        // auto: 32 less the 20 other jobs run, over 4 ranks.
+        let p = LoaderSettings::resolve(&config("{}"), node, None);
+        assert_eq!(
+            (p.node_workers, p.budget.workers, p.shared_from),
+            (12, 3, Some(32))
+        );
+        // Never below one a rank.
+        let crowded = NodeFacts {
+            other_jobs_workers: 500,
+            ..node
+        };
+        let p = LoaderSettings::resolve(&config("{}"), crowded, None);
+        assert_eq!((p.node_workers, p.budget.workers), (4, 1));
+        // A count in the config is the user's: kept.
+        let p = LoaderSettings::resolve(&config("DATALOADER:\n  TOTAL_WORKERS: 80\n"), node, None);
+        assert_eq!((p.node_workers, p.shared_from), (80, None));
+    }
+
+    #[test]
     fn auto_is_capped_by_the_memory_plan() {
         // Sample: 4 B x 6 frames x (2 x 3 x 256^2 + 8 x 128^2) = 12 MiB; a worker
         // holds prefetch 2 x batch 1 = 24 MiB. 10 GiB RAM, 8 GiB cache: 0.9 x 10 - 8 =
@@ -170,6 +229,7 @@ mod tests {
             gpus: 0,
             local_ranks: 1,
             ram_bytes: 10 * GB,
+            other_jobs_workers: 0,
         };
         let c = config(
             "DATA:\n  CACHE_SIZE_GB: 8\n  CLIP_LEN: 6\n  SPIKE_BINS: 8\n  CROP_SIZE: 256\n\

@@ -10,13 +10,14 @@ use std::time::Instant;
 use serde_json::json;
 use tch::{nn, Device, Kind, Tensor};
 
-use crate::config::Config;
+use crate::config::{Config, Workers};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 use crate::ddp::{GradSync, ReduceOp};
 use crate::eval::quality::QualitySums;
 use crate::model::Restorer;
 use crate::monitor::memory::MemoryMonitor;
 use crate::pipeline::loader::{Batch, Loader, LoaderOptions, Purpose};
+use crate::pipeline::node_workers;
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
 use crate::pipeline::sampler::{DistributedSampler, SamplerOptions, SamplerState};
 
@@ -390,7 +391,15 @@ fn check_same_start(
 
 /// The loader settings of this rank, resolved once (and logged by rank 0).
 fn resolve_loader_settings(config: &Config, env: &RankEnv, train: &DatasetIndex) -> LoaderSettings {
-    let node = NodeFacts::this_machine(env.local_world_size, env.device.is_cuda());
+    let mut node = NodeFacts::this_machine(env.local_world_size, env.device.is_cuda());
+    if let (Workers::Auto, Some(address)) = (config.dataloader.total_workers, &env.cache_addr) {
+        let job = crate::cache::client::job_label();
+        match node_workers::other_jobs_workers_at(address, &job) {
+            Ok(count) => node.other_jobs_workers = count,
+            // The loader reports a server it cannot reach; auto sizes for the node.
+            Err(error) => tracing::debug!(%error, "other jobs' loader workers not known"),
+        }
+    }
     let settings = LoaderSettings::resolve(config, node, Some(train));
     if env.rank == 0 {
         settings.log();

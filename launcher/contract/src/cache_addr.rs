@@ -5,6 +5,14 @@
 //! ranks and the command-line tools all name a job's server through this one
 //! function.
 
+/// The version of the cache server's protocol: its wire format (the rendezvous
+/// greeting, the control channel's messages in `crates/data/src/cache/protocol.rs`)
+/// and the shared store's layout (`cache/table.rs`, `cache/pins.rs`). It is in the
+/// node-shared address ([`shared_cache_address`]) and in the handshake (the
+/// server's greeting and the client's hello), so a build never attaches to a
+/// server of another: bump it whenever any of those changes.
+pub const CACHE_PROTOCOL_VERSION: u32 = 2;
+
 /// The address of the cache server of `job` run by user `uid`:
 /// `vrtspike-cache-u<uid>-<job>`.
 pub fn cache_address(uid: u32, job: &str) -> String {
@@ -19,14 +27,16 @@ pub fn own_cache_address(job: &str) -> String {
 }
 
 /// The address of the node-shared server (`DATA.CACHE_SHARING: node`) of user `uid`
-/// for the dataset `digest` (see [`crate::dataset_sig`]):
-/// `vrtspike-cache-u<uid>-ds<digest>`, with `-slurm<id>` when the job runs in a
-/// SLURM allocation (separate allocations keep separate servers; the steps of one
-/// share).
+/// for the dataset `digest` (see [`crate::dataset_sig`]), spoken at this build's
+/// [`CACHE_PROTOCOL_VERSION`]: `vrtspike-cache-u<uid>-ds<digest>-p<version>`, with
+/// `-slurm<id>` when the job runs in a SLURM allocation (separate allocations keep
+/// separate servers; the steps of one share). Builds of another protocol version
+/// meet at another address.
 pub fn shared_cache_address(uid: u32, digest: u64, slurm_job: Option<&str>) -> String {
+    let version = CACHE_PROTOCOL_VERSION;
     let job = match slurm_job.filter(|id| !id.is_empty()) {
-        Some(id) => format!("ds{digest:016x}-slurm{id}"),
-        None => format!("ds{digest:016x}"),
+        Some(id) => format!("ds{digest:016x}-p{version}-slurm{id}"),
+        None => format!("ds{digest:016x}-p{version}"),
     };
     cache_address(uid, &job)
 }
@@ -98,7 +108,7 @@ mod tests {
     fn shared_addresses_hold_the_user_the_dataset_and_the_allocation() {
         assert_eq!(
             shared_cache_address(1000, 0xab, None),
-            "vrtspike-cache-u1000-ds00000000000000ab"
+            format!("vrtspike-cache-u1000-ds00000000000000ab-p{CACHE_PROTOCOL_VERSION}")
         );
         assert_eq!(
             shared_cache_address(1000, 0xab, Some("")),
@@ -106,7 +116,7 @@ mod tests {
         );
         assert_eq!(
             shared_cache_address(1000, 0xab, Some("77")),
-            "vrtspike-cache-u1000-ds00000000000000ab-slurm77"
+            format!("vrtspike-cache-u1000-ds00000000000000ab-p{CACHE_PROTOCOL_VERSION}-slurm77")
         );
         assert_ne!(
             shared_cache_address(1000, 1, None),

@@ -25,6 +25,13 @@ pub const EXIT_ADDRESS_IN_USE: i32 = 73;
 /// The exit status of `cache attach` when no server listens at the address.
 pub const EXIT_NO_SERVER: i32 = 69;
 
+/// The exit status of `cache attach` when what listens at the address is not a
+/// server this process can use: another user's process (anyone can bind an
+/// abstract name first), a server of another cache protocol version (another
+/// build), or one with no connection left. Its message, on stderr, names the
+/// address and the uid, the versions or the server's limit.
+pub const EXIT_NOT_OURS: i32 = 74;
+
 /// How long a server lives.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Lifetime<'a> {

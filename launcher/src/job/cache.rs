@@ -5,7 +5,11 @@
 //! the node-shared one is held again in the background while an attempt runs
 //! ([`crate::reattach`]); at the end its
 //! figures are asked for the summary (a shared server's with this job's own entry)
-//! before it is stopped (a shared one: only the attach, the server lingers).
+//! before it is stopped (a shared one: only the attach, the server lingers). When
+//! the node-shared address is held by a server the job cannot use (another
+//! user's process, another build's server, one with no connection left), the job
+//! falls back to a server of its own, says so once and notes it in the summary's
+//! `cache.sharing`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -44,6 +48,19 @@ pub struct NodeCache {
     job_label: String,
     /// `DATA.CACHE_SHARING: node`: the node-shared server this job attaches to.
     shared: Option<SharedSetup>,
+    /// The address of a server of this job's own (where it falls back to).
+    own_address: String,
+    /// Why this job runs a server of its own although the config shares one: the
+    /// node-shared address was not its to use.
+    fell_back: Option<FellBack>,
+}
+
+/// A fall-back from the node-shared server to one of the job's own.
+struct FellBack {
+    /// The node-shared address that was not this job's to use.
+    from: String,
+    /// What was found there.
+    why: String,
 }
 
 /// The node-shared cache server of this job's dataset.
@@ -73,11 +90,12 @@ impl NodeCache {
             true => shared_setup(args, facts, run_dir)?,
             false => None,
         };
+        let own_address = cache_server::address(node_rank);
         Ok(NodeCache {
             enabled: facts.ram_cache,
             address: match &shared {
                 Some((address, _)) => address.clone(),
-                None => cache_server::address(node_rank),
+                None => own_address.clone(),
             },
             vrtspike,
             config,
@@ -87,16 +105,46 @@ impl NodeCache {
             start_timeout: Duration::from_secs_f64(args.cache_start_timeout_s),
             job_label: run_dir.layout.job_label(),
             shared: shared.map(|(_, setup)| setup),
+            own_address,
+            fell_back: None,
         })
     }
 
     /// The server before the first attempt; `None` with `DATA.USE_RAM_CACHE: false`.
-    pub fn hold_first(&self) -> Result<Option<Supervised>> {
+    /// A node-shared address that is not this job's to use ([`shared_cache::NotOurs`])
+    /// makes it a server of the job's own from then on.
+    pub fn hold_first(&mut self) -> Result<Option<Supervised>> {
         if !self.enabled {
             tracing::info!("DATA.USE_RAM_CACHE is false: no cache server, ranks read from disk");
             return Ok(None);
         }
-        self.hold().map(Some)
+        match self.hold() {
+            Err(e) if self.shared.is_some() => match e.downcast::<shared_cache::NotOurs>() {
+                Ok(not_ours) => {
+                    self.fall_back(not_ours);
+                    self.hold().map(Some)
+                }
+                Err(e) => Err(e),
+            },
+            held => held.map(Some),
+        }
+    }
+
+    /// Gives up the node-shared server for one of this job's own, saying so once.
+    fn fall_back(&mut self, not_ours: shared_cache::NotOurs) {
+        tracing::warn!(
+            shared = not_ours.address,
+            own = self.own_address,
+            "{not_ours}; this job starts a cache server of its own instead (DATA.CACHE_SHARING \
+             job) and trains"
+        );
+        self.shared = None;
+        self.address = self.own_address.clone();
+        let why = not_ours.why.trim_start_matches(':').trim().to_string();
+        self.fell_back = Some(FellBack {
+            from: not_ours.address,
+            why,
+        });
     }
 
     /// Starts this job's cache server, or attaches to the node-shared one (starting
@@ -194,6 +242,15 @@ impl NodeCache {
                 "sharing".into(),
                 serde_json::json!({"mode": "node", "address": self.address,
                     "job": shared.job, "figures": "server-wide", "this_job": this_job}),
+            );
+        }
+        if let (Some(fell_back), Some(serde_json::Value::Object(figures))) =
+            (&self.fell_back, stats.as_mut())
+        {
+            figures.insert(
+                "sharing".into(),
+                serde_json::json!({"mode": "job", "address": self.address,
+                    "fell_back_from": fell_back.from, "why": fell_back.why}),
             );
         }
         spawn::stop_all(&mut [&mut server], Duration::from_secs(5));

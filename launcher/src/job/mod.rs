@@ -43,7 +43,7 @@ impl Job {
     /// Runs the job to its end; `Ok` is how it ended (with the reason it gave up
     /// restarting, if it did), `Err` a failure to start it at all.
     pub fn run(&mut self, args: &Args) -> Result<Ending> {
-        let setup = setup::prepare(&mut self.record, args)?;
+        let mut setup = setup::prepare(&mut self.record, args)?;
         if setup.topology.nnodes > 1 {
             let links = setup::connect_peers(args, &setup.topology, &self.record.run_dir)?;
             self.peers = Some(links);

@@ -73,6 +73,17 @@ pub enum CacheError {
         /// This process's user.
         uid: u32,
     },
+    /// The server speaks another protocol version (another build's server): it is
+    /// never attached to.
+    #[error("the cache server at {address:?} speaks cache protocol version {server} and this build speaks version {client}: it is another build's server, so this process does not attach to it (a node-shared server of this build has an address of its own; stop the other with that build's `vrtspike cache shutdown --address {address}`, or give this job another address)")]
+    ProtocolVersion {
+        /// The address.
+        address: String,
+        /// The server's version.
+        server: u32,
+        /// This build's version.
+        client: u32,
+    },
     /// The server had too many handshakes in flight for as long as we retried.
     #[error("the cache server at {address:?} stayed busy with other handshakes for {waited_s} s")]
     Busy {

@@ -1,5 +1,6 @@
 //! Each connection's own page of the store: its leases (the pins that keep records
-//! from eviction), its hit counter, a ring of the records it read and how far its
+//! from eviction), its counters (hits, and hits whose record was not what its
+//! reader expected), a ring of the records it read and how far its
 //! reader has got in the read order it announced (the planned policy). A client maps
 //! its own page read-write and everything else of the store read-only; the server
 //! maps every page and reads them when it evicts.
@@ -35,6 +36,8 @@ const P_SEQ: usize = 2;
 const P_RING_HEAD: usize = 3;
 /// How far the connection's reader has got in the read order it announced (a step).
 const P_PROGRESS: usize = 4;
+/// Hits whose record's layout was not the one its reader expected (read from disk).
+const P_MISMATCHES: usize = 5;
 /// Bit i set: entry i holds a lease (alone on its cache line).
 const P_BITMAP: usize = 8;
 const P_LEASES: usize = 16;
@@ -63,6 +66,16 @@ impl LeaseWord {
         let plus_one = ((self.0 >> 32) & 0x00ff_ffff) as usize;
         plus_one.checked_sub(1)
     }
+}
+
+/// What a client counted in its own page, with no message to the server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PageCounts {
+    /// Hits taken straight from shared memory.
+    pub hits: u64,
+    /// Records found whose layout (header) was not what the reader expected: it
+    /// read them from disk instead.
+    pub layout_mismatches: u64,
 }
 
 /// Why a lease could not be taken.
@@ -103,10 +116,13 @@ impl<'a> PinPage<'a> {
 
     /// Takes the page from its client, keeping its leases (they still pin): the
     /// client's shared-memory hits stop (it finds another owner) and the server
-    /// answers its requests no more. Returns the hits it counted.
-    pub fn retire(&self) -> u64 {
+    /// answers its requests no more. Returns what it counted.
+    pub fn retire(&self) -> PageCounts {
         self.w(P_OWNER).store(0, Ordering::SeqCst);
-        self.w(P_HITS).swap(0, Ordering::SeqCst)
+        PageCounts {
+            hits: self.w(P_HITS).swap(0, Ordering::SeqCst),
+            layout_mismatches: self.w(P_MISMATCHES).swap(0, Ordering::SeqCst),
+        }
     }
 
     /// Whether any lease of this page pins `slot` (the server calls it after
@@ -154,9 +170,12 @@ impl<'a> PinPage<'a> {
         self.w(P_OWNER).load(Ordering::SeqCst)
     }
 
-    /// Hits counted here.
-    pub fn hits(&self) -> u64 {
-        self.w(P_HITS).load(Ordering::Relaxed)
+    /// What the page's client counted here.
+    pub fn counts(&self) -> PageCounts {
+        PageCounts {
+            hits: self.w(P_HITS).load(Ordering::Relaxed),
+            layout_mismatches: self.w(P_MISMATCHES).load(Ordering::Relaxed),
+        }
     }
 
     /// Leases held now.
@@ -206,6 +225,12 @@ impl<'a> PinPage<'a> {
         self.w(P_HITS).fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts one record whose layout was not what the reader expected (the page's
+    /// client, which reads it from disk instead).
+    pub fn count_layout_mismatch(&self) {
+        self.w(P_MISMATCHES).fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The step the page's reader has reached in the read order it announced: uses at
     /// earlier steps are past (the client writes it; no message).
     pub fn set_progress(&self, step: u64) {
@@ -231,6 +256,8 @@ impl<'a> PinPage<'a> {
 /// Every connection's page, as the server maps them.
 pub struct PinPages {
     base: *const AtomicU64,
+    /// Pages there are.
+    count: usize,
     _backing: Arc<dyn Backing>,
 }
 
@@ -247,34 +274,41 @@ impl std::fmt::Debug for PinPages {
 }
 
 impl PinPages {
-    /// [`MAX_CONNECTIONS`] zeroed pages on the heap (tests, single-process tools).
-    pub fn on_heap() -> PinPages {
-        let words: Box<[AtomicU64]> = (0..MAX_CONNECTIONS * PAGE_WORDS)
-            .map(|_| AtomicU64::new(0))
-            .collect();
+    /// `count` zeroed pages on the heap (tests, single-process tools; at most
+    /// [`MAX_CONNECTIONS`]).
+    pub fn on_heap(count: usize) -> PinPages {
+        let count = count.min(MAX_CONNECTIONS);
+        let words: Box<[AtomicU64]> = (0..count * PAGE_WORDS).map(|_| AtomicU64::new(0)).collect();
         let base = words.as_ptr();
         PinPages {
             base,
+            count,
             _backing: Arc::new(words),
         }
     }
 
-    /// The pages at `base`.
+    /// The `count` pages at `base`.
     ///
     /// # Safety
-    /// `base` must be 8-byte aligned and point at [`MAX_CONNECTIONS`] pages of
+    /// `base` must be 8-byte aligned and point at `count` pages of
     /// [`PAGE_WORDS`] words each, readable and writable, that only atomics touch and
     /// that stay valid while `backing` lives.
-    pub unsafe fn over(base: *const u8, backing: Arc<dyn Backing>) -> PinPages {
+    pub unsafe fn over(base: *const u8, count: usize, backing: Arc<dyn Backing>) -> PinPages {
         PinPages {
             base: base.cast(),
+            count,
             _backing: backing,
         }
     }
 
-    /// Connection page `page` (below [`MAX_CONNECTIONS`]).
+    /// Pages there are.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Connection page `page` (below [`Self::count`]).
     pub fn page(&self, page: usize) -> PinPage<'_> {
-        assert!(page < MAX_CONNECTIONS, "pin page {page} out of range");
+        assert!(page < self.count, "pin page {page} out of range");
         // SAFETY: the page lies inside the pages (asserted) that `_backing` keeps
         // alive for `&self`'s lifetime, and holds only atomics (constructor contract).
         let words =
@@ -349,8 +383,14 @@ mod tests {
         page.take(2).unwrap();
         page.count_hit();
         page.count_hit();
-        assert_eq!(page.retire(), 2);
-        assert_eq!((page.owner(), page.hits()), (0, 0));
+        page.count_layout_mismatch();
+        let counted = PageCounts {
+            hits: 2,
+            layout_mismatches: 1,
+        };
+        assert_eq!(page.counts(), counted);
+        assert_eq!(page.retire(), counted);
+        assert_eq!((page.owner(), page.counts()), (0, PageCounts::default()));
         assert!(page.pins(2), "a retired page still pins");
         page.reset(6);
         assert!(!page.pins(2));

@@ -19,6 +19,10 @@ pub enum Request {
     /// First message of a connection: who is asking, where to reply, and which
     /// store (if any) this process has already mapped.
     Hello {
+        /// The client's protocol version
+        /// ([`CACHE_PROTOCOL_VERSION`](super::rendezvous::CACHE_PROTOCOL_VERSION)):
+        /// a server of another refuses it.
+        protocol: u32,
         /// Label for stats and logs.
         name: String,
         /// The job it belongs to, for per-job figures (`""`: none).
@@ -204,6 +208,16 @@ pub enum Reply {
 /// after [`StorePoisoned`](RequestError::StorePoisoned).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum RequestError {
+    /// A hello of another protocol version than the server's.
+    #[error(
+        "the client speaks cache protocol version {client} and this server speaks version {server}"
+    )]
+    ProtocolVersion {
+        /// The server's version.
+        server: u32,
+        /// The client's version.
+        client: u32,
+    },
     /// Release of a lease this client does not hold (double release, or a made-up id).
     #[error("lease {lease} is not held by this client (released already, or never granted)")]
     LeaseNotHeld {

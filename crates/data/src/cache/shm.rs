@@ -28,7 +28,7 @@ use tracing::warn;
 
 use super::pins::{PinPage, PinPages, PAGE_WORDS};
 use super::store::reserve::{PageReserver, ReserveRefusal};
-use super::table::{Layout, Table, TableWriter, MAX_CONNECTIONS, PAGE};
+use super::table::{Layout, Table, TableWriter, PAGE};
 use super::CacheError;
 use crate::util::meminfo::{self, Available};
 
@@ -192,6 +192,7 @@ impl Segment {
                 ),
                 PinPages::over(
                     self.region.ptr().add(layout.pins_offset() as usize),
+                    layout.connections,
                     backing,
                 ),
             )
@@ -385,9 +386,10 @@ impl Mapping {
     /// Connection page `page` of a store laid out as `layout`, mapped writable for
     /// this connection alone.
     pub fn own_page(&self, layout: &Layout, page: usize) -> Result<OwnPage, CacheError> {
-        if page >= MAX_CONNECTIONS {
+        if page >= layout.connections {
             return Err(CacheError::Protocol(format!(
-                "pin page {page} out of range (at most {MAX_CONNECTIONS})"
+                "pin page {page} out of range (the store has {})",
+                layout.connections
             )));
         }
         let offset = layout.pins_offset() + page as u64 * PAGE;
@@ -650,6 +652,6 @@ mod tests {
             "past the arena"
         );
         assert!(mapping.fill_map(0, 0, MB).is_err(), "empty");
-        assert!(mapping.own_page(&layout, MAX_CONNECTIONS).is_err());
+        assert!(mapping.own_page(&layout, layout.connections).is_err());
     }
 }

@@ -1,7 +1,7 @@
 //! Live statistics of the cache server: totals, per slot class and per client, in
 //! one serializable report that `vrtspike cache stats` prints as a table or JSON.
 //! Plain data: the protocol carries it, the store fills it in; it depends on
-//! neither.
+//! neither (only on the counts a pin page holds).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -9,6 +9,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use super::ids::ClientId;
+use super::pins::PageCounts;
 
 /// Counters kept per client and in total.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,9 +32,20 @@ pub struct Counters {
     /// send none).
     #[serde(default)]
     pub requests: u64,
+    /// Cached records whose layout (header) was not what their reader expected:
+    /// the reader read them from disk instead (counted by the reader in its pin
+    /// page).
+    #[serde(default)]
+    pub layout_mismatches: u64,
 }
 
 impl Counters {
+    /// Adds what a client counted in its pin page (see [`PageCounts`]).
+    pub fn add_page(&mut self, page: PageCounts) {
+        self.hits += page.hits;
+        self.layout_mismatches += page.layout_mismatches;
+    }
+
     /// hits / (hits + misses), 0 when there was no lookup.
     pub fn hit_rate(&self) -> f64 {
         let lookups = self.hits + self.misses;
@@ -294,13 +306,14 @@ impl fmt::Display for StatsReport {
         )?;
         writeln!(
             f,
-            "hits {}  misses {}  hit rate {:.2}%  waits {}  evictions {}  errors {}",
+            "hits {}  misses {}  hit rate {:.2}%  waits {}  evictions {}  errors {}  layout mismatches {}",
             t.hits,
             t.misses,
             100.0 * self.hit_rate,
             t.waits,
             self.evictions,
-            t.errors
+            t.errors,
+            t.layout_mismatches
         )?;
         let l = &self.fill_latency_ms;
         writeln!(

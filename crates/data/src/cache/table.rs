@@ -20,8 +20,26 @@ use std::sync::Arc;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VRTCACHE");
 /// Layout version; a client refuses a store of another version.
 pub const VERSION: u64 = 2;
-/// Connections a server can serve at once (one page of pins each).
-pub const MAX_CONNECTIONS: usize = 512;
+/// The most connections a server can be sized for (one page of pins each).
+pub const MAX_CONNECTIONS: usize = 1 << 16;
+/// Connections a server serves at once when nothing sizes it
+/// ([`default_connections`] sizes it for the node).
+pub const MIN_CONNECTIONS: usize = 512;
+
+/// Connection pages for a server on a node of `cores` cores: 8 a core (a few
+/// jobs, each with a loader worker a core plus its rank's other connections), at
+/// least [`MIN_CONNECTIONS`], at most [`MAX_CONNECTIONS`].
+pub fn connections_for_cores(cores: usize) -> usize {
+    cores
+        .saturating_mul(8)
+        .clamp(MIN_CONNECTIONS, MAX_CONNECTIONS)
+}
+
+/// [`connections_for_cores`] of this node's cores.
+pub fn default_connections() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    connections_for_cores(cores)
+}
 /// Longest key a record can have.
 pub const MAX_KEY_BYTES: usize = 160;
 /// Fewest record descriptors a table has.
@@ -144,6 +162,8 @@ pub struct Layout {
     pub slots: usize,
     /// Index entries (a power of two, at least twice the slots).
     pub index_entries: usize,
+    /// Connection pages (the most connections served at once).
+    pub connections: usize,
 }
 
 impl Layout {
@@ -159,11 +179,20 @@ impl Layout {
         Layout::new(cap, slots)
     }
 
+    /// This layout with `connections` pages of pins (1 to [`MAX_CONNECTIONS`]).
+    pub fn with_connections(self, connections: usize) -> Layout {
+        Layout {
+            connections: connections.clamp(1, MAX_CONNECTIONS),
+            ..self
+        }
+    }
+
     fn new(arena_bytes: u64, slots: usize) -> Layout {
         Layout {
             arena_bytes,
             slots,
             index_entries: (2 * slots).next_power_of_two(),
+            connections: MIN_CONNECTIONS,
         }
     }
 
@@ -196,7 +225,7 @@ impl Layout {
 
     /// Bytes of all connections' pin pages.
     pub fn pins_bytes(&self) -> u64 {
-        MAX_CONNECTIONS as u64 * PAGE
+        self.connections as u64 * PAGE
     }
 
     /// Bytes of the whole memfd: arena, metadata, pin pages.
@@ -280,12 +309,12 @@ impl Table {
             header(H_INDEX),
             header(H_CONNS),
         );
-        if slots > MAX_SLOTS || conns != MAX_CONNECTIONS as u64 {
+        if slots > MAX_SLOTS || conns == 0 || conns > MAX_CONNECTIONS as u64 {
             return Err(TableError::Size(format!(
                 "{slots} slots, {conns} connections"
             )));
         }
-        let layout = Layout::new(arena, slots as usize);
+        let layout = Layout::new(arena, slots as usize).with_connections(conns as usize);
         if layout.index_entries as u64 != index
             || layout.meta_offset() != meta_offset
             || layout.total_bytes() > mapped_len
@@ -447,7 +476,7 @@ impl TableWriter {
         self.store(H_ARENA, layout.arena_bytes, Ordering::Relaxed);
         self.store(H_SLOTS, layout.slots as u64, Ordering::Relaxed);
         self.store(H_INDEX, layout.index_entries as u64, Ordering::Relaxed);
-        self.store(H_CONNS, MAX_CONNECTIONS as u64, Ordering::Relaxed);
+        self.store(H_CONNS, layout.connections as u64, Ordering::Relaxed);
         self.store(H_VERSION, VERSION, Ordering::Relaxed);
         self.store(H_MAGIC, MAGIC, Ordering::Release);
     }
@@ -570,6 +599,24 @@ mod tests {
     }
 
     #[test]
+    fn connections_are_sized_for_the_node() {
+        assert_eq!(connections_for_cores(1), MIN_CONNECTIONS);
+        assert_eq!(connections_for_cores(96), 768);
+        assert_eq!(connections_for_cores(usize::MAX), MAX_CONNECTIONS);
+        assert!(default_connections() >= MIN_CONNECTIONS);
+        assert_eq!(
+            Layout::for_store(1 << 20, None).connections,
+            MIN_CONNECTIONS
+        );
+        assert_eq!(
+            Layout::for_store(1 << 20, None)
+                .with_connections(0)
+                .connections,
+            1
+        );
+    }
+
+    #[test]
     fn layout_sizes() {
         let l = Layout::for_store(1 << 30, None);
         assert_eq!(l.slots, 16384);
@@ -671,7 +718,9 @@ mod tests {
     /// The header is what a client checks before it trusts the sizes.
     #[test]
     fn a_client_attaches_only_to_a_table_of_its_version_that_fits() {
-        let layout = Layout::for_store(1 << 20, None);
+        // Sized for 700 connections: the client learns it from the header.
+        let layout = Layout::for_store(1 << 20, None).with_connections(700);
+        assert_eq!(layout.pins_bytes(), 700 * PAGE);
         let mut memory = vec![0u64; (layout.total_bytes() / 8) as usize];
         let base = memory.as_mut_ptr().cast::<u8>();
         let meta = layout.meta_offset();
@@ -695,6 +744,12 @@ mod tests {
             attach(layout.total_bytes() - PAGE),
             Err(TableError::Size(_))
         ));
+        writer.store(H_CONNS, 0, Ordering::Relaxed);
+        assert!(matches!(
+            attach(layout.total_bytes()),
+            Err(TableError::Size(_))
+        ));
+        writer.store(H_CONNS, 700, Ordering::Relaxed);
         writer.store(H_VERSION, 1, Ordering::Relaxed);
         assert!(matches!(
             attach(layout.total_bytes()),

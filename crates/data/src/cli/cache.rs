@@ -215,6 +215,11 @@ pub struct ServeArgs {
     /// what they hold.
     #[arg(long, value_parser = parse_size, default_value = "256M")]
     read_order_budget: u64,
+    /// Connections served at once (a pin page of 4 KiB each in the store); one
+    /// past them is refused and that loader worker reads from disk. Default: 8 a
+    /// core of this node, at least 512.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    connections: Option<u32>,
 }
 
 /// `cache stats`.
@@ -251,7 +256,9 @@ pub fn run(command: CacheCommand, place: Where) -> Result<()> {
 }
 
 /// Holds a connection until the server goes: exits 69 when there is none at
-/// all, else says it is ready (the launcher waits for that) and then fails only
+/// all, 74 when the one there is not ours to use (another user's process,
+/// another build's server, or one with no connection left: the message says
+/// which), else says it is ready (the launcher waits for that) and then fails only
 /// when the server stops answering.
 fn attach(args: AttachArgs) -> Result<()> {
     if args.exit_with_parent {
@@ -266,6 +273,17 @@ fn attach(args: AttachArgs) -> Result<()> {
         {
             eprintln!("no cache server at {address}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
+        }
+        Err(
+            e @ (cache::CacheError::ForeignServer { .. }
+            | cache::CacheError::ProtocolVersion { .. }),
+        ) => {
+            eprintln!("{e}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
+        }
+        Err(e) if e.is_connection_refusal() => {
+            eprintln!("{e}");
+            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }
         Err(e) => return Err(e.into()),
     };
@@ -391,6 +409,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     config.allowed_uids.extend(&args.allow_uids);
     config.linger = args.linger_s.map(Duration::from_secs_f64);
     config.read_order_budget = args.read_order_budget;
+    if let Some(connections) = args.connections {
+        config.connections = connections as usize;
+    }
     let server = match Server::bind(config) {
         Ok(server) => server,
         Err(e @ cache::CacheError::AddressInUse { .. }) if args.linger_s.is_some() => {

@@ -562,26 +562,57 @@ impl DatasetIndex {
         Ok(())
     }
 
-    /// A cache key naming the frame unambiguously across datasets on one node:
-    /// `<hash of root + blur dir>/<split>/<seq>/<frame>`.
+    /// A cache key naming the frame and what its record holds, unambiguously across
+    /// datasets and readers on one node:
+    /// `<hash>/<kind>/<split>/<seq>/<frame>`, the kind being `dat` (PNG + `.dat`
+    /// spikes), `vox<K>` (PNG + precomputed voxels of `K` bins) or `h5` (an HDF5
+    /// session), and the hash over the root and every option that changes the
+    /// record's bytes ([`Self::record_encoding`]). Two jobs on one root that read
+    /// a frame differently (`DATA.USE_PRECOMPUTED_VOXELS`, `DATA.BLUR_DIR`) never
+    /// share its record.
     pub fn record_key(&self, seq: usize, frame: usize) -> String {
         let root = std::fs::canonicalize(&self.root).unwrap_or_else(|_| self.root.clone());
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(root.to_string_lossy().as_bytes());
+        hasher.update(b"\0");
+        hasher.update(self.record_encoding(seq).as_bytes());
         let s = &self.sequences[seq];
-        match s.storage {
-            Storage::Hdf5(_) => hasher.update(b"h5"),
-            Storage::Folder | Storage::FolderVoxels { .. } => {
-                hasher.update(self.options.blur_dir.folder().as_bytes())
-            }
-        }
         format!(
-            "{:08x}/{}/{}/{}",
+            "{:08x}/{}/{}/{}/{}",
             hasher.finalize(),
+            storage_tag(&s.storage),
             self.split,
             s.name,
             s.frames[frame].name
         )
+    }
+
+    /// What the records of sequence `seq` are made of and how: the record format's
+    /// version, the storage kind and every option that changes their bytes (the
+    /// blur folder, the `.dat` files' row order, the voxel bins baked into `.npy`
+    /// grids). Part of every key of the sequence ([`Self::record_key`]).
+    pub fn record_encoding(&self, seq: usize) -> String {
+        let version = super::record::FORMAT_VERSION;
+        let blur = self.options.blur_dir.folder();
+        match &self.sequences[seq].storage {
+            Storage::Folder => format!(
+                "record v{version}; png {blur} + spike .dat, flipped {}",
+                self.meta.spike_flipped
+            ),
+            Storage::FolderVoxels { bins } => {
+                format!("record v{version}; png {blur} + spike_vox .npy of {bins} bins as f16")
+            }
+            Storage::Hdf5(_) => format!("record v{version}; hdf5 session"),
+        }
+    }
+}
+
+/// The storage kind as a record key names it.
+fn storage_tag(storage: &Storage) -> String {
+    match storage {
+        Storage::Folder => "dat".into(),
+        Storage::FolderVoxels { bins } => format!("vox{bins}"),
+        Storage::Hdf5(_) => "h5".into(),
     }
 }
 

@@ -10,7 +10,9 @@ use super::error::{DataError, Result};
 /// Header bytes before the pixel data.
 pub const HEADER_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"VSR1";
-const VERSION: u32 = 1;
+/// The record format's version: in every header and every cache key, so records
+/// of another format are never read as this one. Bump it when the layout changes.
+pub const FORMAT_VERSION: u32 = 1;
 const FLAG_SPIKE_BITS: u32 = 1;
 const FLAG_VOXEL_F16: u32 = 2;
 
@@ -99,7 +101,7 @@ impl RecordLayout {
         header.fill(0);
         header[0..4].copy_from_slice(MAGIC);
         let fields = [
-            VERSION,
+            FORMAT_VERSION,
             flags,
             self.height,
             self.width,
@@ -124,9 +126,9 @@ impl RecordLayout {
             b.copy_from_slice(&record[4 + 4 * i..8 + 4 * i]);
             u32::from_le_bytes(b)
         };
-        if field(0) != VERSION {
+        if field(0) != FORMAT_VERSION {
             return Err(bad(format!(
-                "record version {} (expected {VERSION})",
+                "record version {} (expected {FORMAT_VERSION})",
                 field(0)
             )));
         }

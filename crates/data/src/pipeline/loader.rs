@@ -5,7 +5,7 @@
 //! bounded prefetch window; the loader reports data_time and the cache hit rate.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::cache::protocol::ClientId;
-use crate::cache::CacheClient;
+use crate::cache::{CacheClient, CacheError};
 use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
 use crate::util::rng::SplitMix64;
@@ -24,6 +24,9 @@ use super::read_order::ReadOrderSource;
 use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
+
+/// Whether a loader worker of this process was refused a connection (and said so).
+static REFUSAL_TOLD: AtomicBool = AtomicBool::new(false);
 
 /// Validation loaders use at most this many of the rank's workers (full frames,
 /// batch 1: more would only hold more frames in memory).
@@ -243,6 +246,32 @@ pub struct Loader {
     readers: Vec<ClientId>,
 }
 
+/// A loader worker's connection to the cache server at `address`: none without an
+/// address, nor when the server has no connection left for it (the worker reads
+/// from disk; the first such worker of the process says so); an error when it
+/// cannot connect otherwise.
+fn connect_worker(
+    address: Option<&str>,
+    label: &str,
+) -> std::result::Result<Option<CacheClient>, CacheError> {
+    let Some(address) = address else {
+        return Ok(None);
+    };
+    match CacheClient::connect(address, label) {
+        Ok(client) => Ok(Some(client)),
+        Err(err) if err.is_connection_refusal() => {
+            if !REFUSAL_TOLD.swap(true, Ordering::Relaxed) {
+                tracing::warn!(%err, address,
+                    "a loader worker got no connection to the cache server (all its connections \
+                     are taken): it reads from disk (`cache serve --connections` serves more; \
+                     further refusals in this process are not logged)");
+            }
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
 fn worker_loop<S: RecordSource>(
     mut source: S,
     index: &DatasetIndex,
@@ -350,35 +379,29 @@ impl Loader {
                 counters.clone(),
             );
             let (tasks, done, ready) = (task_rx.clone(), done_tx.clone(), ready_tx.clone());
-            let name = format!("loader-{}-{w}", options.rank);
+            let name = super::node_workers::worker_name(options.rank, w);
             let label = format!("{}/{name}", options.client_name);
             let handle = std::thread::Builder::new()
                 .name(name.clone())
-                .spawn(move || match &options_w.cache_address {
-                    Some(address) => match CacheClient::connect(address, &label) {
-                        Ok(client) => {
+                .spawn(
+                    move || match connect_worker(options_w.cache_address.as_deref(), &label) {
+                        Ok(Some(client)) => {
                             let _ = ready.send(Ok(Some(client.id())));
-                            let source =
-                                CacheSource::new(client, address, &label, counters.reads.clone());
+                            let address = client.address().to_string();
+                            let reads = counters.reads.clone();
+                            let source = CacheSource::new(client, &address, &label, reads);
+                            worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
+                        }
+                        Ok(None) => {
+                            let _ = ready.send(Ok(None));
+                            let source = DiskSource::default();
                             worker_loop(source, &index, &clips, &options_w, &counters, tasks, done);
                         }
                         Err(err) => {
                             let _ = ready.send(Err(err.into()));
                         }
                     },
-                    None => {
-                        let _ = ready.send(Ok(None));
-                        worker_loop(
-                            DiskSource::default(),
-                            &index,
-                            &clips,
-                            &options_w,
-                            &counters,
-                            tasks,
-                            done,
-                        );
-                    }
-                })
+                )
                 .map_err(|e| PipelineError::Request(format!("cannot start loader thread: {e}")))?;
             threads.push(handle);
         }

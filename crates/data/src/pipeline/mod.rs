@@ -10,6 +10,7 @@
 pub mod announce;
 pub mod error;
 pub mod loader;
+pub mod node_workers;
 pub mod prefetch;
 pub mod read_order;
 pub mod sample;

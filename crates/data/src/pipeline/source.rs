@@ -5,7 +5,9 @@
 //! record (no room while everything is pinned, no memory on the node, a fill that
 //! did not finish in time: any refusal but a protocol error), the record is decoded
 //! into the worker's own buffer instead and counted as a bypass: never a failed
-//! batch.
+//! batch. So is a cached record whose header is not the layout the reader expects
+//! of the frame (another build's record, or files changed under the same key),
+//! counted as a layout mismatch in the server's stats too.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::cache::{CacheClient, CacheError, ClientOptions, FillTicket, Lease, Lookup};
 use crate::dataset::index::DatasetIndex;
-use crate::dataset::record::RecordView;
+use crate::dataset::record::{RecordLayout, RecordView};
 
 use super::error::Result;
 
@@ -82,6 +84,8 @@ pub struct CacheSource {
     counters: Arc<CacheCounters>,
     /// Where a record goes when the cache cannot take it.
     fallback: DiskSource,
+    /// Whether a cached record of another layout than expected was logged.
+    mismatch_warned: bool,
 }
 
 /// How often a loader without its server tries to reach one again.
@@ -105,6 +109,7 @@ impl CacheSource {
             retry_at: Instant::now(),
             counters,
             fallback: DiskSource::default(),
+            mismatch_warned: false,
         }
     }
 
@@ -131,6 +136,7 @@ impl CacheSource {
             client,
             counters,
             fallback,
+            mismatch_warned,
             ..
         } = self;
         let Some(client) = client.as_ref() else {
@@ -140,8 +146,20 @@ impl CacheSource {
             Err(err) if err.is_server_gone() => return Ok(Cached::Lost(err)),
             Err(err) => return Err(err.into()),
             Ok(Some(Lookup::Hit(lease))) => {
-                counters.hits.fetch_add(1, Ordering::Relaxed);
-                Some(lease)
+                let expected = index.record_layout(seq, frame);
+                if let Some(found) = layout_mismatch(&lease, key, expected) {
+                    client.count_layout_mismatch();
+                    if !std::mem::replace(mismatch_warned, true) {
+                        tracing::warn!(key, ?expected, %found,
+                            "a cached record is not laid out as this reader expects (another \
+                             build's, or its files changed): reading it from disk (counted as a \
+                             layout mismatch in `cache stats`; further ones are not logged)");
+                    }
+                    None
+                } else {
+                    counters.hits.fetch_add(1, Ordering::Relaxed);
+                    Some(lease)
+                }
             }
             Ok(Some(Lookup::Miss(ticket))) => {
                 counters.misses.fetch_add(1, Ordering::Relaxed);
@@ -185,6 +203,16 @@ impl CacheSource {
             }
             Err(_) => self.retry_at = Instant::now() + RECONNECT_EVERY,
         }
+    }
+}
+
+/// How a cached record differs from the `expected` layout of its frame (its
+/// header, or why it has none); `None` when it is that layout.
+fn layout_mismatch(record: &[u8], key: &str, expected: RecordLayout) -> Option<String> {
+    match RecordLayout::parse(record, key) {
+        Ok(layout) if layout == expected => None,
+        Ok(layout) => Some(format!("{layout:?}")),
+        Err(error) => Some(error.to_string()),
     }
 }
 

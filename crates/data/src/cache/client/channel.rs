@@ -146,6 +146,18 @@ impl CacheError {
         matches!(self, CacheError::ServerGone { .. } | CacheError::Broken)
     }
 
+    /// Whether the server refused this connection because every one of its
+    /// connections (pin pages) is taken: the caller reads from disk instead.
+    pub fn is_connection_refusal(&self) -> bool {
+        matches!(
+            self,
+            CacheError::Refused {
+                error: RequestError::TooManyConnections { .. },
+                ..
+            }
+        )
+    }
+
     /// Whether the cache could not take or give this record but is otherwise
     /// working: a refusal other than a protocol error (no room, no memory, too
     /// large, a fill that did not finish in time, no lease left), after which the

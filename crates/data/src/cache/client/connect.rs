@@ -13,8 +13,8 @@ use ipc_channel::ipc::{self, IpcSender};
 
 use super::super::admission::peer_of;
 use super::super::fdpass;
-use super::super::protocol::{Reply, Request, Welcome};
-use super::super::rendezvous::{self, Greeting};
+use super::super::protocol::{Reply, Request, RequestError, Welcome};
+use super::super::rendezvous::{self, Greeting, CACHE_PROTOCOL_VERSION};
 use super::super::rendezvous::{read_frame, socket_addr};
 use super::super::shm::{self, Mapping, StoreFd};
 use super::super::CacheError;
@@ -111,7 +111,15 @@ impl CacheClient {
             }
         };
         match greeting {
-            Some(Greeting::Channel(oneshot)) => Ok(Some((stream, oneshot))),
+            Some(Greeting::Channel { name, protocol }) if protocol == CACHE_PROTOCOL_VERSION => {
+                Ok(Some((stream, name)))
+            }
+            // Dropping the socket unacknowledged ends the server's side of it.
+            Some(Greeting::Channel { protocol, .. }) => Err(CacheError::ProtocolVersion {
+                address: address.to_string(),
+                server: protocol,
+                client: CACHE_PROTOCOL_VERSION,
+            }),
             Some(Greeting::Busy) => Ok(None),
             Some(Greeting::Refused) => Err(not_allowed()),
             None => Err(refused("the server's greeting made no sense".into())),
@@ -137,6 +145,7 @@ impl CacheClient {
             ipc::channel::<Reply>().map_err(|e| handshake_err(format!("reply channel: {e}")))?;
         requests
             .send(Request::Hello {
+                protocol: CACHE_PROTOCOL_VERSION,
                 name: name.to_string(),
                 job: options.job.clone(),
                 pid: std::process::id(),
@@ -149,7 +158,22 @@ impl CacheClient {
             .map_err(|e| handshake_err(e.to_string()))?;
         let welcome = recv_within(&replies, options.handshake_timeout)
             .map_err(|e| handshake_err(format!("no welcome: {e:?}")))?;
-        let welcome = welcome_of(welcome).map_err(handshake_err)?;
+        let welcome = match welcome {
+            Reply::Error(RequestError::ProtocolVersion { server, client }) => {
+                return Err(CacheError::ProtocolVersion {
+                    address: address.to_string(),
+                    server,
+                    client,
+                })
+            }
+            Reply::Error(error @ RequestError::TooManyConnections { .. }) => {
+                return Err(CacheError::Refused {
+                    request: "hello",
+                    error,
+                })
+            }
+            other => welcome_of(other).map_err(handshake_err)?,
+        };
         let mapping = map_store(&welcome, address, &stream).map_err(|e| match e {
             MapError::Handshake(message) => handshake_err(message),
             MapError::Cache(e) => e,

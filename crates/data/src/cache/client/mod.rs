@@ -198,6 +198,14 @@ impl CacheClient {
         self.own.page().set_progress(step);
     }
 
+    /// Counts a record this connection got whose layout was not what its reader
+    /// expected (the reader reads it from disk instead): written into this
+    /// connection's pin page (no message), shown by `cache stats` as a layout
+    /// mismatch.
+    pub fn count_layout_mismatch(&self) {
+        self.own.page().count_layout_mismatch();
+    }
+
     /// Room to fill `key`'s record of `len` bytes ahead of its announced use, if the
     /// server finds it worth it (see [`Prefetch`]).
     pub fn prefetch(&self, key: &str, len: u64) -> Result<Prefetch<'_>, CacheError> {

@@ -51,6 +51,15 @@ pub struct ServerConfig {
     /// all of them; an announcement past it is refused (the reader's cache then
     /// evicts its records by LRU), one past it on its own while it is decoded.
     pub read_order_budget: u64,
+    /// Connections it serves at once: the pin pages of its store, in the memfd the
+    /// clients map (a page of 4 KiB each; [`default_connections`](crate::cache::table::default_connections):
+    /// 8 a core of the node, at least 512). A connection past them is refused (a
+    /// loader worker then reads from disk).
+    pub connections: usize,
+    /// The protocol version it speaks: this build's
+    /// ([`CACHE_PROTOCOL_VERSION`](crate::cache::rendezvous::CACHE_PROTOCOL_VERSION));
+    /// another only in tests that play a server of another build.
+    pub protocol: u32,
 }
 
 /// How long a lingering server waits for its first client by default.
@@ -62,6 +71,8 @@ impl ServerConfig {
         ServerConfig {
             address: address.into(),
             cap_bytes,
+            protocol: super::super::rendezvous::CACHE_PROTOCOL_VERSION,
+            connections: super::super::table::default_connections(),
             reserve_headroom: DEFAULT_RESERVE_HEADROOM,
             record_bytes: None,
             fill_wait_timeout: Duration::from_secs(120),

@@ -57,7 +57,11 @@ fn open_channel(
     if shared.gate.admits_others(nix::unistd::geteuid().as_raw()) {
         handshake_dir::open_oneshot_to_others(&name, dir).map_err(|e| e.to_string())?;
     }
-    let greeting = Greeting::Channel(name.clone()).encode();
+    let greeting = Greeting::Channel {
+        name: name.clone(),
+        protocol: shared.config.protocol,
+    }
+    .encode();
     write_frame(stream, &greeting).map_err(|e| format!("sending channel name: {e}"))?;
     let mut ack = [0u8; 1];
     stream
@@ -117,6 +121,7 @@ fn handshake(
         .uid;
     let (requests, hello) = open_channel(shared, stream)?;
     let Request::Hello {
+        protocol,
         name,
         job,
         pid,
@@ -126,14 +131,17 @@ fn handshake(
     else {
         return Err(format!("first message was {}, not hello", hello.kind()));
     };
-    let connected = shared.store().and_then(|mut store| {
-        store.connect_as(ClientLabel {
-            name: name.clone(),
-            job,
-            pid,
-            uid,
-        })
-    });
+    let own = shared.config.protocol;
+    let connected = check_protocol(protocol, own)
+        .and_then(|()| shared.store())
+        .and_then(|mut store| {
+            store.connect_as(ClientLabel {
+                name: name.clone(),
+                job,
+                pid,
+                uid,
+            })
+        });
     let (client, pin_page) = match connected {
         Ok(parts) => parts,
         Err(error) => {
@@ -168,6 +176,18 @@ fn handshake(
     }
     debug!(client, %name, pid, "client connected");
     Ok((requests, reply, client))
+}
+
+/// A hello of `client`'s protocol version, to a server of version `own`: refused
+/// when they differ (the client leaves without attaching).
+fn check_protocol(client: u32, own: u32) -> Result<(), RequestError> {
+    match client == own {
+        true => Ok(()),
+        false => Err(RequestError::ProtocolVersion {
+            server: own,
+            client,
+        }),
+    }
 }
 
 pub(super) fn serve_connection(shared: &Shared, mut stream: UnixStream, slot: HandshakeSlot) {
@@ -249,4 +269,22 @@ fn wait_until_closed(stream: &mut UnixStream) {
     }
     let mut buf = [0u8; 64];
     while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hello_of_another_protocol_version_is_refused_naming_both() {
+        assert_eq!(check_protocol(3, 3), Ok(()));
+        let refused = check_protocol(2, 3).map_err(|e| e.to_string());
+        assert_eq!(
+            refused,
+            Err(
+                "the client speaks cache protocol version 2 and this server speaks version 3"
+                    .into()
+            )
+        );
+    }
 }

@@ -140,7 +140,8 @@ impl Server {
         })?;
         let handshake_dir = handshake_dir::prepare()?;
         let gate = Gate::new(config.allowed_uids.clone(), config.handshake_limits);
-        let layout = Layout::for_store(config.cap_bytes, config.record_bytes);
+        let layout = Layout::for_store(config.cap_bytes, config.record_bytes)
+            .with_connections(config.connections);
         check_cap_fits(layout.total_bytes())?;
         let segment = Arc::new(Segment::create(layout.total_bytes())?);
         let headroom = config.reserve_headroom;

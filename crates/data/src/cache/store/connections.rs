@@ -8,9 +8,8 @@
 use std::collections::HashMap;
 
 use super::super::ids::ClientId;
-use super::super::pins::PinPage;
+use super::super::pins::{PageCounts, PinPage};
 use super::super::protocol::RequestError;
-use super::super::table::MAX_CONNECTIONS;
 
 /// One connected client.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,8 +39,8 @@ pub struct ClientLabel {
 pub struct Departed {
     /// The connection that left.
     pub connection: Connection,
-    /// Hits it counted in shared memory.
-    pub shared_hits: u64,
+    /// What it counted in shared memory.
+    pub shared: PageCounts,
 }
 
 /// The connected and retired clients.
@@ -56,26 +55,19 @@ pub struct Connections {
     read_tails: Vec<u64>,
 }
 
-impl Default for Connections {
-    fn default() -> Self {
-        Connections::new()
-    }
-}
-
 impl Connections {
-    /// No connection, every page free.
-    pub fn new() -> Connections {
+    /// No connection, each of `pages` pages free.
+    pub fn new(pages: usize) -> Connections {
         Connections {
             by_id: HashMap::new(),
             retired: HashMap::new(),
-            free_pages: (0..MAX_CONNECTIONS).rev().collect(),
-            read_tails: vec![0; MAX_CONNECTIONS],
+            free_pages: (0..pages).rev().collect(),
+            read_tails: vec![0; pages],
         }
     }
 
     /// Registers client `id` and gives it a page, cleared and owned by `id`;
-    /// refused when all [`MAX_CONNECTIONS`] pages are taken (by connected or
-    /// retired connections).
+    /// refused when all pages are taken (by connected or retired connections).
     pub fn connect<'p>(
         &mut self,
         id: ClientId,
@@ -89,7 +81,7 @@ impl Connections {
         }
         let Some(page) = self.free_pages.pop() else {
             return Err(RequestError::TooManyConnections {
-                max: MAX_CONNECTIONS,
+                max: self.read_tails.len(),
             });
         };
         page_of(page).reset(id);
@@ -106,12 +98,9 @@ impl Connections {
         page_of: impl Fn(usize) -> PinPage<'p>,
     ) -> Option<Departed> {
         let connection = self.by_id.remove(&id)?;
-        let shared_hits = page_of(connection.page).retire();
+        let shared = page_of(connection.page).retire();
         self.retired.insert(id, connection.page);
-        Some(Departed {
-            connection,
-            shared_hits,
-        })
+        Some(Departed { connection, shared })
     }
 
     /// Client `id` is gone for good (its rendezvous socket closed): its retired
@@ -184,10 +173,11 @@ mod tests {
         }
     }
 
+    /// Pages of the tests' connections.
+    const PAGES: usize = 512;
+
     fn pages() -> Vec<AtomicU64> {
-        (0..MAX_CONNECTIONS * PAGE_WORDS)
-            .map(|_| AtomicU64::new(0))
-            .collect()
+        (0..PAGES * PAGE_WORDS).map(|_| AtomicU64::new(0)).collect()
     }
 
     fn page_of<'w>(words: &'w [AtomicU64]) -> impl Fn(usize) -> PinPage<'w> {
@@ -197,8 +187,8 @@ mod tests {
     #[test]
     fn pages_run_out_and_come_back_only_when_forgotten() {
         let words = pages();
-        let mut conns = Connections::new();
-        let got: Vec<usize> = (0..MAX_CONNECTIONS as u64)
+        let mut conns = Connections::new(PAGES);
+        let got: Vec<usize> = (0..PAGES as u64)
             .map(|id| {
                 conns
                     .connect(id + 1, label(format!("c{id}"), 7), page_of(&words))
@@ -209,12 +199,7 @@ mod tests {
         let err = conns
             .connect(9999, label("late".into(), 7), page_of(&words))
             .unwrap_err();
-        assert_eq!(
-            err,
-            RequestError::TooManyConnections {
-                max: MAX_CONNECTIONS
-            }
-        );
+        assert_eq!(err, RequestError::TooManyConnections { max: PAGES });
         let gone = conns.disconnect(8, page_of(&words)).unwrap();
         assert_eq!(gone.connection.page, got[7]);
         assert!(
@@ -235,7 +220,7 @@ mod tests {
     #[test]
     fn a_retired_connection_keeps_pinning_until_forgotten() {
         let words = pages();
-        let mut conns = Connections::new();
+        let mut conns = Connections::new(PAGES);
         let a = conns
             .connect(1, label("a".into(), 10), page_of(&words))
             .unwrap();
@@ -248,7 +233,7 @@ mod tests {
         pa.count_hit();
         let gone = conns.disconnect(1, page_of(&words)).unwrap();
         assert_eq!(
-            (gone.shared_hits, gone.connection.who.name.as_str()),
+            (gone.shared.hits, gone.connection.who.name.as_str()),
             (2, "a")
         );
         assert_eq!(

@@ -134,6 +134,7 @@ impl Store {
         pins: PinPages,
         reservations: Reservations,
     ) -> Store {
+        let pages = pins.count();
         Store {
             store_id,
             arena: Arena::new(cap, table.slots()),
@@ -143,7 +144,7 @@ impl Store {
             read_orders: ReadOrders::new(),
             clock: Clock::real(),
             index: RecordIndex::new(),
-            connections: Connections::new(),
+            connections: Connections::new(pages),
             fills: Fills::new(),
             stats: StoreStats::new(),
             reservations,
@@ -167,7 +168,8 @@ impl Store {
         let layout = table::Layout::for_store(cap, record_bytes);
         let table = TableWriter::on_heap(cap, layout.slots);
         let reservations = Reservations::new(reserver, 0);
-        Store::new(store_id, cap, table, PinPages::on_heap(), reservations)
+        let pins = PinPages::on_heap(layout.connections);
+        Store::new(store_id, cap, table, pins, reservations)
     }
 
     /// Sets the store's clock (tests and simulations move a manual one).
@@ -197,7 +199,7 @@ impl Store {
 
     /// Registers a connection of this process's user with no job (tests and
     /// single-process tools); returns its id and its pin page, or an error when all
-    /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) pages are taken.
+    /// its pin pages are taken.
     pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
         self.connect_as(ClientLabel {
             name,
@@ -231,7 +233,7 @@ impl Store {
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
         };
-        self.stats.disconnected(client, gone.shared_hits);
+        self.stats.disconnected(client, gone.shared);
         let abandoned = self.fills.abandon_all(client);
         for fill in &abandoned {
             self.stats.count(fill.client, Event::FillAbandoned);

@@ -1,5 +1,6 @@
 //! The store's stats report: the figures of its parts, plus what clients did in
-//! their pin pages without a message (leases, hits), read from there.
+//! their pin pages without a message (leases, hits, layout mismatches), read from
+//! there.
 
 use std::collections::HashMap;
 
@@ -29,9 +30,9 @@ impl Store {
             .map(|(id, c)| {
                 let page = self.pins.page(c.page);
                 let mut counters = self.stats.client(id);
-                let shared_hits = page.hits();
-                counters.hits += shared_hits;
-                totals.hits += shared_hits;
+                let shared = page.counts();
+                counters.add_page(shared);
+                totals.add_page(shared);
                 ClientStats {
                     id,
                     name: c.who.name.clone(),
@@ -101,6 +102,8 @@ impl Store {
             let own = self.stats.client(client.id);
             job.clients += 1;
             job.counters.hits += client.counters.hits - own.hits;
+            job.counters.layout_mismatches +=
+                client.counters.layout_mismatches - own.layout_mismatches;
             job.leases_held += client.leases_held;
         }
         for job in &mut jobs {

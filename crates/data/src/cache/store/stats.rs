@@ -1,12 +1,13 @@
 //! The store's counters: per client and in total, evictions, refusals and fill
-//! latency. Hits that clients take in shared memory are counted there, in their pin
-//! pages; they are added in here when a report is made and folded into the totals
+//! latency. Hits that clients take in shared memory (and the layout mismatches they
+//! find) are counted there, in their pin pages; they are added in here when a report is made and folded into the totals
 //! when their client disconnects.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::super::ids::ClientId;
+use super::super::pins::PageCounts;
 use super::super::stats::{Counters, LatencyMs, LatencyWindow};
 
 /// Something the store counts.
@@ -88,13 +89,13 @@ impl StoreStats {
         self.jobs.joined(client, job);
     }
 
-    /// Stops counting for a client, folding the hits it counted in shared memory
+    /// Stops counting for a client, folding what it counted in shared memory
     /// into the totals and its job's.
-    pub fn disconnected(&mut self, client: ClientId, shared_hits: u64) {
+    pub fn disconnected(&mut self, client: ClientId, shared: PageCounts) {
         self.per_client.remove(&client);
-        self.totals.hits += shared_hits;
+        self.totals.add_page(shared);
         if let Some(job) = self.jobs.left(client) {
-            job.hits += shared_hits;
+            job.add_page(shared);
         }
     }
 
@@ -238,13 +239,21 @@ mod tests {
         assert!((stats.fill_latency().max - 3.0).abs() < 1e-9);
     }
 
+    /// What a pin page with `n` hits and nothing else counted holds.
+    fn hits(n: u64) -> PageCounts {
+        PageCounts {
+            hits: n,
+            layout_mismatches: 0,
+        }
+    }
+
     #[test]
     fn a_disconnect_keeps_the_totals_and_adds_the_shared_hits() {
         let mut stats = StoreStats::new();
         stats.connected(1, "job a");
         stats.count(1, Event::Wait);
         stats.count(1, Event::FillAbandoned);
-        stats.disconnected(1, 5);
+        stats.disconnected(1, hits(5));
         stats.count(1, Event::FillAbandoned);
         assert_eq!(stats.client(1), Counters::default());
         let totals = stats.totals();
@@ -252,6 +261,16 @@ mod tests {
             (totals.hits, totals.waits, totals.fills_abandoned),
             (5, 1, 2)
         );
+        stats.connected(2, "job a");
+        let shared = PageCounts {
+            hits: 3,
+            layout_mismatches: 2,
+        };
+        stats.disconnected(2, shared);
+        let totals = stats.totals();
+        assert_eq!((totals.hits, totals.layout_mismatches), (8, 2));
+        let job = stats.jobs().iter().find(|(j, _)| *j == "job a");
+        assert_eq!(job.map(|(_, c)| c.layout_mismatches), Some(2));
         stats.evicted();
         assert_eq!(stats.evictions(), 1);
     }
@@ -265,8 +284,8 @@ mod tests {
         stats.count(1, Event::Miss);
         stats.fill_committed(2, 10, Duration::from_millis(1));
         stats.count(3, Event::Hit);
-        stats.disconnected(1, 4);
-        stats.disconnected(2, 0);
+        stats.disconnected(1, hits(4));
+        stats.disconnected(2, hits(0));
         let jobs: HashMap<&str, Counters> = stats.jobs().iter().map(|(j, c)| (j, *c)).collect();
         let a = jobs["a"];
         assert_eq!((a.hits, a.misses, a.fills, a.bytes_filled), (4, 1, 1, 10));
@@ -275,7 +294,7 @@ mod tests {
         assert_eq!(stats.jobs().job_of(1), None);
         for n in 0..Jobs::MAX_ENDED as u64 {
             stats.connected(10 + n, &format!("later {n}"));
-            stats.disconnected(10 + n, 0);
+            stats.disconnected(10 + n, hits(0));
         }
         let kept: Vec<&str> = stats.jobs().iter().map(|(j, _)| j).collect();
         assert!(!kept.contains(&"a"), "the oldest ended job goes: {kept:?}");

@@ -1,6 +1,6 @@
 use super::*;
 use crate::cache::pins::LeaseWord;
-use crate::cache::table::MAX_CONNECTIONS;
+use crate::cache::table::MIN_CONNECTIONS;
 
 const MB: u64 = 1 << 20;
 const P: u64 = SLOT_ALIGN;
@@ -402,14 +402,15 @@ fn descriptors_run_out_before_bytes_and_eviction_frees_one() {
 #[test]
 fn connections_beyond_the_pin_pages_are_refused_until_one_is_forgotten() {
     let mut store = Store::on_heap(1, MB, None);
-    let ids: Vec<ClientId> = (0..MAX_CONNECTIONS)
+    // A store on the heap has the fewest pages a server has.
+    let ids: Vec<ClientId> = (0..MIN_CONNECTIONS)
         .map(|i| store.connect(format!("c{i}"), 1).unwrap().0)
         .collect();
     let err = store.connect("one too many".into(), 1).unwrap_err();
     assert_eq!(
         err,
         RequestError::TooManyConnections {
-            max: MAX_CONNECTIONS
+            max: MIN_CONNECTIONS
         }
     );
     assert!(err.to_string().contains("512"), "{err}");
@@ -417,7 +418,7 @@ fn connections_beyond_the_pin_pages_are_refused_until_one_is_forgotten() {
     assert!(store.connect("late".into(), 1).is_err());
     store.forget(ids[7]);
     let (_, page) = store.connect("late".into(), 1).unwrap();
-    assert!(page < MAX_CONNECTIONS);
+    assert!(page < MIN_CONNECTIONS);
 }
 
 #[test]
