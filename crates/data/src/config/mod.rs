@@ -253,6 +253,20 @@ pub(crate) fn invalid(section: &str, key: &str, message: impl Into<String>) -> (
     (format!("{section}.{key}"), message.into())
 }
 
+/// The first of the `(key, value)` counts under `section` below `min`, as a failed
+/// check (`expected at least 1`, or `expected 0 or more`).
+pub(crate) fn at_least<T: PartialOrd + From<u8>>(
+    section: &str,
+    min: u8,
+    counts: impl IntoIterator<Item = (&'static str, T)>,
+) -> Result<(), (String, String)> {
+    match counts.into_iter().find(|(_, value)| *value < T::from(min)) {
+        Some((key, _)) if min == 0 => Err(invalid(section, key, "expected 0 or more")),
+        Some((key, _)) => Err(invalid(section, key, format!("expected at least {min}"))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
