@@ -175,8 +175,9 @@ impl Config {
     /// One line per key that is accepted but has no equivalent here, saying what
     /// happens instead; binaries print these at start.
     pub fn notices(&self) -> Vec<String> {
-        let mut out = self.model.notices();
-        out.extend(self.dataloader.notices());
+        // `MODEL` gives none: every key, the activation-checkpointing flags
+        // included, is implemented.
+        let mut out = self.dataloader.notices();
         out.extend(self.train.notices());
         out
     }

@@ -365,12 +365,6 @@ impl Default for UnetConfig {
 }
 
 impl ModelConfig {
-    /// One-line notices for keys accepted without an equivalent here (none: every
-    /// `MODEL` key, the activation-checkpointing flags included, is implemented).
-    pub(super) fn notices(&self) -> Vec<String> {
-        Vec::new()
-    }
-
     /// The chunking of the temporal spike attention (its keys, else `FUSE`'s).
     pub fn tsa_chunking(&self) -> Chunking {
         self.spike_tsa.chunking(&self.fuse)
