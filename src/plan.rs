@@ -516,11 +516,6 @@ impl Plan {
     }
 }
 
-/// Parses a size such as `256G`, `48GiB`, `512M` or `1024` (bytes); units are binary.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    crate::util::bytes::parse_size(text).map_err(|e| e.to_string())
-}
-
 /// What one measured step took.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Measured {
@@ -687,16 +682,6 @@ mod tests {
             p.host_total,
             2 * GB + (256 << 20) + 2 * p.rank_loader + 2 * 16_000_000
         );
-    }
-
-    #[test]
-    fn sizes_parse_with_binary_units() {
-        assert_eq!(parse_size("256G"), Ok(256 * GB));
-        assert_eq!(parse_size("48GiB"), Ok(48 * GB));
-        assert_eq!(parse_size("512m"), Ok(512 << 20));
-        assert_eq!(parse_size("1024"), Ok(1024));
-        assert!(parse_size("lots").is_err());
-        assert!(parse_size("3X").is_err());
     }
 
     #[test]

@@ -88,7 +88,7 @@ fn mixed(dir: &Path) -> (Arc<DatasetIndex>, Arc<ClipIndex>) {
         seed: 2,
     };
     let blur = BlurLengths::cycle(vec![7, 11, 7, 11, 13]).unwrap();
-    synth::generate_folder_with(dir, &options, &blur, &|_| {}).unwrap();
+    synth::generate(dir, &options, &blur, &|_| {}, synth::Layout::Folder).unwrap();
     let index = DatasetIndex::open_folder(dir, "train", IndexOptions::default()).unwrap();
     let clips = ClipIndex::new(&index, ClipWindows::sliding(2));
     (Arc::new(index), Arc::new(clips))

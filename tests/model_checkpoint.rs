@@ -15,7 +15,7 @@ use vrtspike::model::attention::{GroupSpec, Tmsag};
 use vrtspike::model::checkpoint::{checkpoint, checkpoint_one, Checkpointing};
 use vrtspike::model::spike::SpikeBranch;
 use vrtspike::model::window::MaskCache;
-use vrtspike::model::{ModelError, Vrt};
+use vrtspike::model::{ModelError, Restorer, Vrt};
 
 /// The global RNG is shared by the test threads: seeded runs take turns.
 static RNG: Mutex<()> = Mutex::new(());

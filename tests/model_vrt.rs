@@ -8,7 +8,7 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 use vrtspike::config::{ChunkShape, Config, ModelConfig};
 use vrtspike::model::precision::{cpu_autocast, AutocastDtype};
-use vrtspike::model::{self, load_safetensors, save_safetensors, summarize, Vrt};
+use vrtspike::model::{self, load_safetensors, save_safetensors, summarize, Restorer, Vrt};
 
 fn config(path: &str) -> ModelConfig {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

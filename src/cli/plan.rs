@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use vrtspike::config::Config;
-use vrtspike::plan::{dataset_facts, model_params, parse_size, plan, Machine};
+use vrtspike::plan::{dataset_facts, model_params, plan, Machine};
 use vrtspike::train::measure::measure_step;
+use vrtspike::util::bytes::parse_size;
 
 /// Arguments of `plan`.
 #[derive(Args)]

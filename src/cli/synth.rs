@@ -79,12 +79,12 @@ pub fn run(args: SynthArgs) -> Result<()> {
         true => BlurLengths::Drawn,
         false => BlurLengths::cycle(args.blur_frames.clone()).context("--blur-frames")?,
     };
-    let meta = if args.h5 {
-        synth::generate_h5_with(&args.out, &options, &blur, &progress)
-    } else {
-        synth::generate_folder_with(&args.out, &options, &blur, &progress)
-    }
-    .with_context(|| format!("writing a synthetic dataset to {}", args.out.display()))?;
+    let layout = match args.h5 {
+        true => synth::Layout::H5,
+        false => synth::Layout::Folder,
+    };
+    let meta = synth::generate(&args.out, &options, &blur, &progress, layout)
+        .with_context(|| format!("writing a synthetic dataset to {}", args.out.display()))?;
     bar.finish_and_clear();
     if let Some(bins) = args.voxels {
         let written = synth::write_precomputed_voxels(&args.out, bins)

@@ -242,61 +242,6 @@ impl PartMarks for NoMarks {
     fn part(&mut self, _: &str) {}
 }
 
-impl Restorer for Vrt {
-    fn arch(&self) -> &'static str {
-        Arch::VrtSpike.name()
-    }
-    fn uses_voxels(&self) -> bool {
-        self.has_spike_branch()
-    }
-    fn forward(
-        &self,
-        blur: &Tensor,
-        voxels: Option<&Tensor>,
-        train: bool,
-    ) -> Result<Tensor, ModelError> {
-        Vrt::forward(self, blur, voxels, train)
-    }
-    fn parts(&self) -> Vec<(String, String)> {
-        Vrt::parts(self)
-    }
-    fn size_multiple(&self) -> i64 {
-        8
-    }
-    fn forward_marked(
-        &self,
-        blur: &Tensor,
-        voxels: Option<&Tensor>,
-        train: bool,
-        marks: &mut dyn PartMarks,
-    ) -> Result<Tensor, ModelError> {
-        Vrt::forward_marked(self, blur, voxels, train, marks)
-    }
-}
-
-impl Restorer for UnetSpike {
-    fn arch(&self) -> &'static str {
-        Arch::UnetSpike.name()
-    }
-    fn uses_voxels(&self) -> bool {
-        self.has_spike_input()
-    }
-    fn forward(
-        &self,
-        blur: &Tensor,
-        voxels: Option<&Tensor>,
-        train: bool,
-    ) -> Result<Tensor, ModelError> {
-        UnetSpike::forward(self, blur, voxels, train)
-    }
-    fn parts(&self) -> Vec<(String, String)> {
-        UnetSpike::parts(self)
-    }
-    fn size_multiple(&self) -> i64 {
-        UnetSpike::size_multiple(self)
-    }
-}
-
 /// Builds the model `MODEL.ARCH` names under `vs` (use the VarStore's root so that
 /// variable names equal the reference's state_dict keys).
 pub fn build(vs: &nn::Path, cfg: &ModelConfig) -> Result<Box<dyn Restorer>, ModelError> {

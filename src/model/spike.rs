@@ -478,11 +478,6 @@ impl SpikeBranch {
         self.tsa_chunks = chunks.chunking();
     }
 
-    /// Sets how the temporal attention alone is chunked (memory only; same result).
-    pub fn set_tsa_chunks(&mut self, chunks: Chunking) {
-        self.tsa_chunks = chunks;
-    }
-
     /// The chunking of the fusion attention.
     pub fn fuse_chunking(&self) -> Chunking {
         self.fuse_chunks

@@ -6,8 +6,8 @@
 use tch::{nn, TchError, Tensor};
 
 use super::layers::{f_leaky_relu, Conv};
-use super::{AtStage, ModelError};
-use crate::config::ModelConfig;
+use super::{AtStage, ModelError, Restorer};
+use crate::config::{Arch, ModelConfig};
 
 /// The compact U-Net (`head`, `down.{l}`, `mid`, `up.{l}`, `tail`).
 #[derive(Debug)]
@@ -98,19 +98,6 @@ impl UnetSpike {
         self.bins.is_some()
     }
 
-    /// Heights and widths must be multiples of this (`2^LEVELS`).
-    pub fn size_multiple(&self) -> i64 {
-        1 << self.levels
-    }
-
-    /// Parameter groups for summaries.
-    pub fn parts(&self) -> Vec<(String, String)> {
-        ["head", "down", "mid", "up", "tail"]
-            .iter()
-            .map(|s| (s.to_string(), s.to_string()))
-            .collect()
-    }
-
     fn check(&self, blur: &Tensor, voxels: Option<&Tensor>) -> Result<(), ModelError> {
         let s = blur.size();
         let m = 1i64 << self.levels;
@@ -148,18 +135,6 @@ impl UnetSpike {
             )),
             (None, _) => Ok(()),
         }
-    }
-
-    /// (N, D, C, H, W) blur (+ voxels (N, D, K, Hs, Ws)) to the restored clip.
-    pub fn forward(
-        &self,
-        blur: &Tensor,
-        voxels: Option<&Tensor>,
-        _train: bool,
-    ) -> Result<Tensor, ModelError> {
-        self.check(blur, voxels)?;
-        let input = self.input(blur, voxels).at_stage("U-Net input")?;
-        self.body(&input, blur).at_stage("U-Net")
     }
 
     /// The blur with the voxels (resized to the frames) stacked on its channels.
@@ -201,5 +176,40 @@ impl UnetSpike {
         }
         let residual = self.tail.f_forward(&x)?.f_transpose(1, 2)?;
         residual.f_add(blur)
+    }
+}
+
+impl Restorer for UnetSpike {
+    fn arch(&self) -> &'static str {
+        Arch::UnetSpike.name()
+    }
+
+    fn uses_voxels(&self) -> bool {
+        self.has_spike_input()
+    }
+
+    /// Heights and widths must be multiples of this (`2^LEVELS`).
+    fn size_multiple(&self) -> i64 {
+        1 << self.levels
+    }
+
+    /// Parameter groups for summaries.
+    fn parts(&self) -> Vec<(String, String)> {
+        ["head", "down", "mid", "up", "tail"]
+            .iter()
+            .map(|s| (s.to_string(), s.to_string()))
+            .collect()
+    }
+
+    /// (N, D, C, H, W) blur (+ voxels (N, D, K, Hs, Ws)) to the restored clip.
+    fn forward(
+        &self,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        _train: bool,
+    ) -> Result<Tensor, ModelError> {
+        self.check(blur, voxels)?;
+        let input = self.input(blur, voxels).at_stage("U-Net input")?;
+        self.body(&input, blur).at_stage("U-Net")
     }
 }

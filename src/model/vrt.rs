@@ -13,8 +13,8 @@ use super::flow::{flow_warp, SpyNet, WarpMode};
 use super::layers::{Conv, LayerNorm, Linear, MlpGeglu};
 use super::spike::SpikeBranch;
 use super::window::MaskCache;
-use super::{AtStage, ModelError};
-use crate::config::ModelConfig;
+use super::{AtStage, ModelError, NoMarks, PartMarks, Restorer};
+use crate::config::{Arch, ModelConfig};
 
 /// The stage name of a stage's parallel warping (alignment and fusion).
 const WARP: &str = "parallel warping";
@@ -440,26 +440,80 @@ impl Vrt {
         }
     }
 
+    /// Stage 8 on stage 7's output plus `x1` (N, C, D, H, W): channel-last (N, D, H, W, C).
+    fn stage8(&self, y: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        const STAGE8: &str = "stage 8";
+        let y = y.f_permute([0, 2, 3, 4, 1]).at_stage(STAGE8)?;
+        let y = self.stage8_norm.f_forward(&y).at_stage(STAGE8)?;
+        let mut y = self.stage8_linear.f_forward(&y).at_stage(STAGE8)?;
+        for (i, group) in self.stage8.iter().enumerate() {
+            y = group
+                .forward(&y, train)
+                .at_stage(&format!("{STAGE8}, RTMSA group {}", i + 1))?;
+        }
+        Ok(y)
+    }
+
+    /// The restored clip (N, D, C, H, W) from stage 8's output, the first features
+    /// and the input `x`.
+    fn reconstruct(&self, y: &Tensor, feat: &Tensor, x: &Tensor) -> Result<Tensor, TchError> {
+        let body = self
+            .conv_after_body
+            .f_forward(&self.norm.f_forward(y)?)?
+            .f_permute([0, 4, 1, 2, 3])?;
+        let out = self
+            .conv_last
+            .f_forward(&feat.f_add(&body)?)?
+            .f_transpose(1, 2)?;
+        out.f_add(x)
+    }
+
+    /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
+    pub fn has_spike_branch(&self) -> bool {
+        self.spike.is_some()
+    }
+
+    /// Sets how the spike branch chunks its per-pixel attention (no effect without it).
+    pub fn set_chunks(&mut self, chunks: crate::config::FuseConfig) {
+        if let Some(branch) = &mut self.spike {
+            branch.set_chunks(chunks);
+        }
+    }
+}
+
+impl Restorer for Vrt {
+    fn arch(&self) -> &'static str {
+        Arch::VrtSpike.name()
+    }
+
+    fn uses_voxels(&self) -> bool {
+        self.has_spike_branch()
+    }
+
+    fn size_multiple(&self) -> i64 {
+        8
+    }
+
     /// Deblurs (N, D, C, H, W) in [0, 1]; `voxels` (N, D, K, Hs, Ws) when the spike
     /// branch is on. Returns (N, D, C, H, W).
-    pub fn forward(
+    fn forward(
         &self,
         x: &Tensor,
         voxels: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        self.forward_marked(x, voxels, train, &mut super::NoMarks)
+        self.forward_marked(x, voxels, train, &mut NoMarks)
     }
 
-    /// As [`Vrt::forward`], telling `marks` as each part ends (flows, conv_first, spike
+    /// As [`Restorer::forward`], telling `marks` as each part ends (flows, conv_first, spike
     /// encoder, stages 1-8, reconstruction) so a profiler can time them; the parts on
     /// the main path (all but the flows and the spike encoder) pass their output.
-    pub fn forward_marked(
+    fn forward_marked(
         &self,
         x: &Tensor,
         voxels: Option<&Tensor>,
         train: bool,
-        marks: &mut dyn super::PartMarks,
+        marks: &mut dyn PartMarks,
     ) -> Result<Tensor, ModelError> {
         self.check(x, voxels)?;
         let (backward, forward) = self.flows(x).at_stage("SpyNet flows")?;
@@ -506,48 +560,8 @@ impl Vrt {
         Ok(out)
     }
 
-    /// Stage 8 on stage 7's output plus `x1` (N, C, D, H, W): channel-last (N, D, H, W, C).
-    fn stage8(&self, y: &Tensor, train: bool) -> Result<Tensor, ModelError> {
-        const STAGE8: &str = "stage 8";
-        let y = y.f_permute([0, 2, 3, 4, 1]).at_stage(STAGE8)?;
-        let y = self.stage8_norm.f_forward(&y).at_stage(STAGE8)?;
-        let mut y = self.stage8_linear.f_forward(&y).at_stage(STAGE8)?;
-        for (i, group) in self.stage8.iter().enumerate() {
-            y = group
-                .forward(&y, train)
-                .at_stage(&format!("{STAGE8}, RTMSA group {}", i + 1))?;
-        }
-        Ok(y)
-    }
-
-    /// The restored clip (N, D, C, H, W) from stage 8's output, the first features
-    /// and the input `x`.
-    fn reconstruct(&self, y: &Tensor, feat: &Tensor, x: &Tensor) -> Result<Tensor, TchError> {
-        let body = self
-            .conv_after_body
-            .f_forward(&self.norm.f_forward(y)?)?
-            .f_permute([0, 4, 1, 2, 3])?;
-        let out = self
-            .conv_last
-            .f_forward(&feat.f_add(&body)?)?
-            .f_transpose(1, 2)?;
-        out.f_add(x)
-    }
-
-    /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
-    pub fn has_spike_branch(&self) -> bool {
-        self.spike.is_some()
-    }
-
-    /// Sets how the spike branch chunks its per-pixel attention (no effect without it).
-    pub fn set_chunks(&mut self, chunks: crate::config::FuseConfig) {
-        if let Some(branch) = &mut self.spike {
-            branch.set_chunks(chunks);
-        }
-    }
-
     /// Top-level parameter groups for summaries: (prefix, label).
-    pub fn parts(&self) -> Vec<(String, String)> {
+    fn parts(&self) -> Vec<(String, String)> {
         let mut parts = vec![
             ("spynet".to_string(), "SpyNet".to_string()),
             ("conv_first".to_string(), "conv_first".to_string()),

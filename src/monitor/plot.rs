@@ -45,6 +45,14 @@ struct Panel {
     curves: Vec<Curve>,
 }
 
+/// The colours of the curves.
+const BLUE: RGBColor = RGBColor(20, 70, 170);
+const LIGHT_BLUE: RGBColor = RGBColor(150, 190, 235);
+const GREEN: RGBColor = RGBColor(0, 140, 60);
+const ORANGE: RGBColor = RGBColor(200, 100, 0);
+const PURPLE: RGBColor = RGBColor(160, 40, 160);
+const GREY: RGBColor = RGBColor(120, 120, 120);
+
 fn curve(label: &str, points: Vec<(f64, f64)>, color: RGBColor, width: u32) -> Curve {
     Curve {
         label: label.to_string(),
@@ -52,6 +60,14 @@ fn curve(label: &str, points: Vec<(f64, f64)>, color: RGBColor, width: u32) -> C
         color,
         width,
         marks: false,
+    }
+}
+
+/// The curve with a mark at each point (sparse series such as validation).
+fn marked(curve: Curve) -> Curve {
+    Curve {
+        marks: true,
+        ..curve
     }
 }
 
@@ -104,120 +120,65 @@ fn scaled(points: Vec<(f64, f64)>, factor: f64) -> Vec<(f64, f64)> {
 
 /// The six panels of `run`.
 fn panels(run: &RunData) -> Vec<Panel> {
-    let series = RunData::series;
-    let loss = series(&run.train, "loss");
+    let train = |column| RunData::series(&run.train, column);
+    let val = |column| RunData::series(&run.val, column);
+    let gib = |column| scaled(RunData::series(&run.memory, column), 1.0 / 1024.0);
+    let loss = train("loss");
     let smoothed = smooth(&loss, smoothing_weight(loss.len()));
-    let gb = 1.0 / 1024.0;
-    let mut val = curve(
-        "output",
-        series(&run.val, "val_psnr"),
-        RGBColor(0, 140, 60),
-        3,
-    );
-    let mut input = curve(
-        "input (blurry)",
-        series(&run.val, "input_psnr"),
-        RGBColor(120, 120, 120),
-        2,
-    );
-    val.marks = true;
-    input.marks = true;
+    let panel = |title, y_label, curves| Panel {
+        title,
+        y_label,
+        curves,
+    };
     vec![
-        Panel {
-            title: "training loss",
-            y_label: "Charbonnier loss",
-            curves: vec![
-                curve("raw", loss, RGBColor(150, 190, 235), 1),
-                curve("smoothed", smoothed, RGBColor(20, 70, 170), 3),
-                curve(
-                    "input (blurry)",
-                    series(&run.train, "input_loss"),
-                    RGBColor(120, 120, 120),
-                    2,
-                ),
+        panel(
+            "training loss",
+            "Charbonnier loss",
+            vec![
+                curve("raw", loss, LIGHT_BLUE, 1),
+                curve("smoothed", smoothed, BLUE, 3),
+                curve("input (blurry)", train("input_loss"), GREY, 2),
             ],
-        },
-        Panel {
-            title: "validation PSNR",
-            y_label: "PSNR (dB)",
-            curves: vec![val, input],
-        },
-        Panel {
-            title: "throughput",
-            y_label: "samples/s",
-            curves: vec![curve(
-                "samples/s",
-                series(&run.train, "samples_per_s"),
-                RGBColor(200, 100, 0),
-                2,
-            )],
-        },
-        Panel {
-            title: "time per step",
-            y_label: "ms",
-            curves: vec![
-                curve(
-                    "step",
-                    series(&run.train, "step_time_ms"),
-                    RGBColor(20, 70, 170),
-                    2,
-                ),
-                curve(
-                    "data wait",
-                    series(&run.train, "data_time_ms"),
-                    RGBColor(160, 40, 160),
-                    2,
-                ),
-                curve(
-                    "communication",
-                    series(&run.train, "comm_time_ms"),
-                    RGBColor(200, 100, 0),
-                    2,
-                ),
+        ),
+        panel(
+            "validation PSNR",
+            "PSNR (dB)",
+            vec![
+                marked(curve("output", val("val_psnr"), GREEN, 3)),
+                marked(curve("input (blurry)", val("input_psnr"), GREY, 2)),
             ],
-        },
-        Panel {
-            title: "host memory",
-            y_label: "GiB",
-            curves: vec![
-                curve(
-                    "process Pss",
-                    scaled(series(&run.memory, "pss_mb"), gb),
-                    RGBColor(20, 70, 170),
-                    2,
-                ),
-                curve(
-                    "system used",
-                    scaled(series(&run.memory, "sys_used_mb"), gb),
-                    RGBColor(120, 120, 120),
-                    2,
-                ),
+        ),
+        panel(
+            "throughput",
+            "samples/s",
+            vec![curve("samples/s", train("samples_per_s"), ORANGE, 2)],
+        ),
+        panel(
+            "time per step",
+            "ms",
+            vec![
+                curve("step", train("step_time_ms"), BLUE, 2),
+                curve("data wait", train("data_time_ms"), PURPLE, 2),
+                curve("communication", train("comm_time_ms"), ORANGE, 2),
             ],
-        },
-        Panel {
-            title: "GPU memory",
-            y_label: "GiB",
-            curves: vec![
-                curve(
-                    "allocated",
-                    scaled(series(&run.memory, "gpu_allocated_mb"), gb),
-                    RGBColor(0, 140, 60),
-                    2,
-                ),
-                curve(
-                    "reserved",
-                    scaled(series(&run.memory, "gpu_reserved_mb"), gb),
-                    RGBColor(200, 100, 0),
-                    2,
-                ),
-                curve(
-                    "device used",
-                    scaled(series(&run.memory, "gpu_used_mb"), gb),
-                    RGBColor(120, 120, 120),
-                    2,
-                ),
+        ),
+        panel(
+            "host memory",
+            "GiB",
+            vec![
+                curve("process Pss", gib("pss_mb"), BLUE, 2),
+                curve("system used", gib("sys_used_mb"), GREY, 2),
             ],
-        },
+        ),
+        panel(
+            "GPU memory",
+            "GiB",
+            vec![
+                curve("allocated", gib("gpu_allocated_mb"), GREEN, 2),
+                curve("reserved", gib("gpu_reserved_mb"), ORANGE, 2),
+                curve("device used", gib("gpu_used_mb"), GREY, 2),
+            ],
+        ),
     ]
 }
 
@@ -259,7 +220,7 @@ fn draw_panel<DB: DrawingBackend>(
             .map_err(err)?
             .draw_text(
                 "no samples in this run",
-                &(FONT, 20).into_font().color(&RGBColor(120, 120, 120)),
+                &(FONT, 20).into_font().color(&GREY),
                 (40, 40),
             )
             .map_err(err)?;

@@ -155,19 +155,23 @@ mod tests {
 
     const GB: u64 = 1 << 30;
 
+    fn node(cores: usize, gpus: usize, local_ranks: usize, ram_bytes: u64) -> NodeFacts {
+        NodeFacts {
+            cores,
+            gpus,
+            local_ranks,
+            ram_bytes,
+            other_jobs_workers: 0,
+        }
+    }
+
     fn config(text: &str) -> Config {
         Config::parse(text, Path::new("t.yaml")).unwrap()
     }
 
     #[test]
     fn workers_split_over_ranks_with_prefetch_and_drop_last() {
-        let node = NodeFacts {
-            cores: 40,
-            gpus: 4,
-            local_ranks: 4,
-            ram_bytes: 256 * GB,
-            other_jobs_workers: 0,
-        };
+        let node = node(40, 4, 4, 256 * GB);
         let c = config(
             "DATALOADER:\n  TOTAL_WORKERS: 12\n  TRAIN_PREFETCH_FACTOR: 3\n  \
              VAL_PREFETCH_FACTOR: 5\n  DROP_LAST: false\n",
@@ -224,13 +228,7 @@ mod tests {
         // Sample: 4 B x 6 frames x (2 x 3 x 256^2 + 8 x 128^2) = 12 MiB; a worker
         // holds prefetch 2 x batch 1 = 24 MiB. 10 GiB RAM, 8 GiB cache: 0.9 x 10 - 8 =
         // 1 GiB left = 42 workers; auto wants 80% of 64 cores = 51.
-        let node = NodeFacts {
-            cores: 64,
-            gpus: 0,
-            local_ranks: 1,
-            ram_bytes: 10 * GB,
-            other_jobs_workers: 0,
-        };
+        let node = node(64, 0, 1, 10 * GB);
         let c = config(
             "DATA:\n  CACHE_SIZE_GB: 8\n  CLIP_LEN: 6\n  SPIKE_BINS: 8\n  CROP_SIZE: 256\n\
              TRAIN:\n  BATCH_SIZE: 1\n",

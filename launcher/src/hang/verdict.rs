@@ -338,6 +338,11 @@ mod tests {
         }
     }
 
+    fn with(mut v: RankView, collectives: Collectives) -> RankView {
+        v.collectives = collectives;
+        v
+    }
+
     fn silent(mut v: RankView, secs: u64) -> RankView {
         v.silent_for = Some(Duration::from_secs(secs));
         v
@@ -387,10 +392,11 @@ mod tests {
     #[test]
     fn a_stopped_rank_is_named_not_the_one_waiting_for_it_in_the_collective() {
         // Both entered all_reduce #128; rank 1 was stopped inside it, rank 0 waits.
-        let mut waiting = view(0, at(5, Phase::AllReduce), 7);
-        waiting.collectives = coll(129, 128);
-        let mut stopped = silent(view(1, at(5, Phase::AllReduce), 7), 6);
-        stopped.collectives = coll(129, 128);
+        let waiting = with(view(0, at(5, Phase::AllReduce), 7), coll(129, 128));
+        let mut stopped = with(
+            silent(view(1, at(5, Phase::AllReduce), 7), 6),
+            coll(129, 128),
+        );
         stopped.state = Some('T');
         stopped.node = 1;
         let hang = find_hang(&[waiting, stopped], T, 2).unwrap_or_else(|| panic!("none"));
@@ -426,10 +432,8 @@ mod tests {
 
     #[test]
     fn a_rank_that_never_entered_the_collective_is_behind() {
-        let mut waiting = view(0, at(5, Phase::AllReduce), 12);
-        waiting.collectives = coll(129, 128);
-        let mut stuck = view(1, at(5, Phase::AllReduce), 12);
-        stuck.collectives = coll(128, 128);
+        let waiting = with(view(0, at(5, Phase::AllReduce), 12), coll(129, 128));
+        let stuck = with(view(1, at(5, Phase::AllReduce), 12), coll(128, 128));
         let hang = find_hang(&[waiting, stuck], T, 2).unwrap_or_else(|| panic!("none"));
         assert_eq!((hang.kind, hang.rank.rank), (HangKind::Hung, 1));
         assert!(
@@ -445,10 +449,14 @@ mod tests {
     /// launched tell them apart.
     #[test]
     fn a_rank_wedged_inside_backward_is_named_not_its_peer() {
-        let mut waiting = view(0, at(5, Phase::Backward), 12);
-        waiting.collectives = buckets(coll(129, 128), 4);
-        let mut wedged = view(1, at(5, Phase::Backward), 13);
-        wedged.collectives = buckets(coll(129, 128), 1);
+        let waiting = with(
+            view(0, at(5, Phase::Backward), 12),
+            buckets(coll(129, 128), 4),
+        );
+        let mut wedged = with(
+            view(1, at(5, Phase::Backward), 13),
+            buckets(coll(129, 128), 1),
+        );
         let hang = find_hang(&[waiting, wedged], T, 2).unwrap_or_else(|| panic!("none"));
         assert_eq!((hang.kind, hang.rank.rank), (HangKind::Hung, 1));
         assert_eq!(
@@ -565,10 +573,8 @@ mod tests {
 
     #[test]
     fn a_rank_that_timed_out_waiting_names_the_one_it_waited_for() {
-        let mut victim = view(0, at(5, Phase::AllReduce), 30);
-        victim.collectives = coll(129, 128);
-        let mut laggard = view(1, at(5, Phase::Forward), 31);
-        laggard.collectives = coll(128, 128);
+        let victim = with(view(0, at(5, Phase::AllReduce), 30), coll(129, 128));
+        let laggard = with(view(1, at(5, Phase::Forward), 31), coll(128, 128));
         let silence = Duration::from_secs(5);
         let hang = culprit_of(0, &[victim, laggard], silence).unwrap_or_else(|| panic!("none"));
         assert_eq!((hang.kind, hang.rank.rank), (HangKind::Hung, 1));

@@ -269,6 +269,11 @@ mod tests {
     use crate::config::Config;
     use std::path::Path;
 
+    /// The error `result` carries, as printed.
+    fn error_of<T: std::fmt::Debug>(result: Result<T, crate::config::ConfigError>) -> String {
+        result.unwrap_err().to_string()
+    }
+
     fn parse(text: &str) -> Result<Config, crate::config::ConfigError> {
         Config::parse(text, Path::new("t.yaml"))
     }
@@ -307,26 +312,18 @@ mod tests {
 
     #[test]
     fn bad_data_values_name_the_key() {
-        let err = parse("DATA:\n  BLUR_DIR: blurry\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  BLUR_DIR: blurry\n"));
         assert!(err.contains("DATA.BLUR_DIR"), "{err}");
-        let err = parse("DATA:\n  AUGMENT: {SPIN: true}\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  AUGMENT: {SPIN: true}\n"));
         assert!(err.contains("DATA.AUGMENT"), "{err}");
-        let err = parse("DATA:\n  CLIP_LEN: 0\n").unwrap_err().to_string();
+        let err = error_of(parse("DATA:\n  CLIP_LEN: 0\n"));
         assert!(err.contains("DATA.CLIP_LEN"), "{err}");
-        let err = parse("DATA:\n  CACHE_POLICY: belady\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  CACHE_POLICY: belady\n"));
         assert!(
             err.contains("DATA.CACHE_POLICY") && err.contains("planned") && err.contains("lru"),
             "{err}"
         );
-        let err = parse("DATA:\n  CACHE_SHARING: user\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  CACHE_SHARING: user\n"));
         assert!(
             err.contains("DATA.CACHE_SHARING") && err.contains("node") && err.contains("job"),
             "{err}"

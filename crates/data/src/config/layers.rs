@@ -441,6 +441,11 @@ pub fn leaf_paths(value: &Value, prefix: &str, out: &mut Vec<String>) {
 mod tests {
     use super::*;
 
+    /// The error `result` carries, as printed.
+    fn error_of<T: std::fmt::Debug>(result: Result<T, ConfigError>) -> String {
+        result.unwrap_err().to_string()
+    }
+
     fn yaml(text: &str) -> Value {
         serde_yaml_ng::from_str(text).unwrap()
     }
@@ -516,13 +521,11 @@ mod tests {
                 .map(|s| s.len()),
             Some(8)
         );
-        let err = override_layer("DATA.CROP_SIZE").unwrap_err().to_string();
+        let err = error_of(override_layer("DATA.CROP_SIZE"));
         assert!(err.contains("KEY.PATH=VALUE"), "{err}");
-        let err = override_layer("DATA..CROP=1").unwrap_err().to_string();
+        let err = error_of(override_layer("DATA..CROP=1"));
         assert!(err.contains("empty key"), "{err}");
-        let err = override_layer("DATA.CROP_SIZE=[1, 2")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(override_layer("DATA.CROP_SIZE=[1, 2"));
         assert!(err.contains("DATA.CROP_SIZE"), "{err}");
     }
 
@@ -531,7 +534,7 @@ mod tests {
         // Found by tests/parsers_prop: 20k parts nested the layer so deep that
         // merging it overflowed the stack.
         let key = vec!["DATA"; 20_000].join(".");
-        let err = override_layer(&format!("{key}=1")).unwrap_err().to_string();
+        let err = error_of(override_layer(&format!("{key}=1")));
         assert!(
             err.contains("20000 parts") && err.contains("--set"),
             "{err}"

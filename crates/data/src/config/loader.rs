@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::invalid;
+use super::{at_least, invalid};
 
 /// `TOTAL_WORKERS`: a count for the whole node, or `auto` (80% of the cores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -101,14 +101,14 @@ impl Default for DataLoaderConfig {
 
 impl DataLoaderConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        for (key, value) in [
-            ("TRAIN_PREFETCH_FACTOR", self.train_prefetch_factor),
-            ("VAL_PREFETCH_FACTOR", self.val_prefetch_factor),
-        ] {
-            if value == 0 {
-                return Err(invalid("DATALOADER", key, "expected at least 1"));
-            }
-        }
+        at_least(
+            "DATALOADER",
+            1,
+            [
+                ("TRAIN_PREFETCH_FACTOR", self.train_prefetch_factor),
+                ("VAL_PREFETCH_FACTOR", self.val_prefetch_factor),
+            ],
+        )?;
         if self.total_workers == Workers::Count(0) {
             return Err(invalid(
                 "DATALOADER",

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::invalid;
+use super::at_least;
 
 /// The `LOG` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -43,16 +43,15 @@ impl Default for LogConfig {
 
 impl LogConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        for (key, value) in [
-            ("VAL_EVERY_STEPS", self.val_every_steps),
-            ("CKPT_EVERY_STEPS", self.ckpt_every_steps),
-            ("MEM_EVERY_STEPS", self.mem_every_steps),
-            ("LOG_EVERY_STEPS", self.log_every_steps),
-        ] {
-            if value == 0 {
-                return Err(invalid("LOG", key, "expected at least 1"));
-            }
-        }
-        Ok(())
+        at_least(
+            "LOG",
+            1,
+            [
+                ("VAL_EVERY_STEPS", self.val_every_steps),
+                ("CKPT_EVERY_STEPS", self.ckpt_every_steps),
+                ("MEM_EVERY_STEPS", self.mem_every_steps),
+                ("LOG_EVERY_STEPS", self.log_every_steps),
+            ],
+        )
     }
 }

@@ -175,8 +175,9 @@ impl Config {
     /// One line per key that is accepted but has no equivalent here, saying what
     /// happens instead; binaries print these at start.
     pub fn notices(&self) -> Vec<String> {
-        let mut out = self.model.notices();
-        out.extend(self.dataloader.notices());
+        // `MODEL` gives none: every key, the activation-checkpointing flags
+        // included, is implemented.
+        let mut out = self.dataloader.notices();
         out.extend(self.train.notices());
         out
     }
@@ -253,9 +254,28 @@ pub(crate) fn invalid(section: &str, key: &str, message: impl Into<String>) -> (
     (format!("{section}.{key}"), message.into())
 }
 
+/// The first of the `(key, value)` counts under `section` below `min`, as a failed
+/// check (`expected at least 1`, or `expected 0 or more`).
+pub(crate) fn at_least<T: PartialOrd + From<u8>>(
+    section: &str,
+    min: u8,
+    counts: impl IntoIterator<Item = (&'static str, T)>,
+) -> Result<(), (String, String)> {
+    match counts.into_iter().find(|(_, value)| *value < T::from(min)) {
+        Some((key, _)) if min == 0 => Err(invalid(section, key, "expected 0 or more")),
+        Some((key, _)) => Err(invalid(section, key, format!("expected at least {min}"))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The error `result` carries, as printed.
+    fn error_of<T: std::fmt::Debug>(result: Result<T, ConfigError>) -> String {
+        result.unwrap_err().to_string()
+    }
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(text, Path::new("test.yaml"))
@@ -270,43 +290,35 @@ mod tests {
 
     #[test]
     fn unknown_key_names_its_path() {
-        let err = parse("DATA:\n  CROP_SIZ: 128\n").unwrap_err().to_string();
+        let err = error_of(parse("DATA:\n  CROP_SIZ: 128\n"));
         assert!(err.contains("test.yaml"), "{err}");
         assert!(err.contains("DATA.CROP_SIZ:"), "{err}");
         assert!(
             !err.contains("CROP_SIZ.CROP_SIZ"),
             "the key named once: {err}"
         );
-        let err = parse("MODEL:\n  SPIKE:\n    BINZ: 4\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("MODEL:\n  SPIKE:\n    BINZ: 4\n"));
         assert!(err.contains("MODEL.SPIKE.BINZ:"), "{err}");
         assert!(!err.contains("BINZ.BINZ"), "{err}");
     }
 
     #[test]
     fn unknown_section_is_an_error() {
-        let err = parse("DATAA: {}\n").unwrap_err().to_string();
+        let err = error_of(parse("DATAA: {}\n"));
         assert!(err.contains("DATAA"), "{err}");
     }
 
     #[test]
     fn wrong_type_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: lots\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  CACHE_SIZE_GB: lots\n"));
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
     }
 
     #[test]
     fn bad_value_names_key_path() {
-        let err = parse("DATA:\n  CACHE_SIZE_GB: -1\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  CACHE_SIZE_GB: -1\n"));
         assert!(err.contains("DATA.CACHE_SIZE_GB"), "{err}");
-        let err = parse("DATALOADER:\n  TOTAL_WORKERS: some\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATALOADER:\n  TOTAL_WORKERS: some\n"));
         assert!(err.contains("DATALOADER.TOTAL_WORKERS"), "{err}");
     }
 
@@ -321,16 +333,14 @@ mod tests {
         assert_eq!(c.dist.grad_compression, GradCompressionMode::Bf16);
         let c = parse("DIST:\n  GRAD_SYNC: after_backward\n").unwrap();
         assert_eq!(c.dist.grad_sync, GradSyncMode::AfterBackward);
-        let err = parse("DIST:\n  GRAD_SYNC: after_backward\n  GRAD_COMPRESSION: fp16\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse(
+            "DIST:\n  GRAD_SYNC: after_backward\n  GRAD_COMPRESSION: fp16\n",
+        ));
         assert!(
             err.contains("DIST.GRAD_COMPRESSION") && err.contains("reducer"),
             "{err}"
         );
-        let err = parse("DIST:\n  GRAD_COMPRESSION: int8\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DIST:\n  GRAD_COMPRESSION: int8\n"));
         assert!(err.contains("DIST.GRAD_COMPRESSION"), "{err}");
     }
 
@@ -396,28 +406,22 @@ mod tests {
     fn window_size_forms_and_errors() {
         let c = parse("MODEL:\n  WINDOW_SIZE: [2, 4, 4]\n").unwrap();
         assert_eq!(c.model.window_size, [2, 4, 4]);
-        let err = parse("MODEL:\n  WINDOW_SIZE: [4, 4]\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("MODEL:\n  WINDOW_SIZE: [4, 4]\n"));
         assert!(err.contains("MODEL.WINDOW_SIZE"), "{err}");
-        let err = parse("MODEL:\n  ARCH: vrt_spike\n  WINDOW_SIZE: 0\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("MODEL:\n  ARCH: vrt_spike\n  WINDOW_SIZE: 0\n"));
         assert!(err.contains("MODEL.WINDOW_SIZE"), "{err}");
     }
 
     #[test]
     fn both_spellings_differing_is_an_error_naming_both() {
-        let err = parse("DATA:\n  CROP_SIZE: 256\n  TRAIN_CROP_SIZE: 128\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse("DATA:\n  CROP_SIZE: 256\n  TRAIN_CROP_SIZE: 128\n"));
         assert!(
             err.contains("DATA.CROP_SIZE") && err.contains("DATA.TRAIN_CROP_SIZE"),
             "{err}"
         );
-        let err = parse("TRAIN:\n  PREFETCH_FACTOR: 2\nDATALOADER:\n  TRAIN_PREFETCH_FACTOR: 4\n")
-            .unwrap_err()
-            .to_string();
+        let err = error_of(parse(
+            "TRAIN:\n  PREFETCH_FACTOR: 2\nDATALOADER:\n  TRAIN_PREFETCH_FACTOR: 4\n",
+        ));
         assert!(
             err.contains("TRAIN.PREFETCH_FACTOR")
                 && err.contains("DATALOADER.TRAIN_PREFETCH_FACTOR"),
@@ -453,7 +457,7 @@ mod tests {
                 "DATA.USE_PRECOMPUTED_VOXELS",
             ),
         ] {
-            let err = parse(text).unwrap_err().to_string();
+            let err = error_of(parse(text));
             assert!(err.contains(key), "{text}: {err}");
         }
     }

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::invalid;
+use super::{at_least, invalid};
 
 /// `MODEL.ARCH`: the architecture to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -365,12 +365,6 @@ impl Default for UnetConfig {
 }
 
 impl ModelConfig {
-    /// One-line notices for keys accepted without an equivalent here (none: every
-    /// `MODEL` key, the activation-checkpointing flags included, is implemented).
-    pub(super) fn notices(&self) -> Vec<String> {
-        Vec::new()
-    }
-
     /// The chunking of the temporal spike attention (its keys, else `FUSE`'s).
     pub fn tsa_chunking(&self) -> Chunking {
         self.spike_tsa.chunking(&self.fuse)
@@ -378,31 +372,29 @@ impl ModelConfig {
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
-        if self.in_chans < 1 {
-            return bad("IN_CHANS", "expected at least 1".into());
-        }
-        if self.spike.voxel_bins < 1 {
-            return bad("SPIKE.VOXEL_BINS", "expected at least 1".into());
-        }
-        if self.spike.blocks_per_level < 0 {
-            return bad("SPIKE.BLOCKS_PER_LEVEL", "expected 0 or more".into());
-        }
-        if self.fuse.max_batch_tokens < 1 {
-            return bad("FUSE.MAX_BATCH_TOKENS", "expected at least 1".into());
-        }
-        if self.fuse.chunk_size < 1 {
-            return bad("FUSE.CHUNK_SIZE", "expected at least 1".into());
-        }
-        if self.spike_tsa.max_batch_tokens.is_some_and(|t| t < 1) {
-            return bad("SPIKE_TSA.MAX_BATCH_TOKENS", "expected at least 1".into());
-        }
-        if self.spike_tsa.chunk_size.is_some_and(|c| c < 1) {
-            return bad("SPIKE_TSA.CHUNK_SIZE", "expected at least 1".into());
-        }
+        let tsa = &self.spike_tsa;
+        at_least(
+            "MODEL",
+            1,
+            [
+                ("IN_CHANS", self.in_chans),
+                ("SPIKE.VOXEL_BINS", self.spike.voxel_bins),
+                ("FUSE.MAX_BATCH_TOKENS", self.fuse.max_batch_tokens),
+                ("FUSE.CHUNK_SIZE", self.fuse.chunk_size),
+                (
+                    "SPIKE_TSA.MAX_BATCH_TOKENS",
+                    tsa.max_batch_tokens.unwrap_or(1),
+                ),
+                ("SPIKE_TSA.CHUNK_SIZE", tsa.chunk_size.unwrap_or(1)),
+            ],
+        )?;
+        at_least(
+            "MODEL",
+            0,
+            [("SPIKE.BLOCKS_PER_LEVEL", self.spike.blocks_per_level)],
+        )?;
         if self.arch == Arch::UnetSpike {
-            if self.unet.channels < 1 {
-                return bad("UNET.CHANNELS", "expected at least 1".into());
-            }
+            at_least("MODEL", 1, [("UNET.CHANNELS", self.unet.channels)])?;
             if !(1..=5).contains(&self.unet.levels) {
                 return bad("UNET.LEVELS", "expected 1 to 5".into());
             }
@@ -495,9 +487,7 @@ impl ModelConfig {
                 format!("only 2 is supported, got {}", self.pa_frames),
             );
         }
-        if self.deformable_groups < 1 {
-            return bad("DEFORMABLE_GROUPS", "expected at least 1".into());
-        }
+        at_least("MODEL", 1, [("DEFORMABLE_GROUPS", self.deformable_groups)])?;
         for (i, &dim) in self.embed_dims[..7].iter().enumerate() {
             if dim % self.deformable_groups != 0 {
                 return bad(
@@ -532,9 +522,7 @@ impl ModelConfig {
                     );
                 }
             }
-            if self.spike_tsa.layers < 0 {
-                return bad("SPIKE_TSA.LAYERS", "expected 0 or more".into());
-            }
+            at_least("MODEL", 0, [("SPIKE_TSA.LAYERS", self.spike_tsa.layers)])?;
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::invalid;
+use super::{at_least, invalid};
 
 /// Floating-point type of mixed precision (`TRAIN.AMP_DTYPE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
@@ -125,12 +125,17 @@ impl Default for TrainConfig {
 impl TrainConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         let bad = |key: &str, message: String| Err(invalid("TRAIN", key, message));
-        if self.batch_size == 0 {
-            return bad("BATCH_SIZE", "expected at least 1".into());
-        }
-        if self.gradient_accumulation_steps == 0 {
-            return bad("GRADIENT_ACCUMULATION_STEPS", "expected at least 1".into());
-        }
+        at_least(
+            "TRAIN",
+            1,
+            [
+                ("BATCH_SIZE", self.batch_size),
+                (
+                    "GRADIENT_ACCUMULATION_STEPS",
+                    self.gradient_accumulation_steps,
+                ),
+            ],
+        )?;
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(
                 "LR",
@@ -143,9 +148,7 @@ impl TrainConfig {
                 format!("expected 0 <= MIN_LR <= LR, got {}", self.min_lr),
             );
         }
-        if self.total_steps == 0 {
-            return bad("TOTAL_STEPS", "expected at least 1".into());
-        }
+        at_least("TRAIN", 1, [("TOTAL_STEPS", self.total_steps)])?;
         if self.warmup_steps > self.total_steps {
             return bad(
                 "WARMUP_STEPS",

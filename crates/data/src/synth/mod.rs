@@ -394,6 +394,15 @@ fn sequences(options: &SynthOptions) -> Vec<(&'static str, String, u64, usize)> 
     out
 }
 
+/// How a synthetic dataset is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The folder layout: `<out>/<split>/<SEQ>/` with images and `.dat` spike files.
+    Folder,
+    /// HDF5 sessions `<out>/<split>/<SEQ>.h5` (the same data, the same bytes).
+    H5,
+}
+
 /// Writes a whole synthetic dataset in the folder layout under `out`, calling
 /// `progress` after each sequence. Returns the metadata written.
 pub fn generate_folder(
@@ -401,17 +410,7 @@ pub fn generate_folder(
     options: &SynthOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<DatasetMeta> {
-    generate(out, options, &BlurLengths::Drawn, progress, false)
-}
-
-/// [`generate_folder`] with the blur length of each sequence set by `blur`.
-pub fn generate_folder_with(
-    out: &Path,
-    options: &SynthOptions,
-    blur: &BlurLengths,
-    progress: &(dyn Fn(&str) + Sync),
-) -> Result<DatasetMeta> {
-    generate(out, options, blur, progress, false)
+    generate(out, options, &BlurLengths::Drawn, progress, Layout::Folder)
 }
 
 /// Writes the same data as [`generate_folder`] (same options, same bytes) as HDF5
@@ -421,25 +420,18 @@ pub fn generate_h5(
     options: &SynthOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<DatasetMeta> {
-    generate(out, options, &BlurLengths::Drawn, progress, true)
+    generate(out, options, &BlurLengths::Drawn, progress, Layout::H5)
 }
 
-/// [`generate_h5`] with the blur length of each sequence set by `blur`.
-pub fn generate_h5_with(
+/// Writes a whole synthetic dataset in `layout` under `out`, the blur length of each
+/// sequence set by `blur`, calling `progress` after each sequence. Returns the
+/// metadata written (with a `dataset.yaml` beside the splits).
+pub fn generate(
     out: &Path,
     options: &SynthOptions,
     blur: &BlurLengths,
     progress: &(dyn Fn(&str) + Sync),
-) -> Result<DatasetMeta> {
-    generate(out, options, blur, progress, true)
-}
-
-fn generate(
-    out: &Path,
-    options: &SynthOptions,
-    blur: &BlurLengths,
-    progress: &(dyn Fn(&str) + Sync),
-    h5: bool,
+    layout: Layout,
 ) -> Result<DatasetMeta> {
     options.validate()?;
     let (hs, ws) = options.spike_size();
@@ -450,7 +442,7 @@ fn generate(
         let subframes = blur.of_sequence(n);
         let seq = generate_sequence_of(&name, frames, height, width, seed, subframes);
         let split_dir = out.join(split);
-        if h5 {
+        if layout == Layout::H5 {
             std::fs::create_dir_all(&split_dir).map_err(|e| DataError::io(&split_dir, e))?;
             h5::write_session(&split_dir.join(format!("{name}.h5")), &seq)?;
         } else {
@@ -463,7 +455,7 @@ fn generate(
         spike_height: hs,
         spike_width: ws,
         // Rows of `.dat` files are stored bottom-up; HDF5 sessions are top-down.
-        spike_flipped: !h5,
+        spike_flipped: layout == Layout::Folder,
         blur_frames,
     };
     meta.save(out)?;

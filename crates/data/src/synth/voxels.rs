@@ -18,8 +18,8 @@ pub fn write_precomputed_voxels(root: &Path, bins: u32) -> Result<usize> {
     }
     let meta = DatasetMeta::load(root)?;
     let mut written = 0;
-    for split in sorted_dirs(root)? {
-        for seq in sorted_dirs(&split)? {
+    for split in sorted_entries(root, Path::is_dir)? {
+        for seq in sorted_entries(&split, Path::is_dir)? {
             let spike = seq.join("spike");
             if spike.is_dir() {
                 written += voxelize_folder(&spike, &seq.join("spike_vox"), &meta, bins)?;
@@ -29,11 +29,12 @@ pub fn write_precomputed_voxels(root: &Path, bins: u32) -> Result<usize> {
     Ok(written)
 }
 
-fn sorted_dirs(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+/// The entries of `dir` that `keep` accepts (directories, files), sorted.
+fn sorted_entries(dir: &Path, keep: fn(&Path) -> bool) -> Result<Vec<std::path::PathBuf>> {
     let mut out: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| DataError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_dir())
+        .filter(|p| keep(p))
         .collect();
     out.sort();
     Ok(out)
@@ -43,7 +44,7 @@ fn voxelize_folder(spike: &Path, out: &Path, meta: &DatasetMeta, bins: u32) -> R
     std::fs::create_dir_all(out).map_err(|e| DataError::io(out, e))?;
     let (hs, ws) = (meta.spike_height, meta.spike_width);
     let mut written = 0;
-    for path in sorted_files(spike)? {
+    for path in sorted_entries(spike, Path::is_file)? {
         let Some(stem) = path
             .file_name()
             .and_then(|n| n.to_str())
@@ -70,16 +71,6 @@ fn voxelize_folder(spike: &Path, out: &Path, meta: &DatasetMeta, bins: u32) -> R
         written += 1;
     }
     Ok(written)
-}
-
-fn sorted_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let mut out: Vec<_> = std::fs::read_dir(dir)
-        .map_err(|e| DataError::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file())
-        .collect();
-    out.sort();
-    Ok(out)
 }
 
 #[cfg(test)]

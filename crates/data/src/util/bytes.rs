@@ -43,6 +43,11 @@ mod tests {
         assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
         assert!(parse_size("lots").is_err());
         assert!(parse_size("-1M").is_err());
+        // The forms `vrtspike plan --ram/--cache` documents.
+        assert_eq!(parse_size("256G").unwrap(), 256 << 30);
+        assert_eq!(parse_size("48GiB").unwrap(), 48 << 30);
+        assert_eq!(parse_size("512m").unwrap(), 512 << 20);
+        assert!(parse_size("3X").is_err());
     }
 
     #[test]
