@@ -56,6 +56,7 @@ pub struct NodeCache {
 }
 
 /// A fall-back from the node-shared server to one of the job's own.
+#[derive(Clone)]
 struct FellBack {
     /// The node-shared address that was not this job's to use.
     from: String,
