@@ -95,7 +95,7 @@ pub fn start_or_attach(
     let shared = shared_address(config)?;
     let address = match &shared {
         Some(address) => address.clone(),
-        None => cache::default_address(&job_name(env)),
+        None => cache::default_address(&env.contract.job_name()),
     };
     let started = Instant::now();
     let (server, how) = match (env.local_rank, &shared) {
@@ -123,18 +123,6 @@ pub fn start_or_attach(
     env.cache_addr = Some(address.clone());
     env.contract.cache_addr = Some(address);
     Ok(server)
-}
-
-/// The job, node and attempt, as every local rank names them alike: the job from
-/// torchrun's run id or srun's job and step, else from the rendezvous port (ranks
-/// of one job share it), else this process (a rank alone).
-fn job_name(env: &RankEnv) -> String {
-    let job = match (env.contract.job_tag(), &env.contract.master) {
-        (Some(tag), _) => tag,
-        (None, Some(master)) if env.distributed() => format!("port{}", master.port),
-        _ => format!("pid{}", std::process::id()),
-    };
-    format!("{job}-n{}-a{}", env.contract.node_rank, env.restart_count)
 }
 
 /// The node-shared server's address with `DATA.CACHE_SHARING: node`; `None`
@@ -250,52 +238,5 @@ fn wait_for(address: &str, rank: usize) -> Result<CacheClient, TrainError> {
                 })
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-
-    use super::*;
-
-    fn env_of(pairs: &[(&str, &str)]) -> RankEnv {
-        let vars: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        RankEnv::from_vars(
-            &|k| vars.get(k).cloned(),
-            Some(Path::new("/r")),
-            Some("cpu"),
-        )
-        .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    #[test]
-    fn every_local_rank_names_the_same_server_per_job_node_and_attempt() {
-        let torchrun = |rank: &'static str, restart: &'static str| {
-            env_of(&[
-                ("RANK", rank),
-                ("LOCAL_RANK", rank),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "29500"),
-                ("TORCHELASTIC_RUN_ID", "abc"),
-                ("TORCHELASTIC_RESTART_COUNT", restart),
-            ])
-        };
-        assert_eq!(job_name(&torchrun("0", "0")), "torchrun-abc-n0-a0");
-        assert_eq!(job_name(&torchrun("1", "0")), job_name(&torchrun("0", "0")));
-        assert_eq!(job_name(&torchrun("1", "1")), "torchrun-abc-n0-a1");
-        let homemade = env_of(&[
-            ("RANK", "1"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-        ]);
-        assert_eq!(job_name(&homemade), "port29500-n0-a0");
-        let alone = env_of(&[]);
-        assert_eq!(job_name(&alone), format!("pid{}-n0-a0", std::process::id()));
     }
 }
