@@ -20,7 +20,6 @@
 //! fresh server: the old one ended with its rank 0), from `cache::default_address`.
 
 use std::path::Path;
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use vrtspike_contract::cache_serve::{self, CacheServe, Watch};
@@ -28,6 +27,7 @@ use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 
 use super::env::RankEnv;
 use super::TrainError;
+use crate::cache::own_server::OwnServer;
 use crate::cache::{self, CacheClient, CacheError};
 use crate::config::{CacheSharing, Config};
 
@@ -55,29 +55,6 @@ pub enum NodeCache {
     /// server with a short linger could stop between two of the job's
     /// connections).
     Held(CacheClient),
-}
-
-/// The server local rank 0 started for its job.
-#[derive(Debug)]
-pub struct OwnServer {
-    address: String,
-    child: Child,
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        let asked = CacheClient::connect(&self.address, "rank 0 (ending the node's cache server)")
-            .and_then(|client| client.shutdown_server());
-        if let Err(e) = asked {
-            tracing::debug!(error = %e, "the node's cache server did not take the shutdown");
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Attaches this rank to its node's cache server, starting it on local rank 0 when
@@ -197,10 +174,7 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, Tr
         timeout: START_TIMEOUT,
         interrupted: &|| false,
     })?;
-    Ok(OwnServer {
-        address: address.to_string(),
-        child: started.spawned.process,
-    })
+    Ok(OwnServer::new(address, started.spawned.process))
 }
 
 /// `vrtspike cache serve` at `address` with the run's config and overrides, as
