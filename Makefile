@@ -1,10 +1,10 @@
 # vrtspike: every target does its own set-up on a fresh machine, idempotently.
 #   make demo   the main job: 2 CPU ranks train unet_spike on a synthetic set (made if absent), then its plot
 #   make cache-demo  a cache server driven by a short synthetic load, then its stats
-#   make test   formatting, lints, the docs check, then every unit and multi-process test (with a real one-node SLURM)
+#   make test   formatting, lints, the docs check, then every unit and multi-process test (with real one- and three-node SLURMs)
 #   make check-docs  every link, path, make target and vrtspike command the docs name exists
-#   make test-slurm  only the sbatch template under a real one-node SLURM (~2 min; root)
-#   make bench  benchmarks: the cache as JSON, the loader against the peer, then the model's time and memory
+#   make test-slurm  only the sbatch template under real one- and three-node SLURMs (~3 min; root)
+#   make bench  benchmarks: the cache as JSON, the store's eviction at a node's scale, the loader against the peer, then the model's time and memory
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
@@ -22,8 +22,10 @@ STAMPS := $(ROOT)/.stamps
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
 APT_PACKAGES := libgloo-dev libhdf5-dev pkg-config g++ fonts-dejavu-core iproute2
-# The real one-node SLURM of launcher/tests/launch_slurm_real.rs: slurmctld, slurmd,
-# the client commands and munged (the test starts and stops them itself).
+# The real SLURMs of launcher/tests/launch_slurm_real.rs (one node) and
+# launch_slurm_multinode.rs (three nodes in namespaces; util-linux's unshare and nsenter
+# and iproute2's ip too): slurmctld, slurmd, the client commands and munged (the tests
+# start and stop them themselves).
 SLURM_APT_PACKAGES := slurm-wlm munge
 
 # tch 0.24 binds libtorch 2.11.0 from the venv's torch wheel (torch-sys runs the
@@ -112,11 +114,13 @@ check-docs:
 	$(PYTHON) $(ROOT)/scripts/check_docs.py
 	$(PYTHON) $(ROOT)/scripts/test_check_docs.py
 
-# The sbatch template under a real one-node SLURM (launcher/tests/launch_slurm_real.rs),
-# with its figures: signal to exit, requeue to resume. Needs root (slurmd).
+# The sbatch template under a real one-node SLURM (launcher/tests/launch_slurm_real.rs)
+# and with --nodes=2 under a real three-node one (launch_slurm_multinode.rs), with their
+# figures: signal to exit, requeue to resume. Needs root (slurmd, namespaces).
 test-slurm: setup $(STAMPS)/apt-slurm
 	cargo build --workspace --bins
 	cargo test -p vrtspike-launch --test launch_slurm_real -- --nocapture
+	cargo test -p vrtspike-launch --test launch_slurm_multinode -- --nocapture
 
 DEMO_DATA := $(ROOT)/data/demo
 DEMO_CONFIG := configs/demo/unet_spike_demo.yaml
@@ -145,6 +149,7 @@ PEER := $(ROOT)/../shared/baselines/torch_loader.py
 
 bench: build
 	$(BIN) bench cache --json
+	$(BIN) bench store
 	@test -f $(BENCH_DATA)/dataset.yaml || \
 	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
 	@mkdir -p $(BENCH_OUT)

@@ -468,6 +468,9 @@ def check_commands(doc: Doc, vrtspike: Command, launcher: Command,
         for m in BINARY.finditer(code):
             if "..." in m.group(1):
                 continue
+            # `cargo test -p vrtspike-launch ...` names a package, not a command.
+            if re.search(r"(?:^|\s)(?:-p|--package)$", code[: m.start(1)].rstrip()):
+                continue
             words = code[m.end():]
             end = COMMAND_END.search(" " + words + " ")
             if end:

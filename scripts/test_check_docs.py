@@ -140,6 +140,11 @@ class CheckDocsTest(unittest.TestCase):
     def test_a_continued_line_is_one_command(self) -> None:
         self.assert_one("```\nvrtspike plan --config C \\\n    --gpu-memory 48G\n```\n", "--gpu-memory", line_in_extra=2)
 
+    def test_a_package_name_is_not_a_command(self) -> None:
+        extra = "`cargo test -p vrtspike-launch --test cache_stress -- --ignored`\n"
+        self.assertEqual(self.problems_with(extra), [])
+        self.assert_one("`cargo test -p vrtspike-launch --test cache_strss`\n", "cache_strss")
+
     def test_a_missing_test_target(self) -> None:
         self.assert_one("`cargo test --test cache_strss`\n", "cache_strss")
 

@@ -6,6 +6,7 @@
 
 use serde::Serialize;
 
+use crate::cache::store::read_order::DEFAULT_BUDGET as READ_ORDER_BUDGET;
 use crate::config::{CacheSharing, Config, ModelConfig, Workers};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
 
@@ -74,6 +75,9 @@ pub struct Plan {
     /// Copies of the cache the jobs hold: one with `node` sharing, one per job
     /// with `job`, none without `USE_RAM_CACHE`.
     pub cache_copies: u64,
+    /// What the ranks' read orders may take in each cache server beside the
+    /// cap (`cache serve --read-order-budget`, its default); 0 without a cache.
+    pub read_order_budget: u64,
     /// Compact size of the training split, when `DATA.ROOT` is set.
     pub dataset_bytes: Option<u64>,
     /// Loader threads of the node (`TOTAL_WORKERS`, `auto` resolved).
@@ -257,8 +261,12 @@ pub fn plan(
         (_, CacheSharing::Node) => 1,
         (_, CacheSharing::Job) => jobs as u64,
     };
-    let host_total =
-        cache_copies * cache_cap + jobs as u64 * (ranks as u64 * rank_loader + host_model);
+    let read_order_budget = match cache_cap {
+        0 => 0,
+        _ => READ_ORDER_BUDGET,
+    };
+    let host_total = cache_copies * (cache_cap + read_order_budget)
+        + jobs as u64 * (ranks as u64 * rank_loader + host_model);
     let mut plan = Plan {
         machine,
         ranks,
@@ -266,6 +274,7 @@ pub fn plan(
         cache_sharing: config.data.cache_sharing,
         jobs,
         cache_copies,
+        read_order_budget,
         dataset_bytes: dataset.map(|d| d.compact_bytes),
         node_workers,
         workers_capped_from: workers.capped_from,
@@ -439,8 +448,15 @@ impl Plan {
             .map(|b| format!(" (training split {:.2} GiB)", gib(b)))
             .unwrap_or_else(|| " (set DATA.ROOT to compare with the dataset)".into());
         lines.push(format!(
-            "cache cap: {:.2} GiB{dataset}{}",
+            "cache cap: {:.2} GiB{dataset}{}{}",
             gib(self.cache_cap),
+            match self.read_order_budget {
+                0 => String::new(),
+                b => format!(
+                    " + up to {:.0} MiB of read orders (cache serve --read-order-budget)",
+                    b as f64 / (1u64 << 20) as f64
+                ),
+            },
             self.cache_copies_text()
         ));
         lines.push(format!(
@@ -571,8 +587,9 @@ mod tests {
         assert_eq!(p.param_bytes, 4_000_000);
         assert_eq!(p.optimizer_bytes, 8_000_000);
         assert_eq!(p.rank_model, 16_000_000);
-        // Host: 2 GiB cache + 2 ranks x 7_667_712 (model states live on the GPUs).
-        assert_eq!(p.host_total, 2 * GB + 2 * 7_667_712);
+        // Host: 2 GiB cache + 256 MiB of read orders + 2 ranks x 7_667_712 (model
+        // states live on the GPUs).
+        assert_eq!(p.host_total, 2 * GB + (256 << 20) + 2 * 7_667_712);
         assert!((p.host_share - p.host_total as f64 / (16 * GB) as f64).abs() < 1e-12);
         assert!(p.warnings.is_empty(), "{:?}", p.warnings);
         let text = p.render_text();
@@ -601,7 +618,10 @@ mod tests {
         // No GPU: one CPU rank with the model states on the host.
         assert_eq!(p.ranks, 1);
         assert_eq!(p.rank_workers, 6);
-        assert_eq!(p.host_total, 2 * GB + p.rank_loader + 3_200_000_000);
+        assert_eq!(
+            p.host_total,
+            2 * GB + (256 << 20) + p.rank_loader + 3_200_000_000
+        );
         let all = p.warnings.join("\n");
         assert!(all.contains("above half of the"), "{all}");
         assert!(
@@ -663,7 +683,10 @@ mod tests {
         let p = plan(&small(), machine, 1_000_000, None);
         // 6 workers over 2 ranks; each rank holds its loader and 16 MB of states.
         assert_eq!((p.ranks, p.rank_workers), (2, 3));
-        assert_eq!(p.host_total, 2 * GB + 2 * p.rank_loader + 2 * 16_000_000);
+        assert_eq!(
+            p.host_total,
+            2 * GB + (256 << 20) + 2 * p.rank_loader + 2 * 16_000_000
+        );
     }
 
     #[test]
@@ -689,7 +712,12 @@ mod tests {
         let shared = plan(&small(), machine, 1_000_000, None);
         assert_eq!(shared.cache_sharing, CacheSharing::Node, "the default");
         assert_eq!(shared.cache_copies, 1);
-        assert_eq!(shared.host_total, 2 * GB + 3 * shared.rank_loader);
+        let orders = shared.read_order_budget;
+        assert_eq!(orders, 256 << 20);
+        assert_eq!(shared.host_total, 2 * GB + orders + 3 * shared.rank_loader);
+        assert!(shared
+            .render_text()
+            .contains("+ up to 256 MiB of read orders"));
         let text = shared.render_text();
         assert!(
             text.contains("DATA.CACHE_SHARING: node), counted once for the 3 jobs"),
@@ -701,7 +729,10 @@ mod tests {
             .unwrap();
         let each = plan(&own, machine, 1_000_000, None);
         assert_eq!(each.cache_copies, 3);
-        assert_eq!(each.host_total, 3 * 2 * GB + 3 * each.rank_loader);
+        assert_eq!(
+            each.host_total,
+            3 * (2 * GB + orders) + 3 * each.rank_loader
+        );
         assert!(
             each.render_text()
                 .contains("one per job (DATA.CACHE_SHARING: job), counted 3 time(s)"),

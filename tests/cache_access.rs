@@ -48,9 +48,7 @@ fn my_uid() -> u32 {
 
 /// The handshake directory of the server process `pid`.
 fn handshake_dir(pid: u32) -> PathBuf {
-    std::env::temp_dir()
-        .join(format!("vrtspike-cache-{}", my_uid()))
-        .join(pid.to_string())
+    vrtspike::cache::handshake_dir::dir_of(pid)
 }
 
 fn entries(dir: &PathBuf) -> Vec<String> {

@@ -175,6 +175,37 @@ impl Job {
     }
 }
 
+/// `name` on PATH or in the sbin folders (daemons and `ip` live there).
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/bin"])
+        .map(|dir| Path::new(dir).join(name))
+        .find(|candidate| candidate.is_file());
+    found
+}
+
+/// Why a test that needs root (for `root_for`) and `programs` (from the Debian
+/// packages `packages`) cannot run here, if it cannot.
+pub fn missing(root_for: &str, programs: &[&str], packages: &str) -> Option<String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some(format!("it needs root ({root_for})"));
+    }
+    let absent: Vec<&str> = programs
+        .iter()
+        .copied()
+        .filter(|p| find_program(p).is_none())
+        .collect();
+    (!absent.is_empty()).then(|| {
+        format!(
+            "{} not found (Debian packages {packages})",
+            absent.join(", ")
+        )
+    })
+}
+
 /// The launcher arguments of node `node` of a two-node job of `ranks` CPU ranks a
 /// node, node 0 at `master`, then `extra`.
 pub fn two_node_args(ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
@@ -485,19 +516,25 @@ pub fn synth_tiny_h5(dir: &Path) -> PathBuf {
 
 fn synth_tiny_as(dir: &Path, extra: &[&str]) -> PathBuf {
     let data = dir.join("data");
+    let mut args = vec!["--seqs", "2", "--test-seqs", "1", "--frames", "6"];
+    args.extend(["--height", "64", "--width", "96", "--seed", "9"]);
+    args.extend(extra);
+    synth(&data, &args);
+    data
+}
+
+/// `vrtspike synth --out data args...`, or a panic with what it said.
+pub fn synth(data: &Path, args: &[&str]) {
     let output = Command::new(vrtspike())
         .arg("synth")
         .arg("--out")
-        .arg(&data)
-        .args(["--seqs", "2", "--test-seqs", "1", "--frames", "6"])
-        .args(["--height", "64", "--width", "96", "--seed", "9"])
-        .args(extra)
+        .arg(data)
+        .args(args)
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("running vrtspike synth: {e}"));
     let (stdout, stderr) = texts(&output);
     assert!(output.status.success(), "synth: {stdout}\n{stderr}");
-    data
 }
 
 /// Whether rank 0 has logged a finished training step in `run_dir`.
@@ -508,6 +545,7 @@ pub fn trained_a_step(run_dir: &Path) -> bool {
 }
 
 /// What the tiny U-Net training runs of the end-to-end tests differ in.
+#[derive(Debug, Clone, Copy)]
 pub struct TinyTrain {
     /// `TRAIN.TOTAL_STEPS`.
     pub total_steps: u64,

@@ -1,21 +1,33 @@
-//! A private one-node SLURM for the tests: Debian's munged, slurmctld and slurmd
-//! (packages `slurm-wlm` and `munge`, which `make test` installs), started in the
-//! foreground as children of the test, each in a folder of its own under the
-//! test's temporary folder: config (`etc/slurm.conf`, handed to the client
-//! commands as `SLURM_CONF`), state, spool, logs, the munge key and socket, and
-//! ports the kernel picked. Process tracking is `proctrack/linuxproc` (no cgroups,
-//! no systemd); the node is `localhost`, so `MASTER_ADDR` resolves anywhere.
+//! A private SLURM for the tests: Debian's munged, slurmctld and slurmd (packages
+//! `slurm-wlm` and `munge`, which `make test` installs), started in the foreground
+//! as children of the test, with everything in a folder of its own under the
+//! test's temporary folder: config (`etc/slurm.conf`, handed to the client commands
+//! as `SLURM_CONF`), state, a spool folder per node, logs, the munge key and socket.
+//! Process tracking is `proctrack/linuxproc` with `task/none` (no cgroups, no
+//! systemd). Two shapes:
+//!
+//! - [`SlurmCluster::one_node`]: every daemon on this host, the node `localhost`
+//!   (so `MASTER_ADDR` resolves anywhere), ports the kernel picked;
+//! - [`SlurmCluster::on_virtual_hosts`]: munged and slurmctld on a controller host
+//!   and one slurmd on each of N nodes, each node a host of its own
+//!   (`common/vhosts.rs`: its own network, hostname, `/run` and `/dev/shm`), with
+//!   `NodeAddr` and `NodeHostname` per node and SLURM's default ports (the hosts'
+//!   network namespaces are private), and `SlurmdTimeout` as the test asks.
 //!
 //! Requeued jobs wait `AuthInfo=cred_expire` + 1 s before they may run again (120 s
 //! by default) and are then started by the next pass of the main scheduler
-//! (`sched_interval`, 60 s by default): this cluster sets [`CRED_EXPIRE_S`] and
+//! (`sched_interval`, 60 s by default): the clusters set [`CRED_EXPIRE_S`] and
 //! [`SCHED_INTERVAL_S`] so a requeue costs seconds, not minutes.
 //!
 //! Every process of a job has its working directory in the folder it was submitted
 //! from, and every `slurmstepd` in the daemons' folder: [`processes_under`] finds
-//! them by that. Dropping the cluster cancels its jobs, kills whatever of them is
-//! left, stops the daemons and leaves nothing running. A test includes it beside
-//! `mod common;` (`#[path = "common/slurm_cluster.rs"] mod slurm_cluster;`).
+//! them by that, on every node (the hosts share this machine's process table).
+//! Dropping the cluster cancels its jobs, kills whatever of them is left, stops the
+//! daemons and leaves nothing running (and, on virtual hosts, removes the hosts).
+//! A test includes it beside `mod common;` and the hosts' module
+//! (`#[path = "common/slurm_cluster.rs"] mod slurm_cluster;`, `#[path =
+//! "common/vhosts.rs"] mod vhosts;`).
+#![allow(dead_code)]
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -25,14 +37,20 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::common::{alive, cmdline, free_port, signal, wait_until};
+use crate::common::{alive, cmdline, find_program, free_port, missing, signal, wait_until};
+use crate::vhosts::{self, Host, VirtualHosts};
 
-/// The node's name (and `MASTER_ADDR` of its jobs).
+/// The one-node cluster's node (and `MASTER_ADDR` of its jobs).
 pub const NODE: &str = "localhost";
 /// `AuthInfo=cred_expire`: a requeued job waits this + 1 s before it may start.
 pub const CRED_EXPIRE_S: u64 = 10;
 /// `SchedulerParameters=sched_interval`: how often pending jobs are looked at.
 pub const SCHED_INTERVAL_S: u64 = 2;
+/// SLURM's own `SlurmdTimeout`: how long a silent node stays up.
+pub const DEFAULT_SLURMD_TIMEOUT_S: u64 = 300;
+/// slurmctld's and slurmd's ports on virtual hosts (SLURM's defaults).
+const CTLD_PORT: u16 = 6817;
+const SLURMD_PORT: u16 = 6818;
 
 /// The programs the cluster needs.
 const PROGRAMS: [&str; 9] = [
@@ -49,38 +67,38 @@ const PROGRAMS: [&str; 9] = [
 
 /// Why a real SLURM cannot run here, if it cannot.
 pub fn unavailable() -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("it needs root (slurmd starts the jobs as their user)".into());
-    }
-    let missing: Vec<&str> = PROGRAMS
-        .iter()
-        .copied()
-        .filter(|p| find_program(p).is_none())
-        .collect();
-    (!missing.is_empty()).then(|| {
-        format!(
-            "{} not found (Debian packages slurm-wlm and munge)",
-            missing.join(", ")
-        )
-    })
+    missing(
+        "slurmd starts the jobs as their user",
+        &PROGRAMS,
+        "slurm-wlm and munge",
+    )
 }
 
-/// `name` on PATH or in the sbin folders (daemons live there).
-pub fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain(["/usr/sbin", "/sbin", "/usr/bin"])
-        .map(|dir| Path::new(dir).join(name))
-        .find(|candidate| candidate.is_file());
-    found
+/// Why a real SLURM on virtual hosts cannot run here, if it cannot.
+pub fn unavailable_on_virtual_hosts() -> Option<String> {
+    unavailable().or_else(vhosts::unavailable)
 }
 
 /// A daemon run in the foreground by the test.
 struct Daemon {
-    name: &'static str,
+    /// Its name in messages and log files (`slurmd.vn1`, ...).
+    label: String,
+    /// The test's child: the daemon, or on a virtual host the `nsenter` that
+    /// waits for it.
     child: Child,
+    /// The daemon's pid.
+    pid: u32,
+}
+
+/// Where a daemon runs.
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    /// On this host.
+    Here,
+    /// On the virtual controller host.
+    Controller,
+    /// On virtual node `index`.
+    Node(usize),
 }
 
 /// One job as `scontrol -o show job` reports it.
@@ -111,66 +129,158 @@ impl JobInfo {
 
     /// The fields a failure message shows.
     pub fn brief(&self) -> String {
-        ["JobState", "Reason", "Restarts", "ExitCode", "RunTime"]
-            .iter()
-            .map(|k| format!("{k}={}", self.get(k)))
-            .collect::<Vec<_>>()
-            .join(" ")
+        [
+            "JobState", "Reason", "Restarts", "ExitCode", "RunTime", "NodeList",
+        ]
+        .iter()
+        .map(|k| format!("{k}={}", self.get(k)))
+        .collect::<Vec<_>>()
+        .join(" ")
     }
 }
 
+/// How many virtual nodes, and how long SLURM waits for a silent one.
+#[derive(Debug, Clone, Copy)]
+pub struct MultiNode {
+    /// Nodes (`vn1`...).
+    pub nodes: usize,
+    /// `SlurmdTimeout`.
+    pub slurmd_timeout_s: u64,
+}
+
+/// A node as a test looks at it after a job: where its shared memory and its
+/// Unix sockets are listed.
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    /// The node's name.
+    pub name: String,
+    /// Its `/dev/shm`.
+    pub shm_dir: PathBuf,
+    /// Its `/proc/net/unix`.
+    pub unix_table: PathBuf,
+}
+
 /// The running cluster.
-pub struct OneNodeSlurm {
+pub struct SlurmCluster {
     dir: PathBuf,
     /// Where the tests submit jobs from (their processes work there).
     jobs_dir: PathBuf,
     conf: PathBuf,
     cpus: u32,
+    /// The nodes' names.
+    nodes: Vec<String>,
     daemons: Vec<Daemon>,
+    /// The hosts the daemons run on, if not this one; dropped (removed) after
+    /// [`Drop::drop`] stopped the daemons.
+    hosts: Option<VirtualHosts>,
 }
 
-impl OneNodeSlurm {
-    /// Starts munged, slurmctld and slurmd with everything under `dir` (created),
-    /// for jobs submitted from `jobs_dir` (not under `dir`), and waits until the node
-    /// is idle. Panics, with the daemons' logs, when it cannot.
-    pub fn start(dir: &Path, jobs_dir: &Path) -> OneNodeSlurm {
+impl SlurmCluster {
+    /// Starts munged, slurmctld and slurmd on this host with everything under
+    /// `dir` (created), for jobs submitted from `jobs_dir` (not under `dir`), and
+    /// waits until the node is idle. Panics, with the daemons' logs, when it cannot.
+    pub fn one_node(dir: &Path, jobs_dir: &Path) -> SlurmCluster {
+        let mut cluster = SlurmCluster::new(dir, jobs_dir, None, vec![NODE.to_string()]);
+        cluster.start_munge(Place::Here);
+        cluster.write_config(None);
+        cluster.spawn("slurmctld", "slurmctld", &["-D", "-i", "-f"], Place::Here);
+        cluster.spawn("slurmd", "slurmd", &["-D", "-N", NODE, "-f"], Place::Here);
+        cluster.wait_idle();
+        cluster
+    }
+
+    /// Makes the virtual hosts (`common/vhosts.rs`) and starts munged and
+    /// slurmctld on the controller and a slurmd on each node, with everything
+    /// under `dir` (created), for jobs submitted from `jobs_dir` (not under `dir`);
+    /// waits until every node is idle. Panics, with the daemons' logs, when it
+    /// cannot (the hosts are removed again).
+    pub fn on_virtual_hosts(dir: &Path, jobs_dir: &Path, shape: MultiNode) -> SlurmCluster {
+        std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let hosts = VirtualHosts::start(dir, shape.nodes, &[jobs_dir])
+            .unwrap_or_else(|e| panic!("making {} virtual hosts: {e}", shape.nodes));
+        let names = hosts.nodes().iter().map(|h| h.name.clone()).collect();
+        let mut cluster = SlurmCluster::new(dir, jobs_dir, Some(hosts), names);
+        cluster.start_munge(Place::Controller);
+        cluster.write_config(Some(shape.slurmd_timeout_s));
+        cluster.spawn(
+            "slurmctld",
+            "slurmctld",
+            &["-D", "-i", "-f"],
+            Place::Controller,
+        );
+        for (index, name) in cluster.nodes.clone().iter().enumerate() {
+            cluster.spawn(
+                "slurmd",
+                &format!("slurmd.{name}"),
+                &["-D", "-N", name, "-f"],
+                Place::Node(index),
+            );
+        }
+        cluster.wait_idle();
+        cluster
+    }
+
+    fn new(
+        dir: &Path,
+        jobs_dir: &Path,
+        hosts: Option<VirtualHosts>,
+        nodes: Vec<String>,
+    ) -> SlurmCluster {
         assert!(!jobs_dir.starts_with(dir) && !dir.starts_with(jobs_dir));
-        for sub in ["etc", "state", "spool", "log", "munge"] {
+        for sub in ["etc", "state", "log", "munge"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap_or_else(|e| panic!("{e}"));
         }
-        let mut cluster = OneNodeSlurm {
+        for node in &nodes {
+            std::fs::create_dir_all(dir.join("spool").join(node)).unwrap_or_else(|e| panic!("{e}"));
+        }
+        SlurmCluster {
             dir: dir.to_path_buf(),
             jobs_dir: jobs_dir.to_path_buf(),
             conf: dir.join("etc/slurm.conf"),
             cpus: node_cpus(),
+            nodes,
             daemons: Vec::new(),
-        };
-        cluster.start_munge();
-        cluster.write_config();
-        cluster.spawn("slurmctld", &["-D", "-i", "-f"]);
-        cluster.spawn("slurmd", &["-D", "-N", NODE, "-f"]);
+            hosts,
+        }
+    }
+
+    fn wait_idle(&self) {
         let idle = wait_until(Duration::from_secs(60), || {
-            cluster.node_state().starts_with("idle")
+            let states = self.node_states();
+            states.len() == self.nodes.len() && states.iter().all(|(_, s)| s.starts_with("idle"))
         });
         assert!(
             idle,
-            "the node never became idle (sinfo: {:?})\n{}",
-            cluster.node_state(),
-            cluster.logs()
+            "the nodes never became idle (sinfo: {:?})\n{}",
+            self.node_states(),
+            self.logs()
         );
-        cluster
     }
 
-    /// CPUs of the node.
+    /// CPUs of a node.
     pub fn cpus(&self) -> u32 {
         self.cpus
     }
 
+    /// The nodes' names, in order.
+    pub fn node_names(&self) -> &[String] {
+        &self.nodes
+    }
+
+    /// The virtual hosts, when the cluster runs on them.
+    pub fn hosts(&self) -> Option<&VirtualHosts> {
+        self.hosts.as_ref()
+    }
+
     /// A client command (`sbatch`, `scontrol`, ...) of this cluster: `SLURM_CONF`
-    /// set, the SLURM variables of any job around the test removed.
+    /// set, the SLURM variables of any job around the test removed; on virtual
+    /// hosts it runs in the controller's network.
     pub fn command(&self, program: &str) -> Command {
         let path = find_program(program).unwrap_or_else(|| PathBuf::from(program));
-        let mut command = Command::new(path);
+        let mut command = match &self.hosts {
+            Some(hosts) => hosts.controller().enter_network(&path),
+            None => Command::new(path),
+        };
         for (name, _) in std::env::vars().filter(|(n, _)| n.starts_with("SLURM_")) {
             command.env_remove(name);
         }
@@ -181,19 +291,9 @@ impl OneNodeSlurm {
     /// Runs a client command to its end; its standard output, or a panic with
     /// what it said.
     pub fn run(&self, program: &str, args: &[&str]) -> String {
-        let output = self
-            .command(program)
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("{program}: {e}"));
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(
-            output.status.success(),
-            "{program} {args:?}: {}\n{stdout}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        stdout
+        let mut command = self.command(program);
+        command.args(args);
+        stdout_of(command, &format!("{program} {args:?}"))
     }
 
     /// The job as `scontrol` sees it (`None` once SLURM forgot it).
@@ -223,19 +323,77 @@ impl OneNodeSlurm {
             .unwrap_or_default()
     }
 
-    /// The node's state (`idle`, `allocated`, ...).
-    pub fn node_state(&self) -> String {
+    /// Each node's state as `sinfo` shows it (`idle`, `allocated`, `down*`, ...).
+    pub fn node_states(&self) -> Vec<(String, String)> {
         self.command("sinfo")
-            .args(["--noheader", "--nodes", NODE, "--format=%T"])
+            .args(["--Node", "--noheader", "--format=%N %T"])
             .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter_map(|l| l.split_once(' '))
+                    .map(|(n, s)| (n.to_string(), s.trim().to_string()))
+                    .collect()
+            })
             .unwrap_or_default()
+    }
+
+    /// The state of node `name` (empty when sinfo does not show it).
+    pub fn node_state(&self, name: &str) -> String {
+        self.node_states()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s)
+            .unwrap_or_default()
+    }
+
+    /// Where each node's shared memory and Unix sockets are listed.
+    pub fn node_views(&self) -> Vec<NodeView> {
+        match &self.hosts {
+            Some(hosts) => hosts
+                .nodes()
+                .iter()
+                .map(|h| NodeView {
+                    name: h.name.clone(),
+                    shm_dir: h.shm_dir(),
+                    unix_table: h.unix_table(),
+                })
+                .collect(),
+            None => vec![NodeView {
+                name: NODE.to_string(),
+                shm_dir: PathBuf::from("/dev/shm"),
+                unix_table: PathBuf::from("/proc/net/unix"),
+            }],
+        }
+    }
+
+    /// Processes on the virtual nodes other than their slurmd, as `(node, pid,
+    /// command line)`: after a job, what it left there. Empty for the one-node
+    /// cluster, whose host runs everything else too.
+    pub fn strays_on_nodes(&self) -> Vec<(String, u32, String)> {
+        let Some(hosts) = &self.hosts else {
+            return Vec::new();
+        };
+        let daemons: Vec<u32> = self.daemons.iter().map(|d| d.pid).collect();
+        hosts
+            .nodes()
+            .iter()
+            .flat_map(|host| {
+                host.processes()
+                    .into_iter()
+                    .filter(|(pid, _)| !daemons.contains(pid))
+                    .map(|(pid, line)| (host.name.clone(), pid, line))
+            })
+            .collect()
     }
 
     /// The last lines of the daemons' logs, for failure messages.
     pub fn logs(&self) -> String {
+        let mut names = vec!["slurmctld.log".to_string()];
+        names.extend(self.nodes.iter().map(|n| format!("slurmd.{n}.log")));
+        names.push("munged.log".into());
         let mut text = String::new();
-        for name in ["slurmctld.log", "slurmd.log", "munged.log"] {
+        for name in names {
             let path = self.dir.join("log").join(name);
             let log = std::fs::read_to_string(&path).unwrap_or_default();
             let lines: Vec<&str> = log.lines().collect();
@@ -297,7 +455,7 @@ impl OneNodeSlurm {
             .collect()
     }
 
-    fn start_munge(&mut self) {
+    fn start_munge(&mut self, place: Place) {
         let munge = self.dir.join("munge");
         // munged wants its socket folder searchable by all and its key private.
         std::fs::set_permissions(&munge, std::fs::Permissions::from_mode(0o755))
@@ -310,6 +468,7 @@ impl OneNodeSlurm {
         std::fs::write(&key, &random).unwrap_or_else(|e| panic!("{}: {e}", key.display()));
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400))
             .unwrap_or_else(|e| panic!("{e}"));
+        // A socket with a path: every host reaches it, whatever its network.
         let socket = munge.join("munge.socket");
         let args = [
             "-F".to_string(),
@@ -319,7 +478,7 @@ impl OneNodeSlurm {
             format!("--log-file={}", self.dir.join("log/munged.log").display()),
             format!("--seed-file={}", munge.join("munged.seed").display()),
         ];
-        self.spawn_with("munged", &args);
+        self.spawn_with("munged", "munged", &args, place);
         let up = wait_until(Duration::from_secs(30), || socket.exists());
         assert!(
             up,
@@ -329,14 +488,13 @@ impl OneNodeSlurm {
         );
     }
 
-    fn write_config(&self) {
+    /// `slurm.conf`: the part every shape shares, then the controller's host and
+    /// ports and the nodes (with `SlurmdTimeout` when given).
+    fn write_config(&self, slurmd_timeout_s: Option<u64>) {
         let d = self.dir.display();
-        let text = format!(
-            "# A private one-node cluster of the vrtspike tests (launcher/tests/common/slurm_cluster.rs).\n\
+        let mut text = format!(
+            "# A private cluster of the vrtspike tests (launcher/tests/common/slurm_cluster.rs).\n\
              ClusterName=vrtspiketest\n\
-             SlurmctldHost={NODE}(127.0.0.1)\n\
-             SlurmctldPort={ctld}\n\
-             SlurmdPort={slurmd}\n\
              SlurmUser=root\n\
              SlurmdUser=root\n\
              AuthType=auth/munge\n\
@@ -344,11 +502,11 @@ impl OneNodeSlurm {
              # cred_expire: how long a requeued job waits (+1 s); 120 s by default.\n\
              AuthInfo=socket={d}/munge/munge.socket,cred_expire={CRED_EXPIRE_S}\n\
              StateSaveLocation={d}/state\n\
-             SlurmdSpoolDir={d}/spool\n\
+             SlurmdSpoolDir={d}/spool/%n\n\
              SlurmctldPidFile={d}/slurmctld.pid\n\
-             SlurmdPidFile={d}/slurmd.pid\n\
+             SlurmdPidFile={d}/slurmd.%n.pid\n\
              SlurmctldLogFile={d}/log/slurmctld.log\n\
-             SlurmdLogFile={d}/log/slurmd.log\n\
+             SlurmdLogFile={d}/log/slurmd.%n.log\n\
              PlugStackConfig={d}/etc/plugstack.conf\n\
              ProctrackType=proctrack/linuxproc\n\
              TaskPlugin=task/none\n\
@@ -364,35 +522,76 @@ impl OneNodeSlurm {
              SelectTypeParameters=CR_CPU\n\
              ReturnToService=2\n\
              SlurmctldDebug=info\n\
-             SlurmdDebug=info\n\
-             NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\n\
-             PartitionName=vrtspike Nodes={NODE} Default=YES MaxTime=INFINITE State=UP\n",
-            ctld = free_port(),
-            slurmd = free_port(),
-            cpus = self.cpus,
+             SlurmdDebug=info\n"
         );
+        let cpus = self.cpus;
+        match &self.hosts {
+            None => text.push_str(&format!(
+                "SlurmctldHost={NODE}(127.0.0.1)\n\
+                 SlurmctldPort={ctld}\n\
+                 SlurmdPort={slurmd}\n\
+                 NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\n",
+                ctld = free_port(),
+                slurmd = free_port(),
+            )),
+            Some(hosts) => {
+                let controller = hosts.controller();
+                text.push_str(&format!(
+                    "SlurmctldHost={}({})\n\
+                     SlurmctldPort={CTLD_PORT}\n\
+                     SlurmdPort={SLURMD_PORT}\n",
+                    controller.name, controller.addr
+                ));
+                if let Some(timeout) = slurmd_timeout_s {
+                    text.push_str(&format!(
+                        "# How long a silent node stays up (SLURM's default: 300 s).\n\
+                         SlurmdTimeout={timeout}\n"
+                    ));
+                }
+                for node in hosts.nodes() {
+                    text.push_str(&format!(
+                        "NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={cpus} State=UNKNOWN\n",
+                        name = node.name,
+                        addr = node.addr
+                    ));
+                }
+            }
+        }
+        text.push_str(&format!(
+            "PartitionName=vrtspike Nodes={} Default=YES MaxTime=INFINITE State=UP\n",
+            self.nodes.join(",")
+        ));
         std::fs::write(&self.conf, text).unwrap_or_else(|e| panic!("{e}"));
         let plugstack = self.dir.join("etc/plugstack.conf");
         std::fs::write(&plugstack, "").unwrap_or_else(|e| panic!("{e}"));
     }
 
-    fn spawn(&mut self, name: &'static str, args: &[&str]) {
+    fn spawn(&mut self, program: &str, label: &str, args: &[&str], place: Place) {
         let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         all.push(self.conf.display().to_string());
-        self.spawn_with(name, &all);
+        self.spawn_with(program, label, &all, place);
     }
 
-    /// Starts a daemon in the foreground, working directory the cluster's folder,
-    /// output in `log/<name>.out`; it gets SIGTERM if the test's thread dies.
-    fn spawn_with(&mut self, name: &'static str, args: &[String]) {
-        let program = find_program(name).unwrap_or_else(|| panic!("{name} not found"));
-        let out_path = self.dir.join("log").join(format!("{name}.out"));
+    /// Starts a daemon in the foreground at `place`, working directory the
+    /// cluster's folder, output in `log/<label>.out`; it gets SIGTERM if the test's
+    /// thread dies.
+    fn spawn_with(&mut self, program: &str, label: &str, args: &[String], place: Place) {
+        let path = find_program(program).unwrap_or_else(|| panic!("{program} not found"));
+        let mut command = match (place, &self.hosts) {
+            (Place::Here, _) => {
+                let mut command = Command::new(path);
+                command.current_dir(&self.dir);
+                command
+            }
+            (Place::Controller, Some(hosts)) => hosts.controller().enter(&path, &self.dir),
+            (Place::Node(index), Some(hosts)) => hosts.nodes()[index].enter(&path, &self.dir),
+            (_, None) => panic!("{label}: {place:?} without virtual hosts"),
+        };
+        let out_path = self.dir.join("log").join(format!("{label}.out"));
         let out = std::fs::File::create(&out_path).unwrap_or_else(|e| panic!("{e}"));
         let err = out.try_clone().unwrap_or_else(|e| panic!("{e}"));
-        let mut command = Command::new(program);
         command
             .args(args)
-            .current_dir(&self.dir)
             .env("SLURM_CONF", &self.conf)
             .stdin(Stdio::null())
             .stdout(out)
@@ -412,35 +611,61 @@ impl OneNodeSlurm {
         }
         let child = command
             .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        self.daemons.push(Daemon { name, child });
+            .unwrap_or_else(|e| panic!("starting {label}: {e}"));
+        let pid = match place {
+            Place::Here => Some(child.id()),
+            Place::Controller | Place::Node(_) => Host::entered(child.id()),
+        };
+        // Kept even without its pid, so that dropping the cluster reaps it.
+        self.daemons.push(Daemon {
+            label: label.to_string(),
+            pid: pid.unwrap_or_else(|| child.id()),
+            child,
+        });
+        assert!(pid.is_some(), "{label} exited at once\n{}", self.logs());
     }
 }
 
-impl Drop for OneNodeSlurm {
+impl Drop for SlurmCluster {
     fn drop(&mut self) {
         let killed = self.clear();
         if !killed.is_empty() {
             eprintln!("slurm_cluster: killed what the jobs left: {killed:?}");
         }
-        // The node first, then the controller, then munge.
+        // The nodes first, then the controller, then munge.
         while let Some(mut daemon) = self.daemons.pop() {
-            signal(daemon.child.id(), Signal::SIGTERM);
+            signal(daemon.pid, Signal::SIGTERM);
             let deadline = Instant::now() + Duration::from_secs(20);
             while Instant::now() < deadline && matches!(daemon.child.try_wait(), Ok(None)) {
                 std::thread::sleep(Duration::from_millis(50));
             }
             if matches!(daemon.child.try_wait(), Ok(None)) {
-                eprintln!("slurm_cluster: {} ignored SIGTERM: SIGKILL", daemon.name);
+                eprintln!("slurm_cluster: {} ignored SIGTERM: SIGKILL", daemon.label);
+                signal(daemon.pid, Signal::SIGKILL);
                 let _ = daemon.child.kill();
             }
             let _ = daemon.child.wait();
         }
-        // slurmctld's script helper, and step daemons that outlived slurmd.
+        // slurmctld's script helper, and step daemons that outlived slurmd. The
+        // virtual hosts, if any, go next (a field: dropped after this).
         for (pid, _) in processes_under(&self.dir) {
             signal(pid, Signal::SIGKILL);
         }
     }
+}
+
+/// Runs `command` (`what` in messages) to its end; its standard output, or a
+/// panic with what it said.
+pub fn stdout_of(mut command: Command, what: &str) -> String {
+    let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what}: {}\n{stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
 }
 
 /// CPUs slurmd finds on this machine (`slurmd -C`), at least 1.

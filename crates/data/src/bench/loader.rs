@@ -51,6 +51,9 @@ pub enum LoaderBenchError {
         /// What happened.
         message: String,
     },
+    /// The store refused a request of a simulation run in this process.
+    #[error("the simulated store: {0}")]
+    Store(String),
 }
 
 type Result<T, E = LoaderBenchError> = std::result::Result<T, E>;

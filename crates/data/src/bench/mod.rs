@@ -1,8 +1,9 @@
 //! The benchmarks `vrtspike bench` runs (and the stress tests reuse): the cache
 //! benchmark's driver and workers ([`cache`]), the loader benchmark over ranks
 //! ([`loader`]), its table of eviction policies against Belady's bound
-//! ([`policy`]), its dump of the samples it hands out ([`dump`]) and their latency
-//! histogram. They sit on top of the library and
+//! ([`policy`]), the store's eviction at a node's scale ([`store`]), its dump of
+//! the samples it hands out ([`dump`]) and their latency histogram. They sit on top
+//! of the library and
 //! `testkit`; no library layer imports them.
 
 pub mod cache;
@@ -10,3 +11,4 @@ pub mod dump;
 pub mod histogram;
 pub mod loader;
 pub mod policy;
+pub mod store;

@@ -10,7 +10,10 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use serde::Serialize;
 
-use crate::cache::store::extent_for;
+use crate::cache::protocol::ReadOrderAnnouncement;
+use crate::cache::store::pace::Clock;
+use crate::cache::store::{extent_for, ClientLabel, GetOutcome, Store};
+use crate::cache::RequestError;
 use crate::config::CachePolicy;
 use crate::dataset::{DatasetIndex, IndexOptions};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
@@ -82,6 +85,25 @@ pub struct PolicyTable {
     pub workers_per_rank: usize,
     /// The rows.
     pub rows: Vec<PolicyRow>,
+    /// Two jobs on the dataset at 1 and 3 steps a second, one cache, at each cap.
+    pub two_jobs: Vec<TwoJobsRow>,
+}
+
+/// Two jobs at different step rates sharing one cache: the store (driven on a
+/// simulated clock, in this process) against LRU and Belady's bound on the
+/// jobs' merged, time-ordered stream.
+#[derive(Debug, Clone, Serialize)]
+pub struct TwoJobsRow {
+    /// The cap as a percentage of the dataset's compact size.
+    pub cap_percent: f64,
+    /// Steps a second of each job.
+    pub rates: [f64; 2],
+    /// LRU on the merged stream.
+    pub lru: PolicyFigures,
+    /// The store's planned policy.
+    pub planned: PolicyFigures,
+    /// Belady's offline policy on the merged stream.
+    pub belady: PolicyFigures,
 }
 
 /// The ranks' reads over the epochs as training reads them: position by position,
@@ -292,6 +314,14 @@ pub fn run(
             });
         }
     }
+    let mut two_jobs = Vec::new();
+    for &percent in cap_percents {
+        progress(&format!(
+            "two jobs at 1 and 3 steps a second, cap {percent}%"
+        ));
+        let cap = (dataset_bytes as f64 * percent / 100.0) as u64;
+        two_jobs.push(two_jobs_row(&index, &clips, template, cap, percent)?);
+    }
     Ok(PolicyTable {
         bench: "vrtspike-loader-policy",
         records,
@@ -300,7 +330,169 @@ pub fn run(
         clip: template.clip,
         workers_per_rank: template.workers,
         rows,
+        two_jobs,
     })
+}
+
+/// One job's reads, step by step (a step: a sample's clip, frame by frame), in
+/// its own shuffled order over `epochs` epochs; records numbered in `ids`.
+fn job_steps(
+    index: &DatasetIndex,
+    clips: &ClipIndex,
+    seed: u64,
+    epochs: u64,
+    ids: &mut HashMap<(usize, usize), usize>,
+    records: &mut Records,
+) -> Result<Vec<Vec<usize>>, LoaderBenchError> {
+    let options = SamplerOptions {
+        world: 1,
+        rank: 0,
+        shuffle: true,
+        seed,
+        remainder: Remainder::Drop,
+    };
+    let sampler = DistributedSampler::new(clips.clips.len(), options)?;
+    let mut steps = Vec::new();
+    for epoch in 0..epochs {
+        for position in sampler.epoch_indices(epoch) {
+            let clip = clips.clips[position];
+            let frames = (clip.start..clip.start + clips.len).map(|frame| {
+                *ids.entry((clip.seq, frame)).or_insert_with(|| {
+                    let len = index.record_layout(clip.seq, frame).byte_len() as u64;
+                    records.extents.push(extent_for(len).unwrap_or(len));
+                    records.lens.push(len);
+                    records.lens.len() - 1
+                })
+            });
+            steps.push(frames.collect());
+        }
+    }
+    Ok(steps)
+}
+
+/// [`TwoJobsRow`] at `cap`: job 0 reads `template.epochs` epochs at 1 step a
+/// second, job 1 three times as many at 3; reads of job 0's first epoch's time
+/// are not counted (the cache warm).
+fn two_jobs_row(
+    index: &DatasetIndex,
+    clips: &ClipIndex,
+    template: &LoaderWorkerOptions,
+    cap: u64,
+    cap_percent: f64,
+) -> Result<TwoJobsRow, LoaderBenchError> {
+    let rates = [1.0, 3.0];
+    let (mut ids, mut records) = (HashMap::new(), Records::default());
+    let epochs = template.epochs.max(2);
+    let jobs = [
+        job_steps(index, clips, template.seed, epochs, &mut ids, &mut records)?,
+        job_steps(
+            index,
+            clips,
+            template.seed + 1,
+            3 * epochs,
+            &mut ids,
+            &mut records,
+        )?,
+    ];
+    let warm_us = (jobs[0].len() as u64 / epochs) * 1_000_000;
+    // The merged stream: (time, job, step), soonest first.
+    let mut events: Vec<(u64, usize, usize)> = Vec::new();
+    for (job, steps) in jobs.iter().enumerate() {
+        for step in 0..steps.len() {
+            events.push(((step as f64 / rates[job] * 1e6) as u64, job, step));
+        }
+    }
+    events.sort_unstable();
+    let mut stream = Vec::new();
+    for &(at, job, step) in &events {
+        for &record in &jobs[job][step] {
+            stream.push(Access {
+                record,
+                counted: at >= warm_us,
+            });
+        }
+    }
+    let planned = simulate_store(&jobs, &events, &records, cap, warm_us)?;
+    Ok(TwoJobsRow {
+        cap_percent,
+        rates,
+        lru: simulate_lru(&stream, &records, cap),
+        planned,
+        belady: simulate_belady(&stream, &records, cap),
+    })
+}
+
+/// The store's planned policy on the merged stream of `jobs`' `events`, on a
+/// simulated clock: each job announces its whole order and reads it.
+fn simulate_store(
+    jobs: &[Vec<Vec<usize>>; 2],
+    events: &[(u64, usize, usize)],
+    records: &Records,
+    cap: u64,
+    warm_us: u64,
+) -> Result<PolicyFigures, LoaderBenchError> {
+    let bad = |e: RequestError| LoaderBenchError::Store(e.to_string());
+    let smallest = records.extents.iter().copied().min().unwrap_or(4096);
+    let mut store = Store::on_heap(1, cap.max(smallest), Some(smallest));
+    let (clock, now) = Clock::manual();
+    store.set_clock(clock);
+    store.set_read_order_budget(u64::MAX);
+    let key = |record: usize| format!("r{record}");
+    let mut readers = Vec::new();
+    for (job, steps) in jobs.iter().enumerate() {
+        let label = ClientLabel {
+            name: format!("job {job}"),
+            job: format!("job{job}"),
+            pid: 1,
+            uid: 0,
+        };
+        let (client, page) = store.connect_as(label).map_err(bad)?;
+        let announcement = ReadOrderAnnouncement {
+            first_step: 0,
+            keys: (0..records.lens.len()).map(key).collect(),
+            steps: steps
+                .iter()
+                .map(|s| s.iter().map(|&r| r as u32).collect())
+                .collect(),
+            readers: vec![client],
+        };
+        store
+            .announce_read_order(client, announcement)
+            .map_err(bad)?;
+        readers.push((client, page));
+    }
+    let mut tally = Tally::default();
+    for &(at, job, step) in events {
+        now.store(at, std::sync::atomic::Ordering::Relaxed);
+        let (client, page) = readers[job];
+        store.pin_page(page).set_progress(step as u64);
+        for &record in &jobs[job][step] {
+            let access = Access {
+                record,
+                counted: at >= warm_us,
+            };
+            let len = records.lens[record];
+            let hit = match store.get(client, &key(record)).map_err(bad)? {
+                GetOutcome::Hit(grant) => {
+                    store.release(client, grant.lease).map_err(bad)?;
+                    true
+                }
+                GetOutcome::Miss(ticket) => {
+                    match store.reserve(client, ticket, len) {
+                        Ok(_) => {
+                            let grant = store.commit(client, ticket).map_err(bad)?;
+                            store.release(client, grant.lease).map_err(bad)?;
+                        }
+                        Err(_) => store.abort(client, ticket).map_err(bad)?,
+                    }
+                    false
+                }
+                GetOutcome::Wait { .. } => false,
+            };
+            tally.read(access, hit, len);
+        }
+    }
+    Ok(tally.figures())
 }
 
 impl std::fmt::Display for PolicyTable {
@@ -321,8 +513,8 @@ impl std::fmt::Display for PolicyTable {
             "| ranks | cap | LRU hit / disk MB | planned hit / disk MB | Belady hit / disk MB | planned / Belady | planned / LRU | LRU simulated |"
         )?;
         writeln!(f, "| --- | --- | --- | --- | --- | --- | --- | --- |")?;
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::INFINITY };
         for r in &self.rows {
-            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::INFINITY };
             writeln!(
                 f,
                 "| {} | {}% ({:.1} MB) | {:.3} / {:.0} | {:.3} / {:.0} | {:.3} / {:.0} | {:.2}x | {:.1}x | {:.3} |",
@@ -338,6 +530,30 @@ impl std::fmt::Display for PolicyTable {
                 ratio(r.planned.hit_rate, r.belady.hit_rate),
                 ratio(r.planned.hit_rate, r.lru.hit_rate),
                 r.lru_simulated.hit_rate
+            )?;
+        }
+        if self.two_jobs.is_empty() {
+            return Ok(());
+        }
+        writeln!(
+            f,
+            "two jobs on one cache at 1 and 3 steps a second (the store on a simulated clock; LRU and Belady on the merged, time-ordered stream):"
+        )?;
+        writeln!(
+            f,
+            "| cap | LRU hit | planned hit | Belady hit | planned / Belady | planned / LRU |"
+        )?;
+        writeln!(f, "| --- | --- | --- | --- | --- | --- |")?;
+        for r in &self.two_jobs {
+            writeln!(
+                f,
+                "| {}% | {:.3} | {:.3} | {:.3} | {:.2}x | {:.1}x |",
+                r.cap_percent,
+                r.lru.hit_rate,
+                r.planned.hit_rate,
+                r.belady.hit_rate,
+                ratio(r.planned.hit_rate, r.belady.hit_rate),
+                ratio(r.planned.hit_rate, r.lru.hit_rate)
             )?;
         }
         Ok(())

@@ -1,10 +1,13 @@
 //! Where the one-shot handshake sockets live, and their removal. The control
 //! channel's library makes a temp directory with one socket in it per handshake;
 //! the server points the process's temp dir at a directory of its own,
-//! `$TMPDIR/vrtspike-cache-<uid>/<pid>/`, removes each handshake's directory as
-//! soon as the client has connected to it, and at start removes the directories of
-//! servers that died (their pid is gone), so a server killed mid-handshake leaves
-//! nothing behind for long.
+//! `$TMPDIR/vrtspike-cache-<uid>/<pid>@<host>/`, removes each handshake's directory
+//! as soon as the client has connected to it, and at start removes the directories
+//! of servers that died (their pid is gone), so a server killed mid-handshake
+//! leaves nothing behind for long. `<host>` names the machine and the pid
+//! namespace (host name, pid namespace inode): where nodes share `$TMPDIR` (a
+//! cluster's shared /tmp), a server judges only its own host's directories, never
+//! another node's, whose pids it cannot see.
 
 use std::fs;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -49,14 +52,45 @@ fn user_dir(base: &Path, uid: u32) -> Result<PathBuf, CacheError> {
     Ok(dir)
 }
 
-/// Removes the directories of servers whose process is gone.
-fn remove_stale(user_dir: &Path) {
+/// This host and pid namespace, as directory names carry it: the host name and the
+/// pid namespace's inode.
+fn host_key() -> String {
+    let host = fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host: String = host
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let ns = fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino());
+    format!("{host}.{ns}")
+}
+
+/// The name of process `pid`'s directory on host `host`.
+fn dir_name(pid: u32, host: &str) -> String {
+    format!("{pid}@{host}")
+}
+
+/// The pid of a directory named for a process of host `host`; `None` for another
+/// host's (or anything else).
+fn pid_on_host(name: &str, host: &str) -> Option<u32> {
+    let (pid, on) = name.split_once('@')?;
+    (on == host).then(|| pid.parse().ok()).flatten()
+}
+
+/// Removes the directories of servers of this host whose process is gone.
+fn remove_stale(user_dir: &Path, host: &str) {
     let Ok(entries) = fs::read_dir(user_dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = name.to_str().and_then(|n| pid_on_host(n, host)) else {
             continue;
         };
         if Path::new(&format!("/proc/{pid}")).exists() {
@@ -77,8 +111,9 @@ fn remove_stale(user_dir: &Path) {
 /// one-shot sockets) at it. Returns the directory.
 pub fn prepare_in(base: &Path, uid: u32) -> Result<PathBuf, CacheError> {
     let user = user_dir(base, uid)?;
-    remove_stale(&user);
-    let own = user.join(std::process::id().to_string());
+    let host = host_key();
+    remove_stale(&user, &host);
+    let own = user.join(dir_name(std::process::id(), &host));
     match fs::DirBuilder::new().mode(DIR_MODE).create(&own) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -109,12 +144,18 @@ pub fn prepare() -> Result<PathBuf, CacheError> {
     Ok(OWN.get_or_init(|| own).clone())
 }
 
+/// The handshake directory of this host's process `pid` (a server of this user)
+/// under the system temp dir.
+pub fn dir_of(pid: u32) -> PathBuf {
+    let uid = nix::unistd::geteuid().as_raw();
+    std::env::temp_dir()
+        .join(format!("vrtspike-cache-{uid}"))
+        .join(dir_name(pid, &host_key()))
+}
+
 /// Removes this process's handshake directory (at the end of `cache serve`).
 pub fn remove_own() {
-    let uid = nix::unistd::geteuid().as_raw();
-    let own = std::env::temp_dir()
-        .join(format!("vrtspike-cache-{uid}"))
-        .join(std::process::id().to_string());
+    let own = dir_of(std::process::id());
     if let Err(e) = fs::remove_dir_all(&own) {
         if e.kind() != std::io::ErrorKind::NotFound {
             warn!("cannot remove {}: {e}", own.display());
@@ -198,16 +239,24 @@ mod tests {
         let base = tempfile::tempdir().unwrap();
         let uid = nix::unistd::geteuid().as_raw();
         let user = user_dir(base.path(), uid).unwrap();
+        let host = host_key();
         // pid 0x7fff_fff0 is above any pid_max: never a live process.
-        let dead = user.join("2147483632");
+        let dead = user.join(dir_name(2147483632, &host));
         fs::create_dir_all(dead.join(".tmpabc")).unwrap();
         fs::write(dead.join(".tmpabc/socket"), b"").unwrap();
-        let live = user.join("1");
+        let live = user.join(dir_name(1, &host));
         fs::create_dir_all(&live).unwrap();
+        // Another node's server sharing this temp dir: its pid means nothing here.
+        let other_node = user.join(dir_name(2147483632, "vn2.4026531836"));
+        fs::create_dir_all(&other_node).unwrap();
         let own = prepare_in(base.path(), uid).unwrap();
         assert!(!dead.exists(), "a dead server's directory was kept");
         assert!(live.exists(), "a live process's directory was removed");
-        assert_eq!(own, user.join(std::process::id().to_string()));
+        assert!(
+            other_node.exists(),
+            "another host's directory was judged here"
+        );
+        assert_eq!(own, user.join(dir_name(std::process::id(), &host)));
         let mode = fs::metadata(&own).unwrap().mode() & 0o777;
         assert_eq!(mode, DIR_MODE);
     }

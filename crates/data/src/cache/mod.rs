@@ -13,6 +13,7 @@
 
 pub mod address;
 pub mod admission;
+pub mod announcement;
 pub mod client;
 pub mod fdpass;
 pub mod handshake_dir;

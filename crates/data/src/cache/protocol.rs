@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::stats::StatsReport;
 
+pub use super::announcement::ReadOrderAnnouncement;
 pub use super::ids::{ClientId, LeaseId, TicketId};
 
 /// A request from a client.
@@ -86,23 +87,6 @@ pub enum Request {
         /// Exact record length in bytes.
         len: u64,
     },
-}
-
-/// A reader's announced reads: `steps[i]` are the indices in `keys` of the records
-/// it reads at step `first_step + i`. Steps count the reader's samples (epoch after
-/// epoch); readers that move in lockstep (ranks of one job) are compared by how
-/// far ahead of their own progress a use lies.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadOrderAnnouncement {
-    /// The step of `steps[0]`.
-    pub first_step: u64,
-    /// The records named, each once.
-    pub keys: Vec<String>,
-    /// Per step, indices into `keys`.
-    pub steps: Vec<Vec<u32>>,
-    /// The connections whose reads are this read order's (the reader's loader threads):
-    /// a read by one of them uses up the record's next announced use.
-    pub readers: Vec<ClientId>,
 }
 
 /// Decodes the reply channel of a `Hello`. ipc-channel looks the channel up by an

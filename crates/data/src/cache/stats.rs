@@ -51,8 +51,14 @@ impl Counters {
 pub struct ReadOrderStats {
     /// Read orders live now (one per rank loader that announced its order).
     pub live: usize,
-    /// Announced uses still ahead, over every read order.
+    /// Announced uses not used up yet, over every read order.
     pub pending_uses: usize,
+    /// Bytes the read orders hold in the server.
+    #[serde(default)]
+    pub bytes: u64,
+    /// What they may hold (`cache serve --read-order-budget`).
+    #[serde(default)]
+    pub budget_bytes: u64,
     /// Read orders announced since the server started.
     pub announced: u64,
     /// Records brought in ahead of their use.
@@ -303,11 +309,12 @@ impl fmt::Display for StatsReport {
             t.fills, t.fills_abandoned, self.fills_in_flight, l.mean, l.p50, l.p99, l.max
         )?;
         let p = &self.read_orders;
+        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
         if p.live > 0 || p.announced > 0 {
             writeln!(
                 f,
-                "read orders {} ({} announced, {} uses ahead)  prefetched {}  declined: {} prefetches, {} unannounced reads",
-                p.live, p.announced, p.pending_uses, p.prefetched, p.prefetch_declined, p.unannounced_declined
+                "read orders {} ({} announced, {} uses pending, {:.1} of {:.1} MiB)  prefetched {}  declined: {} prefetches, {} unannounced reads",
+                p.live, p.announced, p.pending_uses, mib(p.bytes), mib(p.budget_bytes), p.prefetched, p.prefetch_declined, p.unannounced_declined
             )?;
         }
         if self.retired_connections > 0 {

@@ -14,6 +14,7 @@ use super::cache::{hand_over, Where};
 use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
 use crate::bench::loader as loader_bench;
 use crate::bench::policy as policy_bench;
+use crate::bench::store as store_bench;
 use crate::config::CachePolicy;
 use crate::util::bytes::{human, parse_size};
 
@@ -31,6 +32,9 @@ pub enum BenchCommand {
     },
     /// Loader processes (as ranks) against one cache server: samples/s, hit rate, data_time.
     Loader(LoaderBenchArgs),
+    /// The store's eviction at a node's scale, in one process on a simulated clock:
+    /// the time of a reserve when full, what the read orders hold per record.
+    Store(StoreBenchArgs),
     /// One rank of `bench loader` (run by it, not by hand).
     #[command(hide = true)]
     LoaderWorker {
@@ -38,6 +42,29 @@ pub enum BenchCommand {
         #[arg(long)]
         options: String,
     },
+}
+
+/// `bench store`.
+#[derive(Args)]
+pub struct StoreBenchArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Records the cap holds (of 1, 2 and 4 pages, on average).
+    #[arg(long, default_value_t = 12_000)]
+    slots: usize,
+    /// Jobs; job j takes j + 1 steps a second.
+    #[arg(long, default_value_t = 3)]
+    jobs: usize,
+    /// Ranks (read orders) per job.
+    #[arg(long, default_value_t = 8)]
+    ranks_per_job: usize,
+    /// Records each read order names.
+    #[arg(long, default_value_t = 100_000)]
+    keys: usize,
+    /// Reads in all.
+    #[arg(long, default_value_t = 400_000)]
+    reads: usize,
 }
 
 /// `bench cache`.
@@ -86,6 +113,22 @@ pub fn run(command: BenchCommand, place: Where) -> Result<()> {
     }
     match command {
         BenchCommand::Loader(args) => run_loader_bench(args),
+        BenchCommand::Store(args) => {
+            let options = store_bench::StoreBenchOptions {
+                slots: args.slots,
+                jobs: args.jobs,
+                ranks_per_job: args.ranks_per_job,
+                keys: args.keys,
+                reads: args.reads,
+                ..Default::default()
+            };
+            let report = store_bench::run(options)?;
+            match args.json {
+                true => println!("{}", serde_json::to_string(&report)?),
+                false => println!("{report}"),
+            }
+            Ok(())
+        }
         BenchCommand::LoaderWorker { options } => run_loader_worker(&options),
         BenchCommand::Cache(args) => {
             let report = run_cache(&args)?;

@@ -209,6 +209,12 @@ pub struct ServeArgs {
     /// Who started it (a job's name), shown to the jobs that attach.
     #[arg(long)]
     started_by: Option<String>,
+    /// Memory the ranks' announced read orders (the planned policy's) may take in
+    /// the server, over all of them (e.g. 512M): an announcement past it is refused
+    /// and that rank's records are evicted by LRU. `vrtspike cache stats` shows
+    /// what they hold.
+    #[arg(long, value_parser = parse_size, default_value = "256M")]
+    read_order_budget: u64,
 }
 
 /// `cache stats`.
@@ -385,6 +391,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     config.allowed_uids.extend(&args.allow_uids);
     config.linger = args.linger_s.map(Duration::from_secs_f64);
+    config.read_order_budget = args.read_order_budget;
     let server = match Server::bind(config) {
         Ok(server) => server,
         Err(e @ cache::CacheError::AddressInUse { .. }) if args.linger_s.is_some() => {

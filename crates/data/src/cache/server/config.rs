@@ -9,6 +9,7 @@ use std::time::Duration;
 use tracing::warn;
 
 use super::super::admission::HandshakeLimits;
+use super::super::store::read_order::DEFAULT_BUDGET;
 use super::super::table::{extent_for, SLOT_ALIGN};
 use super::super::CacheError;
 use crate::util::bytes::human;
@@ -46,6 +47,10 @@ pub struct ServerConfig {
     pub linger: Option<Duration>,
     /// With a linger: how long it waits for its first client.
     pub first_client_grace: Duration,
+    /// Bytes the readers' announced read orders may hold in the server, over
+    /// all of them; an announcement past it is refused (the reader's cache then
+    /// evicts its records by LRU), one past it on its own while it is decoded.
+    pub read_order_budget: u64,
 }
 
 /// How long a lingering server waits for its first client by default.
@@ -65,6 +70,7 @@ impl ServerConfig {
             handshake_limits: HandshakeLimits::default(),
             linger: None,
             first_client_grace: DEFAULT_FIRST_CLIENT_GRACE,
+            read_order_budget: DEFAULT_BUDGET,
         }
     }
 

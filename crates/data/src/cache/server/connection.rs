@@ -13,10 +13,11 @@ use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
 use ipc_channel::IpcError;
 use tracing::{debug, info, warn};
 
-use super::super::admission::HandshakeSlot;
+use super::super::admission::{self, HandshakeSlot};
+use super::super::announcement;
 use super::super::fdpass;
 use super::super::handshake_dir;
-use super::super::protocol::{ClientId, Reply, Request, Welcome};
+use super::super::protocol::{ClientId, Reply, Request, RequestError, Welcome};
 use super::super::rendezvous::{self, write_frame, Greeting};
 use super::super::store::ClientLabel;
 use super::requests::handle;
@@ -111,6 +112,9 @@ fn handshake(
     shared: &Shared,
     stream: &mut UnixStream,
 ) -> Result<(IpcReceiver<Request>, IpcSender<Reply>, ClientId), String> {
+    let uid = admission::peer_of(stream)
+        .map_err(|e| format!("reading the client's credentials: {e}"))?
+        .uid;
     let (requests, hello) = open_channel(shared, stream)?;
     let Request::Hello {
         name,
@@ -127,6 +131,7 @@ fn handshake(
             name: name.clone(),
             job,
             pid,
+            uid,
         })
     });
     let (client, pin_page) = match connected {
@@ -180,14 +185,27 @@ pub(super) fn serve_connection(shared: &Shared, mut stream: UnixStream, slot: Ha
             return;
         }
     };
+    let budget = shared.config.read_order_budget;
     loop {
-        let request = match requests.recv() {
+        let request = match announcement::decoding_at_most(budget, || requests.recv()) {
             Ok(request) => request,
             Err(IpcError::Disconnected) => break,
-            Err(e) => {
-                warn!(client, "bad message, closing the connection: {e:?}");
-                break;
-            }
+            Err(e) => match announcement::take_refusal() {
+                // A read order refused while it was decoded: the frame was whole,
+                // so the connection goes on with the refusal as the answer.
+                Some(problem) => {
+                    warn!(client, "read order refused while decoded: {problem}");
+                    let refused = Reply::Error(RequestError::BadReadOrder { problem });
+                    if reply.send(refused).is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                None => {
+                    warn!(client, "bad message, closing the connection: {e:?}");
+                    break;
+                }
+            },
         };
         let shutdown = matches!(request, Request::Shutdown);
         let answer = handle(shared, client, request);

@@ -150,7 +150,8 @@ impl Server {
         let reservations = Reservations::new(reserver, meta_bytes);
         let pid = std::process::id();
         let store_id = (u64::from(pid) << 32) ^ rand::random::<u32>() as u64;
-        let store = Store::new(store_id, config.cap_bytes, table, pins, reservations);
+        let mut store = Store::new(store_id, config.cap_bytes, table, pins, reservations);
+        store.set_read_order_budget(config.read_order_budget);
         info!(
             address = %config.address,
             cap = %human(config.cap_bytes),

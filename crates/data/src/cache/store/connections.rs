@@ -21,7 +21,8 @@ pub struct Connection {
     pub page: usize,
 }
 
-/// Who a new connection is: its hello's name, job and pid.
+/// Who a new connection is: its hello's name, job and pid, and its user as the
+/// kernel reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientLabel {
     /// Label for stats and logs.
@@ -30,6 +31,8 @@ pub struct ClientLabel {
     pub job: String,
     /// Its process id.
     pub pid: u32,
+    /// Its user id (the socket peer's).
+    pub uid: u32,
 }
 
 /// What a disconnect leaves behind.
@@ -177,6 +180,7 @@ mod tests {
             name,
             job: String::new(),
             pid,
+            uid: 0,
         }
     }
 

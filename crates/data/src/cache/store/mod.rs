@@ -1,7 +1,9 @@
 //! The store's bookkeeping, a small facade over one part per job: the record
-//! [`arena`] (extents of any size, carved on demand), the [`recency`] of records
-//! (the LRU), the readers' announced [`read_order`]s (the planned policy: evict the
-//! record needed last, prefetch ahead of use; the store's side in `policy`), the
+//! [`arena`] (extents of any size, carved on demand), the [`eviction`] order of
+//! records (least recently used first, or with read orders the record needed last
+//! first), the readers' announced [`read_order`]s and each job's [`pace`] (the
+//! planned policy: evict the record needed last, prefetch ahead of use; the store's
+//! side in `policy`), the
 //! placements that make [`room`] for a record, the record [`index`], the
 //! [`connections`] with their pin pages, single-flight [`fills`], the [`stats`]
 //! counters and the [`reserve`]d memory under the carved bytes. The server wraps it
@@ -25,11 +27,12 @@
 
 pub mod arena;
 pub mod connections;
+pub mod eviction;
 pub mod fills;
 pub mod index;
+pub mod pace;
 mod policy;
 pub mod read_order;
-pub mod recency;
 mod report;
 pub mod reserve;
 pub mod room;
@@ -42,11 +45,12 @@ use super::table::{self, SlotCode, TableWriter, MAX_KEY_BYTES};
 use arena::{Arena, Placed, SlotIdx, SlotUse};
 pub use connections::ClientLabel;
 use connections::Connections;
+use eviction::{Bound, EvictionIndex};
 use fills::{Fill, Fills};
 use index::RecordIndex;
-use policy::{EvictionOrder, Incoming};
+use pace::{Clock, Micros};
+use policy::Incoming;
 use read_order::ReadOrders;
-use recency::Recency;
 use reserve::{NoReserve, Reservations, ReserveRefusal};
 use room::{Evictable, Placement};
 use stats::{Event, StoreStats};
@@ -74,9 +78,12 @@ pub struct Store {
     table: TableWriter,
     pins: PinPages,
     arena: Arena,
-    recency: Recency,
+    /// The order records go in.
+    eviction: EvictionIndex,
     /// The readers' announced read orders (none: plain LRU).
     read_orders: ReadOrders,
+    /// The store's clock (the read orders' paces).
+    clock: Clock,
     index: RecordIndex,
     connections: Connections,
     fills: Fills,
@@ -98,11 +105,13 @@ impl std::fmt::Debug for Store {
 }
 
 /// The store as the room search sees it: a record may go if it is committed,
-/// no live pin page holds a lease on it and (with read orders) the policy lets it go.
+/// no live pin page holds a lease on it and the record coming in may push it out.
 struct Occupants<'a> {
     store: &'a Store,
-    /// The planned policy's order; `None`: LRU.
-    order: Option<&'a EvictionOrder>,
+    /// The time the ranks are taken at.
+    now: Micros,
+    /// What the record coming in may push out.
+    bound: Bound,
 }
 
 impl Evictable for Occupants<'_> {
@@ -111,10 +120,7 @@ impl Evictable for Occupants<'_> {
         if !ready || self.store.pinned(slot) {
             return None;
         }
-        match self.order {
-            Some(order) => order.rank(slot),
-            None => self.store.recency.stamp(slot),
-        }
+        self.store.eviction.rank(slot, self.now, self.bound)
     }
 }
 
@@ -133,8 +139,9 @@ impl Store {
             arena: Arena::new(cap, table.slots()),
             table,
             pins,
-            recency: Recency::new(),
+            eviction: EvictionIndex::new(),
             read_orders: ReadOrders::new(),
+            clock: Clock::real(),
             index: RecordIndex::new(),
             connections: Connections::new(),
             fills: Fills::new(),
@@ -163,6 +170,16 @@ impl Store {
         Store::new(store_id, cap, table, PinPages::on_heap(), reservations)
     }
 
+    /// Sets the store's clock (tests and simulations move a manual one).
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+
+    /// Sets what the read orders may hold, in bytes.
+    pub fn set_read_order_budget(&mut self, bytes: u64) {
+        self.read_orders.set_budget(bytes);
+    }
+
     /// The byte cap.
     pub fn cap(&self) -> u64 {
         self.arena.cap()
@@ -178,13 +195,16 @@ impl Store {
         self.pins.page(page)
     }
 
-    /// Registers a connection; returns its id and its pin page, or an error when all
+    /// Registers a connection of this process's user with no job (tests and
+    /// single-process tools); returns its id and its pin page, or an error when all
     /// [`MAX_CONNECTIONS`](table::MAX_CONNECTIONS) pages are taken.
     pub fn connect(&mut self, name: String, pid: u32) -> Result<(ClientId, usize), RequestError> {
         self.connect_as(ClientLabel {
             name,
             job: String::new(),
             pid,
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            uid: unsafe { libc::geteuid() },
         })
     }
 
@@ -206,7 +226,7 @@ impl Store {
     /// client may still write into its fills' maps. Returns the number of fills
     /// abandoned (waiters must be woken).
     pub fn disconnect(&mut self, client: ClientId) -> usize {
-        self.read_orders.forget(client);
+        self.read_orders.forget(client, &mut self.eviction);
         let pins = &self.pins;
         let Some(gone) = self.connections.disconnect(client, |p| pins.page(p)) else {
             return 0;
@@ -302,7 +322,7 @@ impl Store {
             .map_err(|_| RequestError::TooManyLeases {
                 max: LEASES_PER_CONNECTION,
             })?;
-        self.recency.touch(slot);
+        self.eviction.touch(slot);
         self.use_up_read(client, slot);
         Ok(LeaseGrant {
             lease: lease.0,
@@ -413,21 +433,16 @@ impl Store {
                 Err(refusal) => refused = Some(refusal),
             }
         }
-        let order = self.eviction_order(incoming);
+        self.refresh_read_orders();
+        let (now, bound) = (self.clock.now(), incoming.bound());
         let occupants = Occupants {
             store: self,
-            order: order.as_ref(),
+            now,
+            bound,
         };
         let may_grow = refused.is_none();
-        let placements = match &order {
-            Some(order) => {
-                room::by_eviction(&self.arena, extent, order.victims(), &occupants, may_grow)
-            }
-            None => {
-                let victims = self.recency.oldest_first();
-                room::by_eviction(&self.arena, extent, victims, &occupants, may_grow)
-            }
-        };
+        let victims = self.eviction.victims(now, bound);
+        let placements = room::by_eviction(&self.arena, extent, victims, &occupants, may_grow);
         for placement in &placements {
             match self.carry_out(placement, extent, len) {
                 Ok(Some(placed)) => return Ok(placed),
@@ -438,7 +453,7 @@ impl Store {
         if let Some(refusal) = refused {
             return Err(self.out_of_memory(key, len, refusal));
         }
-        if order.is_some() && incoming.is_restricted() {
+        if !self.read_orders.is_empty() && incoming.is_restricted() {
             if incoming == Incoming::Unannounced {
                 self.read_orders.count_unannounced_declined();
             }
@@ -466,7 +481,7 @@ impl Store {
         self.connections
             .drain_reads_by_client(slots, |p| pins.page(p), &mut reads);
         for (client, slot) in reads {
-            self.recency.touch(slot);
+            self.eviction.touch(slot);
             self.use_up_read(client, slot);
         }
     }
@@ -523,7 +538,7 @@ impl Store {
             }
             self.set_free(slot, gone.generation);
         }
-        self.recency.remove(slot);
+        self.uncache(slot);
         self.stats.evicted();
     }
 
@@ -607,8 +622,10 @@ impl Store {
             code: SlotCode::Ready,
         };
         self.table.set_state(slot, state);
+        let next_use = self.read_orders.cached(&key, slot);
         self.index.insert(key, slot, &self.table);
-        self.recency.enter(slot);
+        let extent = self.arena.extent_of(slot).map_or(placed.len, |(_, e)| e);
+        self.eviction.enter(slot, extent, next_use);
         self.stats
             .fill_committed(client, placed.len, started.elapsed());
         self.lease(client, slot)
@@ -674,8 +691,14 @@ impl Store {
             self.set_free(slot, gone.generation);
         }
         self.index.remove(key, &self.table);
-        self.recency.remove(slot);
+        self.uncache(slot);
         Ok(())
+    }
+
+    /// `slot`'s record is gone: out of the eviction order and the read orders.
+    fn uncache(&mut self, slot: SlotIdx) {
+        self.eviction.remove(slot);
+        self.read_orders.uncached(slot);
     }
 
     /// Leases on `slot`, over every live connection.

@@ -12,7 +12,9 @@
 use super::super::ids::{ClientId, TicketId};
 use super::super::protocol::{ReadOrderAnnouncement, RequestError};
 use super::arena::{SlotIdx, SlotUse};
-use super::read_order::Standing;
+use super::eviction::Bound;
+use super::pace::Micros;
+use super::read_order::{Announcer, Standing};
 use super::{check_key, Store};
 
 /// What a record coming in may push out.
@@ -24,21 +26,21 @@ pub(super) enum Incoming {
     /// Read now but named by no live read order: only records no read order needs may
     /// go.
     Unannounced,
-    /// Brought in `distance` steps ahead of its use (a prefetch): only records
+    /// Brought in ahead of its use (a prefetch), expected at `at`: only records
     /// needed later than that, or not at all, may go.
     Ahead {
-        /// Steps between its reader's progress and the use.
-        distance: u64,
+        /// When its use is expected, on the store's clock.
+        at: Micros,
     },
 }
 
 impl Incoming {
-    /// Whether a record of eviction rank `rank` may go for this one.
-    fn may_evict(self, rank: u64) -> bool {
+    /// What it may push out, as the eviction index bounds it.
+    pub(super) fn bound(self) -> Bound {
         match self {
-            Incoming::Demand => true,
-            Incoming::Unannounced => Standing::rank_is_unneeded(rank),
-            Incoming::Ahead { distance } => rank < Standing::later_than(distance),
+            Incoming::Demand => Bound::All,
+            Incoming::Unannounced => Bound::Unneeded,
+            Incoming::Ahead { at } => Bound::NeededAfter(at),
         }
     }
 
@@ -46,27 +48,6 @@ impl Incoming {
     /// ranks below it (a refusal is then the policy's decline, not a full store).
     pub(super) fn is_restricted(self) -> bool {
         self != Incoming::Demand
-    }
-}
-
-/// The records that may go for one incoming record, in the order they should.
-#[derive(Debug)]
-pub(super) struct EvictionOrder {
-    /// Eviction rank by slot (`None`: may not go).
-    ranks: Vec<Option<u64>>,
-    /// The slots that may go, the first to go first.
-    victims: Vec<SlotIdx>,
-}
-
-impl EvictionOrder {
-    /// `slot`'s rank if it may go (smaller goes first).
-    pub(super) fn rank(&self, slot: SlotIdx) -> Option<u64> {
-        self.ranks.get(slot).copied().flatten()
-    }
-
-    /// The slots that may go, the first to go first.
-    pub(super) fn victims(&self) -> impl Iterator<Item = SlotIdx> + '_ {
-        self.victims.iter().copied()
     }
 }
 
@@ -91,15 +72,54 @@ pub enum PrefetchOutcome {
 
 impl Store {
     /// Replaces `client`'s read order (see [`ReadOrderAnnouncement`]). Reads clients
-    /// made before are counted against the old read order first.
+    /// made before are counted against the old read order first. Its readers must
+    /// be connections of the announcing client's job and user (a connection that
+    /// has ended is left out).
     pub fn announce_read_order(
         &mut self,
         client: ClientId,
-        order: ReadOrderAnnouncement,
+        mut order: ReadOrderAnnouncement,
     ) -> Result<(), RequestError> {
-        let page = self.connections.get(client)?.page;
+        let announcer = self.connections.get(client)?.clone();
+        self.check_readers(&announcer.who, &mut order)?;
         self.learn_reads();
-        self.read_orders.announce(client, page, order)
+        let progress = self.pins.page(announcer.page).progress();
+        let now = self.clock.now();
+        let owner = Announcer {
+            client,
+            page: announcer.page,
+            job: announcer.who.job.clone(),
+        };
+        let index = &self.index;
+        let cached = |key: &str| index.get(key);
+        self.read_orders
+            .announce(owner, order, progress, now, &cached, &mut self.eviction)
+    }
+
+    /// Refuses readers of another job or user; drops those no longer connected.
+    fn check_readers(
+        &self,
+        who: &super::ClientLabel,
+        order: &mut ReadOrderAnnouncement,
+    ) -> Result<(), RequestError> {
+        let mut readers = Vec::with_capacity(order.readers.len());
+        for &reader in &order.readers {
+            let Ok(connection) = self.connections.get(reader) else {
+                continue;
+            };
+            let other = &connection.who;
+            if other.job != who.job || other.uid != who.uid {
+                return Err(RequestError::BadReadOrder {
+                    problem: format!(
+                        "reader connection {reader} ({:?}) is of job {:?} and uid {}, not of the announcing connection's job {:?} and uid {}",
+                        other.name, other.job, other.uid, who.job, who.uid
+                    ),
+                });
+            }
+            readers.push(reader);
+        }
+        order.readers = readers;
+        Ok(())
     }
 
     /// Brings `key`'s record of `len` bytes in ahead of its announced use if room
@@ -118,14 +138,14 @@ impl Store {
         let extent = self.extent_of(key, len)?;
         self.learn_reads();
         self.refresh_read_orders();
-        let Standing::Needed { distance } = self.read_orders.standing(key) else {
+        let Standing::Needed { at } = self.read_orders.standing(key) else {
             self.read_orders.count_prefetch(false);
             return Ok(PrefetchOutcome::Declined);
         };
         let ticket = self.next_id;
         self.fills.start(ticket, key, client)?;
         self.next_id += 1;
-        match self.place_fill(ticket, key, len, extent, Incoming::Ahead { distance }) {
+        match self.place_fill(ticket, key, len, extent, Incoming::Ahead { at }) {
             Ok(offset) => {
                 self.read_orders.count_prefetch(true);
                 Ok(PrefetchOutcome::Reserved {
@@ -160,39 +180,16 @@ impl Store {
         }
     }
 
-    /// Reads every read order's reader progress from its pin page.
-    fn refresh_read_orders(&mut self) {
-        let pins = &self.pins;
-        self.read_orders.refresh(|page| pins.page(page).progress());
-    }
-
-    /// The order in which committed records may go for `incoming`, or `None` when
-    /// no read order is live (the LRU's order then).
-    pub(super) fn eviction_order(&mut self, incoming: Incoming) -> Option<EvictionOrder> {
+    /// Reads every read order's reader progress from its pin page (uses it passed
+    /// are past; each job's pace is measured).
+    pub(super) fn refresh_read_orders(&mut self) {
         if self.read_orders.is_empty() {
-            return None;
+            return;
         }
-        self.refresh_read_orders();
-        let mut ranks = vec![None; self.arena.slot_count()];
-        let mut ranked = Vec::new();
-        for (slot, used, _) in self.arena.in_use() {
-            let SlotUse::Ready { key, .. } = used else {
-                continue;
-            };
-            let Some(stamp) = self.recency.stamp(slot) else {
-                continue;
-            };
-            let rank = self.read_orders.standing(key).rank(stamp);
-            if incoming.may_evict(rank) {
-                ranks[slot] = Some(rank);
-                ranked.push((rank, slot));
-            }
-        }
-        ranked.sort_unstable();
-        Some(EvictionOrder {
-            ranks,
-            victims: ranked.into_iter().map(|(_, slot)| slot).collect(),
-        })
+        let pins = &self.pins;
+        let now = self.clock.now();
+        self.read_orders
+            .refresh(|page| pins.page(page).progress(), now, &mut self.eviction);
     }
 
     /// Connection `client` read `slot`'s record: a use of the read order it reads for
@@ -202,7 +199,7 @@ impl Store {
             return;
         }
         if let SlotUse::Ready { key, .. } = self.arena.slot_use(slot) {
-            self.read_orders.read(client, key);
+            self.read_orders.read(client, key, &mut self.eviction);
         }
     }
 }

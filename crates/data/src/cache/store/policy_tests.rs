@@ -3,26 +3,33 @@
 //! names.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::super::super::protocol::{ReadOrderAnnouncement, RequestError};
 use super::super::arena::SlotUse;
-use super::super::{GetOutcome, Store, SLOT_ALIGN};
+use super::super::pace::Clock;
+use super::super::{ClientLabel, GetOutcome, Store, SLOT_ALIGN};
 use super::PrefetchOutcome;
 use crate::util::rng::SplitMix64;
 
 const P: u64 = SLOT_ALIGN;
 
-/// A store of `records` one-page records, an announcer connection and a reader.
+/// A store of `records` one-page records, an announcer connection and a reader,
+/// on a clock that moves only when a test moves it.
 struct Rig {
     store: Store,
     announcer: u64,
     announcer_page: usize,
     reader: u64,
+    clock: Arc<AtomicU64>,
 }
 
 impl Rig {
     fn new(records: u64) -> Rig {
         let mut store = Store::on_heap(1, records * P, Some(P));
+        let (clock, handle) = Clock::manual();
+        store.set_clock(clock);
         let (announcer, announcer_page) = store.connect("read order".into(), 1).unwrap();
         let reader = store.connect("reader".into(), 1).unwrap().0;
         Rig {
@@ -30,6 +37,7 @@ impl Rig {
             announcer,
             announcer_page,
             reader,
+            clock: handle,
         }
     }
 
@@ -434,4 +442,116 @@ fn reads_learnt_after_the_reader_moved_on_use_up_their_own_step() {
     let first_difference = got.iter().zip(&want).position(|(a, b)| a != b);
     assert_eq!(first_difference, None, "got {got:?}, want {want:?}");
     assert!(got.iter().filter(|o| o.is_ok()).count() > stream.len() / 4);
+}
+
+/// Hits of a brute-force Belady on `stream` with room for `records`.
+fn belady_hits(stream: &[&str], records: usize) -> usize {
+    let outcomes = brute_force_belady(stream, records);
+    outcomes.iter().filter(|o| o.is_ok()).count()
+}
+
+/// `len` steps of epochs of `keys` keys, each epoch a fresh shuffle of its own.
+fn shuffled_epochs(seed: u64, keys: usize, len: usize) -> Vec<String> {
+    let mut rng = SplitMix64::new(seed);
+    let mut out = Vec::with_capacity(len);
+    let mut order: Vec<usize> = (0..keys).collect();
+    while out.len() < len {
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        out.extend(order.iter().map(|k| format!("k{k}")));
+    }
+    out.truncate(len);
+    out
+}
+
+/// Two jobs read one dataset at 1 and 3 steps a second for `seconds`, each in a
+/// shuffled order of its own announced whole; returns the store's hits and
+/// Belady's on the merged, time-ordered stream.
+fn two_jobs_at_rates(seconds: usize, keys: usize, records: u64) -> (usize, usize) {
+    let mut rig = Rig::new(records);
+    let connect = |store: &mut Store, name: &str, job: &str| {
+        let label = ClientLabel {
+            name: name.into(),
+            job: job.into(),
+            pid: 1,
+            uid: 0,
+        };
+        store.connect_as(label).unwrap()
+    };
+    let (slow, slow_page) = connect(&mut rig.store, "slow order", "slow");
+    let slow_reader = connect(&mut rig.store, "slow reader", "slow").0;
+    let (fast, fast_page) = connect(&mut rig.store, "fast order", "fast");
+    let fast_reader = connect(&mut rig.store, "fast reader", "fast").0;
+    let slow_keys = shuffled_epochs(1, keys, seconds);
+    let fast_keys = shuffled_epochs(2, keys, 3 * seconds);
+    rig.announce(slow, 0, &by_step(&slow_keys), &[slow_reader]);
+    rig.announce(fast, 0, &by_step(&fast_keys), &[fast_reader]);
+    fn by_step(keys: &[String]) -> Vec<Vec<&str>> {
+        keys.iter().map(|k| vec![k.as_str()]).collect()
+    }
+    let mut merged: Vec<&str> = Vec::new();
+    let mut hits = 0;
+    for third in 0..3 * seconds {
+        rig.clock
+            .store(third as u64 * 1_000_000 / 3, Ordering::Relaxed);
+        // The slow job's step at whole seconds, then the fast job's.
+        let mut reads = Vec::new();
+        if third % 3 == 0 {
+            reads.push((
+                slow_page,
+                slow_reader,
+                third / 3,
+                slow_keys[third / 3].as_str(),
+            ));
+        }
+        reads.push((fast_page, fast_reader, third, fast_keys[third].as_str()));
+        for (page, reader, step, key) in reads {
+            rig.progress(page, step as u64);
+            hits += usize::from(rig.read(reader, key));
+            merged.push(key);
+        }
+    }
+    (hits, belady_hits(&merged, records as usize))
+}
+
+#[test]
+fn two_jobs_at_different_rates_merge_by_time_near_belady() {
+    // 40 records, room for 12; the slow job reads 1 step a second, the fast one 3.
+    let (hits, belady) = two_jobs_at_rates(240, 40, 12);
+    eprintln!("two jobs at 1 and 3 steps a second: {hits} hits, Belady {belady}");
+    assert!(
+        hits as f64 >= 0.95 * belady as f64,
+        "{hits} hits, Belady {belady} on the merged stream"
+    );
+}
+
+#[test]
+fn a_read_order_naming_another_jobs_reader_is_refused() {
+    let mut rig = Rig::new(4);
+    let label = |job: &str| ClientLabel {
+        name: "other".into(),
+        job: job.into(),
+        pid: 2,
+        uid: 0,
+    };
+    let (mine, _) = rig.store.connect_as(label("mine")).unwrap();
+    let (theirs, _) = rig.store.connect_as(label("theirs")).unwrap();
+    let (my_reader, _) = rig.store.connect_as(label("mine")).unwrap();
+    let order = |readers: Vec<u64>| ReadOrderAnnouncement {
+        first_step: 0,
+        keys: vec!["a".into()],
+        steps: vec![vec![0]],
+        readers,
+    };
+    let err = rig
+        .store
+        .announce_read_order(mine, order(vec![my_reader, theirs]))
+        .unwrap_err();
+    assert!(err.to_string().contains("is of job \"theirs\""), "{err}");
+    // Its own reader, and one that has gone (left out), are fine.
+    rig.store
+        .announce_read_order(mine, order(vec![my_reader, 999]))
+        .unwrap();
+    assert_eq!(rig.store.read_orders.len(), 1);
 }
