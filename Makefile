@@ -10,7 +10,9 @@
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
 #   make bench-policy  the cache's eviction policies (LRU, planned, Belady's offline bound) at 5-50% caps, 1 and 4 ranks
 #   make bench-throttled  the loader's stall on a read-throttled loop device: LRU, planned, planned + prefetch (root)
-#   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose)
+#   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose), then the Python package into .venv
+#   make wheel  the `vrtspike` Python package's wheel in target/wheels (for other venvs; docs/pytorch.md)
+#   make test-python  the Python package's pytest suite (crates/py/tests)
 #   make test-gpu  the GPU test suite (needs a CUDA device; fails without one)
 #   make gpu-bundle  one folder under 64 MiB that runs on a GPU host with its own torch
 #   make gpu-bundle-check  proves that folder self-sufficient here (root; venv hidden)
@@ -38,7 +40,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
+.PHONY: setup build wheel python-package test-python test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
 	bench-throttled clean \
 	test-gpu gpu-bundle gpu-bundle-check check-docs test-slurm
 
@@ -73,6 +75,10 @@ $(STAMPS)/venv: requirements.txt
 	  echo "installing torch==$(TORCH_VERSION), the CUDA/NCCL headers, tensorboard and the baseline's packages into $(VENV)"; \
 	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
 	fi
+	@if ! $(VENV)/bin/python -c "import maturin, pytest" 2>/dev/null; then \
+	  echo "installing maturin and pytest (the Python package's build and tests) into $(VENV)"; \
+	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
+	fi
 	@touch $@
 
 # The c10d shim compiles NCCL against these headers (requirements.txt installs them).
@@ -93,6 +99,39 @@ endif
 
 build: setup
 	cargo build --release --workspace
+	$(MAKE) --no-print-directory python-package PY_PROFILE=release
+
+# The `vrtspike` Python package (crates/py, docs/pytorch.md): the extension module
+# vrtspike._native (built on vrtspike-data alone: no libtorch) and the
+# vrtspike-cache server it starts, shipped in the wheel (vrtspike/_bin/), built by
+# maturin from the same sources and installed into the venv. The wheel links the
+# system's libhdf5 (no auditwheel repair: it is for machines set up like this one).
+PY_PROFILE ?= release
+PY_CRATE := $(ROOT)/crates/py
+WHEELS := $(ROOT)/target/wheels
+PY_BIN_DIR := $(if $(filter release,$(PY_PROFILE)),release,debug)
+
+wheel: setup
+	cargo build $(if $(filter release,$(PY_PROFILE)),--release,) -p vrtspike-data --bin vrtspike-cache
+	@mkdir -p $(PY_CRATE)/python/vrtspike/_bin $(WHEELS)
+	cp $(ROOT)/target/$(PY_BIN_DIR)/vrtspike-cache $(PY_CRATE)/python/vrtspike/_bin/vrtspike-cache
+	rm -f $(WHEELS)/vrtspike-*.whl
+	maturin build --quiet -m $(PY_CRATE)/Cargo.toml --profile $(PY_PROFILE) --auditwheel skip \
+	  $(if $(filter release,$(PY_PROFILE)),--strip,) -o $(WHEELS)
+	@ls $(WHEELS)/vrtspike-*.whl
+
+python-package: wheel
+	$(VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps $(WHEELS)/vrtspike-*.whl
+	cd / && $(VENV)/bin/python -c 'import vrtspike; print("vrtspike", vrtspike.BUILD_ID, "in", vrtspike.__file__)'
+
+# The Python package's tests (crates/py/tests), on a dev build of the package and
+# of `vrtspike` (its `synth` makes their data, its `bench loader` the samples they
+# must equal).
+test-python: setup
+	$(MAKE) --no-print-directory python-package PY_PROFILE=dev
+	cargo build -p vrtspike --bin vrtspike
+	cd $(PY_CRATE) && VRTSPIKE_TEST_BIN=$(ROOT)/target/debug/vrtspike \
+	  $(VENV)/bin/python -m pytest -q tests
 
 # ... and what runs without libtorch stays so: vrtspike-data (the crate of the
 # vrtspike-cache binary) has no tch or torch-sys among its dependencies.
@@ -106,6 +145,7 @@ lint: setup
 
 test: setup lint check-docs $(STAMPS)/apt-slurm
 	cargo test --workspace
+	$(MAKE) --no-print-directory test-python
 
 # README.md and docs/: every relative link and anchor, repository path, make target,
 # vrtspike / vrtspike-launch subcommand and flag they name exists (read from the
