@@ -120,3 +120,16 @@ def test_two_processes_of_two_workers_share_one_server(dataset_root: Path, tmp_p
     assert served >= reads, (before, after, reads)
     assert after["hits"] > before["hits"]
     dataset.close()
+
+
+def test_no_server_to_be_had_reads_from_disk_with_a_warning(
+    dataset_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(vrtspike._native.SERVER_ENV, str(tmp_path / "no-such-vrtspike-cache"))
+    with pytest.warns(RuntimeWarning, match="no-such-vrtspike-cache") as warned:
+        dataset = Dataset(dataset_root, "train", overrides=KEYS)
+    assert any("reads every record from disk" in str(w.message) for w in warned)
+    assert dataset.cache_address is None
+    disk = from_disk(dataset_root)
+    for index in DistributedSampler(dataset, num_replicas=1, rank=0):
+        assert torch.equal(dataset[index].blur, disk[index].blur)
