@@ -8,6 +8,7 @@
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
+#   make bench-python  the PyTorch peer's loader shape with its own Dataset and with the vrtspike package's (Pss, samples/s, leftover shm)
 #   make bench-policy  the cache's eviction policies (LRU, planned, Belady's offline bound) at 5-50% caps, 1 and 4 ranks
 #   make bench-throttled  the loader's stall on a read-throttled loop device: LRU, planned, planned + prefetch (root)
 #   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose), then the Python package into .venv
@@ -40,7 +41,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build wheel python-package test-python test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
+.PHONY: setup build wheel python-package test-python bench-python test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
 	bench-throttled clean \
 	test-gpu gpu-bundle gpu-bundle-check check-docs test-slurm
 
@@ -203,6 +204,23 @@ bench: build
 	$(MAKE) --no-print-directory bench-policy
 	$(MAKE) --no-print-directory bench-model
 	$(MAKE) --no-print-directory bench-link
+
+# The loader shape of the PyTorch peer (issue 38): ../shared/baselines/torch_loader.py
+# (2 rank processes x 2 DataLoader workers, clip 6, crop 256, 720x1280 synthetic
+# frames, 2 epochs) with its own Dataset (a per-worker LRU of float32 frames) and the
+# same shape with the vrtspike package's Dataset (scripts/bench_python_loader.py: one
+# node-shared cache server, planned policy), each under pss-tree; then the table.
+bench-python: build
+	@test -f $(BENCH_DATA)/dataset.yaml || \
+	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
+	@mkdir -p $(BENCH_OUT)/python
+	$(PSS_TREE) --json $(BENCH_OUT)/python/vrtspike-pss.json -- \
+	  $(VENV)/bin/python $(ROOT)/scripts/bench_python_loader.py --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(LOADER_CACHE_GB) > $(BENCH_OUT)/python/vrtspike.out
+	$(PSS_TREE) --json $(BENCH_OUT)/python/peer-pss.json -- \
+	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/python/peer.out
+	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)/python "vrtspike.data.Dataset"
 
 # The cache's eviction policies (issue 28 §2): one recorded access stream (the ranks'
 # shuffled clips of 6 frames, 3 epochs, the last two counted) read by the loader under

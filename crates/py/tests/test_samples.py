@@ -60,14 +60,16 @@ def test_samples_equal_the_loaders(dataset_root: Path, tmp_path: Path, leaves_no
     dataset.close()
 
 
-def test_dataloader_workers_give_the_same_samples(dataset_root: Path, leaves_nothing) -> None:
-    """2 workers with persistent_workers and pin_memory, 2 epochs: each batch holds
-    the samples the main process draws at the same places."""
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_dataloader_workers_give_the_same_samples(dataset_root: Path, leaves_nothing, start: str) -> None:
+    """2 workers (forked, or spawned: they rebuild the Dataset from the main
+    process's choice of server) with persistent_workers and pin_memory, 2 epochs:
+    each batch holds the samples the main process draws at the same places."""
     dataset = Dataset(dataset_root, "train", overrides=KEYS)
     leaves_nothing.add(dataset.cache_address)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0)
     loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, persistent_workers=True,
-                        pin_memory=True)
+                        pin_memory=True, multiprocessing_context=start)
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         indices = list(sampler)
