@@ -4,7 +4,8 @@
 #   scripts/gpu_bundle.sh BUNDLE_DIR GPU_TEST_BIN [VRT_REF]
 # BUNDLE_DIR is made anew: bin/ (vrtspike, vrtspike-cache, vrtspike-launch, gpu-tests; stripped),
 # lib/ (the shared libraries the binaries need beyond libtorch, the C and C++
-# runtimes: found with ldd), configs/, run-on-gpu.sh, scripts/gpu_run.sh, the
+# runtimes: found with ldd), configs/, run-on-gpu.sh, scripts/gpu_run.sh (and its
+# gpu_figures.py), the
 # reference peer baselines/vrt_reference_step.py and, when VRT_REF is given (a
 # checkout or git directory of the public JingyunLiang/VRT), vrt_ref/models/ for it.
 # The bundle must stay under the device call's 64 MiB.
@@ -52,6 +53,7 @@ chmod 644 "$bundle"/lib/*
 cp -r "$root/configs" "$bundle/configs"
 install -m 755 "$root/scripts/run-on-gpu.sh" "$bundle/run-on-gpu.sh"
 install -m 755 "$root/scripts/gpu_run.sh" "$bundle/scripts/gpu_run.sh"
+install -m 755 "$root/scripts/gpu_figures.py" "$bundle/scripts/gpu_figures.py"
 peer="$root/../shared/baselines/vrt_reference_step.py"
 if [[ -f "$peer" ]]; then
   install -m 644 "$peer" "$bundle/baselines/vrt_reference_step.py"

@@ -100,7 +100,7 @@ main() {
 
   echo "== 4. gpu_run.sh --smoke"
   "$bundle/scripts/gpu_run.sh" --smoke "$work/gpu-run" info profile reference train
-  for json in info profile-baseline profile-gopro-ckpt train-analyze; do
+  for json in info profile-baseline-ckpt profile-gopro-ckpt train-analyze; do
     python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/gpu-run/$json.json" \
       || fail "gpu_run.sh --smoke wrote no valid $json.json"
   done
@@ -108,6 +108,8 @@ main() {
     fail "a gpu_run.sh --smoke part failed (above)"
   fi
   grep -q '"status": *"completed"' "$work/gpu-run/train-summary.json" || fail "gpu_run.sh --smoke: training did not complete"
+  grep -q '"kind": *"train"' "$work/gpu-run/train-run/metrics.jsonl" || fail "gpu_run.sh --smoke: no train-run/metrics.jsonl"
+  grep -q 'training step, fused' "$work/gpu-run/figures.txt" || fail "gpu_run.sh --smoke: figures.txt has no training step: $(cat "$work/gpu-run/figures.txt")"
 
   echo "gpu_bundle_check.sh: the bundle at $bundle ($(du -sh "$bundle" | cut -f1)) runs with the venv hidden"
 }

@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# The GPU run, from inside the GPU bundle (`make gpu-bundle`): everything issue 19
-# measures on one GPU host, each part under its own time limit so one hang cannot
-# eat the call, one JSON per part and its log in OUT_DIR.
+# The GPU run, from inside the GPU bundle (`make gpu-bundle`): everything issues 19
+# and 34 measure on one GPU host, in one device call, each part under its own time
+# limit so one hang cannot eat the call, one JSON per part and its log in OUT_DIR.
 #
-#   gpu-bundle/scripts/gpu_run.sh OUT_DIR [PART...]        # parts: info tests profile reference train
+#   gpu-bundle/scripts/gpu_run.sh OUT_DIR [PART...]        # parts: info tests profile train reference
 #   gpu-bundle/scripts/gpu_run.sh --smoke OUT_DIR [PART...] # the plumbing, on CPU, tiny
 #
-# Parts (default: all; on one H100 run `info tests profile reference` in one call and
-# `info train` in a second if one call must stay under 9 minutes):
+# Parts (default: all, in this order; about 6 minutes on one H100, so run it with
+# DEADLINE_S=400 in a call of at most 7 minutes):
 #   info       vrtspike info --json, nvidia-smi                            info.json
 #   tests      the GPU test suite (make test-gpu's binary)                 tests.json, logs/tests.log
-#   profile    vrtspike profile --device cuda --bf16, 6 frames x 256: the
-#              baseline VRT-Spike and the VRT GoPro config, each without and
-#              with activation checkpointing                               profile-*.json
-#   reference  the public VRT in PyTorch eager (baselines/vrt_reference_step.py
-#              on vrt_ref/), same shape and precision, without and with
-#              checkpointing                                               reference-*.json
-#   train      vrtspike-launch --gpus 1, the baseline on a `vrtspike synth
-#              --gopro` set for TRAIN_STEPS steps (default 200), then a
-#              full-frame 720x1280 validation by tiles (TRAIN_SETS: more
-#              KEY=VALUE settings, space-separated)                        train-*.json
-# parts.jsonl has one line per part (rc, seconds, limit); summary.txt the table.
+#   profile    vrtspike profile --device cuda --bf16, 6 frames x 256, with
+#              activation checkpointing: the baseline VRT-Spike (the model
+#              `train` trains) with whole training steps under the fused and
+#              the per-parameter AdamW (the update's time), and the VRT GoPro
+#              config with the fused one                                   profile-*.json
+#   train      vrtspike-launch --gpus 1, the baseline with checkpointing on a
+#              `vrtspike synth --gopro` set for TRAIN_STEPS steps (default
+#              40), then a full-frame 720x1280 validation of 12 frames by
+#              tiles (TRAIN_SETS: more KEY=VALUE settings, space-separated);
+#              the run directory (no checkpoints) in train-run/             train-*.json
+#   reference  the public VRT in PyTorch (baselines/vrt_reference_step.py on
+#              vrt_ref/), same shape, checkpointing, whole training steps with
+#              the fused AdamW: eager, then torch.compile (its compile time
+#              apart)                                                      reference-*.json
+# `nvidia-smi dmon` samples the SMs every second of the call into dmon.txt.
+# parts.jsonl has one line per part (rc, seconds, limit); summary.txt the table;
+# figures.txt the figures issue 34 asks for, computed from all of the above.
 #
 # DEADLINE_S (optional): the whole script's budget in seconds, for a device call with
 # a hard limit. Each part's limit is cut to what is left of it (less RESERVE_S, 20 s
@@ -38,11 +44,16 @@ fi
 out=${1:?usage: gpu_run.sh [--smoke] OUT_DIR [PART...]}
 shift
 parts=("$@")
-[[ ${#parts[@]} -gt 0 ]] || parts=(info tests profile reference train)
+[[ ${#parts[@]} -gt 0 ]] || parts=(info tests profile train reference)
 mkdir -p "$out/logs"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/vrtspike-gpu-run.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+dmon_pid=
+cleanup() {
+  [[ -n "$dmon_pid" ]] && kill "$dmon_pid" 2> /dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
 script_start=$(date +%s)
 deadline=${DEADLINE_S:-0}
 reserve=${RESERVE_S:-20}
@@ -57,13 +68,13 @@ clip_limit() {
 }
 
 if (( smoke )); then
-  device=cpu; frames=3; size=32; iters=1; precision=--cast-bf16
+  device=cpu; frames=3; size=32; iters=1; precision=()
   baseline=configs/tiny/vrt_spike_tiny.yaml; gopro=configs/tiny/vrt_spike_tiny.yaml
   train_steps=${TRAIN_STEPS:-3}
 else
-  device=cuda; frames=6; size=256; iters=3; precision=--bf16
+  device=cuda; frames=6; size=256; iters=3; precision=(--bf16)
   baseline=configs/deblur/vrt_spike_baseline.yaml; gopro=configs/deblur/vrt_gopro_deblur.yaml
-  train_steps=${TRAIN_STEPS:-200}
+  train_steps=${TRAIN_STEPS:-40}
 fi
 ckpt=(--set MODEL.USE_CHECKPOINT_ATTN=true --set MODEL.USE_CHECKPOINT_FFN=true)
 
@@ -125,11 +136,9 @@ EOF
 }
 
 part_profile() {
-  local common=(--device "$device" --frames "$frames" --size "$size" --iters "$iters" "$precision" --json)
-  part profile-baseline 150 profile-baseline.json "$run" vrtspike profile --config "$baseline" "${common[@]}"
-  part profile-baseline-ckpt 150 profile-baseline-ckpt.json "$run" vrtspike profile --config "$baseline" "${common[@]}" "${ckpt[@]}"
-  part profile-gopro 150 profile-gopro.json "$run" vrtspike profile --config "$gopro" "${common[@]}"
-  part profile-gopro-ckpt 150 profile-gopro-ckpt.json "$run" vrtspike profile --config "$gopro" "${common[@]}" "${ckpt[@]}"
+  local common=(--device "$device" --frames "$frames" --size "$size" --iters "$iters" "${precision[@]}" --json "${ckpt[@]}")
+  part profile-baseline-ckpt 150 profile-baseline-ckpt.json "$run" vrtspike profile --config "$baseline" "${common[@]}" --optimizer fused,loop
+  part profile-gopro-ckpt 150 profile-gopro-ckpt.json "$run" vrtspike profile --config "$gopro" "${common[@]}" --optimizer fused
 }
 
 # The reference imports `distutils.version`, gone from Python 3.12's standard library
@@ -180,8 +189,8 @@ assert LooseVersion("0.26.0+cu130") >= LooseVersion("0.9.0") and LooseVersion("1
 print("reference plumbing ok, torch", torch.__version__)'
     return
   fi
-  part reference 150 reference.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}"
-  part reference-ckpt 150 reference-ckpt.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}" --ckpt
+  part reference-ckpt 150 reference-ckpt.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}" --ckpt --optimizer fused
+  part reference-ckpt-compile 240 reference-ckpt-compile.json env PYTHONPATH="$pythonpath" "$python" baselines/vrt_reference_step.py "${args[@]}" --ckpt --optimizer fused --compile
 }
 
 part_train() {
@@ -190,7 +199,7 @@ part_train() {
   local sets=(--set "DATA.ROOT=$data" --set TRAIN.AMP_ENABLED=true --set "TRAIN.TOTAL_STEPS=$train_steps"
     --set TRAIN.WARMUP_STEPS=10 --set "LOG.VAL_EVERY_STEPS=$train_steps" --set "LOG.CKPT_EVERY_STEPS=$train_steps"
     --set LOG.LOG_EVERY_STEPS=10 --set LOG.MEM_EVERY_STEPS=10 --set DATA.VAL_CROP_SIZE=null
-    --set DATA.VAL_TILE=256 --set DATA.CACHE_SIZE_GB=2)
+    --set DATA.VAL_TILE=256 --set DATA.CACHE_SIZE_GB=2 "${ckpt[@]}")
   local launch=(--gpus 1)
   if (( smoke )); then
     synth=(--seqs 2 --test-seqs 1 --frames 6)
@@ -209,49 +218,31 @@ part_train() {
   part train 420 - "$run" vrtspike-launch "${launch[@]}" --config "$config" --run-dir "$rundir" "${sets[@]}"
   cp "$rundir/summary.json" "$out/train-summary.json" 2>> "$out/logs/train.log"
   part train-analyze 60 train-analyze.json "$run" vrtspike analyze "$rundir" --json
-  tar czf "$out/logs/train-run.tgz" -C "$work" --exclude='run/checkpoints' run 2>> "$out/logs/train.log"
+  # The run directory beside the profile of the same model: metrics, config, logs.
+  mkdir -p "$out/train-run"
+  (cd "$rundir" && tar cf - --exclude=./checkpoints --exclude=./tb .) | tar xf - -C "$out/train-run" 2>> "$out/logs/train.log"
+}
+
+# The SMs' busy share every second of the call (nvidia-smi dmon), with the date and
+# time of each line for figures.txt to cut the training and validation windows.
+start_dmon() {
+  (( smoke )) && return
+  command -v nvidia-smi > /dev/null || return
+  nvidia-smi dmon -s u -o DT -d 1 > "$out/dmon.txt" 2>> "$out/logs/info.log" &
+  dmon_pid=$!
 }
 
 echo "gpu_run.sh: parts ${parts[*]}$( (( smoke )) && echo ' (smoke, CPU)')" | tee "$out/summary.txt"
 : > "$out/parts.jsonl"
+start_dmon
 for name in "${parts[@]}"; do
   case "$name" in
     info|tests|profile|reference|train) "part_$name" ;;
-    *) echo "gpu_run.sh: unknown part $name (info tests profile reference train)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown part $name (info tests profile train reference)" >&2; exit 2 ;;
   esac
 done
+[[ -n "$dmon_pid" ]] && kill "$dmon_pid" 2> /dev/null && dmon_pid=
 
 # The figures of whatever parts ran, one line each, in figures.txt and on stdout (a
-# device call returns only the end of its output).
-python3 - "$out" <<'PY' | tee "$out/figures.txt"
-import json, os, sys
-out = sys.argv[1]
-def load(name):
-    try:
-        return json.load(open(os.path.join(out, name)))
-    except (OSError, ValueError):
-        return None
-gib = 2 ** 30
-tests = load("tests.json")
-if tests:
-    print(f"tests: {len(tests['passed'])} passed, {len(tests['failed'])} failed {tests['failed']}; {tests['result']}")
-    for line in tests.get("figures", []):
-        print("  " + line)
-for name in ("baseline", "baseline-ckpt", "gopro", "gopro-ckpt"):
-    p = load(f"profile-{name}.json")
-    if p:
-        peak = (p.get("cuda_peak") or {}).get("allocated_bytes") or p.get("peak_rss_bytes") or 0
-        print(f"profile {name:14s} fwd {p['forward_ms']:9.1f} ms  bwd {p['backward_ms']:9.1f} ms  "
-              f"step {p['forward_ms'] + p['backward_ms']:9.1f} ms  peak {peak / gib:6.2f} GiB  params {p['total_params']}")
-for name in ("reference", "reference-ckpt"):
-    r = load(f"{name}.json")
-    if r:
-        peak = r.get("peak_allocated_mb", r.get("peak_rss_mb", 0)) / 1024
-        print(f"{name:22s} step {r['median_ms']:9.1f} ms (min {r['min_ms']:.1f})  peak {peak:6.2f} GiB  {r.get('gpu', r['device'])}")
-s = load("train-summary.json")
-if s:
-    print("train summary:", json.dumps(s)[:1500])
-a = load("train-analyze.json")
-if a:
-    print("train analyze:", json.dumps(a)[:1500])
-PY
+# device call returns only the end of its output): scripts/gpu_figures.py.
+python3 "$here/scripts/gpu_figures.py" "$out" | tee "$out/figures.txt"

@@ -151,8 +151,8 @@ fn tiled_clipped_inference_matches_a_whole_run_and_reports_png_psnr() {
             if (&out_l - &blur_l).abs().max().double_value(&[]) > 1.0 {
                 changed += 1;
             }
-            psnr += psnr_u8(&out_l, &sharp);
-            input_psnr += psnr_u8(&blur_l, &sharp);
+            psnr += psnr_u8(&out_l, &sharp).unwrap();
+            input_psnr += psnr_u8(&blur_l, &sharp).unwrap();
         }
         psnr /= FRAMES as f64;
         input_psnr /= FRAMES as f64;

@@ -167,14 +167,7 @@ fn python_rejects_a_corrupted_file() {
 
 /// A synthetic set of 2 training and 1 test sequence of 6 frames (64x96).
 fn dataset(dir: &Path) {
-    let options = SynthOptions {
-        train_seqs: 2,
-        test_seqs: 1,
-        frames: 6,
-        height: 64,
-        width: 96,
-        seed: 3,
-    };
+    let options = SynthOptions::small(3);
     synth::generate_folder(dir, &options, &|_| {}).unwrap();
 }
 

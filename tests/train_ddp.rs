@@ -39,14 +39,7 @@ fn summary(run: &Path) -> serde_json::Value {
 fn two_ranks_train_validate_and_preempt() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
-    let options = SynthOptions {
-        train_seqs: 2,
-        test_seqs: 1,
-        frames: 6,
-        height: 64,
-        width: 96,
-        seed: 9,
-    };
+    let options = SynthOptions::small(9);
     synth::generate_folder(&data, &options, &|_| {}).unwrap();
     let address = format!("vrtspike-test-train-{}", std::process::id());
     let server = spawn_server(ServerConfig::new(address.clone(), 64 << 20)).unwrap();

@@ -22,14 +22,7 @@ static SEEDED: Mutex<()> = Mutex::new(());
 const TOTAL: u64 = 6;
 
 fn dataset(dir: &Path) {
-    let options = SynthOptions {
-        train_seqs: 2,
-        test_seqs: 1,
-        frames: 6,
-        height: 64,
-        width: 96,
-        seed: 11,
-    };
+    let options = SynthOptions::small(11);
     synth::generate_folder(dir, &options, &|_| {}).unwrap();
 }
 

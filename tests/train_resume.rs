@@ -8,14 +8,7 @@ use vrtspike::synth::{self, SynthOptions};
 use vrtspike::train::{train, RankEnv, TrainOptions};
 
 fn dataset(dir: &Path) {
-    let options = SynthOptions {
-        train_seqs: 2,
-        test_seqs: 1,
-        frames: 6,
-        height: 64,
-        width: 96,
-        seed: 5,
-    };
+    let options = SynthOptions::small(5);
     synth::generate_folder(dir, &options, &|_| {}).unwrap();
 }
 

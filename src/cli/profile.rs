@@ -1,5 +1,7 @@
 //! `vrtspike profile`: forward/backward time per stage, parameters and memory of a
-//! model config (the timing is `vrtspike::model::profile`), as a table or JSON.
+//! model config (the timing is `vrtspike::model::profile`), and with `--optimizer`
+//! whole training steps with the update (`vrtspike::train::step_timing`), as a table
+//! or JSON.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,11 +14,13 @@ use serde::Serialize;
 
 use tch::Device;
 use vrtspike::model::profile::{
-    profile, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
+    profile, InputShape, MemoryProbe, Precision, Profile, ProfileOptions, RssProbe,
 };
 
 use super::{group_digits, parse_device};
 use vrtspike::config::Config;
+use vrtspike::train::optim::UpdateKernel;
+use vrtspike::train::step_timing::{time_steps, StepTiming, StepTimingOptions};
 
 /// `vrtspike profile`
 #[derive(Debug, Args)]
@@ -56,6 +60,12 @@ pub struct ProfileArgs {
     /// Cast weights and inputs to bfloat16 instead (any device).
     #[arg(long)]
     pub cast_bf16: bool,
+    /// Also time whole training steps (forward, backward, gradient norm, clipping,
+    /// AdamW, zeroing) with the config's `TRAIN` settings, once per AdamW kernel
+    /// named: `fused` (what training runs), `foreach`, `loop` (the per-parameter
+    /// update before issue 34); comma-separated.
+    #[arg(long, value_delimiter = ',', value_name = "KERNEL")]
+    pub optimizer: Vec<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -67,10 +77,22 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
-    let cfg = Config::load(&args.config)
+    let config = Config::load(&args.config)
         .and_then(|c| c.with_overrides(&args.set))
-        .with_context(|| format!("reading {}", args.config.display()))?
-        .model;
+        .with_context(|| format!("reading {}", args.config.display()))?;
+    let kernels = args
+        .optimizer
+        .iter()
+        .map(|k| k.parse::<UpdateKernel>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("--optimizer {e}"))?;
+    if !kernels.is_empty() && args.no_backward {
+        bail!("--optimizer times training steps: it needs the backward pass (drop --no-backward)");
+    }
+    if !kernels.is_empty() && args.cast_bf16 {
+        bail!("--optimizer trains float32 weights: use --bf16 (autocast), not --cast-bf16");
+    }
+    let cfg = config.model.clone();
     let options = ProfileOptions {
         batch: args.batch,
         frames: args.frames,
@@ -85,16 +107,39 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         },
     };
     let (probe, cuda) = memory_probe(device);
-    let profile = profile(&cfg, device, &options, probe)
+    let profile = profile(&cfg, device, &options, probe.clone())
         .with_context(|| format!("profiling the model of {}", args.config.display()))?;
+    let mut train_steps = Vec::with_capacity(kernels.len());
+    for kernel in kernels {
+        let timing = StepTimingOptions {
+            shape: InputShape {
+                batch: args.batch,
+                frames: args.frames,
+                size: args.size,
+                spike_scale: args.spike_scale,
+            },
+            iters: args.iters,
+            bf16: args.bf16,
+            kernel,
+        };
+        let timed = time_steps(&config, device, &timing, probe.clone()).with_context(|| {
+            format!(
+                "timing training steps ({kernel:?} AdamW) of {}",
+                args.config.display()
+            )
+        })?;
+        train_steps.push(timed);
+    }
     let report = Report {
         cuda_peak: cuda.map(|probe| probe.run_peak()),
         profile,
+        train_steps,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&report.profile);
+        print_steps(&report.train_steps);
         if let Some(peak) = &report.cuda_peak {
             println!(
                 "CUDA peak over the run: allocated {} MiB, reserved {} MiB",
@@ -106,12 +151,28 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     Ok(())
 }
 
-/// The profile, with the CUDA allocator's peaks over the whole run on a GPU.
+/// The profile, with the CUDA allocator's peaks over the whole run on a GPU and the
+/// timed training steps of each `--optimizer` kernel.
 #[derive(Serialize)]
 struct Report {
     #[serde(flatten)]
     profile: Profile,
     cuda_peak: Option<CudaPeak>,
+    train_steps: Vec<StepTiming>,
+}
+
+fn print_steps(steps: &[StepTiming]) {
+    for t in steps {
+        println!(
+            "training step, {:?} AdamW over {} tensors: {:.1} ms (min {:.1}), of which the update {:.2} ms; peak {} MiB",
+            t.optimizer,
+            t.tensors,
+            t.step_ms,
+            t.step_min_ms,
+            t.update_ms,
+            mib(t.peak_bytes.map(|b| b as f64)),
+        );
+    }
 }
 
 /// The CUDA caching allocator's largest figures over a run (warm-up included).

@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::error::DistError;
 use super::group::{ensure_grad, ProcessGroup, ReduceOp};
+use crate::util::readback;
 
 /// Default size of the first gradient bucket (the last layers' gradients,
 /// ready first), as in PyTorch's DDP.
@@ -302,7 +303,7 @@ fn exchange_i64(group: &mut ProcessGroup, value: i64) -> Result<Vec<i64>, DistEr
     let mut slots = vec![0i64; group.world_size()];
     slots[group.rank()] = value;
     let tensor = group.all_reduce_host(&Tensor::from_slice(&slots), ReduceOp::Sum)?;
-    Vec::<i64>::try_from(&tensor).map_err(|e| DistError::Tensor {
+    readback::values::<i64>(&tensor).map_err(|e| DistError::Tensor {
         rank: group.rank(),
         op: "exchange",
         message: e.to_string(),
@@ -332,7 +333,7 @@ pub(crate) fn verify_shapes(group: &mut ProcessGroup, params: &[Tensor]) -> Resu
     let low = group.all_reduce_host(&Tensor::from_slice(&signatures), ReduceOp::Min)?;
     let high = group.all_reduce_host(&Tensor::from_slice(&signatures), ReduceOp::Max)?;
     let differs = low.ne_tensor(&high).nonzero().reshape([-1]);
-    let differs = Vec::<i64>::try_from(&differs).map_err(|e| DistError::Tensor {
+    let differs = readback::values::<i64>(&differs).map_err(|e| DistError::Tensor {
         rank,
         op: "verify_shapes",
         message: e.to_string(),
@@ -385,7 +386,7 @@ fn tensor_bytes_on_host(tensor: &Tensor) -> Result<Vec<u8>, tch::TchError> {
         .f_contiguous()?
         .f_reshape([-1])?;
     let bytes = flat.f_view_dtype(Kind::Uint8)?;
-    Vec::<u8>::try_from(&bytes)
+    readback::values::<u8>(&bytes)
 }
 
 fn copy_into(dst: &Tensor, src: &Tensor, rank: usize, op: &'static str) -> Result<(), DistError> {

@@ -19,8 +19,8 @@ use crate::model::{device_name, first_line, is_out_of_memory, ModelError, Restor
 use crate::pipeline::sample::crop_voxels;
 use crate::pipeline::{DiskSource, PipelineError, RecordSource};
 
-use super::quality::{quantize_u8, QualitySums};
-use super::tiles::{tile_spans, tiled_forward};
+use super::quality::{quantize_u8, QualityAccumulator, QualitySums};
+use super::tiles::{tile_spans, tiled_forward, Tiling};
 
 /// Why inference could not run.
 #[derive(Debug, thiserror::Error)]
@@ -291,7 +291,7 @@ fn write_frame(path: &Path, frame: &Tensor) -> Result<(), InferError> {
         .to_kind(Kind::Uint8)
         .contiguous()
         .view([-1]);
-    let data = Vec::<u8>::try_from(&levels)
+    let data = crate::util::readback::values::<u8>(&levels)
         .map_err(|e| input_err(path, format!("cannot read the output frame: {e}")))?;
     let image = RgbImage {
         height: s[1] as u32,
@@ -364,7 +364,7 @@ pub fn infer_dataset(
         let ratio = (s.height / s.spike_height.max(1)).max(1) as i64;
         let align = lcm(multiple, ratio);
         let tiled = options.tile < s.height as i64 || options.tile < s.width as i64;
-        let mut sums = QualitySums::default();
+        let mut sums = QualityAccumulator::default();
         let n = s.frames.len() as i64;
         for clip in tile_spans(n, options.clip as i64, options.clip_overlap as i64, 1) {
             let frames = clip.start as usize..clip.end as usize;
@@ -381,14 +381,13 @@ pub fn infer_dataset(
                         .map_err(InferError::from)
                 };
                 if tiled {
-                    tiled_forward(
-                        &mut forward,
-                        &blur_dev,
-                        vox_dev.as_ref(),
-                        options.tile,
-                        options.tile_overlap,
+                    let tiling = Tiling {
+                        tile: options.tile,
+                        overlap: options.tile_overlap,
                         align,
-                    )
+                        batch: 1,
+                    };
+                    tiled_forward(&mut forward, &blur_dev, vox_dev.as_ref(), tiling)
                 } else {
                     forward(&blur_dev, vox_dev.as_ref())
                 }
@@ -406,10 +405,10 @@ pub fn infer_dataset(
                 &kept,
                 &blur.get(0).narrow(0, offset, keep),
                 &sharp.get(0).narrow(0, offset, keep),
-            );
+            )?;
             progress.inc(keep as u64);
         }
-        let quality = SequenceQuality::from_sums(&s.name, &sums);
+        let quality = SequenceQuality::from_sums(&s.name, &sums.read()?);
         tracing::info!(
             sequence = %s.name,
             frames = quality.frames,

@@ -78,44 +78,84 @@ pub type TileModel<'m, E> = dyn FnMut(&Tensor, Option<&Tensor>) -> Result<Tensor
 
 /// Runs `model` on tiles of `blur` (N, D, 3, H, W) and of `voxels` (N, D, K, Hs, Ws,
 /// H/Hs = W/Ws an integer ratio) and stitches the (N, D, 3, H, W) output. Tile starts
-/// are aligned to `align` RGB pixels (a multiple of the spike ratio). A libtorch
-/// failure (the output buffer, a tile) is returned as `E`, never a panic.
+/// are aligned to `align` RGB pixels (a multiple of the spike ratio). Tiles of one
+/// shape go through the model `batch` at a time (stacked along N; at least 1). A
+/// libtorch failure (the output buffer, a tile) is returned as `E`, never a panic.
 pub fn tiled_forward<E: From<TchError>>(
     model: &mut TileModel<'_, E>,
     blur: &Tensor,
     voxels: Option<&Tensor>,
-    tile: i64,
-    overlap: i64,
-    align: i64,
+    tiling: Tiling,
 ) -> Result<Tensor, E> {
     let size = blur.size();
-    let (h, w) = (size[3], size[4]);
+    let (n, h, w) = (size[0], size[3], size[4]);
     let ratio = voxels.map_or(1, |v| (h / v.size()[3]).max(1));
-    let align = (align.max(1) + ratio - 1) / ratio * ratio;
+    let align = (tiling.align.max(1) + ratio - 1) / ratio * ratio;
     let out = blur.f_zeros_like()?;
-    for ty in tile_spans(h, tile, overlap, align) {
-        for tx in tile_spans(w, tile, overlap, align) {
-            let b = blur.f_narrow(3, ty.start, ty.end - ty.start)?.f_narrow(
-                4,
-                tx.start,
-                tx.end - tx.start,
-            )?;
-            let v = voxels
-                .map(|v| {
-                    v.f_narrow(3, ty.start / ratio, (ty.end - ty.start) / ratio)?
-                        .f_narrow(4, tx.start / ratio, (tx.end - tx.start) / ratio)
-                })
-                .transpose()?;
+    let rows = tile_spans(h, tiling.tile, tiling.overlap, align);
+    let cols = tile_spans(w, tiling.tile, tiling.overlap, align);
+    // Tiles in order, grouped by input shape (the last row and column may be wider).
+    let mut groups: Vec<Vec<(TileSpan, TileSpan)>> = Vec::new();
+    for ty in &rows {
+        for tx in &cols {
+            let shape = (ty.end - ty.start, tx.end - tx.start);
+            let same = |g: &Vec<(TileSpan, TileSpan)>| {
+                g.first()
+                    .is_some_and(|(a, b)| (a.end - a.start, b.end - b.start) == shape)
+            };
+            match groups.iter_mut().find(|g| same(g)) {
+                Some(group) => group.push((*ty, *tx)),
+                None => groups.push(vec![(*ty, *tx)]),
+            }
+        }
+    }
+    let crop = |t: &Tensor, ty: &TileSpan, tx: &TileSpan, scale: i64| {
+        t.f_narrow(3, ty.start / scale, (ty.end - ty.start) / scale)?
+            .f_narrow(4, tx.start / scale, (tx.end - tx.start) / scale)
+    };
+    for group in &groups {
+        for chunk in group.chunks(tiling.batch.max(1)) {
+            let stack = |t: &Tensor, scale: i64| -> Result<Tensor, TchError> {
+                let parts = chunk
+                    .iter()
+                    .map(|(ty, tx)| crop(t, ty, tx, scale))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::f_cat(&parts, 0)
+            };
+            let b = stack(blur, 1)?;
+            let v = voxels.map(|v| stack(v, ratio)).transpose()?;
             let y = model(&b, v.as_ref())?;
-            let kept = y
-                .f_narrow(3, ty.keep_start - ty.start, ty.keep_end - ty.keep_start)?
-                .f_narrow(4, tx.keep_start - tx.start, tx.keep_end - tx.keep_start)?;
-            out.f_narrow(3, ty.keep_start, ty.keep_end - ty.keep_start)?
-                .f_narrow(4, tx.keep_start, tx.keep_end - tx.keep_start)?
-                .f_copy_(&kept)?;
+            for (k, (ty, tx)) in chunk.iter().enumerate() {
+                let kept = y
+                    .f_narrow(0, k as i64 * n, n)?
+                    .f_narrow(3, ty.keep_start - ty.start, ty.keep_end - ty.keep_start)?
+                    .f_narrow(4, tx.keep_start - tx.start, tx.keep_end - tx.keep_start)?;
+                out.f_narrow(3, ty.keep_start, ty.keep_end - ty.keep_start)?
+                    .f_narrow(4, tx.keep_start, tx.keep_end - tx.keep_start)?
+                    .f_copy_(&kept)?;
+            }
         }
     }
     Ok(out)
+}
+
+/// How [`tiled_forward`] cuts a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiling {
+    /// Tile side in RGB pixels (at least).
+    pub tile: i64,
+    /// Overlap of neighbouring tiles.
+    pub overlap: i64,
+    /// Alignment of tile starts in RGB pixels.
+    pub align: i64,
+    /// Tiles of one shape run at once.
+    pub batch: usize,
+}
+
+/// Tiles of the frame (`h` x `w`) a [`Tiling`] makes.
+pub fn tile_count(h: i64, w: i64, tiling: Tiling) -> usize {
+    tile_spans(h, tiling.tile, tiling.overlap, tiling.align).len()
+        * tile_spans(w, tiling.tile, tiling.overlap, tiling.align).len()
 }
 
 #[cfg(test)]
@@ -186,12 +226,33 @@ mod tests {
             calls += 1;
             local_model(b, v)
         };
-        let tiled = tiled_forward(&mut counted, &blur, Some(&vox), 24, 4, 2).unwrap();
+        let tiling = |overlap: i64, batch: usize| Tiling {
+            tile: 24,
+            overlap,
+            align: 2,
+            batch,
+        };
+        let tiled = tiled_forward(&mut counted, &blur, Some(&vox), tiling(4, 1)).unwrap();
         assert!(calls > 4, "several tiles ({calls})");
+        assert_eq!(calls, tile_count(48, 72, tiling(4, 1)));
         let diff = (&tiled - &whole).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "max difference {diff}");
+        // Tiles of one shape in batches of 4 (the last row and column are wider):
+        // fewer calls, the same frame.
+        let mut batched_calls = 0;
+        let mut counted = |b: &Tensor, v: Option<&Tensor>| {
+            batched_calls += 1;
+            local_model(b, v)
+        };
+        let batched = tiled_forward(&mut counted, &blur, Some(&vox), tiling(4, 4)).unwrap();
+        assert!(
+            batched_calls < calls,
+            "{batched_calls} calls batched, {calls} one by one"
+        );
+        let diff = (&batched - &whole).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "batched: max difference {diff}");
         // Without overlap the tile borders would differ: the test can fail.
-        let seams = tiled_forward(&mut local_model, &blur, Some(&vox), 24, 0, 2).unwrap();
+        let seams = tiled_forward(&mut local_model, &blur, Some(&vox), tiling(0, 1)).unwrap();
         assert!((&seams - &whole).abs().max().double_value(&[]) > 1e-3);
     }
 }

@@ -2,15 +2,18 @@
 //! built from `grid_sampler` (bilinear, zero padding) and one matrix product, since
 //! core libtorch has no deformable convolution; and VRT's flow-guided alignment module.
 
-use tch::{nn, TchError, Tensor};
+use tch::{nn, Kind, TchError, Tensor};
 
 use super::checkpoint::checkpoint_one;
+use super::flow::sample_at;
 use super::layers::{f_leaky_relu, Conv};
 use super::{AtStage, ModelError};
 
 /// DCNv2: `x` (B, Cin, H, W), `offset` (B, 2*G*kh*kw, Ho, Wo) as (dy, dx) pairs per
 /// group and kernel tap, `mask` (B, G*kh*kw, Ho, Wo), `weight` (Cout, Cin, kh, kw);
 /// stride 1, dilation 1, zero padding `padding`. Samples outside the input read 0.
+/// The sampling positions are float32 whatever the offsets' dtype (torchvision's
+/// kernel runs in float32 under autocast).
 pub fn modulated_deform_conv(
     x: &Tensor,
     offset: &Tensor,
@@ -27,9 +30,12 @@ pub fn modulated_deform_conv(
     let os = offset.size();
     let (ho, wo) = (os[2], os[3]);
     let groups = os[1] / (2 * taps);
-    let opts = (offset.kind(), offset.device());
+    let opts = (Kind::Float, offset.device());
 
-    let off = offset.f_view([b, groups, taps, 2, ho, wo])?;
+    // Positions in float32 whatever the offsets' dtype (see `flow::sample_at`).
+    let off = offset
+        .f_to_kind(Kind::Float)?
+        .f_view([b, groups, taps, 2, ho, wo])?;
     let tap_y = Tensor::f_arange(kh, opts)?.f_repeat_interleave_self_int(kw, 0, None)?;
     let tap_x = Tensor::f_arange(kw, opts)?.f_repeat([kh])?;
     // Tap offset plus output position, minus the padding: (taps, Ho, 1) or (taps, 1, Wo).
@@ -50,7 +56,7 @@ pub fn modulated_deform_conv(
     let (gy, gx) = (normalise(&py, h)?, normalise(&px, w)?);
     let grid = Tensor::f_stack(&[gx, gy], -1)?.f_view([b * groups, taps * ho, wo, 2])?;
     let grouped = x.f_reshape([b * groups, cin / groups, h, w])?;
-    let sampled = grouped.f_grid_sampler(&grid.f_to_kind(x.kind())?, 0, 0, false)?;
+    let sampled = sample_at(&grouped, &grid, 0, 0, false)?;
     let modulated = sampled
         .f_view([b, groups, cin / groups, taps, ho, wo])?
         .f_mul(
@@ -233,6 +239,35 @@ mod tests {
             }
         }
         Tensor::from_slice(&out).view([b, cout, ho, wo])
+    }
+
+    /// Offsets given in bfloat16 sample at float32 positions: the same output as the
+    /// same offsets in float32, at columns up to 300 (bfloat16 positions there are
+    /// whole pixels apart).
+    #[test]
+    fn bfloat16_offsets_sample_at_float32_positions() {
+        tch::manual_seed(2);
+        let opts = (Kind::Float, Device::Cpu);
+        let x = Tensor::rand([1, 2, 4, 300], opts);
+        let offset = (Tensor::rand([1, 18, 4, 300], opts) * 8.0 - 4.0)
+            .to_kind(Kind::BFloat16)
+            .to_kind(Kind::Float);
+        let mask = Tensor::rand([1, 9, 4, 300], opts);
+        let weight = Tensor::randn([3, 2, 3, 3], opts);
+        let bias = Tensor::zeros([3], opts);
+        let f32_offsets =
+            modulated_deform_conv(&x, &offset, &mask, &weight, Some(&bias), 1).unwrap();
+        let bf16_offsets = modulated_deform_conv(
+            &x,
+            &offset.to_kind(Kind::BFloat16),
+            &mask,
+            &weight,
+            Some(&bias),
+            1,
+        )
+        .unwrap();
+        let diff = (&bf16_offsets - &f32_offsets).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "{diff}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! four integer neighbours) and SpyNet (6-level pyramid, ImageNet normalisation
 //! buffers) returning flows at scales 1, 1/2, 1/4 and 1/8.
 
-use tch::{nn, TchError, Tensor};
+use tch::{nn, Kind, TchError, Tensor};
 
 use super::layers::Conv;
 
@@ -19,11 +19,15 @@ pub enum WarpMode {
 }
 
 /// Warps `x` (N, C, H, W) by `flow` (N, 2, H, W), flow in pixels (x, y), with the
-/// reference's coordinate convention (align_corners = true).
+/// reference's coordinate convention (align_corners = true). The sampling positions
+/// are computed, and sampled, in float32 whatever the flow's dtype (the result is in
+/// `x`'s): in bfloat16 a position near pixel 200 would be rounded to a whole pixel
+/// (see [`sample_at`]).
 pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Result<Tensor, TchError> {
     let s = x.size();
     let (h, w) = (s[2], s[3]);
-    let opts = (flow.kind(), flow.device());
+    let flow = flow.f_to_kind(Kind::Float)?;
+    let opts = (Kind::Float, flow.device());
     let grid_x = Tensor::f_arange(w, opts)?.f_view([1, 1, w])?;
     let grid_y = Tensor::f_arange(h, opts)?.f_view([1, h, 1])?;
     let vx = flow.f_select(1, 0)?.f_add(&grid_x)?;
@@ -33,8 +37,8 @@ pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Result<Tensor, Tc
             .f_sub_scalar(1.0)
     };
     let sample = |gx: &Tensor, gy: &Tensor, interp: i64, padding: i64| {
-        let grid = Tensor::f_stack(&[gx, gy], 3)?.f_to_kind(x.kind())?;
-        x.f_grid_sampler(&grid, interp, padding, true)
+        let grid = Tensor::f_stack(&[gx, gy], 3)?;
+        sample_at(x, &grid, interp, padding, true)
     };
     match mode {
         WarpMode::Bilinear => sample(&norm(&vx, w)?, &norm(&vy, h)?, 0, 0),
@@ -53,6 +57,38 @@ pub fn flow_warp(x: &Tensor, flow: &Tensor, mode: WarpMode) -> Result<Tensor, Tc
             )
         }
     }
+}
+
+/// `grid_sampler` of `x` at `grid` (float32 normalised positions) in float32, the
+/// result in `x`'s dtype. The positions must stay float32: bfloat16 keeps 8
+/// significant bits, so a position of 200.3 pixels (normalised, 0.56 of a
+/// 720-pixel side) would be rounded by up to half a pixel, and the gradient that
+/// reaches a flow or an offset through the sampling would come from the wrong
+/// place (PyTorch's `grid_sample` promotes to float32 for the same reason when the
+/// grid is float32; the reference's grids are).
+pub fn sample_at(
+    x: &Tensor,
+    grid: &Tensor,
+    interpolation: i64,
+    padding: i64,
+    align_corners: bool,
+) -> Result<Tensor, TchError> {
+    let kind = x.kind();
+    let sampled = match kind {
+        Kind::Float | Kind::Double => x.f_grid_sampler(
+            &grid.f_to_kind(kind)?,
+            interpolation,
+            padding,
+            align_corners,
+        )?,
+        _ => x.f_to_kind(Kind::Float)?.f_grid_sampler(
+            &grid.f_to_kind(Kind::Float)?,
+            interpolation,
+            padding,
+            align_corners,
+        )?,
+    };
+    sampled.f_to_kind(kind)
 }
 
 /// One SpyNet level: five 7x7 convolutions (8 -> 32 -> 64 -> 32 -> 16 -> 2) with ReLU.
@@ -154,11 +190,8 @@ impl SpyNet {
                 let out = flow.f_upsample_bilinear2d([oh, ow], false, None, None)?;
                 let sx = ow as f64 / (w_floor / scale) as f64;
                 let sy = oh as f64 / (h_floor / scale) as f64;
-                let factors = Tensor::f_from_slice(&[sx as f32, sy as f32])?
-                    .f_view([1, 2, 1, 1])?
-                    .f_to_kind(kind)?
-                    .f_to_device(out.device())?;
-                flows.insert(0, out.f_mul(&factors)?);
+                // In the input's dtype, as the product with its factors was before.
+                flows.insert(0, scale_flow(&out, sx, sy)?.f_to_kind(kind)?);
             }
         }
         Ok(flows)
@@ -187,6 +220,21 @@ impl SpyNet {
     }
 }
 
+/// `flow` (N, 2, H, W) with its x values times `sx` and its y values times `sy`,
+/// without a tensor of the factors copied from the host (scalars travel as kernel
+/// arguments): one multiplication when they are equal, none when both are 1.
+fn scale_flow(flow: &Tensor, sx: f64, sy: f64) -> Result<Tensor, TchError> {
+    if sx == sy {
+        return match sx == 1.0 {
+            true => Ok(flow.shallow_clone()),
+            false => flow.f_mul_scalar(sx),
+        };
+    }
+    let x = flow.f_narrow(1, 0, 1)?.f_mul_scalar(sx)?;
+    let y = flow.f_narrow(1, 1, 1)?.f_mul_scalar(sy)?;
+    Tensor::f_cat(&[x, y], 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +253,50 @@ mod tests {
         let v: Vec<f32> = Vec::try_from(near.get(0).get(2).get(0)).unwrap();
         // x ceil of 0.5 shift = 1 pixel right.
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0, 0.0]);
+    }
+
+    /// A quarter-pixel flow given in bfloat16 samples a ramp at float32 positions:
+    /// column 200 reads 200.25 (with positions in bfloat16 it read 200, whose nearest
+    /// representable neighbours are a whole pixel apart).
+    #[test]
+    fn a_bfloat16_flow_samples_at_float32_positions() {
+        let w = 300;
+        let x = Tensor::arange(w, (Kind::Float, Device::Cpu))
+            .view([1, 1, 1, w])
+            .expand([1, 1, 2, w], false)
+            .contiguous();
+        let flow = Tensor::zeros([1, 2, 2, w], (Kind::Float, Device::Cpu));
+        let _ = flow.select(1, 0).fill_(0.25);
+        let warped = flow_warp(&x, &flow.to_kind(Kind::BFloat16), WarpMode::Bilinear).unwrap();
+        assert_eq!(warped.kind(), Kind::Float, "the result in x's dtype");
+        let row: Vec<f32> = Vec::try_from(warped.get(0).get(0).get(0)).unwrap();
+        for (i, v) in row.iter().enumerate().take(w as usize - 1) {
+            assert!((v - (i as f32 + 0.25)).abs() < 1e-3, "column {i}: {v}");
+        }
+        // And x in bfloat16: the result in bfloat16, sampled at the same places (below
+        // column 64 bfloat16 rounds the ramp and the result by 1/8 each at most).
+        let half = flow_warp(&x.to_kind(Kind::BFloat16), &flow, WarpMode::Bilinear).unwrap();
+        assert_eq!(half.kind(), Kind::BFloat16);
+        let diff = (half.to_kind(Kind::Float) - &warped)
+            .narrow(3, 0, 64)
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(
+            diff <= 0.25,
+            "{diff}: off by more than two roundings of bfloat16"
+        );
+    }
+
+    #[test]
+    fn spynet_scales_flows_without_a_host_tensor() {
+        let flow = Tensor::ones([1, 2, 3, 4], (Kind::Float, Device::Cpu));
+        let scaled = scale_flow(&flow, 0.5, 2.0).unwrap();
+        assert_eq!(scaled.select(1, 0).mean(Kind::Float).double_value(&[]), 0.5);
+        assert_eq!(scaled.select(1, 1).mean(Kind::Float).double_value(&[]), 2.0);
+        let same = scale_flow(&flow, 3.0, 3.0).unwrap();
+        assert_eq!(same.sum(Kind::Float).double_value(&[]), 3.0 * 24.0);
+        assert!(scale_flow(&flow, 1.0, 1.0).unwrap().equal(&flow));
     }
 
     #[test]

@@ -1,11 +1,12 @@
-//! CUDA precision switches that tch does not reach, through the model's shim
+//! Precision switches that tch does not reach, through the model's shim
 //! (`shim/kernels.cpp`): autocast in a chosen dtype (tch's `autocast` knows only
-//! float16, does nothing where no GPU is visible and leaves autocast on if its closure
-//! panics; bfloat16 is what the user's trainer and the reference's `--bf16` run;
-//! training, `train::amp`, and the profiler run the model under [`cuda_autocast`], whose
-//! guard restores the state before it on every exit), and TF32 for
-//! matrix products and convolutions (on by default in cuDNN; tests that compare CUDA
-//! with CPU turn it off).
+//! float16 on CUDA, does nothing where no GPU is visible and leaves autocast on if its
+//! closure panics; bfloat16 is what the user's trainer and the reference's `--bf16`
+//! run; training, `train::amp`, and the profiler run the model under
+//! [`cuda_autocast`], whose guard restores the state before it on every exit; the
+//! same on the CPU, [`cpu_autocast`], lets CPU tests reproduce what bf16 autocast does
+//! to the model), and TF32 for matrix products and convolutions (on by default in
+//! cuDNN; tests that compare CUDA with CPU turn it off).
 
 use std::ffi::c_int;
 
@@ -18,10 +19,23 @@ struct RawAutocastPrev {
 }
 
 extern "C" {
-    fn vs_cuda_autocast_enter(bf16: c_int, prev: *mut RawAutocastPrev) -> c_int;
-    fn vs_cuda_autocast_exit(prev: *const RawAutocastPrev) -> c_int;
-    fn vs_cuda_autocast_kind() -> c_int;
+    fn vs_autocast_enter(cuda: c_int, bf16: c_int, prev: *mut RawAutocastPrev) -> c_int;
+    fn vs_autocast_exit(cuda: c_int, prev: *const RawAutocastPrev) -> c_int;
+    fn vs_autocast_kind(cuda: c_int) -> c_int;
     fn vs_allow_tf32(on: c_int) -> c_int;
+}
+
+/// The device type whose autocast state a call reads or changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AutocastDevice {
+    Cuda,
+    Cpu,
+}
+
+impl AutocastDevice {
+    fn code(self) -> c_int {
+        c_int::from(self == AutocastDevice::Cuda)
+    }
 }
 
 /// Allows (`true`) or forbids TF32 in CUDA matrix products (cuBLAS) and convolutions
@@ -45,25 +59,36 @@ pub enum AutocastDtype {
 /// (enabled, dtype, nesting; the cast cache is cleared when the outermost level
 /// ends), also when `f` panics.
 pub fn cuda_autocast<T>(dtype: AutocastDtype, f: impl FnOnce() -> T) -> T {
-    let _guard = AutocastGuard::enter(dtype);
+    let _guard = AutocastGuard::enter(AutocastDevice::Cuda, dtype);
     f()
 }
 
-/// One level of CUDA autocast, left on drop.
+/// [`cuda_autocast`] for the CPU's autocast (bfloat16 is what CPU autocast runs).
+pub fn cpu_autocast<T>(dtype: AutocastDtype, f: impl FnOnce() -> T) -> T {
+    let _guard = AutocastGuard::enter(AutocastDevice::Cpu, dtype);
+    f()
+}
+
+/// One level of autocast on one device type, left on drop.
 struct AutocastGuard {
+    device: AutocastDevice,
     prev: Option<RawAutocastPrev>,
 }
 
 impl AutocastGuard {
-    fn enter(dtype: AutocastDtype) -> AutocastGuard {
+    fn enter(device: AutocastDevice, dtype: AutocastDtype) -> AutocastGuard {
         let mut prev = RawAutocastPrev::default();
         let bf16 = c_int::from(dtype == AutocastDtype::Bf16);
         // SAFETY: `prev` is a valid out-pointer; the shim catches every C++ exception.
-        let status = unsafe { vs_cuda_autocast_enter(bf16, &mut prev) };
+        let status = unsafe { vs_autocast_enter(device.code(), bf16, &mut prev) };
         if status != 0 {
-            tracing::warn!("libtorch refused to turn CUDA autocast on: running in float32");
+            tracing::warn!(
+                ?device,
+                "libtorch refused to turn autocast on: running in float32"
+            );
         }
         AutocastGuard {
+            device,
             prev: (status == 0).then_some(prev),
         }
     }
@@ -72,22 +97,33 @@ impl AutocastGuard {
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
         if let Some(prev) = &self.prev {
-            // SAFETY: `prev` was filled by the matching enter; the shim catches
-            // every C++ exception.
-            unsafe { vs_cuda_autocast_exit(prev) };
+            // SAFETY: `prev` was filled by the matching enter on this device type;
+            // the shim catches every C++ exception.
+            unsafe { vs_autocast_exit(self.device.code(), prev) };
         }
+    }
+}
+
+/// The dtype autocast computes in on this thread on `device`, or `None` when it is
+/// off (or in a dtype other than these two).
+fn current_autocast(device: AutocastDevice) -> Option<AutocastDtype> {
+    // SAFETY: a plain int argument; the shim catches every C++ exception.
+    match unsafe { vs_autocast_kind(device.code()) } {
+        1 => Some(AutocastDtype::Fp16),
+        2 => Some(AutocastDtype::Bf16),
+        _ => None,
     }
 }
 
 /// The dtype CUDA autocast computes in on this thread, or `None` when it is off (or
 /// in a dtype other than these two).
 pub fn current_cuda_autocast() -> Option<AutocastDtype> {
-    // SAFETY: no arguments; the shim catches every C++ exception.
-    match unsafe { vs_cuda_autocast_kind() } {
-        1 => Some(AutocastDtype::Fp16),
-        2 => Some(AutocastDtype::Bf16),
-        _ => None,
-    }
+    current_autocast(AutocastDevice::Cuda)
+}
+
+/// The dtype CPU autocast computes in on this thread, or `None` when it is off.
+pub fn current_cpu_autocast() -> Option<AutocastDtype> {
+    current_autocast(AutocastDevice::Cpu)
 }
 
 impl AutocastDtype {
@@ -124,5 +160,9 @@ mod tests {
         let panicked = std::panic::catch_unwind(|| cuda_autocast(Bf16, || panic!("inside")));
         assert!(panicked.is_err());
         assert_eq!(kind(), None, "a panic inside leaves autocast off");
+        // The CPU's autocast is a state of its own.
+        let both = cpu_autocast(Bf16, || (current_cpu_autocast(), kind()));
+        assert_eq!(both, (Some(Bf16), None));
+        assert_eq!(current_cpu_autocast(), None);
     }
 }

@@ -2,10 +2,14 @@
 //! `vrtspike_contract::pss` as the launcher reads it), the
 //! system's used/total memory (`sysinfo`), the CUDA caching allocator's
 //! allocated/reserved bytes (the ddp shim) and the device's used memory and
-//! utilisation (NVML, skipped when there is no NVIDIA driver). Past 90% of host or
-//! device memory it warns and names the knobs that reduce use.
+//! utilisation (NVML, skipped when there is no NVIDIA driver; the utilisation is the
+//! mean of NVML's samples since the previous memory sample, polled every step, see
+//! [`super::utilisation`]). Past 90% of host or device memory it warns and names the
+//! knobs that reduce use.
 
 use serde::Serialize;
+
+use super::utilisation::UtilisationWindow;
 
 /// One sample of the figures, in MiB (and percent).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -26,8 +30,9 @@ pub struct MemorySample {
     pub gpu_used_mb: Option<f64>,
     /// Device memory, from NVML.
     pub gpu_total_mb: Option<f64>,
-    /// Device utilisation in percent, from NVML.
-    pub gpu_util_pct: Option<u32>,
+    /// Device utilisation in percent since the previous sample: the mean of NVML's
+    /// utilisation samples over that window.
+    pub gpu_util_pct: Option<f64>,
 }
 
 const MB: f64 = 1024.0 * 1024.0;
@@ -37,6 +42,7 @@ pub struct MemoryMonitor {
     system: sysinfo::System,
     nvml: Option<nvml_wrapper::Nvml>,
     device: Option<usize>,
+    utilisation: UtilisationWindow,
     warned: bool,
     /// Largest Pss seen, in MiB.
     pub peak_pss_mb: f64,
@@ -59,8 +65,19 @@ impl MemoryMonitor {
             system: sysinfo::System::new(),
             nvml,
             device: cuda_device,
+            utilisation: UtilisationWindow::default(),
             warned: false,
             peak_pss_mb: 0.0,
+        }
+    }
+
+    /// Reads the device's utilisation samples since the last poll into the window
+    /// (a no-op without a GPU or NVML); the trainer calls it every step.
+    pub fn poll(&mut self) {
+        if let (Some(nvml), Some(device)) = (&self.nvml, self.device) {
+            if let Ok(dev) = nvml.device_by_index(device as u32) {
+                super::utilisation::poll(&dev, &mut self.utilisation);
+            }
         }
     }
 
@@ -89,9 +106,8 @@ impl MemoryMonitor {
                         sample.gpu_used_mb = Some(info.used as f64 / MB);
                         sample.gpu_total_mb = Some(info.total as f64 / MB);
                     }
-                    if let Ok(util) = dev.utilization_rates() {
-                        sample.gpu_util_pct = Some(util.gpu);
-                    }
+                    super::utilisation::poll(&dev, &mut self.utilisation);
+                    sample.gpu_util_pct = self.utilisation.take_mean();
                 }
             }
         }

@@ -1,4 +1,5 @@
-//! Watching a run: the memory monitor of a rank ([`memory`]), TensorBoard event files fed from the metrics records
+//! Watching a run: the memory monitor of a rank ([`memory`], with the device's
+//! utilisation over each window from NVML's samples, [`utilisation`]), TensorBoard event files fed from the metrics records
 //! ([`tb_sink`], [`tensorboard`], [`tfrecord`]), the researcher's log line
 //! ([`logline`]), and, from a finished or running run directory, one figure
 //! ([`plot`]) and a bottleneck diagnosis ([`analyze`]) read through [`run`].
@@ -15,6 +16,7 @@ pub mod run;
 pub mod tb_sink;
 pub mod tensorboard;
 pub mod tfrecord;
+pub mod utilisation;
 
 use std::path::{Path, PathBuf};
 

@@ -41,8 +41,12 @@ pub trait Communication {
     fn backward_is_collective(&self) -> bool {
         false
     }
-    /// `values` reduced element-wise over ranks with `op`.
+    /// `values` reduced element-wise over ranks with `op` (with several ranks, a
+    /// read back from the group's device).
     fn all_reduce(&mut self, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, TrainError>;
+    /// `tensor` (contiguous, on this rank's device) reduced over ranks in place,
+    /// nothing read back.
+    fn all_reduce_device(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), TrainError>;
     /// Waits until every rank gets here.
     fn barrier(&mut self) -> Result<(), TrainError>;
     /// Averages the accumulated gradients over ranks (done already, inside the
@@ -68,6 +72,10 @@ pub struct SingleRank;
 impl Communication for SingleRank {
     fn all_reduce(&mut self, values: &[f64], _op: ReduceOp) -> Result<Vec<f64>, TrainError> {
         Ok(values.to_vec())
+    }
+
+    fn all_reduce_device(&mut self, _tensor: &mut Tensor, _op: ReduceOp) -> Result<(), TrainError> {
+        Ok(())
     }
 
     fn barrier(&mut self) -> Result<(), TrainError> {
@@ -178,7 +186,11 @@ impl Communication for DdpComm {
         let t = self
             .group
             .all_reduce_host(&Tensor::from_slice(values), op)?;
-        Ok(Vec::<f64>::try_from(&t)?)
+        Ok(crate::util::readback::values::<f64>(&t)?)
+    }
+
+    fn all_reduce_device(&mut self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), TrainError> {
+        Ok(self.group.all_reduce(tensor, op)?)
     }
 
     fn barrier(&mut self) -> Result<(), TrainError> {
@@ -253,6 +265,9 @@ mod tests {
             vec![1.5, -2.0]
         );
         assert_eq!(comm.all_reduce(&[3.0], ReduceOp::Max).unwrap(), vec![3.0]);
+        let mut t = Tensor::from_slice(&[2.0f64]);
+        comm.all_reduce_device(&mut t, ReduceOp::Sum).unwrap();
+        assert_eq!(t.double_value(&[0]), 2.0);
         comm.barrier().unwrap();
         comm.sync_gradients().unwrap();
         assert_eq!(comm.sync_seconds(), 0.0);

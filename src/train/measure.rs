@@ -142,12 +142,12 @@ fn one_step(
     let sharp = Tensor::f_rand(batch_shape, options)?;
     let voxels = Tensor::f_rand(voxel_shape, options)?;
     let voxels = model.uses_voxels().then_some(&voxels);
-    optimizer.zero_grad();
+    optimizer.zero_grad()?;
     let output = amp.run(|| model.forward(&blur, voxels, true))?;
     let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps);
     loss.f_backward()?;
     // A step past FIX_ITER, so every parameter group holds its optimizer state.
-    optimizer.step(tc.lr, tc.fix_iter)?;
+    optimizer.step(tc.lr, tc.fix_iter, None)?;
     Ok(())
 }
 

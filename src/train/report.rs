@@ -1,5 +1,7 @@
-//! What one optimizer step reports to the periodic tasks ([`StepReport`]), and the
-//! figures the `train` log line averages since the previous one ([`LogWindow`]).
+//! What one optimizer step reports to the periodic tasks at once ([`StepReport`]:
+//! what the host knows without reading the device), its figures once read back at
+//! the next settle ([`SettledStep`]: losses, gradient norm, skip), and the figures
+//! the `train` log line averages since the previous one ([`LogWindow`]).
 
 use std::time::Instant;
 
@@ -10,19 +12,32 @@ pub struct StepReport {
     pub step: u64,
     /// Learning rate of the step.
     pub lr: f64,
-    /// Mean loss over the ranks whose loss was finite (NaN when none was).
-    pub mean_loss: f64,
-    /// Global gradient norm before clipping (NaN when the step was skipped).
-    pub grad_norm: f64,
     /// Samples of the step over all ranks.
     pub samples: u64,
-    /// Mean over ranks of the loss of the blurred input against the sharp target.
-    pub input_loss: f64,
     /// The step reached `TRAIN.TOTAL_STEPS`.
     pub finished: bool,
     /// The run stops after this step with a checkpoint (a preemption request on
     /// some rank, or `stop_after_steps`).
     pub preempted: bool,
+}
+
+/// A step's figures as read back from the device, the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SettledStep {
+    /// The step's number (steps done, it included).
+    pub step: u64,
+    /// Mean loss over the ranks whose loss was finite (NaN when none was).
+    pub mean_loss: f64,
+    /// Mean over ranks of the loss of the blurred input against the sharp target.
+    pub input_loss: f64,
+    /// Global gradient norm before clipping (NaN when the step was skipped).
+    pub grad_norm: f64,
+    /// Whether the step was skipped (inf/NaN loss or gradients).
+    pub skipped: bool,
+    /// Whether some rank's loss was inf/NaN.
+    pub nonfinite_loss: bool,
+    /// The loss scale after the step.
+    pub loss_scale: f64,
 }
 
 /// Sums of the steps since the last `train` log line.
@@ -53,14 +68,18 @@ impl Default for LogWindow {
 }
 
 impl LogWindow {
-    /// Adds a step.
+    /// Adds a step as it ends.
     pub fn add(&mut self, report: &StepReport) {
         self.samples += report.samples;
-        if report.mean_loss.is_finite() {
-            self.loss_sum += report.mean_loss;
-        }
-        self.input_loss_sum += report.input_loss;
         self.steps += 1;
+    }
+
+    /// Adds a step's figures once read back.
+    pub fn add_settled(&mut self, settled: &SettledStep) {
+        if settled.mean_loss.is_finite() {
+            self.loss_sum += settled.mean_loss;
+        }
+        self.input_loss_sum += settled.input_loss;
     }
 
     /// Samples per second since the window opened.
@@ -85,15 +104,21 @@ mod tests {
 
     #[test]
     fn the_window_averages_finite_losses_over_all_steps() {
-        let report = |mean_loss: f64| StepReport {
+        let report = StepReport {
             step: 1,
             lr: 1e-3,
-            mean_loss,
-            grad_norm: 1.0,
             samples: 4,
-            input_loss: 0.5,
             finished: false,
             preempted: false,
+        };
+        let settled = |mean_loss: f64| SettledStep {
+            step: 1,
+            mean_loss,
+            input_loss: 0.5,
+            grad_norm: 1.0,
+            skipped: !mean_loss.is_finite(),
+            nonfinite_loss: !mean_loss.is_finite(),
+            loss_scale: 1.0,
         };
         let mut window = LogWindow::default();
         assert_eq!(
@@ -101,9 +126,10 @@ mod tests {
             0.0,
             "an empty window is no division by 0"
         );
-        window.add(&report(0.2));
-        window.add(&report(f64::NAN));
-        window.add(&report(0.4));
+        for loss in [0.2, f64::NAN, 0.4] {
+            window.add(&report);
+            window.add_settled(&settled(loss));
+        }
         assert_eq!(window.steps, 3);
         assert_eq!(window.samples, 12);
         assert!((window.mean_loss() - 0.2).abs() < 1e-12, "NaN counts as 0");

@@ -19,12 +19,12 @@ use crate::monitor::memory::MemoryMonitor;
 use crate::pipeline::loader::{Batch, Loader, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
 use crate::pipeline::sampler::{DistributedSampler, SamplerOptions, SamplerState};
-use crate::pipeline::BatchTensors;
 
-use super::amp::{AmpMode, GradScaler};
+use super::amp::{AmpMode, GradScaler, LossScaler};
 use super::checkpoint::{self, TrainState};
 use super::comm::{self, BackwardFailure, Communication};
 use super::env::RankEnv;
+use super::figures::{read_pending, LocalFigures, PendingStep, Settled, UpdateFigures};
 use super::heartbeat::{self, Phase};
 use super::loader_settings::{LoaderSettings, NodeFacts};
 use super::loss::f_charbonnier;
@@ -32,9 +32,10 @@ use super::metrics::MetricsSink;
 use super::oom::{self, OomPhase, OomSite};
 use super::optim::{AdamW, FixPolicy, ParamGroup, ParamGroups};
 use super::preempt;
-use super::report::{LogWindow, StepReport};
+use super::report::{LogWindow, SettledStep, StepReport};
 use super::schedule::CosineSchedule;
-use super::step::{apply_update, StepResult, UpdateOptions};
+use super::step::{apply_update, UpdateOptions};
+use super::transfer::batch_to_device;
 use super::validate::Validator;
 use super::{TrainError, TrainOptions};
 
@@ -60,6 +61,8 @@ pub struct ModelParts {
     pub schedule: CosineSchedule,
     /// The precision of forward passes.
     pub amp: AmpMode,
+    /// The fp16 loss scaler (the identity otherwise), on the model's device.
+    pub scaler: LossScaler,
     /// Trainable parameters.
     pub parameter_count: i64,
 }
@@ -101,6 +104,8 @@ pub struct Attempt {
     pub last_val: Option<Validation>,
     /// The last step asked to stop with a checkpoint.
     pub preempted: bool,
+    /// Steps whose figures are still on the device (read at the next settle).
+    pub pending: Vec<PendingStep>,
 }
 
 /// One rank's run.
@@ -173,8 +178,9 @@ impl<'a> RunBuilder<'a> {
         let resumed_from = checkpoint::latest(&dir);
         let state = match &resumed_from {
             Some(path) => resume(path, &mut model, env.rank)?,
-            None => fresh_state(config, &model, &sampler, env.world_size),
+            None => fresh_state(config, &mut model, &sampler, env.world_size)?,
         };
+        model.scaler = LossScaler::new(state.scaler, env.device)?;
         let mut comm = comm::connect(config, env, model.optimizer.params())?;
         check_same_start(comm.as_mut(), &state, env)?;
         let cursor = resumed_from.is_some().then_some(state.sampler);
@@ -205,6 +211,7 @@ impl<'a> RunBuilder<'a> {
             window: LogWindow::default(),
             last_val: None,
             preempted: false,
+            pending: Vec::new(),
         };
         let mut run = Run {
             config,
@@ -258,7 +265,7 @@ fn open_splits(config: &Config) -> Result<Splits, TrainError> {
 /// The model from `MODEL` (seeded by `TRAIN.SEED`), AdamW over its trainable
 /// parameters sorted by name (in the groups of `TRAIN.FIX_KEYS`), the schedule and
 /// the precision.
-fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
+pub(crate) fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError> {
     let tc = &config.train;
     tch::manual_seed(tc.seed as i64);
     let vs = nn::VarStore::new(device);
@@ -278,12 +285,14 @@ fn build_model(config: &Config, device: Device) -> Result<ModelParts, TrainError
             key: "TRAIN.FIX_KEYS".into(),
             message: e.to_string(),
         })?;
+    let amp = AmpMode::from_config(tc, device);
     Ok(ModelParts {
         vs,
         model,
         optimizer,
         schedule: CosineSchedule::from_config(tc),
-        amp: AmpMode::from_config(tc, device),
+        amp,
+        scaler: LossScaler::new(GradScaler::new(amp == AmpMode::Fp16), device)?,
         parameter_count,
     })
 }
@@ -318,11 +327,11 @@ fn param_groups(
 /// The state of a run that starts at step 0.
 fn fresh_state(
     config: &Config,
-    model: &ModelParts,
+    model: &mut ModelParts,
     sampler: &DistributedSampler,
     world: usize,
-) -> TrainState {
-    TrainState {
+) -> Result<TrainState, TrainError> {
+    Ok(TrainState {
         step: 0,
         optimizer_steps: 0,
         skipped_steps: 0,
@@ -333,8 +342,8 @@ fn fresh_state(
         seed: config.train.seed,
         world_size: world,
         train_seconds: 0.0,
-        fixed_group: model.optimizer.fixed_state(),
-    }
+        fixed_group: model.optimizer.fixed_state()?,
+    })
 }
 
 /// Loads the checkpoint at `path` into the model and optimizer.
@@ -449,27 +458,32 @@ fn step_seed(seed: u64, step: u64) -> i64 {
 }
 
 /// This rank's part of a step, before the reduction over ranks.
-#[derive(Debug, Default)]
 struct LocalStep {
-    /// Sum of the finite micro-batch losses (each divided by the accumulation).
-    loss: f64,
-    /// Some micro-batch loss was inf/NaN.
-    nonfinite: bool,
-    /// The samples of those micro-batches (`sequence/frame+frame`).
-    bad_samples: Vec<String>,
+    /// The losses, on the device.
+    figures: LocalFigures,
+    /// The samples of each micro-batch (`sequence/frame+frame`).
+    micro_samples: Vec<Vec<String>>,
     /// Samples of the step.
     samples: usize,
-    /// Loss of the blurred input (divided by the accumulation).
-    input_loss: f64,
 }
 
-/// A step's figures summed over ranks.
-struct GlobalStep {
-    loss_sum: f64,
-    bad_ranks: f64,
+/// The micro-batches of a step so far.
+#[derive(Default)]
+struct MicroBatches {
+    /// Their losses (0-dim, divided by the accumulation), on the device.
+    losses: Vec<Tensor>,
+    /// Their input losses, likewise.
+    input_losses: Vec<Tensor>,
+    /// Each one's samples (`sequence/frame+frame`).
+    samples: Vec<Vec<String>>,
+    /// Samples in all.
+    count: usize,
+}
+
+/// What the host learns of a step from the other ranks.
+struct HostFlags {
     preempt_ranks: f64,
     samples: u64,
-    input_loss_sum: f64,
 }
 
 impl Run<'_> {
@@ -546,37 +560,71 @@ impl Run<'_> {
         );
     }
 
-    /// One optimizer step over all ranks; every rank must call it.
+    /// One optimizer step over all ranks; every rank must call it. Nothing is read
+    /// back from the device (with several ranks, one collective on host values
+    /// carries the preemption flags and sample counts): the step's figures wait on
+    /// the device for [`Run::settle`].
     pub fn step(&mut self) -> Result<StepReport, TrainError> {
         let started = Instant::now();
         let step = self.state.step;
         let lr = self.model.schedule.lr_at(step);
         self.note_unfreeze(step);
         tch::manual_seed(step_seed(self.config.train.seed, step));
-        self.model.optimizer.zero_grad();
+        let site = OomSite::training(self.config, step + 1, Vec::new(), self.env.device)
+            .in_phase(OomPhase::Optimizer);
+        self.model
+            .optimizer
+            .zero_grad()
+            .map_err(|e| site.torch(e))?;
         let local = self.accumulate()?;
         heartbeat::beat(step, Phase::AllReduce);
         self.comm.sync_gradients()?;
-        let global = self.reduce(&local)?;
-        if local.nonfinite {
-            tracing::warn!(step = step + 1, rank = self.env.rank, samples = ?local.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
-        }
+        let mut global = local
+            .figures
+            .sums
+            .f_mul_scalar(1.0)
+            .map_err(|e| site.torch(e))?;
+        self.comm.all_reduce_device(&mut global, ReduceOp::Sum)?;
+        let flags = self.host_flags(&local)?;
         heartbeat::beat(step, Phase::Optimizer);
-        let site = OomSite::training(self.config, step + 1, Vec::new(), self.env.device)
-            .in_phase(OomPhase::Optimizer);
         oom::test_hook(OomPhase::Optimizer, self.env.device).map_err(|e| site.torch(e))?;
-        let result = apply_update(
-            &mut self.model.optimizer,
-            &mut self.state.scaler,
-            global.bad_ranks > 0.0,
-            UpdateOptions {
-                step,
-                lr,
-                max_grad_norm: self.config.train.grad_clip(),
-            },
-        )
-        .map_err(|e| site.torch(e))?;
-        let report = self.record(lr, &global, result, &local.bad_samples);
+        let outcome = global
+            .f_select(0, 1)
+            .and_then(|bad_ranks| {
+                apply_update(
+                    &mut self.model.optimizer,
+                    &mut self.model.scaler,
+                    &bad_ranks,
+                    UpdateOptions {
+                        step,
+                        lr,
+                        max_grad_norm: self.config.train.grad_clip(),
+                    },
+                )
+            })
+            .map_err(|e| site.torch(e))?;
+        let pending = self
+            .model
+            .scaler
+            .scale_tensor()
+            .and_then(|loss_scale| {
+                let update = UpdateFigures {
+                    grad_norm: &outcome.grad_norm,
+                    skipped: &outcome.skipped,
+                    loss_scale: &loss_scale,
+                };
+                PendingStep::new(
+                    step + 1,
+                    &global,
+                    &local.figures,
+                    update,
+                    local.micro_samples,
+                )
+            })
+            .map_err(|e| site.torch(e))?;
+        self.attempt.pending.push(pending);
+        self.sinks.monitor.poll();
+        let report = self.record(lr, &flags);
         let seconds = started.elapsed().as_secs_f64();
         self.attempt.unsaved_seconds += seconds;
         self.attempt.step_seconds += seconds;
@@ -585,141 +633,173 @@ impl Run<'_> {
         Ok(report)
     }
 
-    /// Forward and backward passes of `TRAIN.GRADIENT_ACCUMULATION_STEPS` micro-batches.
+    /// Forward and backward passes of `TRAIN.GRADIENT_ACCUMULATION_STEPS`
+    /// micro-batches. Every micro-batch's backward runs, a non-finite loss's too
+    /// (whether it is finite is known only on the device): its gradients are not
+    /// finite either, and the step is skipped on every rank.
     fn accumulate(&mut self) -> Result<LocalStep, TrainError> {
-        let tc = &self.config.train;
-        let accum = tc.gradient_accumulation_steps as usize;
-        let (model, amp) = (&self.model.model, self.model.amp);
-        let mut local = LocalStep::default();
+        let accum = self.config.train.gradient_accumulation_steps as usize;
+        let mut parts = MicroBatches::default();
         for micro in 0..accum {
-            let sync = GradSync::for_micro_batch(micro, accum);
-            heartbeat::beat(self.state.step, Phase::Data);
-            let batch = next_batch(&mut self.data.loader)?;
-            let (blur, sharp, voxels) = batch.to_tensors(self.env.device)?;
-            let voxels = model.uses_voxels().then_some(&voxels);
-            let site = OomSite::training(
-                self.config,
-                self.state.step + 1,
-                blur.size(),
-                self.env.device,
-            );
-            heartbeat::beat(self.state.step, Phase::Forward);
-            let device = self.env.device;
-            oom::test_hook(OomPhase::Forward, device).map_err(|e| site.torch(e))?;
-            self.comm.before_forward(sync)?;
-            let output = amp
-                .run(|| model.forward(&blur, voxels, true))
-                .map_err(|e| site.model(e))?;
-            let eps = tc.charbonnier_eps;
-            let loss = output
-                .f_to_kind(Kind::Float)
-                .and_then(|y| f_charbonnier(&y, &sharp, eps))
-                .and_then(|l| l.f_div_scalar(accum as f64))
-                .map_err(|e| site.torch(e))?;
-            let value = loss.f_double_value(&[]).map_err(|e| site.torch(e))?;
-            local.input_loss +=
-                tch::no_grad(|| f_charbonnier(&blur, &sharp, eps)?.f_double_value(&[]))
-                    .map_err(|e| site.torch(e))?
-                    / accum as f64;
-            local.samples += batch.samples.len();
-            if value.is_finite() {
-                local.loss += value;
-            }
-            // With the Reducer every rank's backward takes part in the all-reduces,
-            // a non-finite loss's too (its gradients are not used: the step is
-            // skipped on every rank).
-            if value.is_finite() || self.comm.backward_is_collective() {
-                heartbeat::beat(self.state.step, Phase::Backward);
-                let site = site.in_phase(OomPhase::Backward);
-                oom::test_hook(OomPhase::Backward, device).map_err(|e| site.torch(e))?;
-                let scaled = self.state.scaler.scale_loss(&loss);
-                let scaled = heartbeat::in_backward(&scaled).map_err(|e| site.model(e))?;
-                self.comm.backward(&scaled, sync).map_err(|e| match e {
-                    BackwardFailure::Torch(e) => site.torch(e),
-                    BackwardFailure::Comm(e) => e,
-                })?;
-            }
-            if !value.is_finite() {
-                local.nonfinite = true;
-                local.bad_samples.extend(
-                    batch
-                        .samples
-                        .iter()
-                        .map(|s| format!("{}/{}", s.sequence, s.frames.join("+"))),
-                );
-            }
+            self.micro_batch(GradSync::for_micro_batch(micro, accum), accum, &mut parts)?;
         }
-        Ok(local)
-    }
-
-    /// Sums the step's loss, flags and samples over ranks.
-    fn reduce(&mut self, local: &LocalStep) -> Result<GlobalStep, TrainError> {
-        let flags = [
-            if local.nonfinite { 0.0 } else { local.loss },
-            f64::from(u8::from(local.nonfinite)),
-            f64::from(u8::from(preempt::requested())),
-            local.samples as f64,
-            local.input_loss,
-        ];
-        let sums = self.comm.all_reduce(&flags, ReduceOp::Sum)?;
-        let sum = |i: usize| sums.get(i).copied().unwrap_or(f64::NAN);
-        Ok(GlobalStep {
-            loss_sum: sum(0),
-            bad_ranks: sum(1),
-            preempt_ranks: sum(2),
-            samples: sum(3) as u64,
-            input_loss_sum: sum(4),
+        let site = OomSite::training(
+            self.config,
+            self.state.step + 1,
+            Vec::new(),
+            self.env.device,
+        );
+        let figures =
+            LocalFigures::new(&parts.losses, &parts.input_losses).map_err(|e| site.torch(e))?;
+        Ok(LocalStep {
+            figures,
+            micro_samples: parts.samples,
+            samples: parts.count,
         })
     }
 
-    /// Advances the state past the step and reports it (a skipped step is logged
-    /// and written as an event by rank 0).
-    fn record(
+    /// One micro-batch's forward and backward pass (of `accum`), its losses kept on
+    /// the device in `parts`.
+    fn micro_batch(
         &mut self,
-        lr: f64,
-        global: &GlobalStep,
-        result: StepResult,
-        bad_samples: &[String],
-    ) -> StepReport {
-        let world = self.env.world_size as f64;
+        sync: GradSync,
+        accum: usize,
+        parts: &mut MicroBatches,
+    ) -> Result<(), TrainError> {
+        let (model, amp) = (&self.model.model, self.model.amp);
+        let (step, device) = (self.state.step, self.env.device);
+        heartbeat::beat(step, Phase::Data);
+        let batch = next_batch(&mut self.data.loader)?;
+        let (blur, sharp, voxels) = batch_to_device(&batch, device)?;
+        let voxels = model.uses_voxels().then_some(&voxels);
+        let site = OomSite::training(self.config, step + 1, blur.size(), device);
+        heartbeat::beat(step, Phase::Forward);
+        oom::test_hook(OomPhase::Forward, device).map_err(|e| site.torch(e))?;
+        self.comm.before_forward(sync)?;
+        let output = amp
+            .run(|| model.forward(&blur, voxels, true))
+            .map_err(|e| site.model(e))?;
+        let eps = self.config.train.charbonnier_eps;
+        let loss = output
+            .f_to_kind(Kind::Float)
+            .and_then(|y| f_charbonnier(&y, &sharp, eps))
+            .and_then(|l| l.f_div_scalar(accum as f64))
+            .map_err(|e| site.torch(e))?;
+        let input_loss =
+            tch::no_grad(|| f_charbonnier(&blur, &sharp, eps)?.f_div_scalar(accum as f64))
+                .map_err(|e| site.torch(e))?;
+        parts.count += batch.samples.len();
+        parts.samples.push(
+            batch
+                .samples
+                .iter()
+                .map(|s| format!("{}/{}", s.sequence, s.frames.join("+")))
+                .collect(),
+        );
+        heartbeat::beat(step, Phase::Backward);
+        let site = site.in_phase(OomPhase::Backward);
+        oom::test_hook(OomPhase::Backward, device).map_err(|e| site.torch(e))?;
+        let scaled = self
+            .model
+            .scaler
+            .scale_loss(&loss)
+            .map_err(|e| site.torch(e))?;
+        let scaled = heartbeat::in_backward(&scaled).map_err(|e| site.model(e))?;
+        self.comm.backward(&scaled, sync).map_err(|e| match e {
+            BackwardFailure::Torch(e) => site.torch(e),
+            BackwardFailure::Comm(e) => e,
+        })?;
+        parts.losses.push(loss.detach());
+        parts.input_losses.push(input_loss);
+        Ok(())
+    }
+
+    /// The preemption flags and sample counts of every rank (with one rank, its own:
+    /// nothing to exchange, nothing read back).
+    fn host_flags(&mut self, local: &LocalStep) -> Result<HostFlags, TrainError> {
+        let flags = [
+            f64::from(u8::from(preempt::requested())),
+            local.samples as f64,
+        ];
+        let sums = self.comm.all_reduce(&flags, ReduceOp::Sum)?;
+        let sum = |i: usize| sums.get(i).copied().unwrap_or(f64::NAN);
+        Ok(HostFlags {
+            preempt_ranks: sum(0),
+            samples: sum(1) as u64,
+        })
+    }
+
+    /// Advances the state past the step and reports it.
+    fn record(&mut self, lr: f64, flags: &HostFlags) -> StepReport {
         let state = &mut self.state;
         state.step += 1;
-        state.samples_seen += global.samples;
-        state.optimizer_steps = self.model.optimizer.steps();
-        state.fixed_group.steps = self.model.optimizer.fixed_state().steps;
-        let good_ranks = world - global.bad_ranks;
-        let mean_loss = if good_ranks > 0.0 {
-            global.loss_sum / good_ranks
-        } else {
-            f64::NAN
-        };
-        self.attempt.losses.push((state.step, mean_loss));
-        let grad_norm = match result {
-            StepResult::Applied { grad_norm } => grad_norm,
-            StepResult::Skipped { nonfinite_loss } => {
-                state.skipped_steps += 1;
-                if self.env.rank == 0 {
-                    tracing::warn!(
-                        step = state.step,
-                        nonfinite_loss,
-                        "step skipped: inf/NaN loss or gradients"
-                    );
-                    self.sinks.metrics.write("event", json!({"event": "skipped_step", "step": state.step, "nonfinite_loss": nonfinite_loss,
-                        "samples": bad_samples, "loss_scale": state.scaler.scale}));
-                }
-                f64::NAN
-            }
-        };
+        state.samples_seen += flags.samples;
         let finished = state.step == self.config.train.total_steps;
         StepReport {
             step: state.step,
             lr,
-            mean_loss,
-            grad_norm,
-            samples: global.samples,
-            input_loss: global.input_loss_sum / world,
+            samples: flags.samples,
             finished,
-            preempted: !finished && (global.preempt_ranks > 0.0 || state.step == self.stop_at),
+            preempted: !finished && (flags.preempt_ranks > 0.0 || state.step == self.stop_at),
+        }
+    }
+
+    /// Reads the figures of every step since the last settle back from the device,
+    /// in one read (with the optimizer's step counts and the loss scaler), and brings
+    /// the state, the log window and the losses up to date; a skipped step is logged
+    /// and written as an event by rank 0, a non-finite loss logged by its rank. Every
+    /// rank calls it at the same steps (log steps, checkpoints, the end).
+    pub fn settle(&mut self) -> Result<Vec<SettledStep>, TrainError> {
+        if self.attempt.pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        let read = self
+            .model
+            .optimizer
+            .count_tensor()
+            .and_then(|counts| {
+                let scaler = self.model.scaler.state_tensor()?;
+                read_pending(
+                    &mut self.attempt.pending,
+                    &counts,
+                    &scaler,
+                    self.env.world_size,
+                )
+            })
+            .map_err(TrainError::Torch)?;
+        self.model.optimizer.set_counts(read.counts);
+        let state = &mut self.state;
+        state.optimizer_steps = read.counts.main;
+        state.fixed_group.steps = read.counts.fixed;
+        state.scaler = self.model.scaler.settle(read.scaler);
+        let mut settled = Vec::with_capacity(read.steps.len());
+        for step in read.steps {
+            self.note_settled(&step);
+            settled.push(step.figures);
+        }
+        Ok(settled)
+    }
+
+    /// Books one settled step: losses, window, skip count, warnings and events.
+    fn note_settled(&mut self, settled: &Settled) {
+        let figures = &settled.figures;
+        self.attempt.losses.push((figures.step, figures.mean_loss));
+        self.attempt.window.add_settled(figures);
+        if !settled.bad_samples.is_empty() {
+            tracing::warn!(step = figures.step, rank = self.env.rank, samples = ?settled.bad_samples, "non-finite loss: the step is skipped on every rank, weights untouched");
+        }
+        if !figures.skipped {
+            return;
+        }
+        self.state.skipped_steps += 1;
+        if self.env.rank == 0 {
+            tracing::warn!(
+                step = figures.step,
+                nonfinite_loss = figures.nonfinite_loss,
+                "step skipped: inf/NaN loss or gradients"
+            );
+            self.sinks.metrics.write("event", json!({"event": "skipped_step", "step": figures.step, "nonfinite_loss": figures.nonfinite_loss,
+                "samples": settled.bad_samples, "loss_scale": figures.loss_scale}));
         }
     }
 

@@ -1,16 +1,20 @@
 //! The update at the end of an optimizer step, after gradients were averaged over
-//! ranks: unscale (fp16), check that the loss and every trainable gradient are
-//! finite, clip, apply AdamW. A frozen parameter group (`TRAIN.FIX_ITER`) counts in
-//! neither the gradient norm nor clipping, as if it had no gradient. A non-finite step is skipped on every rank alike (the averaged
-//! gradients and the reduced loss flag are the same everywhere), so an inf/NaN
-//! never reaches the weights or the optimizer moments.
+//! ranks, with nothing read back to the host: unscale (fp16), the global gradient
+//! norm of the trainable parameters, clipping, and AdamW, which skips the step on
+//! the device when a rank's loss or a gradient is inf/NaN (`found_inf`, as PyTorch
+//! passes it to its fused optimizers). A frozen parameter group (`TRAIN.FIX_ITER`)
+//! counts in neither the gradient norm nor clipping, as if it had no gradient. The
+//! skip is the same on every rank (the averaged gradients and the reduced loss flag
+//! are), so an inf/NaN never reaches the weights or the optimizer moments. What
+//! happened ([`UpdateOutcome`]) stays on the device until the next log step reads it.
 
-use tch::TchError;
+use tch::{Kind, TchError, Tensor};
 
-use super::amp::GradScaler;
-use super::optim::{clip_grad_norm, grad_norm, AdamW};
+use super::amp::LossScaler;
+use super::optim::{grads, AdamW};
+use crate::util::readback;
 
-/// What happened to one optimizer step.
+/// What happened to one optimizer step, as read back.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepResult {
     /// The weights were updated; the gradient norm before clipping.
@@ -36,34 +40,70 @@ pub struct UpdateOptions {
     pub max_grad_norm: Option<f64>,
 }
 
-/// Finishes a step: `nonfinite_loss` says whether any rank's loss was inf/NaN. A
-/// libtorch failure (out of memory) is returned, not a panic.
+/// What an update left on the device (0-dim float32 tensors).
+#[derive(Debug)]
+pub struct UpdateOutcome {
+    /// The global gradient norm before clipping.
+    pub grad_norm: Tensor,
+    /// 1 when the step was skipped, else 0.
+    pub skipped: Tensor,
+}
+
+impl UpdateOutcome {
+    /// The outcome on the host (one counted read); `nonfinite_loss` is the step's
+    /// loss flag as given to [`apply_update`].
+    pub fn read(&self, nonfinite_loss: &Tensor) -> Result<StepResult, TchError> {
+        let all = Tensor::f_stack(
+            &[
+                self.grad_norm.f_to_kind(Kind::Double)?,
+                self.skipped.f_to_kind(Kind::Double)?,
+                nonfinite_loss.f_to_kind(Kind::Double)?,
+            ],
+            0,
+        )?;
+        let v = readback::values::<f64>(&all)?;
+        Ok(match v[1] != 0.0 {
+            false => StepResult::Applied { grad_norm: v[0] },
+            true => StepResult::Skipped {
+                nonfinite_loss: v[2] > 0.0,
+            },
+        })
+    }
+}
+
+/// Finishes a step: `nonfinite_loss` (0-dim, on the parameters' device) is above 0
+/// when any rank's loss was inf/NaN. Nothing is read back. A libtorch failure (out
+/// of memory) is returned, not a panic.
 pub fn apply_update(
     optimizer: &mut AdamW,
-    scaler: &mut GradScaler,
-    nonfinite_loss: bool,
+    scaler: &mut LossScaler,
+    nonfinite_loss: &Tensor,
     options: UpdateOptions,
-) -> Result<StepResult, TchError> {
-    scaler.unscale(optimizer.params());
-    let trainable = optimizer.trainable(options.step);
-    // Clipping leaves non-finite gradients alone; a skipped step clears them anyway.
-    let norm = match options.max_grad_norm {
-        Some(max) => clip_grad_norm(&trainable, max)?,
-        None => grad_norm(&trainable)?,
-    };
-    if nonfinite_loss || !norm.is_finite() {
-        optimizer.zero_grad();
-        scaler.update(true);
-        return Ok(StepResult::Skipped { nonfinite_loss });
+) -> Result<UpdateOutcome, TchError> {
+    let grads = optimizer.trainable_grads(options.step)?;
+    let mut found_inf = nonfinite_loss.f_gt(0.0)?.f_to_kind(Kind::Float)?;
+    scaler.unscale(&grads, &mut found_inf)?;
+    let norm = grads::total_norm(&grads, nonfinite_loss.device())?;
+    // Clipping leaves non-finite gradients alone; such a step is skipped anyway.
+    if let Some(max) = options.max_grad_norm {
+        grads::clip_(&grads, &norm, max)?;
     }
-    optimizer.step(options.lr, options.step)?;
-    scaler.update(false);
-    Ok(StepResult::Applied { grad_norm: norm })
+    let found_inf = found_inf
+        .f_gt(0.0)?
+        .f_logical_or(&norm.f_isfinite()?.f_logical_not()?)?
+        .f_to_kind(Kind::Float)?;
+    optimizer.step(options.lr, options.step, Some(&found_inf))?;
+    scaler.update(&found_inf)?;
+    Ok(UpdateOutcome {
+        grad_norm: norm,
+        skipped: found_inf,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::amp::GradScaler;
     use tch::{Device, Kind, Tensor};
 
     /// Copies of tensors' values (to compare before and after).
@@ -85,6 +125,14 @@ mod tests {
         (w, opt)
     }
 
+    fn flag(on: bool) -> Tensor {
+        Tensor::from(f32::from(u8::from(on)))
+    }
+
+    fn scaler(enabled: bool) -> LossScaler {
+        LossScaler::new(GradScaler::new(enabled), Device::Cpu).unwrap()
+    }
+
     #[test]
     fn nan_loss_never_touches_weights_or_moments() {
         let (w, mut opt) = setup();
@@ -97,17 +145,20 @@ mod tests {
         );
         assert!(loss.double_value(&[]).is_nan());
         loss.backward();
-        let mut scaler = GradScaler::new(true);
-        let scale = scaler.scale;
-        let result = apply_update(&mut opt, &mut scaler, true, options(Some(1.0))).unwrap();
+        let mut fp16 = scaler(true);
+        let scale = fp16.state().unwrap().scale;
+        let nonfinite = flag(true);
+        let reads = readback::count();
+        let outcome = apply_update(&mut opt, &mut fp16, &nonfinite, options(Some(1.0))).unwrap();
+        assert_eq!(readback::count(), reads, "the update read nothing back");
         assert_eq!(
-            result,
+            outcome.read(&nonfinite).unwrap(),
             StepResult::Skipped {
                 nonfinite_loss: true
             }
         );
         assert!(w.equal(&before[0]), "weights unchanged");
-        assert_eq!(opt.steps(), 0);
+        assert_eq!(opt.steps().unwrap(), 0);
         for (_, m) in opt.state_tensors() {
             assert_eq!(
                 m.abs().sum(Kind::Float).double_value(&[]),
@@ -115,28 +166,71 @@ mod tests {
                 "moments untouched"
             );
         }
-        assert_eq!(scaler.scale, scale / 2.0, "fp16 scale backs off");
-        // A NaN gradient with a finite loss flag is caught too.
+        assert_eq!(
+            fp16.state().unwrap().scale,
+            scale / 2.0,
+            "fp16 scale backs off"
+        );
+        // An inf gradient with a finite loss flag is caught too.
         let mut g = w.grad();
         let _ = g.fill_(f64::INFINITY);
-        let result =
-            apply_update(&mut opt, &mut GradScaler::new(false), false, options(None)).unwrap();
+        let ok = flag(false);
+        let outcome = apply_update(&mut opt, &mut scaler(false), &ok, options(None)).unwrap();
         assert_eq!(
-            result,
+            outcome.read(&ok).unwrap(),
             StepResult::Skipped {
                 nonfinite_loss: false
             }
         );
         assert!(w.equal(&before[0]));
         // The next good step applies.
-        opt.zero_grad();
+        opt.zero_grad().unwrap();
         (&w * 2.0).sum(Kind::Float).backward();
-        let result =
-            apply_update(&mut opt, &mut GradScaler::new(false), false, options(None)).unwrap();
+        let outcome = apply_update(&mut opt, &mut scaler(false), &ok, options(None)).unwrap();
+        let result = outcome.read(&ok).unwrap();
         assert!(
-            matches!(result, StepResult::Applied { grad_norm } if (grad_norm - 12f64.sqrt()).abs() < 1e-5)
+            matches!(result, StepResult::Applied { grad_norm } if (grad_norm - 12f64.sqrt()).abs() < 1e-5),
+            "{result:?}"
         );
         assert!(!w.equal(&before[0]));
-        assert_eq!(opt.steps(), 1);
+        assert_eq!(opt.steps().unwrap(), 1);
+    }
+
+    /// The update on the device equals the one before it (per-parameter norm, host
+    /// clipping, the loop kernel) step for step, clipping included.
+    #[test]
+    fn the_device_update_equals_the_host_update() {
+        let make = || {
+            let w = Tensor::from_slice(&[0.5f32, -0.25, 1.0, 2.0]).set_requires_grad(true);
+            let opt = AdamW::new(vec![w.shallow_clone()], [0.9, 0.99], 1e-8, 0.01);
+            (w, opt)
+        };
+        let ((w, mut opt), (v, old)) = (make(), make());
+        let mut old = old.with_kernel(crate::train::optim::UpdateKernel::Loop);
+        for step in 0..6u64 {
+            let coef = Tensor::from_slice(&[3.0f32, -4.0, 0.5, 1.0]) * (step as f64 + 1.0);
+            opt.zero_grad().unwrap();
+            old.zero_grad().unwrap();
+            (&w * &coef).sum(Kind::Float).backward();
+            (&v * &coef).sum(Kind::Float).backward();
+            let outcome = apply_update(
+                &mut opt,
+                &mut scaler(false),
+                &flag(false),
+                options(Some(2.0)),
+            )
+            .unwrap();
+            let norm = grads::clip_per_parameter(&[v.shallow_clone()], 2.0).unwrap();
+            old.step(0.1, step, None).unwrap();
+            let got = readback::scalar(&outcome.grad_norm).unwrap();
+            assert!((got - norm).abs() <= 1e-6 * norm, "{got} vs {norm}");
+            let (a, b) = (
+                readback::values::<f64>(&w).unwrap(),
+                readback::values::<f64>(&v).unwrap(),
+            );
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-6, "step {step}: {a:?} vs {b:?}");
+            }
+        }
     }
 }

@@ -19,6 +19,7 @@ use super::report::StepReport;
 use super::run::{Run, Validation};
 use super::validate::Preview;
 use super::TrainError;
+use crate::util::readback;
 
 /// Work a run does after some steps.
 pub trait PeriodicTask {
@@ -83,6 +84,8 @@ struct Marks {
     data_seconds: f64,
     /// Reads this rank's loader took from disk because the cache could not take them.
     cache_bypass: u64,
+    /// Tensor values read back to the host (`util::readback`).
+    host_reads: u64,
 }
 
 impl Marks {
@@ -93,6 +96,7 @@ impl Marks {
             sync_seconds: run.comm.sync_seconds(),
             data_seconds: loader.data_time_s,
             cache_bypass: loader.cache_bypass,
+            host_reads: readback::count(),
         }
     }
 }
@@ -108,6 +112,7 @@ impl PeriodicTask for LogTrain {
     }
 
     fn run(&mut self, run: &mut Run<'_>, report: &StepReport) -> Result<(), TrainError> {
+        let settled = run.settle()?;
         let window = std::mem::take(&mut run.attempt.window);
         let (marks, last) = (Marks::now(run), self.last);
         self.last = marks;
@@ -130,7 +135,8 @@ impl PeriodicTask for LogTrain {
         // do not pull the training throughput down.
         let samples_per_s = window.samples as f64 / (step_ms * steps as f64 / 1000.0).max(1e-9);
         let avg_loss = window.mean_loss();
-        let grad_norm = report.grad_norm;
+        let grad_norm = settled.last().map_or(f64::NAN, |s| s.grad_norm);
+        let host_reads = marks.host_reads - last.host_reads;
         let evictions = self.cache.evictions(run.env.cache_addr.as_deref());
         run.sinks.metrics.write("train", json!({
             "step": report.step, "epoch": epoch, "loss": avg_loss, "lr": lr,
@@ -140,6 +146,7 @@ impl PeriodicTask for LogTrain {
             "comm_time_ms": comm_ms, "cache_hit_rate": stats.hit_rate, "cache_evictions": evictions,
             "cache_bypass": cache_bypass,
             "loss_scale": run.state.scaler.scale, "skipped_steps": run.state.skipped_steps,
+            "host_reads": host_reads,
         }));
         let losses = [("l_pix", avg_loss), ("l_input", window.mean_input_loss())];
         run.sinks.metrics.println(&format_log_line(&LogLine {
@@ -293,9 +300,8 @@ impl PeriodicTask for Validate {
         let (sums, previews) = validator
             .run(run.model.model.as_ref(), keep)
             .map_err(|e| super::oom::at_step(e, report.step))?;
-        let mine = Vec::<f64>::try_from(&sums.to_tensor())?;
-        let all = run.comm.all_reduce(&mine, ReduceOp::Sum)?;
-        let all = QualitySums::from_tensor(&Tensor::from_slice(&all));
+        let all = run.comm.all_reduce(&sums.to_values(), ReduceOp::Sum)?;
+        let all = QualitySums::from_values(&all);
         let (psnr, ssim, input) = all.means();
         if run.env.rank == 0 {
             run.sinks.metrics.write(
@@ -349,7 +355,7 @@ fn rgb_image(t: &Tensor) -> Option<RgbImage> {
     let [c, h, w] = size[..] else {
         return None;
     };
-    let data = Vec::<f32>::try_from(&t.to_kind(tch::Kind::Float).contiguous().view(-1)).ok()?;
+    let data = readback::values::<f32>(t).ok()?;
     RgbImage::from_chw(
         &data,
         c as usize,
@@ -371,6 +377,7 @@ impl PeriodicTask for Checkpoint {
 
     fn run(&mut self, run: &mut Run<'_>, report: &StepReport) -> Result<(), TrainError> {
         heartbeat::beat(report.step, Phase::Checkpoint);
+        run.settle()?;
         let state = &mut run.state;
         state.sampler = run.data.loader.state();
         state.sampler.rank = 0;
@@ -401,10 +408,7 @@ mod tests {
         StepReport {
             step,
             lr: 1e-3,
-            mean_loss: 0.1,
-            grad_norm: 1.0,
             samples: 2,
-            input_loss: 0.2,
             finished,
             preempted,
         }

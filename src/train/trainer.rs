@@ -56,6 +56,7 @@ pub fn train(
             break;
         }
     }
+    run.settle()?;
     run.sinks.metrics.finish();
     for task in &mut tasks {
         task.finish(&mut run)?;

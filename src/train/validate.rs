@@ -9,17 +9,18 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::Config;
 use crate::dataset::DatasetIndex;
-use crate::eval::quality::QualitySums;
-use crate::eval::tiles::tiled_forward;
+use crate::eval::quality::{QualityAccumulator, QualitySums};
+use crate::eval::tiles::{tiled_forward, Tiling};
 use crate::model::Restorer;
 use crate::pipeline::loader::{Loader, LoaderBudget, LoaderOptions, Purpose};
 use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode};
 use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
-use crate::pipeline::BatchTensors;
 
 use super::amp::AmpMode;
 use super::env::RankEnv;
 use super::oom::{test_hook, OomPhase, OomSite};
+use super::tile_batch::TileBatch;
+use super::transfer::batch_to_device;
 use super::TrainError;
 
 /// Alignment of tile starts in RGB pixels (a multiple of the spike ratio and of the
@@ -29,10 +30,16 @@ pub const TILE_ALIGN: i64 = 16;
 /// One rank's validation data and settings.
 pub struct Validator {
     loader: Option<Loader>,
+    forward: ClipForward,
+    tile_batch: TileBatch,
+    clips: usize,
+}
+
+/// How a clip goes through the model.
+struct ClipForward {
     tile: Option<(i64, i64)>,
     device: Device,
     amp: AmpMode,
-    clips: usize,
     oom: OomSite,
 }
 
@@ -85,11 +92,14 @@ impl Validator {
         };
         Ok(Validator {
             loader,
-            tile,
-            device,
-            amp,
+            forward: ClipForward {
+                tile,
+                device,
+                amp,
+                oom: OomSite::validation(config, Vec::new(), device),
+            },
+            tile_batch: TileBatch::new(device),
             clips,
-            oom: OomSite::validation(config, Vec::new(), device),
         })
     }
 
@@ -105,40 +115,69 @@ impl Validator {
         model: &dyn Restorer,
         previews: usize,
     ) -> Result<(QualitySums, Vec<Preview>), TrainError> {
-        let mut sums = QualitySums::default();
+        let mut sums = QualityAccumulator::default();
         let mut kept = Vec::with_capacity(previews);
         let Some(loader) = &mut self.loader else {
-            return Ok((sums, kept));
+            return Ok((QualitySums::default(), kept));
         };
-        if self.device.is_cuda() {
-            crate::ddp::empty_cuda_cache()?;
-        }
         loader.set_epoch(0);
         while let Some(batch) = loader.next_batch() {
-            let (blur, sharp, voxels) = batch?.to_tensors(self.device)?;
+            let forward = &self.forward;
+            let (blur, sharp, voxels) = batch_to_device(&batch?, forward.device)?;
             let voxels = model.uses_voxels().then_some(&voxels);
-            let site = self.oom.with_shape(blur.size());
-            let output = tch::no_grad(|| -> Result<Tensor, TrainError> {
-                let (device, amp) = (self.device, self.amp);
-                let mut forward = |b: &Tensor, v: Option<&Tensor>| -> Result<Tensor, TrainError> {
-                    test_hook(OomPhase::Validation, device)?;
-                    let y = amp.run(|| model.forward(b, v, false))?;
-                    Ok(y.f_to_kind(Kind::Float)?)
-                };
-                match self.tile {
-                    Some((tile, overlap)) => {
-                        tiled_forward(&mut forward, &blur, voxels, tile, overlap, TILE_ALIGN)
-                    }
-                    None => forward(&blur, voxels),
+            let site = forward.oom.with_shape(blur.size());
+            let at_once = self.tile_batch.before_clip();
+            let output = match forward.clip(model, &blur, voxels, at_once) {
+                Err(TrainError::OutOfMemory(e)) if at_once > 1 => {
+                    tracing::warn!(tiles_at_once = at_once, error = %e, "validation out of memory with tiles batched: one tile at a time from now on");
+                    self.tile_batch.fall_back();
+                    crate::ddp::empty_cuda_cache()?;
+                    forward.clip(model, &blur, voxels, 1)
                 }
-            })
-            .map_err(|e| site.classify(e))?;
-            sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0));
+                other => other,
+            }?;
+            self.tile_batch.after_clip();
+            sums.add_clip(&output.get(0), &blur.get(0), &sharp.get(0))
+                .map_err(|e| site.classify(e.into()))?;
             if kept.len() < previews {
                 kept.push(Preview::first_frame(&blur, &output, &sharp));
             }
         }
-        Ok((sums, kept))
+        Ok((sums.read()?, kept))
+    }
+}
+
+impl ClipForward {
+    /// The model's output for one clip, whole or by tiles `at_once` at a time.
+    fn clip(
+        &self,
+        model: &dyn Restorer,
+        blur: &Tensor,
+        voxels: Option<&Tensor>,
+        at_once: usize,
+    ) -> Result<Tensor, TrainError> {
+        let site = self.oom.with_shape(blur.size());
+        tch::no_grad(|| -> Result<Tensor, TrainError> {
+            let (device, amp) = (self.device, self.amp);
+            let mut forward = |b: &Tensor, v: Option<&Tensor>| -> Result<Tensor, TrainError> {
+                test_hook(OomPhase::Validation, device)?;
+                let y = amp.run(|| model.forward(b, v, false))?;
+                Ok(y.f_to_kind(Kind::Float)?)
+            };
+            match self.tile {
+                Some((tile, overlap)) => {
+                    let tiling = Tiling {
+                        tile,
+                        overlap,
+                        align: TILE_ALIGN,
+                        batch: at_once,
+                    };
+                    tiled_forward(&mut forward, blur, voxels, tiling)
+                }
+                None => forward(blur, voxels),
+            }
+        })
+        .map_err(|e| site.classify(e))
     }
 }
 

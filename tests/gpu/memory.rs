@@ -7,6 +7,8 @@ use vrtspike::ddp::{cuda_memory_stats, empty_cuda_cache, reset_cuda_peak};
 use vrtspike::pipeline::loader::Batch;
 use vrtspike::pipeline::sample::Sample;
 use vrtspike::pipeline::transform::Dihedral;
+use vrtspike::pipeline::BatchTensors;
+use vrtspike::train::transfer::{batch_to_device, copy_async, empty_pinned};
 
 use super::{cuda, max_abs_diff};
 
@@ -86,20 +88,38 @@ fn a_batch_reaches_the_gpu_through_pinned_memory_unchanged() {
         end_position: 3,
         samples: vec![sample(0), sample(1), sample(2)],
     };
-    let (blur, sharp, voxel) = batch.to_tensors(device).expect("to CUDA");
     let (cpu_blur, cpu_sharp, cpu_voxel) = batch.to_tensors(Device::Cpu).expect("on the CPU");
-    for (gpu, cpu) in [
-        (&blur, &cpu_blur),
-        (&sharp, &cpu_sharp),
-        (&voxel, &cpu_voxel),
-    ] {
-        assert_eq!(gpu.device(), device);
-        assert_eq!(gpu.size(), cpu.size());
-        assert_eq!(max_abs_diff(gpu, cpu), 0.0);
+    // The trainer's way (page-locked host tensors, a side stream and an event) and
+    // the plain one.
+    let trainer = batch_to_device(&batch, device).expect("to CUDA on the side stream");
+    let plain = batch.to_tensors(device).expect("to CUDA");
+    for (blur, sharp, voxel) in [trainer, plain] {
+        for (gpu, cpu) in [
+            (&blur, &cpu_blur),
+            (&sharp, &cpu_sharp),
+            (&voxel, &cpu_voxel),
+        ] {
+            assert_eq!(gpu.device(), device);
+            assert_eq!(gpu.size(), cpu.size());
+            assert_eq!(max_abs_diff(gpu, cpu), 0.0);
+        }
     }
-    assert!(Tensor::ones([4], (Kind::Float, Device::Cpu))
-        .pin_memory(device)
-        .is_pinned(device));
+    let pinned = empty_pinned(&[2, 3]).expect("page-locked");
+    assert!(pinned.is_pinned(device), "allocated page-locked");
+    assert_eq!((pinned.size(), pinned.kind()), (vec![2, 3], Kind::Float));
+    // Many copies in flight, each read after its own: the event orders them.
+    let host = Tensor::arange(1 << 20, (Kind::Float, Device::Cpu));
+    let host = {
+        let pinned = empty_pinned(&[1 << 20]).expect("page-locked");
+        let mut p = pinned.shallow_clone();
+        p.copy_(&host);
+        pinned
+    };
+    for _ in 0..8 {
+        let on_gpu = copy_async(&host, 0).expect("copy");
+        let sum = on_gpu.sum(Kind::Double).double_value(&[]);
+        assert_eq!(sum, ((1u64 << 20) * ((1 << 20) - 1) / 2) as f64);
+    }
 }
 
 #[test]

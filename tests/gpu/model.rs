@@ -4,7 +4,7 @@
 use tch::{nn, Device, Kind, Tensor};
 use vrtspike::config::{Config, ModelConfig};
 use vrtspike::model;
-use vrtspike::train::amp::{AmpMode, GradScaler};
+use vrtspike::train::amp::{AmpMode, GradScaler, LossScaler};
 use vrtspike::train::optim::AdamW;
 use vrtspike::train::step::{apply_update, StepResult, UpdateOptions};
 
@@ -78,7 +78,6 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
         if steers_sampling(name) {
             position32.push(g32.flatten(0, -1));
             position16.push(g16.flatten(0, -1));
-            continue;
         }
         let norm = g32.norm().double_value(&[]);
         if norm > 1e-6 {
@@ -116,17 +115,19 @@ fn tiny_vrt_spike_trains_under_bf16_autocast_close_to_fp32() {
         "the gradient as a whole is off by {whole} under bf16"
     );
     assert!(
-        position < 0.5,
+        position < 0.1,
         "the flow and offset gradients are off by {position} under bf16"
     );
 }
 
 /// Parameters whose gradient arrives only through where features are sampled:
 /// SpyNet (through the warp's flow) and the deformable alignment's offset and mask
-/// convolutions. Each such gradient is a sum over every pixel of image-gradient
-/// terms that largely cancel, so one small tensor can lose most of its value to
-/// bf16 rounding (on an H100: a SpyNet bias 63% off, stage 7's last offset
-/// convolution 59%, with every gradient together 1% off); they are judged together.
+/// convolutions. On an H100 (2026-11-26) they were off under bf16 (a SpyNet bias
+/// 63%, stage 7's last offset convolution 59%, together 33%, with every gradient
+/// together 1% off) because the sampling positions were computed in bfloat16; they
+/// are float32 now (`model::flow::sample_at`; the CPU's bf16 autocast shows the
+/// same, `tests/model_vrt.rs`), so they are held to the per-tensor bound like every
+/// other gradient, and together to 10%.
 fn steers_sampling(name: &str) -> bool {
     name.starts_with("spynet.") || name.contains(".conv_offset.")
 }
@@ -138,8 +139,8 @@ fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
         .to_device(device)
         .set_requires_grad(true);
     let mut opt = AdamW::new(vec![w.shallow_clone()], [0.9, 0.99], 1e-8, 0.0);
-    let mut scaler = GradScaler::new(true);
-    let start_scale = scaler.scale;
+    let mut scaler = LossScaler::new(GradScaler::new(true), device).expect("scaler");
+    let start = scaler.state().expect("scale");
     let before = w.detach().copy();
     // The product runs in float16 under autocast; its loss is finite, but the scaled
     // gradient reaching it (65536) overflows float16 (max 65504): inf gradients.
@@ -147,25 +148,42 @@ fn the_fp16_scaler_skips_an_inf_step_and_backs_off() {
     let product = || w.unsqueeze(0).matmul(&input).sum(Kind::Float);
     let loss = AmpMode::Fp16.run(product);
     assert!(loss.double_value(&[]).is_finite());
-    scaler.scale_loss(&loss).backward();
+    scaler.scale_loss(&loss).expect("scale").backward();
     let options = UpdateOptions {
         step: 0,
         lr: 0.1,
         max_grad_norm: Some(1.0),
     };
-    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    let finite = Tensor::zeros([], (Kind::Float, device));
+    // The fused kernel decides the skip on the device: nothing is read back.
+    let reads = vrtspike::util::readback::count();
+    let outcome = apply_update(&mut opt, &mut scaler, &finite, options).expect("update");
     assert_eq!(
-        result,
+        vrtspike::util::readback::count(),
+        reads,
+        "the update read back"
+    );
+    assert_eq!(
+        outcome.read(&finite).expect("read"),
         StepResult::Skipped {
             nonfinite_loss: false
         }
     );
     assert!(w.equal(&before), "an inf step touched the weights");
-    assert_eq!(scaler.scale, start_scale * scaler.backoff_factor);
+    assert_eq!(
+        opt.steps().expect("steps"),
+        0,
+        "a skipped step is not counted"
+    );
+    let backed_off = scaler.state().expect("scale");
+    assert_eq!(backed_off.scale, start.scale * start.backoff_factor);
     // At the backed-off scale (32768) the same step fits float16 and is applied.
+    opt.zero_grad().expect("zero");
     let loss = AmpMode::Fp16.run(product);
-    scaler.scale_loss(&loss).backward();
-    let result = apply_update(&mut opt, &mut scaler, false, options).expect("update");
+    scaler.scale_loss(&loss).expect("scale").backward();
+    let outcome = apply_update(&mut opt, &mut scaler, &finite, options).expect("update");
+    let result = outcome.read(&finite).expect("read");
     assert!(matches!(result, StepResult::Applied { .. }), "{result:?}");
     assert!(!w.equal(&before), "a finite step changed nothing");
+    assert_eq!(opt.steps().expect("steps"), 1);
 }

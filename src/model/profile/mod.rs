@@ -330,6 +330,41 @@ impl Totals {
     }
 }
 
+/// The shape of a profile's random input.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InputShape {
+    /// Clips per batch.
+    pub batch: i64,
+    /// Frames per clip.
+    pub frames: i64,
+    /// Square crop side in RGB pixels.
+    pub size: i64,
+    /// Spike voxel side over the RGB side.
+    pub spike_scale: f64,
+}
+
+/// Random frames (N, D, C, size, size) for the model `cfg` describes and, when it
+/// reads spikes, voxels (N, D, bins, s, s) with s the side times `spike_scale`
+/// rounded down to a multiple of 8 (at least 8).
+pub fn random_input(
+    cfg: &ModelConfig,
+    uses_voxels: bool,
+    shape: InputShape,
+    options: (Kind, Device),
+) -> Result<(Tensor, Option<Tensor>), ModelError> {
+    let (n, d, side) = (shape.batch, shape.frames, shape.size);
+    let x = Tensor::f_rand([n, d, cfg.in_chans, side, side], options).at_stage("input")?;
+    let spike_side = ((side as f64 * shape.spike_scale) as i64 / 8 * 8).max(8);
+    let voxels = match uses_voxels {
+        true => {
+            let dims = [n, d, cfg.spike.voxel_bins, spike_side, spike_side];
+            Some(Tensor::f_rand(dims, options).at_stage("spike input")?)
+        }
+        false => None,
+    };
+    Ok((x, voxels))
+}
+
 /// Profiles the model `cfg` describes on `device` with random input; `probe` reads
 /// the memory of that device.
 pub fn profile(
@@ -358,16 +393,13 @@ pub fn profile(
         Precision::Fp32 | Precision::AutocastBf16 => Kind::Float,
     };
     let summary = summarize(&vs, net.arch(), &net.parts());
-    let (n, d, side) = (options.batch, options.frames, options.size);
-    let x = Tensor::f_rand([n, d, cfg.in_chans, side, side], (kind, device)).at_stage("input")?;
-    let spike_side = ((side as f64 * options.spike_scale) as i64 / 8 * 8).max(8);
-    let voxels = match net.uses_voxels() {
-        true => {
-            let shape = [n, d, cfg.spike.voxel_bins, spike_side, spike_side];
-            Some(Tensor::f_rand(shape, (kind, device)).at_stage("spike input")?)
-        }
-        false => None,
+    let shape = InputShape {
+        batch: options.batch,
+        frames: options.frames,
+        size: options.size,
+        spike_scale: options.spike_scale,
     };
+    let (x, voxels) = random_input(cfg, net.uses_voxels(), shape, (kind, device))?;
     let mut totals = Totals::default();
     for iter in 0..=options.iters {
         let input = (&x, voxels.as_ref());

@@ -100,6 +100,19 @@ impl Default for SynthOptions {
 }
 
 impl SynthOptions {
+    /// The small set the training tests run on: 2 training sequences and 1 test
+    /// sequence of 6 frames at 64 x 96.
+    pub fn small(seed: u64) -> SynthOptions {
+        SynthOptions {
+            train_seqs: 2,
+            test_seqs: 1,
+            frames: 6,
+            height: 64,
+            width: 96,
+            seed,
+        }
+    }
+
     /// Spike grid size (half the RGB size).
     pub fn spike_size(&self) -> (u32, u32) {
         (self.height / 2, self.width / 2)
