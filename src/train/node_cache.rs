@@ -27,8 +27,8 @@ use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 
 use super::env::RankEnv;
 use super::TrainError;
-use crate::cache::own_server::OwnServer;
-use crate::cache::{self, CacheClient, CacheError};
+use crate::cache::own_server::{wait_for_server, OwnServer};
+use crate::cache::{self, CacheClient};
 use crate::config::{CacheSharing, Config};
 
 /// How long local rank 0 waits for its server, and the others for rank 0's.
@@ -193,24 +193,13 @@ fn serve_command<'a>(address: &'a str, from: &ServeFrom<'a>) -> CacheServe<'a> {
 /// Other local ranks: waits until local rank 0's server accepts; returns the
 /// connection.
 fn wait_for(address: &str, rank: usize) -> Result<CacheClient, TrainError> {
-    let started = Instant::now();
     let who = format!("rank {rank} (waiting for the node's cache server)");
-    loop {
-        match CacheClient::connect(address, &who) {
-            Ok(client) => return Ok(client),
-            Err(CacheError::Connect { .. }) if started.elapsed() < START_TIMEOUT => {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => {
-                return Err(TrainError::Env {
-                    var: vrtspike_contract::env::CACHE_ADDR.to_string(),
-                    message: format!(
-                        "not set, and local rank 0 did not start the node's cache server at \
-                         {address:?} within {:.0} s: {e}",
-                        START_TIMEOUT.as_secs_f64()
-                    ),
-                })
-            }
-        }
-    }
+    wait_for_server(address, &who, START_TIMEOUT).map_err(|e| TrainError::Env {
+        var: vrtspike_contract::env::CACHE_ADDR.to_string(),
+        message: format!(
+            "not set, and local rank 0 did not start the node's cache server at \
+             {address:?} within {:.0} s: {e}",
+            START_TIMEOUT.as_secs_f64()
+        ),
+    })
 }
