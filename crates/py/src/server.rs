@@ -18,14 +18,14 @@
 //! fails here leaves the Dataset reading from disk, with a warning that says why.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vrtspike_contract::cache_addr::node_shared_address;
 use vrtspike_contract::cache_serve::{CacheServe, Lifetime, ServeError, Watch};
 use vrtspike_contract::env::RankEnv;
 use vrtspike_contract::shared_server::{self, Joined, SharedStart};
-use vrtspike_data::cache::own_server::OwnServer;
-use vrtspike_data::cache::{default_address, CacheClient, CacheError, ClientOptions};
+use vrtspike_data::cache::own_server::{wait_for_server, OwnServer};
+use vrtspike_data::cache::{default_address, CacheClient, ClientOptions};
 use vrtspike_data::cli::cache::{build_id_of, BUILD_ID};
 use vrtspike_data::config::{CacheSharing, Config};
 
@@ -167,21 +167,10 @@ fn shared(config: &Config, root: &Path, with: &ServeWith) -> Result<CacheChoice,
     let log = log_file(&address)?;
     let linger_s = shared_server::linger_s(None, &|name| std::env::var(name).ok())?;
     let start = SharedStart {
-        serve: CacheServe {
-            vrtspike: binary,
-            address: &address,
-            config: config_file.path(),
-            cap: None,
-            overrides: with.overrides,
-            lifetime: Lifetime::WithParent,
-        },
+        serve: serve_command(binary, &address, &config_file, with),
         linger_s,
         started_by: with.started_by,
-        watch: Watch {
-            log: &log,
-            timeout: START_TIMEOUT,
-            interrupted: &|| false,
-        },
+        watch: watch(&log),
     };
     let (client, joined) = shared_server::attach_or_start::<_, NoServer>(&start, &mut attach)
         .map_err(|NoServer(why)| why)?;
@@ -208,20 +197,8 @@ fn own_or_wait(config: &Config, with: &ServeWith) -> Result<CacheChoice, String>
     let binary = with.binary.ok_or_else(missing_binary)?;
     let config_file = ConfigFile::for_server(config, with.config_file)?;
     let log = log_file(&address)?;
-    let serve = CacheServe {
-        vrtspike: binary,
-        address: &address,
-        config: config_file.path(),
-        cap: None,
-        overrides: with.overrides,
-        lifetime: Lifetime::WithParent,
-    };
-    let started = serve
-        .start_logged(&Watch {
-            log: &log,
-            timeout: START_TIMEOUT,
-            interrupted: &|| false,
-        })
+    let started = serve_command(binary, &address, &config_file, with)
+        .start_logged(&watch(&log))
         .map_err(|e| e.to_string())?;
     let own = OwnServer::new(&address, started.spawned.process);
     Ok(CacheChoice::through(
@@ -231,25 +208,42 @@ fn own_or_wait(config: &Config, with: &ServeWith) -> Result<CacheChoice, String>
     ))
 }
 
+/// `vrtspike-cache serve` at `address` with the Dataset's config and overrides,
+/// as the job's own server (a [`SharedStart`] makes it a lingering one).
+fn serve_command<'a>(
+    binary: &'a Path,
+    address: &'a str,
+    config_file: &'a ConfigFile<'a>,
+    with: &ServeWith<'a>,
+) -> CacheServe<'a> {
+    CacheServe {
+        vrtspike: binary,
+        address,
+        config: config_file.path(),
+        cap: None,
+        overrides: with.overrides,
+        lifetime: Lifetime::WithParent,
+    }
+}
+
+/// How a start is watched: its log, the start's timeout, never interrupted.
+fn watch(log: &Path) -> Watch<'_> {
+    Watch {
+        log,
+        timeout: START_TIMEOUT,
+        interrupted: &|| false,
+    }
+}
+
 /// Waits until local rank 0's server accepts.
 fn wait_for(address: &str) -> Result<CacheClient, String> {
-    let started = Instant::now();
     let who = label("waiting for local rank 0's server");
-    loop {
-        match CacheClient::connect(address, &who) {
-            Ok(client) => return Ok(client),
-            Err(CacheError::Connect { .. }) if started.elapsed() < START_TIMEOUT => {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => {
-                return Err(format!(
-                    "local rank 0 did not start the job's cache server at {address:?} within \
-                     {:.0} s: {e}",
-                    START_TIMEOUT.as_secs_f64()
-                ))
-            }
-        }
-    }
+    wait_for_server(address, &who, START_TIMEOUT).map_err(|e| {
+        format!(
+            "local rank 0 did not start the job's cache server at {address:?} within {:.0} s: {e}",
+            START_TIMEOUT.as_secs_f64()
+        )
+    })
 }
 
 /// An attach-or-start that found no server (the start's error).
