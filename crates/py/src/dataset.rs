@@ -294,7 +294,9 @@ fn open(
         started_by: &started_by,
     };
     let mut choice = server::choose(&opened.config, &with);
-    if let (Some(Err(why)), None) = (&binary, &choice.address) {
+    // Why no server could be started, beside the fall-back's warning (a Dataset
+    // that reads from disk by its config wanted none and hears nothing).
+    if let (Some(Err(why)), false) = (&binary, choice.warnings.is_empty()) {
         choice
             .warnings
             .push(format!("the shipped cache server is unusable: {why}"));

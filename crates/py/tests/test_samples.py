@@ -13,7 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import vrtspike
-from vrtspike.data import Dataset, DistributedSampler, SampleIndex
+from vrtspike.data import Dataset, DistributedSampler
+
+from conftest import synth
 
 SEED = 7
 KEYS = {"DATA.CLIP_LEN": 3, "DATA.CROP_SIZE": 32, "DATA.SPIKE_BINS": 4, "DATA.AUGMENT": True, "TRAIN.SEED": SEED}
@@ -122,3 +124,19 @@ def test_from_config_reads_the_base_chain(dataset_root: Path, tmp_path: Path) ->
     sample = dataset[0]
     assert sample.blur.shape == (4, 3, 16, 16)
     assert dataset.cache_address is None
+
+
+def test_hdf5_sessions_give_the_folder_layouts_samples(dataset_root: Path, tmp_path: Path, leaves_nothing) -> None:
+    """`vrtspike synth --h5` writes the same data as HDF5 sessions (probed in a
+    child of the package's vrtspike-cache): the same samples, through the cache."""
+    h5_root = synth(tmp_path / "h5", "--h5", "--seqs", "2", "--test-seqs", "1", "--frames", "10")
+    sessions = Dataset(h5_root, "train", overrides=KEYS)
+    leaves_nothing.add(sessions.cache_address)
+    folders = Dataset(dataset_root, "train", overrides={**KEYS, "DATA.USE_RAM_CACHE": False})
+    assert len(sessions) == len(folders)
+    for index in DistributedSampler(folders, num_replicas=1, rank=0):
+        ours, theirs = sessions[index], folders[index]
+        for name in ("blur", "sharp", "voxel"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), (index, name)
+    assert sessions.reader_stats()["misses"] > 0
+    sessions.close()
