@@ -136,3 +136,19 @@ def test_no_server_to_be_had_reads_from_disk_with_a_warning(
         disk = from_disk(dataset_root)
     for index in DistributedSampler(dataset, num_replicas=1, rank=0):
         assert torch.equal(dataset[index].blur, disk[index].blur)
+
+
+def test_the_jobs_own_server_stops_with_close(dataset_root: Path, leaves_nothing) -> None:
+    """`DATA.CACHE_SHARING: job`: local rank 0 (this process, with no rank
+    environment) starts the job's own server as its child; close() stops it."""
+    dataset = Dataset(dataset_root, "train", overrides={**KEYS, "DATA.CACHE_SHARING": "job"})
+    leaves_nothing.add(dataset.cache_address)
+    assert dataset.cache_how == "started (job's)", dataset.cache_how
+    assert "-ds" not in dataset.cache_address, dataset.cache_address
+    disk = from_disk(dataset_root)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0)
+    for batch, index in zip(DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=2), sampler):
+        assert torch.equal(batch.blur, disk[index].blur)
+    assert servers_of(dataset.cache_address)
+    dataset.close()
+    wait_until("the job's server stops with close()", lambda: not servers_of(dataset.cache_address))
