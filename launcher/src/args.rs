@@ -99,6 +99,12 @@ pub struct Args {
     #[arg(long, default_value_t = 300.0, value_parser = parse_seconds)]
     pub peer_timeout_s: f64,
 
+    /// Seconds a linked node's launcher may stay silent (no beat, no line) before
+    /// the others name it lost and end the job on every node with exit status 75
+    /// (multi-node only; the launchers beat every second).
+    #[arg(long, default_value_t = 30.0, value_parser = parse_positive_seconds)]
+    pub peer_silence_s: f64,
+
     /// Whether to take the node layout from SLURM's environment.
     #[arg(long, value_enum, default_value_t = SlurmMode::Auto)]
     pub slurm: SlurmMode,

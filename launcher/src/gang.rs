@@ -393,9 +393,13 @@ fn missed_deadline(
         "the ranks did not checkpoint and exit within {:.0} s of {why}",
         limit.as_secs_f64()
     );
+    // The job's ending reports the cause (logged once, there).
     let failure = Failure::of(timing.node_rank, "ranks".into(), cause);
-    tracing::error!("{}", failure.cause);
-    let mut end = stop_gang(ranks, outcome, Some(failure), Duration::ZERO);
+    let asked = Asked {
+        what: why,
+        waited: limit,
+    };
+    let mut end = stop_ranks(ranks, outcome, Some(failure), Duration::ZERO, asked);
     if missed.terminated {
         // Stopped on request, not broken: no restart, and the summary says why.
         end.failed_at = None;
@@ -403,21 +407,46 @@ fn missed_deadline(
     end
 }
 
-/// Stops every rank still running and reports the attempt's end.
+/// What the ranks were asked, and how long they had, before a SIGKILL.
+struct Asked<'a> {
+    what: &'a str,
+    waited: Duration,
+}
+
+/// Stops every rank still running (SIGTERM, SIGKILL after `grace`) and reports
+/// the attempt's end.
 fn stop_gang(
     ranks: &mut [(u32, Supervised)],
     outcome: ExitKind,
     failure: Option<Failure>,
     grace: Duration,
 ) -> AttemptEnd {
+    let asked = Asked {
+        what: "SIGTERM",
+        waited: grace,
+    };
+    stop_ranks(ranks, outcome, failure, grace, asked)
+}
+
+/// Stops every rank still running, after `asked` (a rank still running past
+/// `grace` is SIGKILLed and named with what it ignored), and reports the
+/// attempt's end.
+fn stop_ranks(
+    ranks: &mut [(u32, Supervised)],
+    outcome: ExitKind,
+    failure: Option<Failure>,
+    grace: Duration,
+    asked: Asked,
+) -> AttemptEnd {
     let failed_at = failure.as_ref().map(|_| Instant::now());
     let mut running: Vec<&mut Supervised> = ranks.iter_mut().map(|(_, c)| c).collect();
     let killed_after_grace = spawn::stop_all(&mut running, grace);
     if !killed_after_grace.is_empty() {
         tracing::warn!(
-            "{} ignored SIGTERM for {:.1} s and got SIGKILL",
+            "{} ignored {} for {:.1} s and got SIGKILL",
             killed_after_grace.join(", "),
-            grace.as_secs_f64()
+            asked.what,
+            asked.waited.as_secs_f64()
         );
     }
     AttemptEnd {

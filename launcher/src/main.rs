@@ -63,12 +63,11 @@ fn main() -> ExitCode {
         }
     };
     say(&format!("run dir: {}", run_dir.path.display()));
-    if run_dir.existed {
+    // A run dir without a checkpoint (e.g. made by the batch script) is a fresh start.
+    if let Some(checkpoint) = run_dir.latest_checkpoint() {
         tracing::info!(
-            "the run dir exists: the ranks resume from its last checkpoint ({})",
-            run_dir
-                .latest_checkpoint()
-                .map_or_else(|| "none yet".to_string(), |c| c.name())
+            "the run dir has a checkpoint: the ranks resume from {}",
+            checkpoint.name()
         );
     }
     let mut job = Job::new(run_dir, &args);

@@ -13,8 +13,6 @@ use vrtspike_contract::rundir::{default_run_dir, Checkpoint, RunLayout};
 pub struct RunDir {
     /// Absolute path.
     pub path: PathBuf,
-    /// Whether it existed before this launch (a resume).
-    pub existed: bool,
     /// Its layout.
     pub layout: RunLayout,
 }
@@ -28,7 +26,6 @@ impl RunDir {
             None => default_run_dir(slurm_job, SystemTime::now()),
         };
         let layout = RunLayout::new(&path);
-        let existed = layout.logs_dir().is_dir();
         for dir in [layout.logs_dir(), layout.checkpoints_dir()] {
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("creating the run directory {}", dir.display()))?;
@@ -39,7 +36,6 @@ impl RunDir {
         Ok(RunDir {
             layout: RunLayout::new(&path),
             path,
-            existed,
         })
     }
 
@@ -56,11 +52,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn layout_resume_flag_and_latest_checkpoint() {
+    fn layout_and_latest_checkpoint() {
         let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let given = tmp.path().join("run");
         let run = RunDir::create(Some(&given), None).unwrap_or_else(|e| panic!("{e:#}"));
-        assert!(!run.existed);
         assert!(run.layout.logs_dir().is_dir() && run.layout.checkpoints_dir().is_dir());
         assert_eq!(run.latest_checkpoint(), None);
         for step in [20, 10] {
@@ -71,7 +66,6 @@ mod tests {
         }
         assert_eq!(run.latest_checkpoint().map(|c| c.step), Some(20));
         let again = RunDir::create(Some(&given), None).unwrap_or_else(|e| panic!("{e:#}"));
-        assert!(again.existed);
         assert_eq!(again.layout.root(), run.path);
     }
 }

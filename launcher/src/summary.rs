@@ -16,6 +16,10 @@ use vrtspike_contract::summary::RunSummary;
 
 use crate::pss::MemoryPeaks;
 
+/// The launcher's exit status when another node was lost (sysexits' EX_TEMPFAIL:
+/// try again, on the nodes left).
+pub const EXIT_NODE_LOST: u8 = 75;
+
 /// How the job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -26,6 +30,9 @@ pub enum ExitKind {
     Preempted,
     /// A rank failed and no restart was left (or allowed).
     Failed,
+    /// Another node's launcher was silent for `--peer-silence-s` (its host down or
+    /// cut off): the ranks here stopped, for a requeue on the nodes left.
+    NodeLost,
     /// Stopped by SIGINT.
     Interrupted,
     /// The launcher could not start the job (arguments, config, cache server).
@@ -39,6 +46,7 @@ impl ExitKind {
             ExitKind::Completed => "completed",
             ExitKind::Preempted => "preempted",
             ExitKind::Failed => "failed",
+            ExitKind::NodeLost => "node_lost",
             ExitKind::Interrupted => "interrupted",
             ExitKind::Error => "error",
         }
@@ -50,6 +58,7 @@ impl ExitKind {
             ExitKind::Completed | ExitKind::Preempted => 0,
             ExitKind::Failed => 1,
             ExitKind::Error => 2,
+            ExitKind::NodeLost => EXIT_NODE_LOST,
             ExitKind::Interrupted => 130,
         }
     }

@@ -252,3 +252,108 @@ echo "rank $RANK attempt $VRTSPIKE_RESTART_COUNT done"
     let error = summary1["error"].as_str().unwrap_or("");
     assert!(error.contains("no restart alone"), "{summary1}");
 }
+
+#[test]
+fn a_silent_node_is_named_lost_and_the_other_stops_without_restarting() {
+    // Node 1's launcher is stopped (SIGSTOP): its link stays open but says
+    // nothing, as a cut link or a hung host leaves it.
+    let job = Job::new("while :; do sleep 0.05; done");
+    let port = free_port();
+    let extra = ["--max-restarts", "3", "--peer-silence-s", "2"];
+    let mut node0 = spawn_quiet(node_command(&job, 0, port, &extra));
+    let mut node1 = spawn_quiet(node_command(&job, 1, port, &extra));
+    let up = wait_until(Duration::from_secs(20), || {
+        (0..4).all(|rank| job.rank_pid(rank, 0).is_some())
+    });
+    assert!(up, "the ranks never started");
+    common::signal(node1.id(), nix::sys::signal::Signal::SIGSTOP);
+    let stopped = Instant::now();
+    let code = exit_code(&mut node0, Duration::from_secs(20));
+    let named_after = stopped.elapsed();
+    common::signal(node1.id(), nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(code, Some(75), "node 0's exit status for a lost node");
+    assert!(
+        named_after >= Duration::from_secs(2) && named_after < Duration::from_secs(8),
+        "node 0 ended {named_after:?} after node 1 went silent"
+    );
+    let summary0 = job.summary(0);
+    assert_eq!(summary0["exit"], "node_lost", "{summary0}");
+    assert_eq!(summary0["exit_code"], 75, "{summary0}");
+    assert_eq!(summary0["restarts"], 0, "restarted short: {summary0}");
+    assert_eq!(summary0["failure"]["process"], "node 1", "{summary0}");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let cause = summary0["failure"]["cause"].as_str().unwrap_or("");
+    assert!(
+        cause.starts_with(&format!("node 1 (host {}) silent for ", host.trim()))
+            && cause.contains(" s: lost")
+            && cause.contains("rank(s) 0, 1 here waited on it (its victims)"),
+        "{summary0}"
+    );
+    for rank in [0, 1] {
+        let pid = job.rank_pid(rank, 0).unwrap_or(0);
+        assert!(!alive(pid), "rank {rank} survived");
+    }
+    // Node 1, woken, finds itself cut off and stops its ranks too.
+    let code1 = exit_code(&mut node1, Duration::from_secs(20));
+    assert!(
+        code1.is_some_and(|c| c != 0),
+        "node 1 exited with {code1:?}"
+    );
+    for rank in [2, 3] {
+        let pid = job.rank_pid(rank, 0).unwrap_or(0);
+        assert!(!alive(pid), "rank {rank} survived");
+    }
+    assert!(job.rank_pid(0, 1).is_none(), "a second attempt started");
+    println!(
+        "launch_multinode: node 0 named node 1 lost and ended {:.2} s after it went silent \
+         (--peer-silence-s 2)",
+        named_after.as_secs_f64()
+    );
+}
+
+#[test]
+fn a_rank_failing_while_a_node_is_silent_brings_no_short_restart() {
+    // Rank 0 fails (as a rank whose peer went quiet does) right after node 1's
+    // launcher is stopped, before node 1 can be named lost: node 0 must not
+    // restart without it.
+    let job = Job::new(
+        r#"
+if [ "$RANK" = 0 ] && [ "$VRTSPIKE_RESTART_COUNT" = 0 ]; then
+  while [ ! -e "$VRTSPIKE_RUN_DIR/node1-stopped" ]; do sleep 0.05; done
+  exit 3
+fi
+while :; do sleep 0.05; done
+"#,
+    );
+    let port = free_port();
+    let extra = ["--max-restarts", "3", "--peer-silence-s", "3"];
+    let mut node0 = spawn_quiet(node_command(&job, 0, port, &extra));
+    let mut node1 = spawn_quiet(node_command(&job, 1, port, &extra));
+    let up = wait_until(Duration::from_secs(20), || {
+        (0..4).all(|rank| job.rank_pid(rank, 0).is_some())
+    });
+    assert!(up, "the ranks never started");
+    common::signal(node1.id(), nix::sys::signal::Signal::SIGSTOP);
+    std::fs::write(job.run_dir.join("node1-stopped"), b"").unwrap_or_else(|e| panic!("{e}"));
+    let code = exit_code(&mut node0, Duration::from_secs(20));
+    common::signal(node1.id(), nix::sys::signal::Signal::SIGCONT);
+    let code1 = exit_code(&mut node1, Duration::from_secs(20));
+    assert_eq!(code, Some(75), "node 0 ends for the lost node");
+    assert!(
+        code1.is_some_and(|c| c != 0),
+        "node 1 exited with {code1:?}"
+    );
+    let summary0 = job.summary(0);
+    assert_eq!(summary0["restarts"], 0, "restarted short: {summary0}");
+    assert!(job.rank_pid(0, 1).is_none(), "rank 0 ran a second attempt");
+    assert_eq!(summary0["attempts"][0]["failure"]["rank"], 0, "{summary0}");
+    // The lost node is the job's failure; rank 0, which failed first, its victim.
+    assert_eq!(summary0["failure"]["process"], "node 1", "{summary0}");
+    let cause = summary0["failure"]["cause"].as_str().unwrap_or("");
+    assert!(
+        cause.starts_with("node 1 (host ")
+            && cause.contains(": lost; before it was found lost: rank 0 (pid ")
+            && cause.ends_with("exited with code 3 (its victim, not the cause)"),
+        "{summary0}"
+    );
+}

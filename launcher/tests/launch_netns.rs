@@ -410,3 +410,75 @@ fn kill_9_of_node_1_s_launcher_ends_node_0_naming_it() {
     );
     println!("launch_netns: node 0 ended {ended_s:.2} s after kill -9 of node 1's launcher");
 }
+
+#[test]
+#[cfg_attr(
+    any(vrtspike_no_root, vrtspike_no_ip),
+    ignore = "needs root and `ip` (iproute2) for network namespaces"
+)]
+fn a_cut_link_is_named_lost_on_both_sides_and_neither_restarts() {
+    if let Some(why) = cannot_run() {
+        panic!("this test needs {why}");
+    }
+    let nodes = TwoNodes::new();
+    let job = Job::new("while :; do sleep 0.05; done");
+    let launch = |node: u32| {
+        let mut args = node_args(node);
+        let extra = [
+            "--max-restarts",
+            "3",
+            "--grace-s",
+            "2",
+            "--peer-silence-s",
+            "3",
+        ];
+        args.extend(extra.map(String::from));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let log = job.tmp.path().join(format!("launcher{node}.log"));
+        nodes
+            .command(node as usize, &job.command(&args), &log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting node {node}: {e}"))
+    };
+    let mut node0 = launch(0);
+    let mut node1 = launch(1);
+    let up = job.two_ranks_started(Duration::from_secs(60));
+    assert!(up, "the ranks never started");
+    // The cable pulled: nothing closes, nothing more arrives either way.
+    ip(&["-n", &nodes.ns[1], "link", "set", &nodes.veth[1], "down"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let cut = Instant::now();
+    assert_eq!(exit_code(&mut node0, Duration::from_secs(30)), Some(75));
+    let node0_s = cut.elapsed().as_secs_f64();
+    assert_eq!(exit_code(&mut node1, Duration::from_secs(30)), Some(75));
+    let node1_s = cut.elapsed().as_secs_f64();
+    let (summary0, summary1) = summaries(&job.run_dir);
+    for (node, summary, lost) in [(0, &summary0, 1), (1, &summary1, 0)] {
+        assert_eq!(summary["exit"], "node_lost", "node {node}: {summary}");
+        assert_eq!(summary["restarts"], 0, "node {node} restarted: {summary}");
+        let cause = summary["failure"]["cause"].as_str().unwrap_or("");
+        let silent_s: Option<u64> = cause
+            .split_once("silent for ")
+            .and_then(|(_, rest)| rest.split_once(" s: lost"))
+            .and_then(|(secs, _)| secs.parse().ok());
+        assert!(
+            cause.starts_with(&format!("node {lost} (host "))
+                && silent_s.is_some_and(|s| (3..=5).contains(&s))
+                && cause.contains(&format!("rank(s) {node} here waited on it (its victims)")),
+            "node {node}: {summary}"
+        );
+    }
+    let nothing_left = wait_until(Duration::from_secs(10), || {
+        nodes.pids(0).is_empty() && nodes.pids(1).is_empty()
+    });
+    assert!(
+        nothing_left,
+        "left: {:?} {:?}",
+        nodes.pids(0),
+        nodes.pids(1)
+    );
+    println!(
+        "launch_netns: link cut: node 0 ended {node0_s:.2} s and node 1 {node1_s:.2} s later, \
+         each naming the other lost (--peer-silence-s 3)"
+    );
+}

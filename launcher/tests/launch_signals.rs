@@ -140,16 +140,27 @@ fn sigint_interrupts_the_job() {
     assert_eq!(job.summary(0)["exit"], "interrupted");
 }
 
+/// How a preempted job ended: the launcher's exit code, its summary and its log
+/// (stderr).
+struct Preempted {
+    code: Option<i32>,
+    summary: serde_json::Value,
+    log: String,
+}
+
 /// Starts a 2-rank job running `body`, sends the launcher SIGUSR2 once both ranks
-/// run, and returns its exit code and summary.
-fn preempt_job(body: &str, extra: &[&str]) -> (Option<i32>, serde_json::Value) {
+/// run, and returns how it ended.
+fn preempt_job(body: &str, extra: &[&str]) -> Preempted {
     let job = Job::new(body);
     let mut args = vec!["--gpus", "0", "--ranks", "2", "--grace-s", "1"];
     args.extend_from_slice(extra);
     let mut launcher = job
         .command(&args)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(
+            std::fs::File::create(job.tmp.path().join("launcher.stderr"))
+                .unwrap_or_else(|e| panic!("{e}")),
+        ))
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
     let ranks_up = job.two_ranks_started(Duration::from_secs(20));
@@ -163,12 +174,16 @@ fn preempt_job(body: &str, extra: &[&str]) -> (Option<i32>, serde_json::Value) {
     }
     let status = launcher.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(exited, "the launcher did not exit");
-    (status.code(), job.summary(0))
+    Preempted {
+        code: status.code(),
+        summary: job.summary(0),
+        log: std::fs::read_to_string(job.tmp.path().join("launcher.stderr")).unwrap_or_default(),
+    }
 }
 
 #[test]
 fn rank_failing_its_preemption_checkpoint_fails_the_job() {
-    let (code, summary) = preempt_job(
+    let Preempted { code, summary, .. } = preempt_job(
         r#"
 if [ "$RANK" = 1 ]; then trap 'echo "checkpoint write failed"; exit 4' USR2; else trap 'exit 0' USR2; fi
 while :; do sleep 0.05; done
@@ -191,9 +206,19 @@ while :; do sleep 0.05; done
 
 #[test]
 fn ranks_ignoring_preemption_fail_after_the_timeout() {
-    let (code, summary) = preempt_job(
+    let Preempted { code, summary, log } = preempt_job(
         "trap '' USR2; while :; do sleep 0.05; done",
         &["--preempt-timeout-s", "1"],
+    );
+    // Said once, and the SIGKILL names what the ranks ignored, and for how long.
+    assert_eq!(
+        log.matches("did not checkpoint and exit").count(),
+        1,
+        "{log}"
+    );
+    assert!(
+        log.contains("ignored the preemption request for 1.0 s and got SIGKILL"),
+        "{log}"
     );
     assert_eq!(code, Some(1), "{summary}");
     assert_eq!(summary["exit"], "failed");

@@ -18,14 +18,13 @@
 //! (its slurmd too: the node is dead) at step [`LOSS_STEP`], after the checkpoint
 //! at [`LOSS_CHECKPOINT`], with SLURM's default `SlurmdTimeout` of 300 s. The
 //! harness ([`lose_node`], [`watch`]) records when node 0's launcher first names
-//! the lost node, and what SLURM and the survivor do. Two cases are written as
-//! they must pass once the launchers hear from each other (liveness) and
-//! membership may shrink (`--min-nodes`); they are ignored until then:
+//! the lost node, and what SLURM and the survivor do:
 //! - without `--min-nodes`, the job ends naming node 1 as lost (never rank 0,
-//!   its victim) with a code of its own, and SLURM requeues it; it resumes from
-//!   the checkpoint on the two nodes left and completes;
+//!   its victim) with a code of its own (75), and SLURM requeues it; it resumes
+//!   from the checkpoint on the two nodes left and completes;
 //! - with `--min-nodes 1` and `sbatch --no-kill`, node 0 goes on alone from the
-//!   checkpoint and the job completes without a requeue.
+//!   checkpoint and the job completes without a requeue: ignored until elastic
+//!   membership exists (issue 37 item 3).
 //!
 //! It needs root, the packages `slurm-wlm` and `munge` (`make test` installs them),
 //! and util-linux's `unshare` and `nsenter` and iproute2's `ip`: without them it
@@ -386,7 +385,6 @@ fn check_named(bench: &Bench, job: u32, loss: &Loss, timeline: &Timeline) {
 }
 
 #[test]
-#[ignore = "issue 37 items 1-3: liveness and elastic membership not built yet"]
 fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
     let test = "launch_slurm_multinode (lost node)";
     let Some(bench) = Bench::set_up(test, cluster(DEFAULT_SLURMD_TIMEOUT_S), JOB) else {
@@ -449,7 +447,7 @@ fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
 }
 
 #[test]
-#[ignore = "issue 37 items 1-3: liveness and elastic membership not built yet"]
+#[ignore = "issue 37 item 3: elastic membership (--min-nodes) not built yet"]
 fn a_lost_node_under_min_nodes_1_trains_on_to_completion_on_the_other() {
     let test = "launch_slurm_multinode (lost node, --min-nodes 1)";
     let Some(bench) = Bench::set_up(test, cluster(DEFAULT_SLURMD_TIMEOUT_S), JOB) else {

@@ -184,6 +184,15 @@ impl<'a> RunBuilder<'a> {
         let mut comm = comm::connect(config, env, model.optimizer.params())?;
         check_same_start(comm.as_mut(), &state, env)?;
         let cursor = resumed_from.is_some().then_some(state.sampler);
+        if resumed_from.is_some() && state.world_size != env.world_size && env.rank == 0 {
+            // Not an error: the sampler splits the rest of the epoch over this world.
+            tracing::warn!(
+                "resuming a checkpoint of {} ranks with {}: the rest of the epoch is split over                  the new world (no sample twice or skipped), and the global batch is                  TRAIN.BATCH_SIZE x {} ranks",
+                state.world_size,
+                env.world_size,
+                env.world_size
+            );
+        }
         let data = open_data(
             config,
             env,

@@ -53,17 +53,18 @@ pub fn run(
         banner(&launch.log, restart_count, resumed_name.as_deref());
     }
     if restart_count > 0 {
-        tracing::info!(
-            "restart {restart_count} of {}, from checkpoint {}",
-            args.max_restarts,
-            resumed_name.as_deref().unwrap_or("(none yet)")
-        );
+        let from = match &resumed_name {
+            Some(name) => format!("from checkpoint {name}"),
+            None => "from the start (no checkpoint yet)".to_string(),
+        };
+        tracing::info!("restart {restart_count} of {}, {from}", args.max_restarts);
     }
     let started = Instant::now();
     let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());
+    let local_ranks: Vec<u32> = launches.iter().map(|l| l.rank).collect();
     let peer_stop = || {
         let event = peers?.stop_reason(restart_count)?;
-        Some(peer_failure(&event))
+        Some(with_victims(peer_failure(&event), &event, &local_ranks))
     };
     let mut hang = hang::HangCheck::new(
         args.hang_timeout_s,
@@ -148,17 +149,35 @@ pub fn peer_failure(event: &PeerEvent) -> Failure {
         PeerEvent::Fail {
             node, cause, hung, ..
         } => (*node, cause.clone(), *hung),
-        PeerEvent::Quit { node, cause } => (*node, cause.clone(), false),
+        PeerEvent::Quit { node, cause } | PeerEvent::Lost { node, cause } => {
+            (*node, cause.clone(), false)
+        }
+        PeerEvent::Beat { node, .. } => (*node, "is alive".to_string(), false),
         PeerEvent::Done { node } => (*node, "ended".to_string(), false),
         PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
         PeerEvent::View(s) => (0, format!("told how rank {} stands", s.rank), false),
     };
-    let failure = Failure::of(
-        node,
-        format!("node {node}"),
-        format!("node {node}: {cause}"),
-    );
+    let cause = match event {
+        // Its cause names the node and its host already.
+        PeerEvent::Lost { .. } => cause,
+        _ => format!("node {node}: {cause}"),
+    };
+    let failure = Failure::of(node, format!("node {node}"), cause);
     Failure { stuck, ..failure }
+}
+
+/// A lost node's failure names this node's ranks as its victims: they wait on it
+/// (in a collective, for a batch), they are not the cause.
+fn with_victims(mut failure: Failure, event: &PeerEvent, ranks: &[u32]) -> Failure {
+    if matches!(event, PeerEvent::Lost { .. }) && !ranks.is_empty() {
+        let ranks: Vec<String> = ranks.iter().map(u32::to_string).collect();
+        failure.cause = format!(
+            "{}; rank(s) {} here waited on it (its victims), stopped",
+            failure.cause,
+            ranks.join(", ")
+        );
+    }
+    failure
 }
 
 /// Marks the start of an attempt in a rank's log.

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use super::attempt::{peer_failure, Attempt, AttemptPlan};
 use super::record::{Ending, JobRecord};
 use super::setup::Supervision;
-use crate::peers::PeerLinks;
+use crate::peers::{liveness, PeerEvent, PeerLinks};
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
 use crate::summary::ExitKind;
@@ -30,10 +30,75 @@ pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) 
         return Some((ending, None));
     }
     let event = peers.and_then(PeerLinks::quit)?;
-    let failure = peer_failure(&event);
-    let why = format!("{} (node {} left the job)", failure.cause, failure.node);
-    record.first_failure.get_or_insert(failure);
-    Some((ExitKind::Failed, Some(why)))
+    Some(left_ending(record, &event))
+}
+
+/// The ending of a job that `event`'s node left, its failure kept in `record`
+/// ([`note_departure`]).
+fn left_ending(record: &mut JobRecord, event: &PeerEvent) -> Ending {
+    note_departure(record, event);
+    let why = format!("node {} left the job", peer_failure(event).node);
+    (left_kind(event), Some(why))
+}
+
+/// Keeps the failure of a node that left as the job's first failure, if none
+/// was; a lost node is the cause even of a failure seen before it was found
+/// lost (a rank that gave up waiting on it is its victim).
+fn note_departure(record: &mut JobRecord, event: &PeerEvent) {
+    let mut failure = peer_failure(event);
+    if !matches!(event, PeerEvent::Lost { .. }) {
+        record.first_failure.get_or_insert(failure);
+        return;
+    }
+    match record.first_failure.take() {
+        Some(earlier) if earlier.node == failure.node => failure = earlier,
+        Some(earlier) => {
+            failure.cause = format!(
+                "{}; before it was found lost: {} (its victim, not the cause)",
+                failure.cause, earlier.cause
+            );
+        }
+        None => {}
+    }
+    record.first_failure = Some(failure);
+}
+
+/// How the job ends when a node left it: lost (silent: the job may go on
+/// without it after a requeue) or failed (its launcher gave up or went away).
+fn left_kind(event: &PeerEvent) -> ExitKind {
+    match event {
+        PeerEvent::Lost { .. } => ExitKind::NodeLost,
+        _ => ExitKind::Failed,
+    }
+}
+
+/// Node 0 before a restart: waits until every other node's launcher has said
+/// something since the restart was decided (a live one beats every second at
+/// most; a silent one is found lost within `--peer-silence-s`), so that the gang
+/// never restarts short by accident; `Some` is the ending when one left instead.
+fn ending_if_a_node_is_quiet(
+    peers: &PeerLinks,
+    silence: Duration,
+    record: &mut JobRecord,
+) -> Option<Ending> {
+    let since = Instant::now();
+    let deadline = since + silence + liveness::beat_interval(silence) * 4;
+    let mut told = false;
+    while !peers.all_heard_since(since) && Instant::now() < deadline {
+        if peers.quit().is_some() || signals::requested_ending().is_some() {
+            break;
+        }
+        if !told && since.elapsed() > liveness::beat_interval(silence) * 2 {
+            tracing::warn!("a node is silent: no restart until it is heard or found lost");
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(ending) = signals::requested_ending() {
+        return Some((ending, None));
+    }
+    let event = peers.quit()?;
+    Some(left_ending(record, &event))
 }
 
 /// The next attempt's number and rendezvous port: this node's own on one node;
@@ -41,7 +106,7 @@ pub fn ending_before_attempt(record: &mut JobRecord, peers: Option<&PeerLinks>) 
 /// others wait for it. `Err` is how the job ends instead (node 0 ended it).
 pub fn next_attempt(
     ctx: Supervision,
-    record: &JobRecord,
+    record: &mut JobRecord,
 ) -> Result<std::result::Result<AttemptPlan, Ending>> {
     let Supervision { setup, args, peers } = ctx;
     let restart_count = record.attempts.len() as u32;
@@ -57,6 +122,10 @@ pub fn next_attempt(
         return Ok(Ok(plan(pick()?)));
     };
     if setup.topology.node_rank == 0 {
+        let silence = Duration::from_secs_f64(args.peer_silence_s);
+        if let Some(ending) = ending_if_a_node_is_quiet(peers, silence, record) {
+            return Ok(Err(ending));
+        }
         let master_port = pick()?;
         peers.announce_start(restart_count, master_port);
         return Ok(Ok(plan(master_port)));
@@ -65,18 +134,17 @@ pub fn next_attempt(
     let interrupted = || signals::requested_ending().is_some();
     match peers.wait_start(restart_count, timeout, &interrupted)? {
         Some(master_port) => Ok(Ok(plan(master_port))),
-        None => Ok(Err(ending_without_node0(peers))),
+        None => Ok(Err(ending_without_node0(peers, record))),
     }
 }
 
 /// How this node ends when node 0 starts no next attempt.
-fn ending_without_node0(peers: &PeerLinks) -> Ending {
+fn ending_without_node0(peers: &PeerLinks, record: &mut JobRecord) -> Ending {
     if let Some(ending) = signals::requested_ending() {
         return (ending, None);
     }
     if let Some(event) = peers.quit() {
-        let failure = peer_failure(&event);
-        return (ExitKind::Failed, Some(failure.cause));
+        return left_ending(record, &event);
     }
     let why = "node 0 ended the job while this node's attempt failed: no restart alone";
     (ExitKind::Failed, Some(why.to_string()))
@@ -102,8 +170,8 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
     if let Some(peers) = peers.filter(|_| failure.node == setup.topology.node_rank) {
         peers.report_failure(restart_count, &failure.cause, failure.stuck);
     }
-    if peers.and_then(PeerLinks::quit).is_some() {
-        return Next::End((ExitKind::Failed, Some("a node left the job".into())));
+    if let Some(event) = peers.and_then(PeerLinks::quit) {
+        return Next::End(left_ending(record, &event));
     }
     if end.preempting {
         let why = "it failed while checkpointing for a preemption";

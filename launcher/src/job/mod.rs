@@ -68,7 +68,7 @@ impl Job {
             if let Some(ending) = between::ending_before_attempt(&mut self.record, ctx.peers) {
                 break ending;
             }
-            let plan = match between::next_attempt(ctx, &self.record)? {
+            let plan = match between::next_attempt(ctx, &mut self.record)? {
                 Ok(plan) => plan,
                 Err(ending) => break ending,
             };

@@ -63,7 +63,7 @@ impl JobRecord {
         let (exit, error) = match result {
             Ok((kind, why)) => {
                 let error = match (&self.first_failure, kind) {
-                    (Some(failure), ExitKind::Failed) => Some(match why {
+                    (Some(failure), ExitKind::Failed | ExitKind::NodeLost) => Some(match why {
                         Some(why) => format!("{} ({why})", failure.cause),
                         None => failure.cause.clone(),
                     }),
@@ -111,8 +111,11 @@ impl JobRecord {
 /// Logs how the job ended; a failed job's failing log's last lines go to stderr.
 fn report_ending(exit: ExitKind, error: Option<&str>, failure: Option<&Failure>) {
     match (error, failure) {
-        (Some(error), Some(failure)) if exit == ExitKind::Failed => {
-            tracing::error!("job failed: {error}");
+        (Some(error), Some(failure)) if matches!(exit, ExitKind::Failed | ExitKind::NodeLost) => {
+            match exit {
+                ExitKind::NodeLost => tracing::error!("job stopped, a node lost: {error}"),
+                _ => tracing::error!("job failed: {error}"),
+            }
             if !failure.log.is_empty() {
                 let mut report = format!(
                     "--- last {} lines of {} ---\n",

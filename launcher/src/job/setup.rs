@@ -113,6 +113,7 @@ pub fn connect_peers(
         control_file: run_dir.layout.control_file(),
         secret: peers::auth::given_secret(std::env::var(peers::auth::SECRET_ENV).ok())?,
         timeout: Duration::from_secs_f64(args.peer_timeout_s),
+        silence: Duration::from_secs_f64(args.peer_silence_s),
     })
 }
 

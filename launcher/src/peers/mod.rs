@@ -19,10 +19,14 @@
 //! `DONE` or `QUIT`) ends the job on every node, naming it. Each launcher also
 //! tells the others how its ranks stand (`VIEW`, from its own reading of their
 //! heartbeats), so every node judges its own ranks against all the job's, and
-//! names a stopped or hung rank of its own only (see [`crate::hang`]).
+//! names a stopped or hung rank of its own only (see [`crate::hang`]). Every
+//! launcher beats on its links and names a node silent for `--peer-silence-s` as
+//! lost ([`liveness`]): a link cut or a host gone quiet ends the job on every
+//! node as a link closed does, naming the lost node.
 
 pub mod auth;
 pub mod control;
+pub mod liveness;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -69,7 +73,14 @@ pub struct LinkSpec {
     pub secret: Option<String>,
     /// How long the other nodes keep trying to reach node 0.
     pub timeout: Duration,
+    /// How long a linked node may stay silent before it is lost
+    /// (`--peer-silence-s`).
+    pub silence: Duration,
 }
+
+/// How long a write on a link may block (a peer that reads nothing for this long
+/// is lost anyway, and a blocked write must not hold every link).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 struct Shared {
@@ -79,12 +90,18 @@ struct Shared {
     events: Mutex<Vec<PeerEvent>>,
     /// How each other node's rank stands, by rank: the last word.
     reports: Mutex<HashMap<u32, RankReport>>,
+    /// When each linked node was last heard, and its host.
+    heard: liveness::Heard,
 }
 
 impl Shared {
     /// Keeps `message`: a rank's report replaces the last of that rank; any
     /// other line is kept in order.
     fn push(&self, event: PeerEvent) {
+        if let PeerEvent::Beat { node, host } = &event {
+            self.heard.host(*node, host);
+            return;
+        }
         if let PeerEvent::View(report) = event {
             self.reports
                 .lock()
@@ -107,6 +124,26 @@ impl Shared {
                 let _ = stream.write_all(line.as_bytes());
             }
         }
+    }
+
+    /// Whether `node` left the job (ended, quit or lost).
+    fn has_left(&self, node: u32) -> bool {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        events.iter().any(|event| match event {
+            PeerEvent::Quit { node: n, .. }
+            | PeerEvent::Lost { node: n, .. }
+            | PeerEvent::Done { node: n } => *n == node,
+            _ => false,
+        })
+    }
+
+    /// A link to `node` starts: it counts as heard now.
+    fn link(&self, node: u32, stream: TcpStream) {
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+        self.heard.now(node);
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.push((node, stream));
     }
 
     fn linked(&self) -> Vec<u32> {
@@ -133,17 +170,15 @@ impl PeerLinks {
         } else {
             // The handshake's reader, which may hold lines node 0 sent right after.
             let (stream, reader) = join(spec)?;
-            shared
-                .links
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((0, stream));
+            shared.link(0, stream);
             let read_shared = shared.clone();
             std::thread::Builder::new()
                 .name("peer-node0".into())
                 .spawn(move || read_lines(reader, 0, &read_shared, false))
                 .context("starting the peer link thread")?;
         }
+        liveness::spawn(spec.node_rank, spec.silence, shared.clone())
+            .context("starting the peer liveness thread")?;
         Ok(PeerLinks {
             node_rank: spec.node_rank,
             nnodes: spec.nnodes,
@@ -279,19 +314,31 @@ impl PeerLinks {
             .iter()
             .find(|event| match event {
                 PeerEvent::Fail { attempt: a, .. } => *a == attempt,
-                PeerEvent::Quit { .. } => true,
-                PeerEvent::Start { .. } | PeerEvent::Done { .. } | PeerEvent::View(_) => false,
+                PeerEvent::Quit { .. } | PeerEvent::Lost { .. } => true,
+                PeerEvent::Start { .. }
+                | PeerEvent::Done { .. }
+                | PeerEvent::View(_)
+                | PeerEvent::Beat { .. } => false,
             })
             .cloned()
     }
 
-    /// A node that left the job for good, if any.
+    /// A node that left the job for good (it quit, its link closed, or it was
+    /// silent for too long: lost), if any.
     pub fn quit(&self) -> Option<PeerEvent> {
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
         events
             .iter()
-            .find(|event| matches!(event, PeerEvent::Quit { .. }))
+            .find(|event| matches!(event, PeerEvent::Quit { .. } | PeerEvent::Lost { .. }))
             .cloned()
+    }
+
+    /// Whether every other linked node has said something since `since` (nodes
+    /// that left aside): a beat comes every [`liveness::beat_interval`] from a
+    /// live launcher.
+    pub fn all_heard_since(&self, since: Instant) -> bool {
+        let unheard = self.shared.heard.unheard_since(since);
+        unheard.iter().all(|node| self.shared.has_left(*node))
     }
 
     /// Whether `node` said it ended normally.
@@ -413,8 +460,6 @@ fn try_join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     auth::join(&mut reader, &secret, spec.node_rank, deadline)
         .with_context(|| format!("at {addr}"))?;
-    stream.set_read_timeout(None)?;
-    stream.set_write_timeout(None)?;
     Ok((stream, reader))
 }
 
@@ -553,24 +598,20 @@ fn admit(
     if shared.linked().contains(&node) {
         return refuse(&format!("node {node} has joined already"));
     }
-    let _ = stream.set_read_timeout(None);
-    let _ = stream.set_write_timeout(None);
     tracing::info!("node {node} joined from {peer}");
-    shared
-        .links
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push((node, stream));
+    shared.link(node, stream);
     read_lines(reader, node, shared, true);
 }
 
-/// Reads a link until it closes; `forward` (node 0) passes each line on to the
-/// other nodes. A link that closes without `DONE` or `QUIT` is that node's
-/// launcher going away.
+/// Reads a link until it closes, noting when it was last heard; `forward` (node
+/// 0) passes each line but beats on to the other nodes. A link that closes
+/// without `DONE` or `QUIT` (and was not found lost) is that node's launcher going
+/// away.
 fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward: bool) {
     let mut ended = false;
     for line in reader.lines() {
         let Ok(line) = line else { break };
+        shared.heard.now(from);
         let Some(message) = PeerEvent::parse(&line) else {
             tracing::warn!("node {from} said something unknown: {line:?}");
             continue;
@@ -578,12 +619,13 @@ fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward:
         if let PeerEvent::Quit { node, .. } | PeerEvent::Done { node } = &message {
             ended |= *node == from;
         }
+        let beat = matches!(message, PeerEvent::Beat { .. });
         shared.push(message.clone());
-        if forward {
+        if forward && !beat {
             shared.send(&message, Some(from));
         }
     }
-    if !ended {
+    if !ended && !shared.has_left(from) {
         let message = PeerEvent::Quit {
             node: from,
             cause: format!("the launcher of node {from} went away"),
@@ -614,6 +656,7 @@ mod tests {
             control_file: control_file(run_dir),
             secret: None,
             timeout: Duration::from_secs(10),
+            silence: Duration::from_secs(30),
         }
     }
 
@@ -675,6 +718,87 @@ mod tests {
             }
             other => panic!("node 0 saw {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_silent_node_is_named_lost_on_every_node_and_a_beating_one_is_not() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let silence = Duration::from_millis(800);
+        let quick = |node| LinkSpec {
+            silence,
+            ..spec(node, tmp.path())
+        };
+        let node0 = PeerLinks::start(&quick(0)).unwrap_or_else(|e| panic!("{e:#}"));
+        let node2 = PeerLinks::start(&quick(2)).unwrap_or_else(|e| panic!("{e:#}"));
+        // Node 1: a launcher that joins, says its host once and goes silent (its
+        // link stays open, as a cut link or a stopped process leaves it).
+        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        let mut quiet =
+            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
+        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        let beat = PeerEvent::Beat {
+            node: 1,
+            host: "vn2".into(),
+        };
+        quiet
+            .write_all(beat.line().as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let joined = Instant::now();
+        node0
+            .wait_for_nodes(Duration::from_secs(10), &|| false)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        // Both real launchers stay alive for several silences.
+        std::thread::sleep(silence / 2);
+        assert!(node0.quit().is_none(), "{:?}", node0.quit());
+        wait_for("node 1's loss", || node0.quit().is_some());
+        let named_after = joined.elapsed();
+        assert!(
+            named_after >= silence && named_after < silence * 4,
+            "named after {named_after:?}"
+        );
+        match node0.quit() {
+            Some(PeerEvent::Lost { node: 1, cause }) => assert!(
+                cause.starts_with("node 1 (host vn2) silent for ") && cause.ends_with(" s: lost"),
+                "{cause}"
+            ),
+            other => panic!("node 0 saw {other:?}"),
+        }
+        // Node 2 hears node 0's word (not its own verdict on node 1, which it has
+        // no link to), and stops its attempt for it.
+        wait_for("the loss at node 2", || node2.stop_reason(0).is_some());
+        assert!(matches!(
+            node2.stop_reason(0),
+            Some(PeerEvent::Lost { node: 1, .. })
+        ));
+        // Node 0 closed node 1's link: node 1 reads its end.
+        let mut rest = String::new();
+        quiet
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let read = std::io::Read::read_to_string(&mut reader, &mut rest);
+        assert!(read.is_ok(), "the link stayed open: {read:?}");
+        assert!(rest.contains("BEAT 0 "), "node 0 beat on the link: {rest}");
+        // The nodes that beat are heard again; the lost one is no longer waited for.
+        std::thread::sleep(silence * 2);
+        let since = Instant::now();
+        assert!(!node0.all_heard_since(since) && !node2.all_heard_since(since));
+        wait_for("fresh beats", || {
+            node0.all_heard_since(since) && node2.all_heard_since(since)
+        });
+        assert_eq!(node0.shared.linked(), [2]);
+        let events = node0
+            .shared
+            .events
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_default();
+        assert_eq!(
+            events.len(),
+            1,
+            "one loss, no beats kept, no 'went away' after it: {events:?}"
+        );
     }
 
     #[test]

@@ -8,6 +8,11 @@
 //!   or hung: every node saves its ranks' stacks before stopping them.
 //! - `QUIT <node> <cause>`: that node left the job for good: give up.
 //! - `DONE <node>`: that node ended normally.
+//! - `BEAT <node> <host>`: that node's launcher is alive (every launcher says it on
+//!   each of its links at a fixed interval; node 0 does not pass it on): a link
+//!   silent for `--peer-silence-s` is a lost node (see [`super::liveness`]).
+//! - `LOST <node> <cause>`: node 0 found that node silent for too long: it is lost
+//!   (the other nodes end as node 0 does).
 //! - `VIEW <attempt> <rank> <pid> <step> <phase> <entered> <completed> <op>
 //!   <buckets> <still_ms> <silent_ms>`: how a rank stands, as the launcher of its
 //!   node sees it from its own ticks (`-` for what it does not know yet); each
@@ -52,6 +57,20 @@ pub enum Message {
         /// The node.
         node: u32,
     },
+    /// A node's launcher is alive.
+    Beat {
+        /// The node.
+        node: u32,
+        /// Its host name.
+        host: String,
+    },
+    /// A node silent for too long: lost.
+    Lost {
+        /// The node.
+        node: u32,
+        /// `node 1 (host vn2) silent for 30 s: lost`.
+        cause: String,
+    },
     /// How a rank stands, from its node's launcher.
     View(RankReport),
 }
@@ -77,11 +96,19 @@ impl Message {
                     cause: fields.next().unwrap_or("").to_string(),
                 })
             }
-            "QUIT" => {
+            "QUIT" | "LOST" => {
                 let (node, cause) = rest.split_once(' ').unwrap_or((rest, ""));
-                Some(Message::Quit {
+                let (node, cause) = (node.parse().ok()?, cause.to_string());
+                Some(match kind {
+                    "QUIT" => Message::Quit { node, cause },
+                    _ => Message::Lost { node, cause },
+                })
+            }
+            "BEAT" => {
+                let (node, host) = rest.trim_end().split_once(' ')?;
+                Some(Message::Beat {
                     node: node.parse().ok()?,
-                    cause: cause.to_string(),
+                    host: host.to_string(),
                 })
             }
             "DONE" => Some(Message::Done {
@@ -109,6 +136,8 @@ impl Message {
             ),
             Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
             Message::Done { node } => format!("DONE {node}\n"),
+            Message::Beat { node, host } => format!("BEAT {node} {}\n", flat(host)),
+            Message::Lost { node, cause } => format!("LOST {node} {}\n", flat(cause)),
             Message::View(report) => format!("VIEW {}\n", view_fields(report)),
         }
     }
@@ -200,6 +229,14 @@ mod tests {
                 cause: "no restart left".into(),
             },
             Message::Done { node: 4 },
+            Message::Beat {
+                node: 2,
+                host: "vn3".into(),
+            },
+            Message::Lost {
+                node: 1,
+                cause: "node 1 (host vn2) silent for 30 s: lost".into(),
+            },
             Message::View(RankReport {
                 attempt: 1,
                 rank: 3,
@@ -232,6 +269,7 @@ mod tests {
         assert_eq!(Message::parse("NOPE 1"), None);
         assert_eq!(Message::parse("FAIL x 1 y"), None);
         assert_eq!(Message::parse("START 1 70000"), None);
+        assert_eq!(Message::parse("BEAT 1"), None, "a beat names its host");
         assert_eq!(
             Message::parse("VIEW 0 1 - 3 - 0 0 - 0 0 -"),
             None,

@@ -248,6 +248,10 @@ pub struct Loader {
     stats: LoaderStats,
     /// The planned policy's announcer (`None`: no cache, or LRU).
     announcer: Option<ReadOrderAnnouncer>,
+    /// The clips and the workers' connections it announces for (to announce
+    /// again when a restore changes how the current epoch is split).
+    clips: Arc<ClipIndex>,
+    readers: Vec<ClientId>,
 }
 
 fn worker_loop<S: RecordSource>(
@@ -378,6 +382,8 @@ impl Loader {
             consumed_position: 0,
             stats: LoaderStats::default(),
             announcer: None,
+            clips,
+            readers: Vec::new(),
         };
         let mut readers = Vec::with_capacity(loader.options.workers);
         for _ in 0..loader.options.workers {
@@ -387,33 +393,34 @@ impl Loader {
                 Err(_) => return Err(PipelineError::Request("loader worker did not start".into())),
             }
         }
-        loader.announcer = loader.connect_announcer(clips, readers);
+        loader.readers = readers;
+        loader.announcer = loader.connect_announcer();
         loader.consumed_position = loader.sampler.position();
         Ok(loader)
     }
 
     /// The planned policy's announcer when reading through a cache with
     /// `CachePolicy::Planned`; a failure leaves the cache's LRU (logged).
-    fn connect_announcer(
-        &self,
-        clips: Arc<ClipIndex>,
-        readers: Vec<ClientId>,
-    ) -> Option<ReadOrderAnnouncer> {
+    fn connect_announcer(&self) -> Option<ReadOrderAnnouncer> {
         let address = self.options.cache_address.as_deref()?;
         if self.options.cache_policy != CachePolicy::Planned {
             return None;
         }
-        let per_epoch = self.sampler.num_samples();
-        let read_per_epoch = match self.options.drop_last_batch {
-            true => per_epoch - per_epoch % self.options.batch_size,
-            false => per_epoch,
-        };
-        let source = ReadOrderSource::new(self.index.clone(), clips, &self.sampler, read_per_epoch);
+        let dropped_batch = self
+            .options
+            .drop_last_batch
+            .then_some(self.options.batch_size);
+        let source = ReadOrderSource::new(
+            self.index.clone(),
+            self.clips.clone(),
+            &self.sampler,
+            dropped_batch,
+        );
         let feed = ReadOrderAnnouncer::connect(
             address,
             &self.options.client_name,
             source,
-            readers,
+            self.readers.clone(),
             // As many samples ahead of the workers as they have in flight.
             self.options
                 .cache_prefetch
@@ -449,11 +456,17 @@ impl Loader {
         state
     }
 
-    /// Continues from a saved cursor.
+    /// Continues from a saved cursor (of this world, or of another: see
+    /// [`DistributedSampler::restore`]). The read order is announced again when the
+    /// current epoch is split anew (its head taken by another world).
     pub fn restore(&mut self, state: &SamplerState) -> Result<()> {
         self.drain();
         self.sampler.restore(state)?;
-        self.consumed_position = state.position;
+        self.consumed_position = self.sampler.position();
+        if self.announcer.is_some() && self.sampler.state().epoch_start > 0 {
+            self.announcer = None;
+            self.announcer = self.connect_announcer();
+        }
         Ok(())
     }
 

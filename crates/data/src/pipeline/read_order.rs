@@ -45,21 +45,23 @@ pub struct ReadOrderSource {
     pub(super) index: Arc<DatasetIndex>,
     clips: Arc<ClipIndex>,
     sampler: DistributedSampler,
-    /// Positions of an epoch that are read (the rest of an incomplete last batch
-    /// is dropped).
-    read_per_epoch: usize,
+    /// The batch size when an incomplete last batch of an epoch is dropped (its
+    /// positions are not read).
+    dropped_batch: Option<usize>,
     /// Each record's cache key, by sequence and frame.
     keys: Vec<Vec<String>>,
 }
 
 impl ReadOrderSource {
-    /// The read order of `sampler`'s rank over `clips` of `index`; `read_per_epoch`
-    /// positions of each epoch are read.
+    /// The read order of `sampler`'s rank over `clips` of `index` (as `sampler`
+    /// stands: the head of its current epoch that an earlier world took is not
+    /// read); with `dropped_batch`, an epoch's incomplete last batch of that size
+    /// is not read.
     pub fn new(
         index: Arc<DatasetIndex>,
         clips: Arc<ClipIndex>,
         sampler: &DistributedSampler,
-        read_per_epoch: usize,
+        dropped_batch: Option<usize>,
     ) -> ReadOrderSource {
         let keys = index
             .sequences
@@ -75,15 +77,27 @@ impl ReadOrderSource {
             index,
             clips,
             sampler: sampler.clone(),
-            read_per_epoch,
+            dropped_batch,
             keys,
         }
     }
 
     /// The read order step of sampler position `position` of `epoch`: steps run on
-    /// across epochs, the same on every rank (lockstep).
+    /// across epochs, the same on every rank (lockstep); an epoch whose head an
+    /// earlier world took starts that many steps into it.
     pub fn step(&self, epoch: u64, position: usize) -> u64 {
-        epoch * self.sampler.num_samples() as u64 + position as u64
+        let whole = self.sampler.num_samples() as u64;
+        let skipped = whole.saturating_sub(self.sampler.epoch_len(epoch) as u64);
+        epoch * whole + skipped + position as u64
+    }
+
+    /// Positions of `epoch` that are read.
+    fn read_in(&self, epoch: u64) -> usize {
+        let len = self.sampler.epoch_len(epoch);
+        match self.dropped_batch {
+            Some(batch) => len - len % batch.max(1),
+            None => len,
+        }
     }
 
     /// The reads from `position` of `epoch` to the end of the next epoch.
@@ -91,7 +105,7 @@ impl ReadOrderSource {
         let mut steps = Vec::new();
         for (e, from) in [(epoch, position), (epoch + 1, 0)] {
             let order = self.sampler.epoch_indices(e);
-            let read = order.len().min(self.read_per_epoch);
+            let read = order.len().min(self.read_in(e));
             for (p, &clip_no) in order.iter().enumerate().skip(from) {
                 steps.push(match p < read {
                     true => self.clip_records(clip_no),
