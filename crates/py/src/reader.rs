@@ -223,13 +223,9 @@ fn connect_announcer(
             return None;
         }
     };
-    let per_epoch = sampler.num_samples();
-    let source = ReadOrderSource::new(
-        opened.index.clone(),
-        opened.clips.clone(),
-        &sampler,
-        per_epoch,
-    );
+    // Every position of the rank's epoch is read (the DataLoader's batching, and
+    // whether it drops an incomplete last batch, is not known here).
+    let source = ReadOrderSource::new(opened.index.clone(), opened.clips.clone(), &sampler, None);
     let first = worker.is_none_or(|w| w.id == 0);
     let prefetch = (opened.loader.cache_prefetch && first).then(|| {
         let workers = worker.map_or(1, |w| w.count.max(1));
