@@ -8,9 +8,12 @@
 #   make bench-model  the VRT GoPro model's time and peak RSS (checkpointing off/on) beside PyTorch's
 #   make bench-spike  the spike study: tiny VRT-Spike trained with spikes on and off, one table
 #   make bench-link  gradient averaging (after backward, the Reducer, the Reducer in bf16) on a 100 Mbit/s link and loopback
+#   make bench-python  the PyTorch peer's loader shape with its own Dataset and with the vrtspike package's (Pss, samples/s, leftover shm)
 #   make bench-policy  the cache's eviction policies (LRU, planned, Belady's offline bound) at 5-50% caps, 1 and 4 ranks
 #   make bench-throttled  the loader's stall on a read-throttled loop device: LRU, planned, planned + prefetch (root)
-#   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose)
+#   make build  release binaries in target/release (NCCL=0: a Gloo-only c10d shim, on purpose), then the Python package into .venv
+#   make wheel  the `vrtspike` Python package's wheel in target/wheels (for other venvs; docs/pytorch.md)
+#   make test-python  the Python package's pytest suite (crates/py/tests)
 #   make test-gpu  the GPU test suite (needs a CUDA device; fails without one)
 #   make gpu-bundle  one folder under 64 MiB that runs on a GPU host with its own torch
 #   make gpu-bundle-check  proves that folder self-sufficient here (root; venv hidden)
@@ -38,7 +41,7 @@ export CARGO_TERM_COLOR := never
 BIN := $(ROOT)/target/release/vrtspike
 LAUNCH := $(ROOT)/target/release/vrtspike-launch
 
-.PHONY: setup build test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
+.PHONY: setup build wheel python-package test-python bench-python test lint demo cache-demo bench bench-model bench-spike bench-link bench-policy \
 	bench-throttled clean \
 	test-gpu gpu-bundle gpu-bundle-check check-docs test-slurm
 
@@ -73,6 +76,10 @@ $(STAMPS)/venv: requirements.txt
 	  echo "installing torch==$(TORCH_VERSION), the CUDA/NCCL headers, tensorboard and the baseline's packages into $(VENV)"; \
 	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
 	fi
+	@if ! $(VENV)/bin/python -c "import maturin, pytest" 2>/dev/null; then \
+	  echo "installing maturin and pytest (the Python package's build and tests) into $(VENV)"; \
+	  $(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt; \
+	fi
 	@touch $@
 
 # The c10d shim compiles NCCL against these headers (requirements.txt installs them).
@@ -93,6 +100,39 @@ endif
 
 build: setup
 	cargo build --release --workspace
+	$(MAKE) --no-print-directory python-package PY_PROFILE=release
+
+# The `vrtspike` Python package (crates/py, docs/pytorch.md): the extension module
+# vrtspike._native (built on vrtspike-data alone: no libtorch) and the
+# vrtspike-cache server it starts, shipped in the wheel (vrtspike/_bin/), built by
+# maturin from the same sources and installed into the venv. The wheel links the
+# system's libhdf5 (no auditwheel repair: it is for machines set up like this one).
+PY_PROFILE ?= release
+PY_CRATE := $(ROOT)/crates/py
+WHEELS := $(ROOT)/target/wheels
+PY_BIN_DIR := $(if $(filter release,$(PY_PROFILE)),release,debug)
+
+wheel: setup
+	cargo build $(if $(filter release,$(PY_PROFILE)),--release,) -p vrtspike-data --bin vrtspike-cache
+	@mkdir -p $(PY_CRATE)/python/vrtspike/_bin $(WHEELS)
+	cp $(ROOT)/target/$(PY_BIN_DIR)/vrtspike-cache $(PY_CRATE)/python/vrtspike/_bin/vrtspike-cache
+	rm -f $(WHEELS)/vrtspike-*.whl
+	maturin build --quiet -m $(PY_CRATE)/Cargo.toml --profile $(PY_PROFILE) --auditwheel skip \
+	  $(if $(filter release,$(PY_PROFILE)),--strip,) -o $(WHEELS)
+	@ls $(WHEELS)/vrtspike-*.whl
+
+python-package: wheel
+	$(VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps $(WHEELS)/vrtspike-*.whl
+	cd / && $(VENV)/bin/python -c 'import vrtspike; print("vrtspike", vrtspike.BUILD_ID, "in", vrtspike.__file__)'
+
+# The Python package's tests (crates/py/tests), on a dev build of the package and
+# of `vrtspike` (its `synth` makes their data, its `bench loader` the samples they
+# must equal).
+test-python: setup
+	$(MAKE) --no-print-directory python-package PY_PROFILE=dev
+	cargo build -p vrtspike --bin vrtspike
+	cd $(PY_CRATE) && VRTSPIKE_TEST_BIN=$(ROOT)/target/debug/vrtspike \
+	  $(VENV)/bin/python -m pytest -q tests
 
 # ... and what runs without libtorch stays so: vrtspike-data (the crate of the
 # vrtspike-cache binary) has no tch or torch-sys among its dependencies.
@@ -106,6 +146,7 @@ lint: setup
 
 test: setup lint check-docs $(STAMPS)/apt-slurm
 	cargo test --workspace
+	$(MAKE) --no-print-directory test-python
 
 # README.md and docs/: every relative link and anchor, repository path, make target,
 # vrtspike / vrtspike-launch subcommand and flag they name exists (read from the
@@ -164,6 +205,23 @@ bench: build
 	$(MAKE) --no-print-directory bench-policy
 	$(MAKE) --no-print-directory bench-model
 	$(MAKE) --no-print-directory bench-link
+
+# The loader shape of the PyTorch peer (issue 38): ../shared/baselines/torch_loader.py
+# (2 rank processes x 2 DataLoader workers, clip 6, crop 256, 720x1280 synthetic
+# frames, 2 epochs) with its own Dataset (a per-worker LRU of float32 frames) and the
+# same shape with the vrtspike package's Dataset (scripts/bench_python_loader.py: one
+# node-shared cache server, planned policy), each under pss-tree; then the table.
+bench-python: build
+	@test -f $(BENCH_DATA)/dataset.yaml || \
+	  $(BIN) synth --gopro --seqs 2 --test-seqs 0 --frames 12 --out $(BENCH_DATA)
+	@mkdir -p $(BENCH_OUT)/python
+	$(PSS_TREE) --json $(BENCH_OUT)/python/vrtspike-pss.json -- \
+	  $(VENV)/bin/python $(ROOT)/scripts/bench_python_loader.py --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(LOADER_CACHE_GB) > $(BENCH_OUT)/python/vrtspike.out
+	$(PSS_TREE) --json $(BENCH_OUT)/python/peer-pss.json -- \
+	  $(VENV)/bin/python $(PEER) --root $(BENCH_DATA) $(BENCH_ARGS) \
+	  --cache-gb $(PEER_CACHE_GB) > $(BENCH_OUT)/python/peer.out
+	$(VENV)/bin/python $(ROOT)/scripts/bench_table.py $(BENCH_OUT)/python "vrtspike.data.Dataset"
 
 # The cache's eviction policies (issue 28 §2): one recorded access stream (the ranks'
 # shuffled clips of 6 frames, 3 epochs, the last two counted) read by the loader under

@@ -1,14 +1,13 @@
 //! The `vrtspike` subcommands, one file each: argument types, the glue from them to
 //! the library, and printing. Library logic lives in the library; this folder only
-//! parses, calls and prints. `cache` and `bench` are `vrtspike-data`'s command line
-//! (`crates/data/src/cli/`), which the `vrtspike-cache` binary shares.
+//! parses, calls and prints. `cache`, `bench` and `h5-probe` are `vrtspike-data`'s
+//! command line (`crates/data/src/cli/`), which the `vrtspike-cache` binary shares.
 
-pub use vrtspike_data::cli::{bench, cache};
+pub use vrtspike_data::cli::{bench, cache, h5_probe};
 
 pub mod analyze;
 pub mod config;
 pub mod demo;
-pub mod h5_probe;
 pub mod infer;
 pub mod info;
 pub mod inspect;

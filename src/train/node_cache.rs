@@ -21,7 +21,6 @@
 //! fresh server: the old one ended with its rank 0), from `cache::default_address`.
 
 use std::path::Path;
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use vrtspike_contract::cache_serve::{self, CacheServe, Watch};
@@ -31,7 +30,8 @@ use vrtspike_contract::shared_server::{self, Joined, SharedStart};
 use super::env::RankEnv;
 use super::published;
 use super::TrainError;
-use crate::cache::{self, CacheClient, CacheError};
+use crate::cache::own_server::{wait_for_server, OwnServer};
+use crate::cache::{self, CacheClient};
 use crate::config::{CacheSharing, Config};
 
 /// How long local rank 0 waits for its server, and the others for rank 0's.
@@ -60,29 +60,6 @@ pub enum NodeCache {
     Held(CacheClient),
 }
 
-/// The server local rank 0 started for its job.
-#[derive(Debug)]
-pub struct OwnServer {
-    address: String,
-    child: Child,
-}
-
-impl Drop for OwnServer {
-    fn drop(&mut self) {
-        let asked = CacheClient::connect(&self.address, "rank 0 (ending the node's cache server)")
-            .and_then(|client| client.shutdown_server());
-        if let Err(e) = asked {
-            tracing::debug!(error = %e, "the node's cache server did not take the shutdown");
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Attaches this rank to its node's cache server, starting it on local rank 0 when
 /// no launcher did (see the module doc); sets the rank's cache address. Returns
 /// the server when this rank started it: keep it for the run.
@@ -98,7 +75,7 @@ pub fn start_or_attach(
     let shared = shared_address(env, config)?;
     let address = match &shared {
         Some(address) => address.clone(),
-        None => cache::default_address(&job_name(env)),
+        None => cache::default_address(&env.contract.job_name()),
     };
     let started = Instant::now();
     let (server, how) = match (env.local_rank, &shared) {
@@ -126,18 +103,6 @@ pub fn start_or_attach(
     env.cache_addr = Some(address.clone());
     env.contract.cache_addr = Some(address);
     Ok(server)
-}
-
-/// The job, node and attempt, as every local rank names them alike: the job from
-/// torchrun's run id or srun's job and step, else from the rendezvous port (ranks
-/// of one job share it), else this process (a rank alone).
-fn job_name(env: &RankEnv) -> String {
-    let job = match (env.contract.job_tag(), &env.contract.master) {
-        (Some(tag), _) => tag,
-        (None, Some(master)) if env.distributed() => format!("port{}", master.port),
-        _ => format!("pid{}", std::process::id()),
-    };
-    format!("{job}-n{}-a{}", env.contract.node_rank, env.restart_count)
 }
 
 /// The node-shared server's address with `DATA.CACHE_SHARING: node`; `None`
@@ -235,10 +200,7 @@ fn start(env: &RankEnv, address: &str, from: &ServeFrom) -> Result<OwnServer, Tr
         timeout: START_TIMEOUT,
         interrupted: &|| false,
     })?;
-    Ok(OwnServer {
-        address: address.to_string(),
-        child: started.spawned.process,
-    })
+    Ok(OwnServer::new(address, started.spawned.process))
 }
 
 /// `vrtspike cache serve` at `address` with the run's config and overrides, as
@@ -257,71 +219,13 @@ fn serve_command<'a>(address: &'a str, from: &ServeFrom<'a>) -> CacheServe<'a> {
 /// Other local ranks: waits until local rank 0's server accepts; returns the
 /// connection.
 fn wait_for(address: &str, rank: usize) -> Result<CacheClient, TrainError> {
-    let started = Instant::now();
     let who = format!("rank {rank} (waiting for the node's cache server)");
-    loop {
-        match CacheClient::connect(address, &who) {
-            Ok(client) => return Ok(client),
-            Err(CacheError::Connect { .. }) if started.elapsed() < START_TIMEOUT => {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => {
-                return Err(TrainError::Env {
-                    var: vrtspike_contract::env::CACHE_ADDR.to_string(),
-                    message: format!(
-                        "not set, and local rank 0 did not start the node's cache server at \
-                         {address:?} within {:.0} s: {e}",
-                        START_TIMEOUT.as_secs_f64()
-                    ),
-                })
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-
-    use super::*;
-
-    fn env_of(pairs: &[(&str, &str)]) -> RankEnv {
-        let vars: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        RankEnv::from_vars(
-            &|k| vars.get(k).cloned(),
-            Some(Path::new("/r")),
-            Some("cpu"),
-        )
-        .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    #[test]
-    fn every_local_rank_names_the_same_server_per_job_node_and_attempt() {
-        let torchrun = |rank: &'static str, restart: &'static str| {
-            env_of(&[
-                ("RANK", rank),
-                ("LOCAL_RANK", rank),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "29500"),
-                ("TORCHELASTIC_RUN_ID", "abc"),
-                ("TORCHELASTIC_RESTART_COUNT", restart),
-            ])
-        };
-        assert_eq!(job_name(&torchrun("0", "0")), "torchrun-abc-n0-a0");
-        assert_eq!(job_name(&torchrun("1", "0")), job_name(&torchrun("0", "0")));
-        assert_eq!(job_name(&torchrun("1", "1")), "torchrun-abc-n0-a1");
-        let homemade = env_of(&[
-            ("RANK", "1"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-        ]);
-        assert_eq!(job_name(&homemade), "port29500-n0-a0");
-        let alone = env_of(&[]);
-        assert_eq!(job_name(&alone), format!("pid{}-n0-a0", std::process::id()));
-    }
+    wait_for_server(address, &who, START_TIMEOUT).map_err(|e| TrainError::Env {
+        var: vrtspike_contract::env::CACHE_ADDR.to_string(),
+        message: format!(
+            "not set, and local rank 0 did not start the node's cache server at \
+             {address:?} within {:.0} s: {e}",
+            START_TIMEOUT.as_secs_f64()
+        ),
+    })
 }

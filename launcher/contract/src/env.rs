@@ -257,6 +257,19 @@ impl RankEnv {
         self.run_id.as_ref().map(|id| format!("torchrun-{id}"))
     }
 
+    /// The job, node and attempt, as every local rank names them alike (the name of
+    /// a job's own cache server, `DATA.CACHE_SHARING: job`): the job from torchrun's
+    /// run id or srun's job and step, else from the rendezvous port (ranks of one
+    /// job share it), else this process (a rank alone).
+    pub fn job_name(&self) -> String {
+        let job = match (self.job_tag(), &self.master) {
+            (Some(tag), _) => tag,
+            (None, Some(master)) if self.distributed() => format!("port{}", master.port),
+            _ => format!("pid{}", std::process::id()),
+        };
+        format!("{job}-n{}-a{}", self.node_rank, self.restart_count)
+    }
+
     /// Parses the variables `var` looks up. Without RANK it is a single rank;
     /// with RANK, WORLD_SIZE is required, and MASTER_ADDR/PORT when it exceeds 1.
     ///
@@ -590,6 +603,37 @@ mod tests {
         assert_eq!(RankEnv::from_vars(&lookup(vars)), Ok(env));
         let alone = RankEnv::single();
         assert_eq!(RankEnv::from_vars(&lookup(alone.to_vars())), Ok(alone));
+    }
+
+    #[test]
+    fn every_local_rank_names_the_same_job_per_node_and_attempt() {
+        let torchrun = |rank: &str, restart: &str| {
+            let vars = vec![
+                (RANK, rank.to_string()),
+                (LOCAL_RANK, rank.to_string()),
+                (WORLD_SIZE, "2".to_string()),
+                (MASTER_ADDR, "127.0.0.1".to_string()),
+                (MASTER_PORT, "29500".to_string()),
+                (TORCHELASTIC_RUN_ID, "abc".to_string()),
+                (TORCHELASTIC_RESTART_COUNT, restart.to_string()),
+            ];
+            RankEnv::from_vars(&lookup(vars)).unwrap_or_else(|e| panic!("{e}"))
+        };
+        assert_eq!(torchrun("0", "0").job_name(), "torchrun-abc-n0-a0");
+        assert_eq!(torchrun("1", "0").job_name(), torchrun("0", "0").job_name());
+        assert_eq!(torchrun("1", "1").job_name(), "torchrun-abc-n0-a1");
+        let homemade = vec![
+            (RANK, "1".to_string()),
+            (WORLD_SIZE, "2".to_string()),
+            (MASTER_ADDR, "127.0.0.1".to_string()),
+            (MASTER_PORT, "29500".to_string()),
+        ];
+        let homemade = RankEnv::from_vars(&lookup(homemade)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(homemade.job_name(), "port29500-n0-a0");
+        assert_eq!(
+            RankEnv::single().job_name(),
+            format!("pid{}-n0-a0", std::process::id())
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::dump::{DumpError, SampleDump};
 use crate::cache::StatsReport;
 use crate::config::{Augment, CachePolicy};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
@@ -39,6 +40,9 @@ pub enum LoaderBenchError {
     /// A loader failed.
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// The samples could not be written (`--dump-samples`).
+    #[error(transparent)]
+    Dump(#[from] DumpError),
     /// A child process could not be run or failed.
     #[error("{what}: {message}")]
     Process {
@@ -95,6 +99,12 @@ pub struct LoaderWorkerOptions {
     /// A training step's compute after each batch, in milliseconds.
     #[serde(default)]
     pub step_ms: f64,
+    /// Every flip and rotation of `DATA.AUGMENT` on (off: none).
+    #[serde(default)]
+    pub augment: bool,
+    /// Write every sample into this folder ([`SampleDump`]).
+    #[serde(default)]
+    pub dump: Option<PathBuf>,
 }
 
 /// The line a lockstep rank prints after each batch (its report is the last line).
@@ -215,7 +225,7 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         drop_last_batch: true,
         spec: SampleSpec {
             crop: CropMode::Random(o.crop),
-            augment: Augment::all(false),
+            augment: Augment::all(o.augment),
             bins: o.bins,
         },
         seed: o.seed,
@@ -227,6 +237,10 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         cache_prefetch: o.cache_prefetch,
     };
     let mut loader = Loader::new(Arc::new(index), Arc::new(clips), sampler, options)?;
+    let mut dump = match &o.dump {
+        Some(dir) => Some(SampleDump::create(dir, o.rank)?),
+        None => None,
+    };
     let mut stdin = std::io::stdin().lock();
     let step = Duration::from_secs_f64(o.step_ms.max(0.0) / 1000.0);
     let mut epochs = Vec::new();
@@ -235,7 +249,11 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         loader.set_epoch(epoch);
         let start = Instant::now();
         while let Some(batch) = loader.next_batch() {
-            std::hint::black_box(batch?);
+            let batch = batch?;
+            if let Some(dump) = &mut dump {
+                dump.batch(&batch)?;
+            }
+            std::hint::black_box(batch);
             if !step.is_zero() {
                 std::thread::sleep(step);
             }

@@ -8,7 +8,8 @@
 //!
 //! Its command line is `vrtspike`'s (`vrtspike_data::cli`, which both binaries
 //! use): `vrtspike-cache serve | stats | shutdown | pin ...` and
-//! `vrtspike-cache bench ...`, also with a leading `cache` as `vrtspike cache serve`
+//! `vrtspike-cache bench ...` (and the hidden `h5-probe`, the HDF5 probe child of
+//! the Python package), also with a leading `cache` as `vrtspike cache serve`
 //! passes it on when it `exec`s this binary. `--build-id` prints the id of the
 //! sources it was built from, which `vrtspike` checks before it hands over.
 
@@ -42,6 +43,10 @@ enum Command {
     /// Benchmarks that print one JSON object.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
+    /// Reads HDF5 session files for a parent process, which a libhdf5 crash spares
+    /// (the Python package's probe: it maps no libtorch).
+    #[command(name = "h5-probe", hide = true)]
+    H5Probe(cli::h5_probe::H5ProbeArgs),
 }
 
 /// The arguments without a leading `cache` (`vrtspike cache serve ...` passes its
@@ -62,7 +67,11 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let cli = Cli::parse_from(args);
-    let ignores = matches!(&cli.command, Command::Cache(c) if c.ignores_job_signals());
+    let ignores = match &cli.command {
+        Command::Cache(c) => c.ignores_job_signals(),
+        Command::H5Probe(_) => true,
+        Command::Bench(_) => false,
+    };
     let (usr2, term) = match ignores {
         true => (Disposition::Ignore, Disposition::Ignore),
         false => (Disposition::Ignore, Disposition::Default),
@@ -72,5 +81,6 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Cache(command) => cli::cache::run(command, here),
         Command::Bench(command) => cli::bench::run(command, here),
+        Command::H5Probe(args) => cli::h5_probe::run(args),
     }
 }

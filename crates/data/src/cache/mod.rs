@@ -8,7 +8,8 @@
 //! descriptors and index in shared memory (read-only to clients, who find hits there
 //! without a message), [`pins`] each connection's own page of leases, [`server`]
 //! and [`client`] the two ends of the control channel whose messages are in
-//! [`protocol`]; [`address`] the default addresses.
+//! [`protocol`]; [`address`] the default addresses, and [`own_server`] a job's own
+//! server process as its starter holds it.
 
 pub mod address;
 pub mod admission;
@@ -17,6 +18,7 @@ pub mod client;
 pub mod fdpass;
 pub mod handshake_dir;
 pub mod ids;
+pub mod own_server;
 pub mod pins;
 pub mod protocol;
 pub mod rendezvous;

@@ -334,6 +334,14 @@ pub struct LoaderBenchArgs {
     /// Read from disk (no cache server).
     #[arg(long)]
     pub no_cache: bool,
+    /// Random flips and rotations of the crops (DATA.AUGMENT: true); off by default.
+    #[arg(long)]
+    pub augment: bool,
+    /// Write every sample the ranks hand out into this folder: per sample a file of
+    /// its f32 values and a line of rank<R>.jsonl naming its place, crop and
+    /// augmentation (for holding another reader of the data to them).
+    #[arg(long, value_name = "DIR", conflicts_with = "policy_table")]
+    pub dump_samples: Option<PathBuf>,
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -359,6 +367,8 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
         cache_prefetch: args.policy == CachePolicy::Planned && !args.no_prefetch,
         lockstep: args.lockstep,
         step_ms: args.step_ms,
+        augment: args.augment,
+        dump: args.dump_samples.clone(),
     };
     let exe = std::env::current_exe().context("finding the vrtspike binary")?;
     if args.policy_table {

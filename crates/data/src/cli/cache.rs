@@ -355,8 +355,9 @@ fn server_binary() -> Option<PathBuf> {
     }
 }
 
-/// What `path --build-id` prints.
-fn build_id_of(path: &Path) -> Option<String> {
+/// What `path --build-id` prints (`None` when it cannot be run or fails): the
+/// build id of a `vrtspike-cache` binary, to hold against [`BUILD_ID`].
+pub fn build_id_of(path: &Path) -> Option<String> {
     let output = std::process::Command::new(path)
         .arg("--build-id")
         .stdin(std::process::Stdio::null())
@@ -474,5 +475,27 @@ fn stats(args: StatsArgs) -> Result<()> {
             Some(secs) if secs > 0.0 => std::thread::sleep(Duration::from_secs_f64(secs)),
             _ => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn build_id_of_reads_what_the_binary_prints_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            path
+        };
+        let ok = script("ok", "[ \"$1\" = --build-id ] && echo ' 0123abcd '");
+        assert_eq!(build_id_of(&ok).as_deref(), Some("0123abcd"));
+        let fails = script("fails", "echo 0123abcd; exit 3");
+        assert_eq!(build_id_of(&fails), None);
+        assert_eq!(build_id_of(&dir.path().join("missing")), None);
     }
 }

@@ -16,12 +16,12 @@ use crate::cache::protocol::ClientId;
 use crate::cache::{CacheClient, CacheError};
 use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
-use crate::util::rng::SplitMix64;
 
 use super::announce::ReadOrderAnnouncer;
+use super::draw::{draw_sample, DrawRules, SamplePlace};
 use super::error::{PipelineError, Result};
 use super::read_order::ReadOrderSource;
-use super::sample::{build_sample, ClipIndex, Sample, SampleSpec};
+use super::sample::{ClipIndex, Sample, SampleSpec};
 use super::sampler::{DistributedSampler, SamplerState};
 use super::source::{CacheCounters, CacheSource, DiskSource, RecordSource};
 
@@ -169,6 +169,17 @@ impl LoaderOptions {
     }
 }
 
+impl LoaderOptions {
+    /// How this rank's samples are drawn.
+    pub fn draw_rules(&self) -> DrawRules {
+        DrawRules {
+            spec: self.spec,
+            seed: self.seed,
+            skip_bad: self.skip_bad,
+        }
+    }
+}
+
 /// A batch: samples of consecutive sampler positions.
 #[derive(Debug, Clone)]
 pub struct Batch {
@@ -281,53 +292,28 @@ fn worker_loop<S: RecordSource>(
     tasks: Receiver<Task>,
     done: Sender<Done>,
 ) {
+    let rules = options.draw_rules();
     for task in tasks {
         let mut samples = Vec::with_capacity(task.items.len());
         let mut failure = None;
-        for &(position, clip_no) in &task.items {
-            let mut attempt = 0;
-            loop {
-                let pick = (clip_no + attempt) % clips.clips.len();
-                let mut rng = SplitMix64::from_parts(&[
-                    options.seed,
-                    task.epoch,
-                    options.rank as u64,
-                    position as u64,
-                    attempt as u64,
-                ]);
-                match build_sample(
-                    index,
-                    clips.clips[pick],
-                    clips.len,
-                    &options.spec,
-                    &mut rng,
-                    &mut source,
-                ) {
-                    Ok(s) => {
-                        samples.push(s);
-                        break;
-                    }
-                    Err(err @ PipelineError::Cache(_)) => {
-                        failure = Some(err);
-                        break;
-                    }
-                    Err(err)
-                        if options.skip_bad
-                            && err.judges_the_data()
-                            && attempt + 1 < clips.clips.len().min(16) =>
-                    {
-                        counters.skipped.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %err, "DATA.SKIP_BAD_FRAMES: clip replaced by the next one");
-                        attempt += 1;
-                    }
-                    Err(err) => {
-                        failure = Some(err);
-                        break;
-                    }
+        for &(position, clip) in &task.items {
+            let place = SamplePlace {
+                epoch: task.epoch,
+                rank: options.rank,
+                position,
+                clip,
+            };
+            match draw_sample(index, clips, &rules, place, &mut source) {
+                Ok(drawn) => {
+                    counters
+                        .skipped
+                        .fetch_add(drawn.replaced as u64, Ordering::Relaxed);
+                    samples.push(drawn.sample);
                 }
-            }
-            if failure.is_some() {
-                break;
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
             }
         }
         let result = match failure {

@@ -8,6 +8,7 @@
 //! It imports `config`, `dataset`, `cache` and `util`, never libtorch.
 
 pub mod announce;
+pub mod draw;
 pub mod error;
 pub mod loader;
 pub mod node_workers;

@@ -113,6 +113,25 @@ impl CacheSource {
         }
     }
 
+    /// A source with no connection yet (the first one failed, or the server was
+    /// not up): records come from disk, counted as bypasses, and it connects to
+    /// `address` as `name` once a second until a server answers.
+    pub fn disconnected(address: &str, name: &str, counters: Arc<CacheCounters>) -> CacheSource {
+        CacheSource {
+            client: None,
+            address: address.to_string(),
+            name: name.to_string(),
+            retry_at: Instant::now() + RECONNECT_EVERY,
+            counters,
+            fallback: DiskSource::default(),
+        }
+    }
+
+    /// Whether it has a connection now (else records come from disk).
+    pub fn is_connected(&self) -> bool {
+        self.client.is_some()
+    }
+
     /// The connection was lost: read from disk until a new one is made.
     fn lost(&mut self, error: &CacheError) {
         if self.client.take().is_some() {
@@ -301,5 +320,56 @@ impl RecordSource for CacheSource {
                 from_disk(&self.counters, &mut self.fallback, index, seq, frame, read)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{spawn_server, ServerConfig};
+    use crate::dataset::IndexOptions;
+    use crate::synth::{self, SynthOptions};
+
+    #[test]
+    fn a_disconnected_source_reads_from_disk_until_a_server_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SynthOptions {
+            train_seqs: 1,
+            test_seqs: 0,
+            frames: 2,
+            height: 32,
+            width: 48,
+            seed: 1,
+        };
+        synth::generate_folder(dir.path(), &options, &|_| {}).unwrap();
+        let index =
+            DatasetIndex::open_folder(dir.path(), "train", IndexOptions::default()).unwrap();
+        let address = crate::cache::default_address(&format!(
+            "source-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let counters = Arc::new(CacheCounters::default());
+        let mut source = CacheSource::disconnected(&address, "test", counters.clone());
+        let len = |source: &mut CacheSource| {
+            source
+                .with_record(&index, 0, 0, &mut |view| Ok(view.blur().len()))
+                .unwrap()
+        };
+        let expected = len(&mut source);
+        assert!(!source.is_connected());
+        assert_eq!(counters.bypass.load(Ordering::Relaxed), 1, "read from disk");
+        let _server = spawn_server(ServerConfig::new(&address, 16 << 20)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !source.is_connected() {
+            assert!(Instant::now() < deadline, "never connected to {address}");
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(len(&mut source), expected);
+        }
+        assert_eq!(len(&mut source), expected);
+        assert!(
+            counters.misses.load(Ordering::Relaxed) + counters.hits.load(Ordering::Relaxed) >= 1,
+            "a read went through the cache once connected"
+        );
     }
 }

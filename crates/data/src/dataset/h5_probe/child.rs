@@ -32,11 +32,21 @@ pub(super) enum Answer {
 pub(super) struct ProbeChild {
     child: Child,
     socket: BufReader<UnixStream>,
+    /// The process that started it: a process forked from that one (a Python
+    /// DataLoader worker) inherits the handle but must neither ask the child nor
+    /// shut its socket, which the starter still uses.
+    starter: u32,
     pub(super) probed: u32,
     pub(super) last_used: Instant,
 }
 
 impl ProbeChild {
+    /// Whether this process started the child (not a process forked from the
+    /// starter, which shares the socket).
+    pub(super) fn is_ours(&self) -> bool {
+        self.starter == std::process::id()
+    }
+
     /// Starts `<exe> h5-probe --serve` and waits for its greeting; errors name
     /// `path` (the file that needed it) and the executable.
     pub(super) fn spawn(exe: &Path, timeout: Duration, path: &Path) -> Result<ProbeChild> {
@@ -67,6 +77,7 @@ impl ProbeChild {
         let mut probe = ProbeChild {
             child,
             socket: BufReader::new(ours),
+            starter: std::process::id(),
             probed: 0,
             last_used: Instant::now(),
         };
@@ -149,6 +160,10 @@ impl ProbeChild {
 
 impl Drop for ProbeChild {
     fn drop(&mut self) {
+        if !self.is_ours() {
+            // Inherited through a fork: only this process's copy of the socket goes.
+            return;
+        }
         // Closing the socket ends the child's loop; reap it if it is already gone.
         let _ = self.socket.get_ref().shutdown(std::net::Shutdown::Both);
         let _ = self.child.try_wait();

@@ -28,8 +28,9 @@
 //! The child executable, first match: [`set_probe_executable`]; the environment
 //! variable `VRTSPIKE_H5_PROBE` (a path, or `off` to open files in-process without
 //! a probe, giving up the isolation); the current executable when it is named
-//! `vrtspike`; a `vrtspike` beside the current executable or in its parent folder
-//! (`target/debug/deps/` test binaries find `target/debug/vrtspike`). Otherwise
+//! `vrtspike` or `vrtspike-cache` (both have the hidden `h5-probe`); a `vrtspike`
+//! beside the current executable or in its parent folder (`target/debug/deps/`
+//! test binaries find `target/debug/vrtspike`). Otherwise
 //! opening a session is an error that says so. `VRTSPIKE_H5_PROBE_TIMEOUT_S` sets
 //! the child's time limit per file (default 30 s). The library's own unit tests
 //! open files in-process (no `vrtspike` binary is built for them).
@@ -143,7 +144,10 @@ fn find_vrtspike() -> ProbeMode {
         Ok(exe) => exe,
         Err(e) => return unavailable(&format!("the current executable is unknown ({e})")),
     };
-    if current.file_name().is_some_and(|n| n == "vrtspike") {
+    if current
+        .file_name()
+        .is_some_and(|n| n == "vrtspike" || n == "vrtspike-cache")
+    {
         return ProbeMode::Child(current);
     }
     let dir = current.parent();

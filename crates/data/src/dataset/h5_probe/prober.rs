@@ -144,8 +144,10 @@ impl State {
     fn probe(&mut self, exe: &Path, timeout: Duration, path: &Path) -> Result<Verdict> {
         let mut killed_from_outside = 0;
         loop {
+            // A child inherited through a fork is the starter's: this process
+            // starts its own.
             let mut child = match self.child.take() {
-                Some(c) if c.last_used.elapsed() < REUSE_WITHIN => c,
+                Some(c) if c.is_ours() && c.last_used.elapsed() < REUSE_WITHIN => c,
                 _ => {
                     self.spawns += 1;
                     ProbeChild::spawn(exe, timeout, path)?
@@ -336,6 +338,56 @@ mod tests {
         let err = prober.check(&good).unwrap_err();
         assert!(matches!(err, DataError::Unjudged { .. }), "{err}");
         assert_eq!(requests(dir.path(), &good), tries);
+    }
+
+    /// A process forked from the prober's (a Python DataLoader worker) starts a
+    /// probe child of its own and leaves the starter's alone, even when it drops the
+    /// inherited handle: the starter goes on with its child.
+    #[test]
+    fn a_forked_process_probes_in_its_own_child_and_spares_the_starters() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, bad) = files(dir.path());
+        let later = dir.path().join("later.h5");
+        std::fs::write(&later, b"later").unwrap();
+        let exe = fake_probe(dir.path(), GREETING, CRASHES_ON_CRASHES);
+        let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
+        prober.check(&good).unwrap();
+        // SAFETY: the forked child only probes one file (spawning a process), drops
+        // the prober and leaves with _exit; glibc's fork keeps malloc usable there.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let ours = prober.check(&bad).is_err() && prober.spawns() == 2;
+            drop(prober);
+            // SAFETY: ends the forked child at once, running no destructor of the
+            // test harness it shares with the parent.
+            unsafe { libc::_exit(if ours { 0 } else { 1 }) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            let mut status = 0;
+            // SAFETY: waits without blocking for the child forked above.
+            let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if done == pid {
+                break status;
+            }
+            if Instant::now() > deadline {
+                // SAFETY: the child forked above, stuck: killed and reaped.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("the forked process did not finish its probe in 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the forked process did not probe in a child of its own (status {status:#x})"
+        );
+        prober.check(&later).unwrap();
+        assert_eq!(prober.spawns(), 1, "the starter's child still serves it");
+        assert_eq!(requests(dir.path(), &later), 1);
     }
 
     #[test]

@@ -1,14 +1,15 @@
-//! `vrtspike h5-probe` (hidden): the child process that reads an HDF5 session file
-//! before its parent does (`dataset::h5_probe`), so a libhdf5 crash on a corrupt
-//! file kills this process, not a rank or the cache server. `--serve` answers
-//! the parent's requests; with file arguments it checks those and prints a verdict.
+//! `vrtspike h5-probe` and `vrtspike-cache h5-probe` (hidden): the child process
+//! that reads an HDF5 session file before its parent does (`dataset::h5_probe`), so
+//! a libhdf5 crash on a corrupt file kills this process, not a rank, the cache
+//! server or a Python DataLoader worker. `--serve` answers the parent's requests;
+//! with file arguments it checks those and prints a verdict.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use vrtspike::dataset::h5_probe;
+use crate::dataset::h5_probe;
 
 /// Arguments of `vrtspike h5-probe`.
 #[derive(Args)]
