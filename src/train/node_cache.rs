@@ -120,7 +120,7 @@ fn shared_address(env: &RankEnv, config: &Config) -> Result<Option<String>, Trai
         );
         return Ok(None);
     };
-    let path = env.layout().shared_cache_address(&job_name(env));
+    let path = env.layout().shared_cache_address(&env.contract.job_name());
     if env.local_rank == 0 {
         let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root)
             .map_err(|e| TrainError::io(root, e))?;

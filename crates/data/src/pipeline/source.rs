@@ -124,6 +124,7 @@ impl CacheSource {
             retry_at: Instant::now() + RECONNECT_EVERY,
             counters,
             fallback: DiskSource::default(),
+            mismatch_warned: false,
         }
     }
 
