@@ -144,7 +144,10 @@ lint: setup
 	  echo "vrtspike-data (vrtspike-cache) depends on libtorch (above): it must build without it"; exit 1; \
 	fi
 
+# The binaries first: tests/cache_binary.rs needs vrtspike-data's vrtspike-cache,
+# which `cargo test` builds only for a package with integration tests of its own.
 test: setup lint check-docs $(STAMPS)/apt-slurm
+	cargo build --workspace --bins
 	cargo test --workspace
 	$(MAKE) --no-print-directory test-python
 

@@ -10,13 +10,14 @@ use std::time::Duration;
 use vrtspike::testkit::process::{spawn_cache_server, wait_for_child_server, ChildGuard};
 
 /// Fails, saying how to build it, unless a `vrtspike-cache` lies beside `vrtspike`:
-/// it is `vrtspike-data`'s binary, which `cargo test --workspace` builds and
-/// `cargo test --test cache_binary` alone does not.
+/// it is `vrtspike-data`'s binary, which `make test` builds first (`cargo build
+/// --workspace --bins`) and `cargo test` does not (the data crate has no
+/// integration tests of its own).
 fn assert_server_built() {
     let server = Path::new(env!("CARGO_BIN_EXE_vrtspike")).with_file_name("vrtspike-cache");
     assert!(
         server.is_file(),
-        "{} is missing: run `cargo build -p vrtspike-data` (or `cargo test --workspace`)",
+        "{} is missing: run `cargo build -p vrtspike-data` (or `make test`)",
         server.display()
     );
 }
