@@ -112,10 +112,12 @@ fn two_cpu_ranks_get_the_torchrun_contract() {
     }
 }
 
-/// What a launcher said on the control link, but how its ranks stand (`VIEW`,
-/// about once a second).
+/// What a launcher said on the control link, but how its ranks stand (`VIEW`)
+/// and that it lives (`BEAT`), each about once a second.
 fn besides_standings(said: &str) -> Vec<&str> {
-    said.lines().filter(|l| !l.starts_with("VIEW ")).collect()
+    said.lines()
+        .filter(|l| !l.starts_with("VIEW ") && !l.starts_with("BEAT "))
+        .collect()
 }
 
 #[test]
