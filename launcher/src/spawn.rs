@@ -129,9 +129,13 @@ impl Supervised {
 /// group, up to `grace` for them to exit, then SIGKILL to the rest, and reaps them
 /// all. Returns the names of those that needed SIGKILL.
 pub fn stop_all(procs: &mut [&mut Supervised], grace: Duration) -> Vec<String> {
-    for proc in procs.iter_mut() {
-        let signal = proc.stop_signal;
-        proc.signal_group(signal);
+    // With no grace the polite signal has no time to act: it would only race the
+    // SIGKILL (a process it ended first would go unnamed among the killed).
+    if !grace.is_zero() {
+        for proc in procs.iter_mut() {
+            let signal = proc.stop_signal;
+            proc.signal_group(signal);
+        }
     }
     let deadline = Instant::now() + grace;
     while procs.iter_mut().any(|p| p.running()) && Instant::now() < deadline {

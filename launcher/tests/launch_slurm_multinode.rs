@@ -39,6 +39,7 @@ mod slurm_cluster;
 #[path = "common/vhosts.rs"]
 mod vhosts;
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
@@ -70,6 +71,15 @@ const LOSS_DIST_TIMEOUT_S: u64 = 120;
 const PEER_SILENCE_S: f64 = 30.0;
 const NAMING_MARGIN_S: f64 = 5.0;
 
+/// One test of this file at a time: each runs a three-node SLURM of its own (four
+/// hosts, five daemons and a training job) and times what it sees against SLURM's
+/// and the launchers' timeouts, which two clusters at once on a CI machine of 2
+/// cores would stretch.
+fn one_cluster_at_a_time() -> MutexGuard<'static, ()> {
+    static ONE: Mutex<()> = Mutex::new(());
+    ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn cluster(slurmd_timeout_s: u64) -> ClusterShape {
     ClusterShape::VirtualHosts(MultiNode {
         nodes: NODES,
@@ -83,6 +93,7 @@ fn cluster(slurmd_timeout_s: u64) -> ClusterShape {
     ignore = "VRTSPIKE_SKIP_REAL_SLURM=1: needs root, slurm-wlm and munge"
 )]
 fn sbatch_template_on_a_real_three_node_slurm() {
+    let _one = one_cluster_at_a_time();
     slurm_bench::run_suite(
         "launch_slurm_multinode",
         cluster(DEFAULT_SLURMD_TIMEOUT_S),
@@ -390,6 +401,7 @@ fn check_named(bench: &Bench, job: u32, loss: &Loss, timeline: &Timeline) {
 
 #[test]
 fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
+    let _one = one_cluster_at_a_time();
     let test = "launch_slurm_multinode (lost node)";
     let Some(bench) = Bench::set_up(test, cluster(DEFAULT_SLURMD_TIMEOUT_S), JOB) else {
         return;
@@ -453,6 +465,7 @@ fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
 #[test]
 #[ignore = "issue 37 item 3: elastic membership (--min-nodes) not built yet"]
 fn a_lost_node_under_min_nodes_1_trains_on_to_completion_on_the_other() {
+    let _one = one_cluster_at_a_time();
     let test = "launch_slurm_multinode (lost node, --min-nodes 1)";
     let Some(bench) = Bench::set_up(test, cluster(DEFAULT_SLURMD_TIMEOUT_S), JOB) else {
         return;
