@@ -104,12 +104,8 @@ impl CacheSource {
     ) -> CacheSource {
         CacheSource {
             client: Some(client),
-            address: address.to_string(),
-            name: name.to_string(),
             retry_at: Instant::now(),
-            counters,
-            fallback: DiskSource::default(),
-            mismatch_warned: false,
+            ..CacheSource::disconnected(address, name, counters)
         }
     }
 
