@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 mod ranks_support;
 
-use ranks_support::{start_ranks, wait_all};
+use ranks_support::{start_ranks, start_world, wait_all};
 use vrtspike::cache::{spawn_server, ServerConfig};
 use vrtspike::synth::{self, SynthOptions};
 
@@ -24,6 +24,23 @@ fn write_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
          TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n  PARAM_CHECK_EVERY: 2\n\
          MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
          LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 2\n\
+         DIST:\n  TIMEOUT_S: 60\n",
+        data.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A config whose samples do not depend on the rank that draws them (whole
+/// square frames, no augmentation), so worlds of other sizes see the same ones.
+fn write_whole_frame_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
+    let path = dir.join(format!("whole{total_steps}.yaml"));
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.1\n  AUGMENT: false\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 1000\n\
          DIST:\n  TIMEOUT_S: 60\n",
         data.display()
     );
@@ -144,5 +161,67 @@ fn two_ranks_train_validate_and_preempt() {
         "resumed from the preemption checkpoint"
     );
     assert!(summary(&run)["steps"].as_u64().unwrap() > stopped_at);
+    drop(server);
+}
+
+/// The trained weights of a run's final checkpoint, by name.
+fn final_weights(run: &Path, step: u64) -> Vec<(String, tch::Tensor)> {
+    let path = run.join(format!("checkpoints/step_{step:08}/model.safetensors"));
+    let mut weights = tch::Tensor::read_safetensors(&path).unwrap();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    weights
+}
+
+#[test]
+fn two_ranks_equal_one_rank_accumulating_their_share() {
+    // Square 32 x 32 frames cropped whole: a sample is the same whoever draws it.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let options = SynthOptions {
+        height: 32,
+        width: 32,
+        ..SynthOptions::small(9)
+    };
+    synth::generate_folder(&data, &options, &|_| {}).unwrap();
+    let address = format!("vrtspike-test-accum-{}", std::process::id());
+    let server = spawn_server(ServerConfig::new(address.clone(), 64 << 20)).unwrap();
+    let steps = 3;
+    let config = write_whole_frame_config(tmp.path(), &data, steps);
+    let train = |name: &str, world: u32, extra: &[(&str, &str)]| {
+        let run = tmp.path().join(name);
+        std::fs::create_dir_all(&run).unwrap();
+        let mut ranks = start_world(&config, &run, server.address(), world, extra);
+        wait_all(&mut ranks, &run, RANKS_LIMIT);
+        run
+    };
+    // 2 ranks x batch 2, and 1 rank x batch 2 x accumulation 2 (as the launcher
+    // asks after elastic membership halved the world): the same 4 samples a step.
+    let two = train("two", 2, &[]);
+    let one = train("one", 1, &[("VRTSPIKE_ACCUMULATION", "2")]);
+    for run in [&two, &one] {
+        assert_eq!(summary(run)["samples_seen"], 12, "{}", run.display());
+    }
+    let (a, b) = (final_weights(&two, steps), final_weights(&one, steps));
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0.0f64;
+    for ((name_a, wa), (name_b, wb)) in a.iter().zip(&b) {
+        assert_eq!(name_a, name_b);
+        let diff = (wa - wb).abs().max().double_value(&[]);
+        let scale = wa.abs().max().double_value(&[]).max(1e-3);
+        worst = worst.max(diff / scale);
+    }
+    assert!(
+        worst < 1e-4,
+        "the weights differ by {worst:e} of their scale"
+    );
+    // Without the factor one rank trains on half the samples: other weights.
+    let half = train("half", 1, &[]);
+    assert_eq!(summary(&half)["samples_seen"], 6);
+    let c = final_weights(&half, steps);
+    let differs = a
+        .iter()
+        .zip(&c)
+        .any(|((_, wa), (_, wc))| (wa - wc).abs().max().double_value(&[]) > 1e-4);
+    assert!(differs, "the check cannot tell the batches apart");
     drop(server);
 }

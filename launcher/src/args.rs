@@ -105,6 +105,16 @@ pub struct Args {
     #[arg(long, default_value_t = 30.0, value_parser = parse_positive_seconds)]
     pub peer_silence_s: f64,
 
+    /// Elastic membership: the fewest nodes the job may go on with. When a node is
+    /// lost (silent for --peer-silence-s) and at least this many remain, node 0
+    /// renumbers the nodes and ranks that remain and every rank restarts from the
+    /// last checkpoint in the smaller world, the global batch kept by gradient
+    /// accumulation (a membership change, not a restart of --max-restarts). Default:
+    /// every node (a lost node ends the job, exit status 75). 1 <= N <= nodes; a lost
+    /// node 0 always ends the job.
+    #[arg(long)]
+    pub min_nodes: Option<u32>,
+
     /// Whether to take the node layout from SLURM's environment.
     #[arg(long, value_enum, default_value_t = SlurmMode::Auto)]
     pub slurm: SlurmMode,

@@ -62,15 +62,27 @@ pub fn resolve(
         SlurmMode::Off => false,
         SlurmMode::Auto => env("SLURM_PROCID").is_some() && !node_flags,
     };
-    if use_slurm {
+    let topology = if use_slurm {
         if node_flags {
             return Err(TopologyError::Flags(
                 "--nnodes/--node-rank cannot be combined with --slurm on".into(),
             ));
         }
-        from_slurm(args, env)
+        from_slurm(args, env)?
     } else {
-        from_flags(args)
+        from_flags(args)?
+    };
+    check_min_nodes(args.min_nodes, topology.nnodes)?;
+    Ok(topology)
+}
+
+/// `--min-nodes` must lie between 1 and the job's nodes.
+fn check_min_nodes(min_nodes: Option<u32>, nnodes: u32) -> Result<(), TopologyError> {
+    match min_nodes {
+        Some(n) if n == 0 || n > nnodes => Err(TopologyError::Flags(format!(
+            "--min-nodes {n}: it must be between 1 and the job's {nnodes} node(s)"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -247,6 +259,26 @@ mod tests {
         ];
         let topo = resolve(&args(&flags), &env).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((topo.nnodes, topo.node_rank, topo.source), (2, 1, "flags"));
+    }
+
+    #[test]
+    fn min_nodes_lies_between_1_and_the_nodes() {
+        let env = slurm_env(JOB);
+        for ok in ["1", "4"] {
+            let topo = resolve(&args(&["--min-nodes", ok]), &env);
+            assert!(topo.is_ok(), "--min-nodes {ok}: {topo:?}");
+        }
+        for bad in ["0", "5"] {
+            let err = resolve(&args(&["--min-nodes", bad]), &env).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "--min-nodes {bad}: it must be between 1 and the job's 4"
+                )),
+                "{err}"
+            );
+        }
+        let err = resolve(&args(&["--min-nodes", "2"]), &|_| None).unwrap_err();
+        assert!(err.to_string().contains("1 node(s)"), "{err}");
     }
 
     #[test]

@@ -90,6 +90,9 @@ pub struct AttemptEnv<'a> {
     pub run_dir: &'a Path,
     /// OMP_NUM_THREADS for each rank, unless the user set it.
     pub threads_per_rank: u32,
+    /// The factor on the gradient accumulation that keeps the job's global batch
+    /// in a world elastic membership shrank (1: none, and no variable set).
+    pub accumulation: u32,
 }
 
 impl AttemptEnv<'_> {
@@ -144,6 +147,12 @@ impl AttemptEnv<'_> {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
+        if self.accumulation > 1 {
+            vars.push((
+                vrtspike_contract::env::ACCUMULATION.to_string(),
+                self.accumulation.to_string(),
+            ));
+        }
         let defaults = [
             (
                 "PYTORCH_CUDA_ALLOC_CONF",
@@ -214,6 +223,7 @@ mod tests {
             cache_addr: Some("addr"),
             run_dir: &run_dir,
             threads_per_rank: 4,
+            accumulation: 1,
         };
         let user = |name: &str| (name == "OMP_NUM_THREADS").then(|| "7".to_string());
         let vars: HashMap<String, String> = env.vars(2, &user).into_iter().collect();
@@ -237,6 +247,14 @@ mod tests {
         );
         // The user's own setting is inherited, not overridden.
         assert_eq!(get("OMP_NUM_THREADS"), None);
+        assert_eq!(get(names::ACCUMULATION), None, "no factor in a full world");
+        // A world elastic membership shrank to a half keeps the global batch.
+        let shrunk = AttemptEnv {
+            accumulation: 2,
+            ..env.clone()
+        };
+        let vars: HashMap<String, String> = shrunk.vars(0, &user).into_iter().collect();
+        assert_eq!(vars.get(names::ACCUMULATION).map(String::as_str), Some("2"));
     }
 
     #[test]

@@ -154,6 +154,37 @@ pub struct AttemptRecord {
     pub killed_after_grace: Vec<String>,
 }
 
+/// A node lost and left out by elastic membership.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LostNode {
+    /// Its index before the change.
+    pub node: u32,
+    /// Its host, as it said in its beats (`None`: it never said).
+    pub host: Option<String>,
+}
+
+/// One change of the job's membership (`--min-nodes`): the nodes that remain go on
+/// from the last checkpoint in a smaller world.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MembershipChange {
+    /// Seconds from launch to the change.
+    pub at_s: f64,
+    /// The attempt that starts with the new membership.
+    pub attempt: u32,
+    /// The step of the checkpoint the new world resumes from (`None`: none yet).
+    pub resumed_step: Option<u64>,
+    /// Nodes before and after.
+    pub nodes_before: u32,
+    pub nodes_after: u32,
+    /// The nodes that remain, by their index in the job's first membership, in
+    /// their new order (the new node index is the place in this list).
+    pub members: Vec<u32>,
+    /// The nodes left out.
+    pub lost: Vec<LostNode>,
+    /// The factor on the gradient accumulation that keeps the global batch.
+    pub accumulation: u32,
+}
+
 /// Everything the launcher knows at exit.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
@@ -169,6 +200,8 @@ pub struct Summary {
     pub restarts: u32,
     /// Every start of the gang.
     pub attempts: Vec<AttemptRecord>,
+    /// Every change of the job's membership (`--min-nodes`), in order.
+    pub membership_changes: Vec<MembershipChange>,
     /// The run directory.
     pub run_dir: String,
     /// Nodes in the job.
@@ -270,6 +303,7 @@ mod tests {
             failure: None,
             restarts: 1,
             attempts: Vec::new(),
+            membership_changes: Vec::new(),
             run_dir: "/r".into(),
             nnodes: 1,
             node_rank: 0,

@@ -40,9 +40,9 @@ trap done_ USR2 TERM
 while :; do sleep 0.05; done
 "#;
 
-/// Runs the template on the stand-in ranks, sends the batch script `sig` once both
-/// ranks run, and returns its output.
-fn batch_job_signalled(job: &Job, sig: Signal) -> Output {
+/// Runs the template on the stand-in ranks (with the launcher arguments `extra`),
+/// sends the batch script `sig` once both ranks run, and returns its output.
+fn batch_job_signalled(job: &Job, sig: Signal, extra: &[&str]) -> Output {
     let (_, path) = fake_slurm(job.tmp.path());
     let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/vrtspike.sbatch");
     let mut command = Command::new("bash");
@@ -51,6 +51,7 @@ fn batch_job_signalled(job: &Job, sig: Signal) -> Output {
         .args(["--gpus", "0", "--ranks", "2", "--cache-size", "16M"])
         .arg("--rank-cmd")
         .arg(&job.rank_cmd)
+        .args(extra)
         .current_dir(job.tmp.path())
         .env("PATH", path)
         .env("FAKE_SLURM_DIR", job.tmp.path())
@@ -113,7 +114,7 @@ fn assert_stopped_in_order_and_requeued(job: &Job, output: &Output) {
 #[test]
 fn sbatch_template_survives_preemption_at_every_process_and_requeues() {
     let job = Job::new(STOPPABLE);
-    let output = batch_job_signalled(&job, Signal::SIGUSR2);
+    let output = batch_job_signalled(&job, Signal::SIGUSR2, &[]);
     assert_stopped_in_order_and_requeued(&job, &output);
     // The cache server got the warning too and kept serving (it ignores it).
     let cache_log =
@@ -129,7 +130,7 @@ fn sbatch_template_survives_preemption_at_every_process_and_requeues() {
 #[test]
 fn sbatch_template_checkpoints_and_requeues_on_sigterm_to_the_script() {
     let job = Job::new(STOPPABLE);
-    let output = batch_job_signalled(&job, Signal::SIGTERM);
+    let output = batch_job_signalled(&job, Signal::SIGTERM, &[]);
     assert_stopped_in_order_and_requeued(&job, &output);
 }
 
@@ -138,7 +139,7 @@ fn sbatch_template_checkpoints_and_requeues_on_sigterm_to_the_script() {
 #[test]
 fn sbatch_template_does_not_requeue_a_job_that_completed_under_a_warning() {
     let job = Job::new(FINISHING);
-    let output = batch_job_signalled(&job, Signal::SIGUSR2);
+    let output = batch_job_signalled(&job, Signal::SIGUSR2, &[]);
     let (stdout, stderr) = texts(&output);
     assert!(
         output.status.success(),
@@ -149,5 +150,38 @@ fn sbatch_template_does_not_requeue_a_job_that_completed_under_a_warning() {
     assert!(
         !job.tmp.path().join("scontrol.called").exists(),
         "a completed job was requeued:\n{stdout}"
+    );
+}
+
+/// The srun options the template used (the fake srun records them).
+fn srun_options(job: &Job) -> Vec<String> {
+    let path = job.tmp.path().join("srun.options");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines().map(str::to_string).collect()
+}
+
+/// Under `--min-nodes` the step survives a lost node (`srun --no-kill`, no
+/// kill-on-bad-exit); without it one node's bad exit ends the step. Preemption
+/// works the same either way.
+#[test]
+fn sbatch_template_runs_an_elastic_job_under_srun_no_kill() {
+    let job = Job::new(STOPPABLE);
+    let output = batch_job_signalled(&job, Signal::SIGUSR2, &["--min-nodes", "1"]);
+    assert_stopped_in_order_and_requeued(&job, &output);
+    let options = srun_options(&job);
+    assert!(
+        options.contains(&"--no-kill".to_string())
+            && options.contains(&"--kill-on-bad-exit=0".to_string())
+            && !options.contains(&"--kill-on-bad-exit=1".to_string()),
+        "{options:?}"
+    );
+    let plain = Job::new(STOPPABLE);
+    let output = batch_job_signalled(&plain, Signal::SIGUSR2, &[]);
+    assert_stopped_in_order_and_requeued(&plain, &output);
+    let options = srun_options(&plain);
+    assert!(
+        options.contains(&"--kill-on-bad-exit=1".to_string())
+            && !options.contains(&"--no-kill".to_string()),
+        "{options:?}"
     );
 }

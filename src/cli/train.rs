@@ -9,7 +9,9 @@ use clap::Args;
 use vrtspike::config::Config;
 use vrtspike::train::node_cache::{self, ServeFrom};
 use vrtspike::train::run_config::record_config;
-use vrtspike::train::{failure, rendezvous, train, RankEnv, TrainError, TrainOptions};
+use vrtspike::train::{
+    accumulation, failure, rendezvous, train, RankEnv, TrainError, TrainOptions,
+};
 
 /// `vrtspike train`: trains the model of a config on its dataset.
 #[derive(Debug, Args)]
@@ -47,10 +49,12 @@ fn fail(env: &RankEnv, error: TrainError) -> TrainError {
 
 /// Runs `vrtspike train`.
 pub fn run(args: TrainArgs) -> Result<()> {
-    let config = Config::resolve(&args.config, &args.set)
+    let mut config = Config::resolve(&args.config, &args.set)
         .with_context(|| format!("resolving {}", args.config.display()))?
         .config;
     let mut env = RankEnv::from_env(args.run_dir.as_deref(), args.device.as_deref())?;
+    accumulation::keep_global_batch(&mut config, &|name| std::env::var(name).ok())
+        .map_err(|e| fail(&env, e))?;
     if env.rank == 0 {
         println!("run directory: {}", env.run_dir.display());
     }

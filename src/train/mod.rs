@@ -5,6 +5,7 @@
 //! other than `vrtspike-launch` (torchrun, srun) the node's cache server
 //! (`node_cache`) and srun's rendezvous port (`rendezvous`).
 
+pub mod accumulation;
 pub mod amp;
 pub mod checkpoint;
 pub mod comm;

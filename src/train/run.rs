@@ -188,9 +188,13 @@ impl<'a> RunBuilder<'a> {
         if resumed_from.is_some() && state.world_size != env.world_size && env.rank == 0 {
             // Not an error: the sampler splits the rest of the epoch over this world.
             tracing::warn!(
-                "resuming a checkpoint of {} ranks with {}: the rest of the epoch is split over                  the new world (no sample twice or skipped), and the global batch is                  TRAIN.BATCH_SIZE x {} ranks",
+                "resuming a checkpoint of {} ranks with {}: the rest of the epoch is split over \
+                 the new world (no sample twice or skipped), and the global batch is \
+                 TRAIN.BATCH_SIZE {} x TRAIN.GRADIENT_ACCUMULATION_STEPS {} x {} ranks",
                 state.world_size,
                 env.world_size,
+                config.train.batch_size,
+                config.train.gradient_accumulation_steps,
                 env.world_size
             );
         }

@@ -1,5 +1,5 @@
-//! Two CPU ranks of `vrtspike train` started by hand with the launcher's
-//! environment contract (no launcher), and the wait for both to end well.
+//! CPU ranks of `vrtspike train` started by hand with the launcher's environment
+//! contract (no launcher), and the wait for all of them to end well.
 
 use std::path::Path;
 use std::process::{Child, Command};
@@ -16,17 +16,30 @@ fn free_port() -> u16 {
 /// Ranks 0 and 1 of a world of two training with `config` into `run` (their logs
 /// there as `rank<R>.log`), reading through the cache server at `cache`.
 pub fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
+    start_world(config, run, cache, 2, &[])
+}
+
+/// Every rank of a world of `world` training with `config` into `run` (as
+/// [`start_ranks`]), with the extra variables `extra`.
+pub fn start_world(
+    config: &Path,
+    run: &Path,
+    cache: &str,
+    world: u32,
+    extra: &[(&str, &str)],
+) -> Vec<Child> {
     let port = free_port().to_string();
-    (0..2)
+    (0..world)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_vrtspike"))
                 .args(["train", "--config"])
                 .arg(config)
+                .envs(extra.iter().copied())
                 .envs([
                     ("RANK", rank.to_string()),
                     ("LOCAL_RANK", rank.to_string()),
-                    ("WORLD_SIZE", "2".into()),
-                    ("LOCAL_WORLD_SIZE", "2".into()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("LOCAL_WORLD_SIZE", world.to_string()),
                     ("MASTER_ADDR", "127.0.0.1".into()),
                     ("MASTER_PORT", port.clone()),
                     ("VRTSPIKE_RUN_DIR", run.display().to_string()),

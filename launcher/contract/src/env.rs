@@ -38,6 +38,25 @@ pub const RUN_DIR: &str = "VRTSPIKE_RUN_DIR";
 pub const DEVICE: &str = "VRTSPIKE_DEVICE";
 /// torchrun's id of the job (`--rdzv-id`; a fresh one with `--standalone`).
 pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// The factor on `TRAIN.GRADIENT_ACCUMULATION_STEPS` that keeps the job's global
+/// batch after elastic membership shrank the world (the job's first world over
+/// this one; absent: 1). The launcher sets it; the rank multiplies.
+pub const ACCUMULATION: &str = "VRTSPIKE_ACCUMULATION";
+
+/// The [`ACCUMULATION`] factor `var` gives (1 when unset); 0 or a non-number is
+/// an error naming the variable.
+pub fn accumulation_from(var: &dyn Fn(&str) -> Option<String>) -> Result<u32, EnvError> {
+    let Some(text) = var(ACCUMULATION) else {
+        return Ok(1);
+    };
+    match parse_number(ACCUMULATION, &text)? {
+        0 => Err(EnvError {
+            var: ACCUMULATION,
+            message: "expected a factor of at least 1, got 0".into(),
+        }),
+        factor => Ok(factor),
+    }
+}
 
 /// srun's variables a rank reads when no launcher set RANK (one task per rank).
 pub mod slurm {
@@ -588,6 +607,22 @@ mod tests {
             device: Device::Cuda(2),
             run_id: Some("job-7".into()),
             slurm: None,
+        }
+    }
+
+    #[test]
+    fn the_accumulation_factor_is_1_unless_set_and_never_0() {
+        let none = |_: &str| None;
+        assert_eq!(accumulation_from(&none).ok(), Some(1));
+        let two = lookup(vec![(ACCUMULATION, "2".into())]);
+        assert_eq!(accumulation_from(&two).ok(), Some(2));
+        for bad in ["0", "two", "-1"] {
+            let var = lookup(vec![(ACCUMULATION, bad.into())]);
+            let err = accumulation_from(&var).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains(ACCUMULATION)),
+                "{bad}: {err:?}"
+            );
         }
     }
 

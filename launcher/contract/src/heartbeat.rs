@@ -223,6 +223,55 @@ pub fn path(run_dir: &Path, rank: u32) -> PathBuf {
     run_dir.join(HEARTBEAT_DIR).join(format!("rank{rank}"))
 }
 
+/// The launcher's record of a lost node beside the ranks' records,
+/// `<run dir>/heartbeat/node<K>.lost`: one line, the unix time in milliseconds
+/// and the cause (`node 1 (host vn2) silent for 30 s: lost`).
+pub fn lost_node_path(run_dir: &Path, node: u32) -> PathBuf {
+    run_dir.join(HEARTBEAT_DIR).join(format!("node{node}.lost"))
+}
+
+/// Writes the record of lost node `node` (see [`lost_node_path`]).
+pub fn write_lost_node(run_dir: &Path, node: u32, cause: &str) -> Result<(), HeartbeatError> {
+    let path = lost_node_path(run_dir, node);
+    let io = |source| HeartbeatError::Io {
+        path: path.clone(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let line = format!("unix_ms={} {}\n", unix_ms_now(), cause.replace('\n', " "));
+    std::fs::write(&path, line).map_err(io)
+}
+
+/// The lost nodes recorded under `run_dir`, by node, with their causes.
+pub fn read_lost_nodes(run_dir: &Path) -> Result<Vec<(u32, String)>, HeartbeatError> {
+    let dir = run_dir.join(HEARTBEAT_DIR);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(HeartbeatError::Io { path: dir, source }),
+    };
+    let mut lost = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(node) = name
+            .strip_prefix("node")
+            .and_then(|rest| rest.strip_suffix(".lost"))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        let text =
+            std::fs::read_to_string(&path).map_err(|source| HeartbeatError::Io { path, source })?;
+        let cause = text.trim_end().split_once(' ').map_or("", |(_, c)| c);
+        lost.push((node, cause.to_string()));
+    }
+    lost.sort();
+    Ok(lost)
+}
+
 /// Where the launcher saves rank `rank`'s stacks when attempt `attempt` hangs.
 pub fn stacks_path(run_dir: &Path, attempt: u32, rank: u32) -> PathBuf {
     run_dir
@@ -544,5 +593,34 @@ mod tests {
             stacks_path(run, 1, 3),
             PathBuf::from("/r/stacks/attempt1/rank3.txt")
         );
+    }
+
+    #[test]
+    fn a_lost_node_is_recorded_beside_the_ranks_and_read_back_by_node() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(read_lost_nodes(tmp.path()).ok(), Some(Vec::new()));
+        let writer = HeartbeatWriter::create(tmp.path(), 0).unwrap_or_else(|e| panic!("{e}"));
+        writer
+            .write(&beat(3, Phase::Data))
+            .unwrap_or_else(|e| panic!("{e}"));
+        for node in [2, 1] {
+            let cause = format!("node {node} (host vn{}) silent for 30 s: lost", node + 1);
+            write_lost_node(tmp.path(), node, &cause).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(
+            lost_node_path(tmp.path(), 1),
+            tmp.path().join("heartbeat/node1.lost")
+        );
+        let lost = read_lost_nodes(tmp.path()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            lost,
+            [
+                (1, "node 1 (host vn2) silent for 30 s: lost".to_string()),
+                (2, "node 2 (host vn3) silent for 30 s: lost".to_string()),
+            ]
+        );
+        // The rank's record is untouched beside them.
+        let rank0 = read(tmp.path(), 0).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rank0.map(|b| b.progress.step), Some(3));
     }
 }

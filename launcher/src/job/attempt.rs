@@ -8,6 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Result;
 use vrtspike_contract::rundir::Checkpoint;
 
+use super::membership::Membership;
 use super::record::JobRecord;
 use super::setup::{JobSetup, Supervision};
 use crate::args::Args;
@@ -20,11 +21,13 @@ use crate::rundir::RunDir;
 use crate::spawn::Supervised;
 use crate::summary::{AttemptRecord, Failure};
 
-/// The attempt to start: its number (restart count) and rank 0's rendezvous port.
-#[derive(Debug, Clone, Copy)]
+/// The attempt to start: its number (restart count), rank 0's rendezvous port and
+/// the nodes taking part.
+#[derive(Debug, Clone)]
 pub struct AttemptPlan {
     pub restart_count: u32,
     pub master_port: u16,
+    pub membership: Membership,
 }
 
 /// One finished attempt, as the restart decision needs it.
@@ -49,7 +52,9 @@ pub fn run(
 ) -> Result<Attempt> {
     let Supervision { setup, args, peers } = ctx;
     let restart_count = plan.restart_count;
-    let launches = launches(setup, args, &record.run_dir, plan);
+    record.nnodes = plan.membership.nnodes();
+    record.world_size = plan.membership.nnodes() * setup.ranks.per_node;
+    let launches = launches(setup, args, &record.run_dir, &plan);
     let resumed_from = record.run_dir.latest_checkpoint();
     let resumed_name = resumed_from.as_ref().map(Checkpoint::name);
     for launch in &launches {
@@ -111,11 +116,23 @@ pub fn run(
 }
 
 /// The launch of every local rank of the attempt `plan` says.
-fn launches(setup: &JobSetup, args: &Args, run_dir: &RunDir, plan: AttemptPlan) -> Vec<RankLaunch> {
+fn launches(
+    setup: &JobSetup,
+    args: &Args,
+    run_dir: &RunDir,
+    plan: &AttemptPlan,
+) -> Vec<RankLaunch> {
     let env = |name: &str| std::env::var(name).ok();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Renumbered by the membership (the caller checked this node takes part).
+    let membership = &plan.membership;
+    let topology = crate::cluster::Topology {
+        nnodes: membership.nnodes(),
+        node_rank: membership.node_rank().unwrap_or(setup.topology.node_rank),
+        ..setup.topology.clone()
+    };
     let attempt_env = AttemptEnv {
-        topology: &setup.topology,
+        topology: &topology,
         ranks: setup.ranks,
         master_port: plan.master_port,
         restart_count: plan.restart_count,
@@ -123,6 +140,7 @@ fn launches(setup: &JobSetup, args: &Args, run_dir: &RunDir, plan: AttemptPlan) 
         cache_addr: setup.cache.enabled.then_some(setup.cache.address.as_str()),
         run_dir: &run_dir.path,
         threads_per_rank: env_contract::threads_per_rank(cores, setup.ranks.per_node),
+        accumulation: membership.accumulation(),
     };
     (0..setup.ranks.per_node)
         .map(|local| {
@@ -151,6 +169,11 @@ pub fn peer_failure(event: &PeerEvent) -> Failure {
         PeerEvent::Beat { node, .. } => (*node, "is alive".to_string(), false),
         PeerEvent::Done { node } => (*node, "ended".to_string(), false),
         PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
+        PeerEvent::Members { attempt, members } => (
+            0,
+            format!("changed the membership to nodes {members:?} from attempt {attempt}"),
+            false,
+        ),
         PeerEvent::View(s) => (0, format!("told how rank {} stands", s.rank), false),
     };
     let cause = match event {

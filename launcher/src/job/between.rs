@@ -1,20 +1,22 @@
 //! What happens between two attempts: after one, whether the job restarts from
 //! the last checkpoint (the restart policy, the other nodes' word) or ends, and
 //! why; before the next, whether an ending was asked for meanwhile (a signal, a
-//! node that left), and the next attempt's number and rendezvous port (node 0's
-//! word on several nodes).
+//! node that left), and the next attempt's number, rendezvous port and nodes
+//! (node 0's word on several nodes: under `--min-nodes` it may go on without a
+//! lost node, [`membership`](super::membership)).
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
 use super::attempt::{peer_failure, Attempt, AttemptPlan};
+use super::membership::{AfterLoss, Membership};
 use super::record::{Ending, JobRecord};
 use super::setup::Supervision;
 use crate::peers::{liveness, PeerEvent, PeerLinks};
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
-use crate::summary::ExitKind;
+use crate::summary::{ExitKind, LostNode, MembershipChange};
 
 /// What follows an attempt.
 pub enum Next {
@@ -101,47 +103,153 @@ fn ending_if_a_node_is_quiet(
     Some(left_ending(record, &event))
 }
 
-/// The next attempt's number and rendezvous port: this node's own on one node;
-/// on several, node 0 picks the port and tells the others (`START`), and the
-/// others wait for it. `Err` is how the job ends instead (node 0 ended it).
+/// The next attempt's number, rendezvous port and nodes: this node's own on one
+/// node; on several, node 0 picks the port, decides the membership and tells the
+/// others (`MEMBERS` when it changed, then `START`), and the others wait for it.
+/// `Err` is how the job ends instead (node 0 ended it, or left this node out).
 pub fn next_attempt(
     ctx: Supervision,
     record: &mut JobRecord,
 ) -> Result<std::result::Result<AttemptPlan, Ending>> {
     let Supervision { setup, args, peers } = ctx;
     let restart_count = record.attempts.len() as u32;
-    let plan = |master_port| AttemptPlan {
-        restart_count,
-        master_port,
-    };
     let pick = || match setup.topology.master_port {
         Some(port) => Ok(port),
         None => free_port(),
     };
     let Some(peers) = peers else {
-        return Ok(Ok(plan(pick()?)));
+        return Ok(Ok(AttemptPlan {
+            restart_count,
+            master_port: pick()?,
+            membership: record.membership.clone(),
+        }));
     };
     if setup.topology.node_rank == 0 {
         let silence = Duration::from_secs_f64(args.peer_silence_s);
         if let Some(ending) = ending_if_a_node_is_quiet(peers, silence, record) {
             return Ok(Err(ending));
         }
+        if let Some(ending) = decide_membership(ctx, peers, record, restart_count) {
+            return Ok(Err(ending));
+        }
         let master_port = pick()?;
         peers.announce_start(restart_count, master_port);
-        return Ok(Ok(plan(master_port)));
+        return Ok(Ok(AttemptPlan {
+            restart_count,
+            master_port,
+            membership: record.membership.clone(),
+        }));
     }
     let timeout = Duration::from_secs_f64(args.peer_timeout_s);
     let interrupted = || signals::requested_ending().is_some();
-    match peers.wait_start(restart_count, timeout, &interrupted)? {
-        Some(master_port) => Ok(Ok(plan(master_port))),
-        None => Ok(Err(ending_without_node0(peers, record))),
+    let Some(master_port) = peers.wait_start(restart_count, timeout, &interrupted)? else {
+        return Ok(Err(ending_without_node0(peers, record)));
+    };
+    if let Some(members) = peers.members_for(restart_count) {
+        let membership = record.membership.said(members);
+        if membership.node_rank().is_none() {
+            let why = "node 0 went on without this node (it found it lost)";
+            return Ok(Err((ExitKind::NodeLost, Some(why.into()))));
+        }
+        if membership != record.membership {
+            note_change(peers, record, membership, restart_count);
+        }
     }
+    Ok(Ok(AttemptPlan {
+        restart_count,
+        master_port,
+        membership: record.membership.clone(),
+    }))
+}
+
+/// Node 0 before an attempt, under `--min-nodes`: the lost nodes not decided on
+/// yet are left out when enough remain (the others are told), else the job ends
+/// (`Some`), naming the first lost node.
+fn decide_membership(
+    ctx: Supervision,
+    peers: &PeerLinks,
+    record: &mut JobRecord,
+    attempt: u32,
+) -> Option<Ending> {
+    let losses = peers.undecided_losses();
+    let first = losses.first()?.clone();
+    let lost: Vec<u32> = losses.iter().map(|e| peer_failure(e).node).collect();
+    let min_nodes = ctx.args.min_nodes.unwrap_or(record.membership.first_nnodes);
+    match record.membership.after_losses(&lost, min_nodes) {
+        AfterLoss::End(why) => {
+            tracing::error!("no membership without node(s) {lost:?}: {why}");
+            let (kind, _) = left_ending(record, &first);
+            Some((kind, Some(why)))
+        }
+        AfterLoss::GoOn(membership) => {
+            peers.announce_members(attempt, &membership.members);
+            note_change(peers, record, membership, attempt);
+            None
+        }
+    }
+}
+
+/// Keeps a change of the membership in `record` (its summary lists it) and logs it.
+fn note_change(peers: &PeerLinks, record: &mut JobRecord, next: Membership, attempt: u32) {
+    let lost: Vec<LostNode> = record
+        .membership
+        .members
+        .iter()
+        .filter(|node| !next.members.contains(node))
+        .map(|&node| LostNode {
+            node,
+            host: peers.host_of(node),
+        })
+        .collect();
+    let resumed_step = record.run_dir.latest_checkpoint().map(|c| c.step);
+    let change = MembershipChange {
+        at_s: record.elapsed_s(),
+        attempt,
+        resumed_step,
+        nodes_before: record.membership.nnodes(),
+        nodes_after: next.nnodes(),
+        members: next.members.clone(),
+        lost,
+        accumulation: next.accumulation(),
+    };
+    let names: Vec<String> = change
+        .lost
+        .iter()
+        .map(|l| {
+            format!(
+                "node {} (host {})",
+                l.node,
+                l.host.as_deref().unwrap_or("unknown")
+            )
+        })
+        .collect();
+    tracing::warn!(
+        "membership change: {} of {} nodes go on without {} (--min-nodes): attempt {attempt} \
+         resumes from {} with nodes {:?} renumbered 0..{}, gradient accumulation x{} to keep \
+         the global batch; not counted against --max-restarts",
+        change.nodes_after,
+        change.nodes_before,
+        names.join(", "),
+        resumed_step.map_or("the start (no checkpoint yet)".to_string(), |s| format!(
+            "the checkpoint of step {s}"
+        )),
+        change.members,
+        change.nodes_after,
+        change.accumulation
+    );
+    record.membership = next;
+    record.membership_changes.push(change);
 }
 
 /// How this node ends when node 0 starts no next attempt.
 fn ending_without_node0(peers: &PeerLinks, record: &mut JobRecord) -> Ending {
     if let Some(ending) = signals::requested_ending() {
         return (ending, None);
+    }
+    // Under --min-nodes, node 0 ended on a loss it could not go on without: that
+    // loss is the cause.
+    if let Some(event) = peers.undecided_losses().first().filter(|_| peers.elastic()) {
+        return left_ending(record, event);
     }
     if let Some(event) = peers.quit() {
         return left_ending(record, &event);
@@ -187,6 +295,12 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
         tracing::warn!("{}; waiting for node 0 to restart the job", failure.cause);
         return Next::Restart(end.failed_at);
     }
+    // A lost node under --min-nodes: a membership change before the next attempt
+    // (decided there), not a restart of the budget.
+    if peers.is_some_and(|p| !p.undecided_losses().is_empty()) {
+        tracing::warn!("{}; deciding the membership without it", failure.cause);
+        return Next::Restart(end.failed_at);
+    }
     let ended = peers.map(PeerLinks::ended_nodes).unwrap_or_default();
     if !ended.is_empty() {
         let why = format!("node(s) {ended:?} already ended: no restart without them");
@@ -204,8 +318,10 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
         max_restarts: args.max_restarts,
         delay: Duration::from_secs_f64(args.restart_delay_s),
     };
+    // Attempts started by a membership change used no restart.
+    let restarts_done = restart_count.saturating_sub(record.membership_changes.len() as u32);
     match policy.decide(&FailedAttempt {
-        restarts_done: restart_count,
+        restarts_done,
         failure: &failure,
         made_progress,
         previous_failure,

@@ -9,6 +9,7 @@
 mod attempt;
 mod between;
 mod cache;
+mod membership;
 mod record;
 mod setup;
 

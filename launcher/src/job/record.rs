@@ -8,11 +8,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Result;
 
+use super::membership::Membership;
 use crate::args::Args;
 use crate::peers::PeerLinks;
 use crate::pss;
 use crate::rundir::RunDir;
-use crate::summary::{AttemptRecord, ExitKind, Failure, Summary};
+use crate::summary::{AttemptRecord, ExitKind, Failure, MembershipChange, Summary};
 
 /// How the job ended, with the reason it gave up restarting, if it did.
 pub type Ending = (ExitKind, Option<String>);
@@ -34,6 +35,10 @@ pub struct JobRecord {
     sampler: pss::PssSampler,
     /// The cache server's figures, asked for before it was stopped.
     pub cache_stats: Option<serde_json::Value>,
+    /// The nodes taking part now (all of them unless `--min-nodes` left some out).
+    pub membership: Membership,
+    /// Every change of the membership, in order.
+    pub membership_changes: Vec<MembershipChange>,
 }
 
 impl JobRecord {
@@ -54,7 +59,14 @@ impl JobRecord {
                 Duration::from_secs_f64(args.pss_interval_s),
             ),
             cache_stats: None,
+            membership: Membership::all(args.nnodes.unwrap_or(1), args.node_rank.unwrap_or(0)),
+            membership_changes: Vec::new(),
         }
+    }
+
+    /// Seconds since the launch.
+    pub fn elapsed_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
     }
 
     /// Writes the summary, tells the other nodes (`peers`) how this one ends,
@@ -80,6 +92,7 @@ impl JobRecord {
             failure: self.first_failure.clone(),
             restarts: self.attempts.len().saturating_sub(1) as u32,
             attempts: self.attempts,
+            membership_changes: self.membership_changes,
             run_dir: self.run_dir.path.display().to_string(),
             nnodes: self.nnodes,
             node_rank: self.node_rank,

@@ -49,6 +49,7 @@ pub fn prepare(record: &mut JobRecord, args: &Args) -> Result<JobSetup> {
     let topology = cluster::resolve(args, &env)?;
     record.nnodes = topology.nnodes;
     record.node_rank = topology.node_rank;
+    record.membership = super::membership::Membership::all(topology.nnodes, topology.node_rank);
     let config = check_config(&args.config)?;
     let ranks = NodeRanks::from_args(args.gpus, args.ranks, env_contract::visible_gpus(&env))?;
     record.local_world_size = ranks.per_node;
@@ -114,7 +115,14 @@ pub fn connect_peers(
         secret: peers::auth::given_secret(std::env::var(peers::auth::SECRET_ENV).ok())?,
         timeout: Duration::from_secs_f64(args.peer_timeout_s),
         silence: Duration::from_secs_f64(args.peer_silence_s),
+        run_dir: run_dir.path.clone(),
+        elastic: elastic(args, topology.nnodes),
     })
+}
+
+/// Whether `--min-nodes` lets the job go on without a lost node.
+pub fn elastic(args: &Args, nnodes: u32) -> bool {
+    args.min_nodes.is_some_and(|min| min < nnodes)
 }
 
 /// Warns when a rank would time out in its collective (`DIST.TIMEOUT_S`) before

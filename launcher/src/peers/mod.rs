@@ -22,7 +22,11 @@
 //! names a stopped or hung rank of its own only (see [`crate::hang`]). Every
 //! launcher beats on its links and names a node silent for `--peer-silence-s` as
 //! lost ([`liveness`]): a link cut or a host gone quiet ends the job on every
-//! node as a link closed does, naming the lost node.
+//! node as a link closed does, naming the lost node (and records it beside the
+//! ranks' heartbeats, `heartbeat/node<K>.lost`). Under elastic membership
+//! (`--min-nodes`) a lost node other than node 0 ends nothing by itself: node 0
+//! decides whether the job goes on without it (`MEMBERS`, then `START`); nodes
+//! and their links keep their first index throughout.
 
 pub mod auth;
 pub mod control;
@@ -76,6 +80,11 @@ pub struct LinkSpec {
     /// How long a linked node may stay silent before it is lost
     /// (`--peer-silence-s`).
     pub silence: Duration,
+    /// The run directory (a lost node is recorded in its heartbeat directory).
+    pub run_dir: PathBuf,
+    /// Elastic membership (`--min-nodes` below the nodes): a lost node other than
+    /// node 0 is for node 0 to decide on, not an ending by itself.
+    pub elastic: bool,
 }
 
 /// How long a write on a link may block (a peer that reads nothing for this long
@@ -92,6 +101,10 @@ struct Shared {
     reports: Mutex<HashMap<u32, RankReport>>,
     /// When each linked node was last heard, and its host.
     heard: liveness::Heard,
+    /// Where a lost node is recorded (`heartbeat/node<K>.lost`).
+    run_dir: PathBuf,
+    /// Elastic membership (see [`LinkSpec::elastic`]).
+    elastic: bool,
 }
 
 impl Shared {
@@ -101,6 +114,13 @@ impl Shared {
         if let PeerEvent::Beat { node, host } = &event {
             self.heard.host(*node, host);
             return;
+        }
+        if let PeerEvent::Lost { node, cause } = &event {
+            let written =
+                vrtspike_contract::heartbeat::write_lost_node(&self.run_dir, *node, cause);
+            if let Err(e) = written {
+                tracing::warn!("recording lost node {node}: {e}");
+            }
         }
         if let PeerEvent::View(report) = event {
             self.reports
@@ -164,7 +184,11 @@ impl PeerLinks {
     /// Node 0 listens and publishes its control file; the others join it, trying
     /// for up to the spec's timeout.
     pub fn start(spec: &LinkSpec) -> Result<PeerLinks> {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            run_dir: spec.run_dir.clone(),
+            elastic: spec.elastic,
+            ..Shared::default()
+        });
         if spec.node_rank == 0 {
             listen(spec, shared.clone())?;
         } else {
@@ -307,14 +331,18 @@ impl PeerLinks {
     }
 
     /// What the other nodes have said that stops attempt `attempt` here: a failure
-    /// of that attempt elsewhere, or a node that quit.
+    /// of that attempt elsewhere, a node that quit, a lost node (but one a
+    /// membership of node 0's left out already), or node 0's membership for a
+    /// later attempt.
     pub fn stop_reason(&self, attempt: u32) -> Option<PeerEvent> {
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
         events
             .iter()
             .find(|event| match event {
                 PeerEvent::Fail { attempt: a, .. } => *a == attempt,
-                PeerEvent::Quit { .. } | PeerEvent::Lost { .. } => true,
+                PeerEvent::Members { attempt: a, .. } => *a > attempt,
+                PeerEvent::Quit { .. } => true,
+                PeerEvent::Lost { node, .. } => !dropped_in(&events, *node),
                 PeerEvent::Start { .. }
                 | PeerEvent::Done { .. }
                 | PeerEvent::View(_)
@@ -324,13 +352,66 @@ impl PeerLinks {
     }
 
     /// A node that left the job for good (it quit, its link closed, or it was
-    /// silent for too long: lost), if any.
+    /// silent for too long: lost), if any. Under elastic membership a lost node
+    /// other than node 0 is not one: node 0 decides ([`PeerLinks::undecided_losses`]).
     pub fn quit(&self) -> Option<PeerEvent> {
+        let elastic = self.shared.elastic;
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
         events
             .iter()
-            .find(|event| matches!(event, PeerEvent::Quit { .. } | PeerEvent::Lost { .. }))
+            .find(|event| match event {
+                PeerEvent::Quit { .. } => true,
+                PeerEvent::Lost { node, .. } => !elastic || *node == 0,
+                _ => false,
+            })
             .cloned()
+    }
+
+    /// The lost nodes no membership of node 0's has left out yet, with their
+    /// `LOST` lines, in the order they were found.
+    pub fn undecided_losses(&self) -> Vec<PeerEvent> {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events
+            .iter()
+            .filter(|event| match event {
+                PeerEvent::Lost { node, .. } => !dropped_in(&events, *node),
+                _ => false,
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// Node 0: the membership from attempt `attempt` on, kept here and told to the
+    /// other nodes (before that attempt's `START`).
+    pub fn announce_members(&self, attempt: u32, members: &[u32]) {
+        let message = PeerEvent::Members {
+            attempt,
+            members: members.to_vec(),
+        };
+        self.shared.push(message.clone());
+        self.shared.send(&message, None);
+    }
+
+    /// Node 0's latest membership for attempt `attempt` (`None`: the job's first).
+    pub fn members_for(&self, attempt: u32) -> Option<Vec<u32>> {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events.iter().rev().find_map(|event| match event {
+            PeerEvent::Members {
+                attempt: a,
+                members,
+            } if *a <= attempt => Some(members.clone()),
+            _ => None,
+        })
+    }
+
+    /// Whether the job runs under elastic membership ([`LinkSpec::elastic`]).
+    pub fn elastic(&self) -> bool {
+        self.shared.elastic
+    }
+
+    /// The host `node` said it runs on (`None`: it never said).
+    pub fn host_of(&self, node: u32) -> Option<String> {
+        self.shared.heard.host_of(node)
     }
 
     /// Whether every other linked node has said something since `since` (nodes
@@ -365,6 +446,13 @@ impl Relay for PeerLinks {
     fn heard(&self, attempt: u32) -> Vec<RankReport> {
         self.reports(attempt)
     }
+}
+
+/// Whether a membership among `events` left `node` out.
+fn dropped_in(events: &[PeerEvent], node: u32) -> bool {
+    events.iter().any(
+        |event| matches!(event, PeerEvent::Members { members, .. } if !members.contains(&node)),
+    )
 }
 
 /// The local address `master_addr` names, with `port`: node 0 listens there only.
@@ -657,6 +745,8 @@ mod tests {
             secret: None,
             timeout: Duration::from_secs(10),
             silence: Duration::from_secs(30),
+            run_dir: run_dir.to_path_buf(),
+            elastic: false,
         }
     }
 
@@ -799,6 +889,62 @@ mod tests {
             1,
             "one loss, no beats kept, no 'went away' after it: {events:?}"
         );
+    }
+
+    #[test]
+    fn under_elastic_membership_node_0_decides_on_a_lost_node_and_the_others_follow() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let silence = Duration::from_millis(800);
+        let elastic = |node| LinkSpec {
+            silence,
+            elastic: true,
+            ..spec(node, tmp.path())
+        };
+        let node0 = PeerLinks::start(&elastic(0)).unwrap_or_else(|e| panic!("{e:#}"));
+        let node2 = PeerLinks::start(&elastic(2)).unwrap_or_else(|e| panic!("{e:#}"));
+        // Node 1 joins and goes silent.
+        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
+        let quiet =
+            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
+        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        node0
+            .wait_for_nodes(Duration::from_secs(10), &|| false)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        wait_for("the loss at node 2", || node2.stop_reason(0).is_some());
+        // The loss stops the running attempt everywhere, but ends nothing by itself:
+        // node 0 decides, the others wait for its word.
+        for links in [&node0, &node2] {
+            assert!(matches!(
+                links.stop_reason(0),
+                Some(PeerEvent::Lost { node: 1, .. })
+            ));
+            assert_eq!(links.quit(), None);
+            assert!(links.elastic());
+        }
+        assert_eq!(node0.undecided_losses().len(), 1);
+        // It is recorded beside the ranks' heartbeats.
+        let lost = vrtspike_contract::heartbeat::read_lost_nodes(tmp.path())
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(lost.iter().map(|l| l.0).collect::<Vec<_>>(), [1]);
+        // Node 0 goes on with nodes 0 and 2 from attempt 1.
+        assert_eq!(node2.members_for(1), None);
+        node0.announce_members(1, &[0, 2]);
+        node0.announce_start(1, 40124);
+        let port = node2.wait_start(1, Duration::from_secs(10), &|| false);
+        assert_eq!(port.ok(), Some(Some(40124)));
+        assert_eq!(node2.members_for(1), Some(vec![0, 2]));
+        assert_eq!(node2.members_for(0), None, "attempt 0 had every node");
+        for links in [&node0, &node2] {
+            assert!(links.undecided_losses().is_empty());
+            assert_eq!(links.stop_reason(1), None, "the decided loss stops no more");
+        }
+        // An attempt older than the membership is stopped by it.
+        assert!(matches!(
+            node2.stop_reason(0),
+            Some(PeerEvent::Members { attempt: 1, .. })
+        ));
     }
 
     #[test]

@@ -12,7 +12,12 @@
 //!   each of its links at a fixed interval; node 0 does not pass it on): a link
 //!   silent for `--peer-silence-s` is a lost node (see [`super::liveness`]).
 //! - `LOST <node> <cause>`: node 0 found that node silent for too long: it is lost
-//!   (the other nodes end as node 0 does).
+//!   (the other nodes end as node 0 does, or under `--min-nodes` wait for its
+//!   word on the membership).
+//! - `MEMBERS <attempt> <n>,<n>,...`: node 0's membership from attempt `attempt` on
+//!   (elastic, `--min-nodes`): the nodes that take part, by their first index, in
+//!   their new order (a node's new index is its place in the list); said before
+//!   that attempt's `START`.
 //! - `VIEW <attempt> <rank> <pid> <step> <phase> <entered> <completed> <op>
 //!   <buckets> <still_ms> <silent_ms>`: how a rank stands, as the launcher of its
 //!   node sees it from its own ticks (`-` for what it does not know yet); each
@@ -71,6 +76,13 @@ pub enum Message {
         /// `node 1 (host vn2) silent for 30 s: lost`.
         cause: String,
     },
+    /// Node 0's membership from an attempt on (elastic membership).
+    Members {
+        /// The first attempt with it.
+        attempt: u32,
+        /// The nodes taking part, by their first index, in their new order.
+        members: Vec<u32>,
+    },
     /// How a rank stands, from its node's launcher.
     View(RankReport),
 }
@@ -115,6 +127,17 @@ impl Message {
                 node: rest.trim().parse().ok()?,
             }),
             "VIEW" => parse_view(rest.trim_end()).map(Message::View),
+            "MEMBERS" => {
+                let (attempt, list) = rest.trim_end().split_once(' ')?;
+                let members = list
+                    .split(',')
+                    .map(|n| n.parse().ok())
+                    .collect::<Option<Vec<u32>>>()?;
+                Some(Message::Members {
+                    attempt: attempt.parse().ok()?,
+                    members,
+                })
+            }
             _ => None,
         }
     }
@@ -138,6 +161,10 @@ impl Message {
             Message::Done { node } => format!("DONE {node}\n"),
             Message::Beat { node, host } => format!("BEAT {node} {}\n", flat(host)),
             Message::Lost { node, cause } => format!("LOST {node} {}\n", flat(cause)),
+            Message::Members { attempt, members } => {
+                let list: Vec<String> = members.iter().map(u32::to_string).collect();
+                format!("MEMBERS {attempt} {}\n", list.join(","))
+            }
             Message::View(report) => format!("VIEW {}\n", view_fields(report)),
         }
     }
@@ -236,6 +263,10 @@ mod tests {
             Message::Lost {
                 node: 1,
                 cause: "node 1 (host vn2) silent for 30 s: lost".into(),
+            },
+            Message::Members {
+                attempt: 2,
+                members: vec![0, 2, 3],
             },
             Message::View(RankReport {
                 attempt: 1,

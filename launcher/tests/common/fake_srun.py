@@ -8,6 +8,8 @@ SLURM_LOCALID, SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST, ...; SLURM_JOB_ID from
 the caller, else 1) and waits for them. Like slurmstepd's process tracking, a
 signal srun receives (SIGUSR2, SIGTERM, SIGINT) goes to every process of the step:
 the tasks and everything they started. Exits with the first non-zero task status.
+With FAKE_SLURM_DIR set, its options (what comes before PROGRAM) are written to
+$FAKE_SLURM_DIR/srun.options, one a line.
 """
 
 import os
@@ -55,6 +57,11 @@ def main():
     tasks, command = parse(sys.argv[1:])
     if not command:
         sys.exit("fake srun: no program")
+    record = os.environ.get("FAKE_SLURM_DIR")
+    if record:
+        options = sys.argv[1 : len(sys.argv) - len(command)]
+        with open(os.path.join(record, "srun.options"), "w") as f:
+            f.write("".join(option + "\n" for option in options))
     job = os.environ.get("SLURM_JOB_ID", "1")
     procs = []
     for task in range(tasks):

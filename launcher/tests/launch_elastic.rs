@@ -1,0 +1,176 @@
+//! Elastic membership on loopback (issue 37): two node launchers of one CPU rank
+//! each train the tiny U-Net under `--min-nodes 1`; after a checkpoint node 1's
+//! launcher, rank and cache server are stopped (SIGSTOP: silent, links open, as a
+//! cut link or a hung host leaves them). Node 0 names node 1 lost, goes on alone
+//! from the checkpoint with gradient accumulation 2 (the global batch kept), without
+//! using a restart (`--max-restarts 0`), and completes; its summary lists the
+//! membership change and the heartbeat directory names the lost node.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use vrtspike_contract::heartbeat;
+use vrtspike_contract::rundir::RunLayout;
+
+use common::{exit_code, left_behind, process_tree, signal, wait_until, TinyTrain};
+
+const TOTAL_STEPS: u64 = 16;
+const CKPT_EVERY: u64 = 4;
+/// Per-rank batch of the tiny config.
+const BATCH: u64 = 2;
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// Node `node`'s launcher of the two, its log in `log`.
+fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
+    let extra = [
+        "--min-nodes",
+        "1",
+        "--peer-silence-s",
+        "3",
+        "--grace-s",
+        "2",
+        "--max-restarts",
+        "0",
+        "--cache-size",
+        "64M",
+        "--stall-timeout-s",
+        "0",
+        // A cache server of each node's own, stopped with its node.
+        "--set",
+        "DATA.CACHE_SHARING=job",
+    ];
+    let out = std::fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+    common::launcher_command(config, run)
+        .args(common::two_node_args(1, node, "127.0.0.1", &extra))
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting node {node}: {e}"))
+}
+
+#[test]
+fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_batch() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let data = common::synth_tiny(tmp.path());
+    let tiny = TinyTrain {
+        total_steps: TOTAL_STEPS,
+        ckpt_every: CKPT_EVERY,
+        timeout_s: 60,
+    };
+    let config = common::write_tiny_config(tmp.path(), &data, &tiny);
+    let run = tmp.path().join("run");
+    let layout = RunLayout::new(&run);
+    let logs = [tmp.path().join("node0.log"), tmp.path().join("node1.log")];
+    let mut node0 = start_node(&config, &run, 0, &logs[0]);
+    let mut node1 = start_node(&config, &run, 1, &logs[1]);
+    let log = |node: usize| std::fs::read_to_string(&logs[node]).unwrap_or_default();
+
+    // Rank 1 (node 1) past the first checkpoint.
+    let past_checkpoint = wait_until(LIMIT, || {
+        let latest = layout.latest_checkpoint().map_or(0, |c| c.step);
+        let beat = heartbeat::read(&run, 1).ok().flatten();
+        latest >= CKPT_EVERY && beat.is_some_and(|b| b.progress.step > latest)
+    });
+    assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
+    let tree = |pid: u32| [vec![pid], process_tree(pid)].concat();
+    let node1_tree = tree(node1.id());
+    for pid in &node1_tree {
+        signal(*pid, Signal::SIGSTOP);
+    }
+    let stopped = Instant::now();
+    let node0_tree = tree(node0.id());
+    let code = exit_code(&mut node0, LIMIT);
+    let finished_after = stopped.elapsed();
+    for pid in &node1_tree {
+        signal(*pid, Signal::SIGKILL);
+    }
+    let _ = node1.wait();
+    assert_eq!(code, Some(0), "node 0:\n{}", log(0));
+
+    let summary = common::read_json(&layout.launcher_summary(0));
+    assert_eq!(summary["exit"], "completed", "{summary}");
+    assert_eq!(summary["steps"], TOTAL_STEPS, "{summary}");
+    // Every step averaged 2 ranks' batches: before the change over 2 ranks, after
+    // it over 1 rank accumulating 2.
+    assert_eq!(
+        summary["samples_seen"],
+        TOTAL_STEPS * BATCH * 2,
+        "the global batch was not kept: {summary}"
+    );
+    let attempts = summary["attempts"].as_array().cloned().unwrap_or_default();
+    assert_eq!(attempts.len(), 2, "{summary}");
+    assert_eq!(attempts[0]["failure"]["process"], "node 1", "{summary}");
+    let changes = summary["membership_changes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(changes.len(), 1, "{summary}");
+    let change = &changes[0];
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    assert_eq!(
+        (
+            &change["nodes_before"],
+            &change["nodes_after"],
+            &change["attempt"],
+            &change["accumulation"],
+        ),
+        (&2.into(), &1.into(), &1.into(), &2.into()),
+        "{summary}"
+    );
+    assert_eq!(change["members"], serde_json::json!([0]), "{summary}");
+    assert_eq!(change["lost"][0]["node"], 1, "{summary}");
+    assert_eq!(change["lost"][0]["host"], host.trim(), "{summary}");
+    let resumed = change["resumed_step"].as_u64().unwrap_or(0);
+    assert!(
+        resumed >= CKPT_EVERY && resumed % CKPT_EVERY == 0,
+        "{summary}"
+    );
+    assert_eq!(
+        attempts[1]["resumed_from"],
+        format!("step_{resumed:08}"),
+        "{summary}"
+    );
+    assert_eq!(summary["world_size"], 1, "{summary}");
+    // The second start of the ranks: one rank, from the checkpoint.
+    let starts = common::start_events(&layout);
+    assert_eq!(starts.len(), 2, "{starts:?}");
+    assert_eq!(
+        (&starts[1]["world_size"], &starts[1]["step"]),
+        (&1.into(), &resumed.into()),
+        "{starts:?}"
+    );
+    assert!(
+        log(0).contains("membership change: 1 of 2 nodes go on without node 1"),
+        "{}",
+        log(0)
+    );
+    // The lost node is named beside the ranks' heartbeats.
+    let lost = heartbeat::read_lost_nodes(&run).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert!(
+        lost[0].0 == 1 && lost[0].1.contains("silent for") && lost[0].1.ends_with("lost"),
+        "{lost:?}"
+    );
+    // Nothing of either node is left.
+    let names: Vec<String> = node0_tree
+        .iter()
+        .map(|p| format!("node 0 pid {p}"))
+        .collect();
+    let left = left_behind(&node0_tree, &names, Duration::from_secs(10));
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let names: Vec<String> = node1_tree
+        .iter()
+        .map(|p| format!("node 1 pid {p}"))
+        .collect();
+    let left = left_behind(&node1_tree, &names, Duration::from_secs(10));
+    assert!(left.is_empty(), "left behind: {left:?}");
+    println!(
+        "launch_elastic: node 0 finished alone {:.1} s after node 1 went silent past step {resumed} \
+         (--peer-silence-s 3, {TOTAL_STEPS} steps)",
+        finished_after.as_secs_f64()
+    );
+}
