@@ -174,12 +174,15 @@ fn final_weights(run: &Path, step: u64) -> Vec<(String, tch::Tensor)> {
 
 #[test]
 fn two_ranks_equal_one_rank_accumulating_their_share() {
-    // Square 32 x 32 frames cropped whole: a sample is the same whoever draws it.
+    // Square 32 x 32 frames cropped whole: a sample is the same whoever draws it;
+    // 12 frames a sequence, so one epoch holds every step's samples (a step across
+    // an epoch's end takes other ones in worlds of other sizes).
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     let options = SynthOptions {
         height: 32,
         width: 32,
+        frames: 12,
         ..SynthOptions::small(9)
     };
     synth::generate_folder(&data, &options, &|_| {}).unwrap();

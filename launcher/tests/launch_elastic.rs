@@ -24,6 +24,23 @@ const CKPT_EVERY: u64 = 4;
 const BATCH: u64 = 2;
 const LIMIT: Duration = Duration::from_secs(240);
 
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// When the first training step past `step` was logged after `since` (unix s).
+fn first_step_after(layout: &RunLayout, step: u64, since: f64) -> Option<f64> {
+    let metrics = std::fs::read_to_string(layout.metrics()).unwrap_or_default();
+    metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "train" && v["step"].as_u64().is_some_and(|s| s > step))
+        .filter_map(|v| v["time"].as_f64())
+        .find(|t| *t > since)
+}
+
 /// Node `node`'s launcher of the two, its log in `log`.
 fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
     let extra = [
@@ -82,6 +99,7 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
         signal(*pid, Signal::SIGSTOP);
     }
     let stopped = Instant::now();
+    let stopped_unix = unix_now();
     let node0_tree = tree(node0.id());
     let code = exit_code(&mut node0, LIMIT);
     let finished_after = stopped.elapsed();
@@ -168,9 +186,16 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
         .collect();
     let left = left_behind(&node1_tree, &names, Duration::from_secs(10));
     assert!(left.is_empty(), "left behind: {left:?}");
+    let trained_on = first_step_after(&layout, resumed, stopped_unix).map(|t| t - stopped_unix);
     println!(
-        "launch_elastic: node 0 finished alone {:.1} s after node 1 went silent past step {resumed} \
-         (--peer-silence-s 3, {TOTAL_STEPS} steps)",
+        "launch_elastic: node 1 stopped; node 0 trained past the checkpoint of step {resumed} alone \
+         {} s later and finished {:.1} s later (--peer-silence-s 3, --grace-s 2, {TOTAL_STEPS} \
+         steps)",
+        trained_on.map_or("never".to_string(), |s| format!("{s:.1}")),
         finished_after.as_secs_f64()
+    );
+    assert!(
+        trained_on.is_some(),
+        "no step past the checkpoint after the stop"
     );
 }
