@@ -17,30 +17,31 @@ use vrtspike::synth::{self, SynthOptions};
 const RANKS_LIMIT: Duration = Duration::from_secs(120);
 
 fn write_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
-    let path = dir.join(format!("ddp{total_steps}.yaml"));
-    let text = format!(
-        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.1\n\
-         DATALOADER:\n  TOTAL_WORKERS: 2\n\
-         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n  PARAM_CHECK_EVERY: 2\n\
-         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
-         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 2\n\
-         DIST:\n  TIMEOUT_S: 60\n",
-        data.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+    write_named_config(dir, "ddp", data, total_steps, "")
 }
 
 /// A config whose samples do not depend on the rank that draws them (whole
 /// square frames, no augmentation), so worlds of other sizes see the same ones.
 fn write_whole_frame_config(dir: &Path, data: &Path, total_steps: u64) -> PathBuf {
-    let path = dir.join(format!("whole{total_steps}.yaml"));
+    write_named_config(dir, "whole", data, total_steps, "  AUGMENT: false\n")
+}
+
+/// The tiny two-rank config as `dir/<name><total_steps>.yaml`, `data_keys` added
+/// to its `DATA` section.
+fn write_named_config(
+    dir: &Path,
+    name: &str,
+    data: &Path,
+    total_steps: u64,
+    data_keys: &str,
+) -> PathBuf {
+    let path = dir.join(format!("{name}{total_steps}.yaml"));
     let text = format!(
-        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.1\n  AUGMENT: false\n\
+        "DATA:\n  ROOT: {}\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.1\n{data_keys}\
          DATALOADER:\n  TOTAL_WORKERS: 2\n\
-         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: {total_steps}\n  LR: 1.0e-3\n  SEED: 3\n  PARAM_CHECK_EVERY: 2\n\
          MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
-         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 1000\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n  MEM_EVERY_STEPS: 2\n\
          DIST:\n  TIMEOUT_S: 60\n",
         data.display()
     );
