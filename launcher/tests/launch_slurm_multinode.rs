@@ -23,8 +23,8 @@
 //!   its victim) with a code of its own (75), and SLURM requeues it; it resumes
 //!   from the checkpoint on the two nodes left and completes;
 //! - with `--min-nodes 1` and `sbatch --no-kill`, node 0 goes on alone from the
-//!   checkpoint and the job completes without a requeue: ignored until elastic
-//!   membership exists (issue 37 item 3).
+//!   checkpoint and the job completes without a requeue (it leaves the queue once
+//!   SLURM has declared the node dead: the step holds its task until then).
 //!
 //! It needs root, the packages `slurm-wlm` and `munge` (`make test` installs them),
 //! and util-linux's `unshare` and `nsenter` and iproute2's `ip`: without them it
@@ -463,7 +463,6 @@ fn a_lost_node_ends_the_job_naming_it_and_slurm_requeues_it() {
 }
 
 #[test]
-#[ignore = "issue 37 item 3: elastic membership (--min-nodes) not built yet"]
 fn a_lost_node_under_min_nodes_1_trains_on_to_completion_on_the_other() {
     let _one = one_cluster_at_a_time();
     let test = "launch_slurm_multinode (lost node, --min-nodes 1)";
@@ -493,6 +492,12 @@ fn a_lost_node_under_min_nodes_1_trains_on_to_completion_on_the_other() {
         "{}",
         context()
     );
+    // The step holds the lost node's task until SLURM declares the node dead
+    // (`SlurmdTimeout`): only then can the job leave the queue.
+    let declared_dead = Duration::from_secs(DEFAULT_SLURMD_TIMEOUT_S * 2);
+    bench.wait_for(job, "leaving the queue", declared_dead, || {
+        bench.slurm.queue_state(job).is_empty()
+    });
     let summary = bench.check_job_completed(job, 0, LOSS_TOTAL);
     let attempts = summary["attempts"].as_array().cloned().unwrap_or_default();
     assert_eq!(attempts.len(), 2, "{summary}");

@@ -65,7 +65,18 @@ pub fn run(
             Some(name) => format!("from checkpoint {name}"),
             None => "from the start (no checkpoint yet)".to_string(),
         };
-        tracing::info!("restart {restart_count} of {}, {from}", args.max_restarts);
+        let changed = record.membership_changes.last();
+        match changed.filter(|c| c.attempt == restart_count) {
+            Some(change) => tracing::info!(
+                "attempt {restart_count} on {} node(s) after a membership change (no restart \
+                 used), {from}",
+                change.nodes_after
+            ),
+            None => {
+                let used = record.restarts_used(restart_count);
+                tracing::info!("restart {used} of {}, {from}", args.max_restarts);
+            }
+        }
     }
     let started = Instant::now();
     let restart_latency_s = last_failed_at.map(|at| at.elapsed().as_secs_f64());

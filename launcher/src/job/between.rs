@@ -318,10 +318,8 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
         max_restarts: args.max_restarts,
         delay: Duration::from_secs_f64(args.restart_delay_s),
     };
-    // Attempts started by a membership change used no restart.
-    let restarts_done = restart_count.saturating_sub(record.membership_changes.len() as u32);
     match policy.decide(&FailedAttempt {
-        restarts_done,
+        restarts_done: record.restarts_used(restart_count),
         failure: &failure,
         made_progress,
         previous_failure,

@@ -64,6 +64,12 @@ impl JobRecord {
         }
     }
 
+    /// Restarts of `--max-restarts` used by attempt `attempt` (the attempts a
+    /// membership change started used none).
+    pub fn restarts_used(&self, attempt: u32) -> u32 {
+        attempt.saturating_sub(self.membership_changes.len() as u32)
+    }
+
     /// Seconds since the launch.
     pub fn elapsed_s(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
