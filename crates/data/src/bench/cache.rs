@@ -3,18 +3,17 @@
 //! evict), every read checked for tearing; then single-thread crop reads under a
 //! lease against a plain memcpy measured in the same run.
 
-use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
+use super::worker::{ProcessError, Worker};
 use crate::cache::store::extent_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
-use crate::testkit::process::{spawn_cache_server, ChildGuard};
+use crate::testkit::process::spawn_cache_server;
 use crate::testkit::record::{
     check_rows, copy_crop, template, verify_record, write_record, FrameShape,
 };
@@ -26,13 +25,8 @@ pub enum BenchError {
     #[error(transparent)]
     Cache(#[from] CacheError),
     /// A child process could not be run or failed.
-    #[error("{what}: {message}")]
-    Process {
-        /// Which process.
-        what: String,
-        /// What happened.
-        message: String,
-    },
+    #[error(transparent)]
+    Process(#[from] ProcessError),
     /// Options that cannot work.
     #[error("bad benchmark options: {0}")]
     Options(String),
@@ -412,12 +406,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         rand::random::<u32>()
     ));
     let (_server, driver) =
-        spawn_cache_server(&opts.exe, &address, opts.cap_bytes, Some(record_bytes)).map_err(
-            |e| BenchError::Process {
-                what: "cache server".into(),
-                message: e.to_string(),
-            },
-        )?;
+        spawn_cache_server(&opts.exe, &address, opts.cap_bytes, Some(record_bytes))
+            .map_err(|e| ProcessError::new("cache server", e))?;
     let body = template(shape);
 
     // Warm: fill every slot once, so the timed phase runs at steady eviction pressure.
@@ -441,51 +431,18 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         seed: 0,
         verify_every: opts.verify_every.max(1),
     };
-    let mut children = Vec::new();
+    let mut workers = Vec::new();
     for p in 0..opts.processes {
-        let mut w = worker.clone();
-        w.seed = p as u64 + 1;
-        let json = serde_json::to_string(&w).map_err(|e| BenchError::Options(e.to_string()))?;
-        let child = Command::new(&opts.exe)
-            .args(["bench", "cache-worker", "--options", &json])
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| BenchError::Process {
-                what: format!("starting bench worker {p}"),
-                message: e.to_string(),
-            })?;
-        children.push(ChildGuard(child));
+        let options = WorkerOptions {
+            seed: p as u64 + 1,
+            ..worker.clone()
+        };
+        let name = format!("bench worker {p}");
+        workers.push(Worker::start(&opts.exe, "cache-worker", name, &options)?);
     }
     let mut total = WorkerReport::default();
-    for (p, mut child) in children.into_iter().enumerate() {
-        let what = format!("bench worker {p}");
-        let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Process {
-            what: what.clone(),
-            message: "no stdout".into(),
-        })?;
-        let mut line = String::new();
-        std::io::BufReader::new(stdout)
-            .read_line(&mut line)
-            .map_err(|e| BenchError::Process {
-                what: what.clone(),
-                message: e.to_string(),
-            })?;
-        let status = child.0.wait().map_err(|e| BenchError::Process {
-            what: what.clone(),
-            message: e.to_string(),
-        })?;
-        if !status.success() {
-            return Err(BenchError::Process {
-                what,
-                message: format!("exited with {status}"),
-            });
-        }
-        let report: WorkerReport =
-            serde_json::from_str(line.trim()).map_err(|e| BenchError::Process {
-                what: what.clone(),
-                message: format!("bad report {line:?}: {e}"),
-            })?;
-        total.merge(&report);
+    for w in workers {
+        total.merge(&w.only_report()?);
     }
 
     // Crop reads, one thread, the store otherwise idle, over the records cached now
