@@ -409,14 +409,7 @@ impl ProcessMemory {
 
 /// The compact size of every record of a split, bytes.
 pub fn split_bytes(root: &std::path::Path, split: &str) -> Result<u64> {
-    let index = DatasetIndex::open(root, split, IndexOptions::default())?;
-    let mut bytes = 0;
-    for (seq, s) in index.sequences.iter().enumerate() {
-        for frame in 0..s.frames.len() {
-            bytes += index.record_layout(seq, frame).byte_len() as u64;
-        }
-    }
-    Ok(bytes)
+    Ok(DatasetIndex::open(root, split, IndexOptions::default())?.compact_bytes())
 }
 
 fn process_error(what: String, e: impl std::fmt::Display) -> LoaderBenchError {
