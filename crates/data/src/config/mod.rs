@@ -254,6 +254,45 @@ pub(crate) fn invalid(section: &str, key: &str, message: impl Into<String>) -> (
     (format!("{section}.{key}"), message.into())
 }
 
+/// A section's checks: each fails naming the key path under the section.
+pub(crate) struct Checks(pub &'static str);
+
+impl Checks {
+    /// Fails `key` with `message` unless `ok`.
+    pub fn check(
+        &self,
+        ok: bool,
+        key: &str,
+        message: impl Into<String>,
+    ) -> Result<(), (String, String)> {
+        match ok {
+            true => Ok(()),
+            false => Err(invalid(self.0, key, message)),
+        }
+    }
+
+    /// Fails `key` unless `ok`, saying `expected {expected}, got {got}`.
+    pub fn expect(
+        &self,
+        ok: bool,
+        key: &str,
+        expected: impl std::fmt::Display,
+        got: impl std::fmt::Display,
+    ) -> Result<(), (String, String)> {
+        self.check(ok, key, format!("expected {expected}, got {got}"))
+    }
+}
+
+/// Whether `x` is a finite number above 0.
+pub(crate) fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Whether `x` is a finite number of 0 or more.
+pub(crate) fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}
+
 /// The first of the `(key, value)` counts under `section` below `min`, as a failed
 /// check (`expected at least 1`, or `expected 0 or more`).
 pub(crate) fn at_least<T: PartialOrd + From<u8>>(
