@@ -17,6 +17,7 @@ use crate::testkit::process::spawn_cache_server;
 use crate::testkit::record::{
     check_rows, copy_crop, template, verify_record, write_record, FrameShape,
 };
+use crate::util::bytes::human;
 
 /// Errors of the benchmark driver and workers.
 #[derive(Debug, thiserror::Error)]
@@ -378,6 +379,48 @@ fn crop_pass(
     }
     pass.all_s = t_all.elapsed().as_secs_f64();
     Ok(pass)
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self;
+        writeln!(
+            f,
+            "cache bench: {} processes x {} threads, {} keys over {} slots of {} ({} cap), {:.1} s",
+            r.processes,
+            r.threads,
+            r.keys,
+            r.slots,
+            human(r.record_bytes),
+            human(r.cap_bytes),
+            r.seconds
+        )?;
+        writeln!(
+            f,
+            "  gets/s {:.0}  hit rate {:.1}%  evictions {}  torn reads {} ({} fully verified)",
+            r.ops_per_s,
+            100.0 * r.hit_rate,
+            r.evictions,
+            r.torn_reads,
+            r.verified_reads
+        )?;
+        writeln!(
+            f,
+            "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}  ({} through the server)",
+            r.hit_p50_us, r.hit_p99_us, r.hit_max_us, r.server_hits
+        )?;
+        writeln!(
+            f,
+            "  waits for another client's fill: {}  µs p50 {:.0}  p99 {:.0}",
+            r.waits, r.wait_p50_us, r.wait_p99_us
+        )?;
+        writeln!(
+        f,
+        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release; {:.2} at the first touch of the pages)  memcpy {:.2} GB/s",
+        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.crop_read_first_touch_gbps, r.memcpy_gbps
+    )?;
+        Ok(())
+    }
 }
 
 /// Runs the whole benchmark.

@@ -523,6 +523,46 @@ pub fn run(
     ))
 }
 
+impl std::fmt::Display for LoaderBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let report = self;
+        writeln!(
+        f,
+        "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
+        report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
+        report.bypass_last_epoch, report.bypass_total
+    )?;
+        let w = &report.warm;
+        writeln!(
+        f,
+        "warm epochs ({:?}{}{}): hit rate {:.3}, {:.1} MB from disk, {} prefetched, stall {:.2}% of the step time ({} ms a step)",
+        report.policy,
+        if report.cache_prefetch { " + prefetch" } else { "" },
+        if report.lockstep { ", lockstep" } else { "" },
+        report.warm_hit_rate,
+        w.disk_bytes as f64 / 1e6,
+        w.prefetched,
+        100.0 * report.warm_stall_share,
+        report.step_ms
+    )?;
+        if let Some(store) = &report.store {
+            writeln!(
+        f,
+            "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
+            store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
+        )?;
+        }
+        if let Some(m) = &report.server_memory {
+            writeln!(
+                f,
+                "cache server: Pss {:.1} MB = {:.1} MB of cached data + {:.1} MB of its own",
+                m.pss_mb, m.pss_shmem_mb, m.overhead_mb
+            )?;
+        }
+        Ok(())
+    }
+}
+
 fn summarize(
     template: &LoaderWorkerOptions,
     use_cache: bool,
