@@ -470,6 +470,17 @@ mod tests {
         assert_eq!(c.data.crop_size, 128);
     }
 
+    /// A head count of 0 was a division by zero in the check that heads divide the
+    /// widths.
+    #[test]
+    fn zero_heads_are_refused_naming_the_key() {
+        for key in ["FUSE", "SPIKE_TSA"] {
+            let text = format!("MODEL:\n  ARCH: vrt_spike\n  {key}:\n    HEADS: 0\n");
+            let err = error_of(parse(&text));
+            assert!(err.contains(&format!("MODEL.{key}.HEADS")), "{err}");
+        }
+    }
+
     #[test]
     fn bad_new_values_name_the_key() {
         for (text, key) in [
