@@ -199,20 +199,23 @@ fn meet_the_other_ranks(stdin: &mut impl BufRead) -> Result<()> {
     }
 }
 
+/// The sampler options of rank `rank` of `world` as training samples: shuffled with
+/// `seed`, the uneven rest dropped.
+pub(super) fn shuffled(world: usize, rank: usize, seed: u64) -> SamplerOptions {
+    SamplerOptions {
+        world,
+        rank,
+        shuffle: true,
+        seed,
+        remainder: Remainder::Drop,
+    }
+}
+
 /// Runs one loader process's epochs.
 pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
     let index = DatasetIndex::open(&o.root, &o.split, IndexOptions::default())?;
     let clips = ClipIndex::new(&index, ClipWindows::sliding(o.clip));
-    let sampler = DistributedSampler::new(
-        clips.clips.len(),
-        SamplerOptions {
-            world: o.ranks,
-            rank: o.rank,
-            shuffle: true,
-            seed: o.seed,
-            remainder: Remainder::Drop,
-        },
-    )?;
+    let sampler = DistributedSampler::new(clips.clips.len(), shuffled(o.ranks, o.rank, o.seed))?;
     let options = LoaderOptions {
         workers: o.workers,
         prefetch_batches: o.prefetch * o.workers,

@@ -17,9 +17,9 @@ use crate::cache::RequestError;
 use crate::config::CachePolicy;
 use crate::dataset::{DatasetIndex, IndexOptions};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
-use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 
-use super::loader::{self, LoaderBenchError, LoaderWorkerOptions};
+use super::loader::{self, shuffled, LoaderBenchError, LoaderWorkerOptions};
+use crate::pipeline::sampler::DistributedSampler;
 
 /// The records of a stream: what each takes of the cap (whole pages, as the store
 /// places it) and what reading it from disk decodes.
@@ -129,17 +129,11 @@ fn recorded_stream(
     ranks: usize,
 ) -> Result<(Vec<Access>, Records), LoaderBenchError> {
     let mut records = Records::default();
-    let mut samplers = Vec::new();
-    for rank in 0..ranks {
-        let options = SamplerOptions {
-            world: ranks,
-            rank,
-            shuffle: true,
-            seed: template.seed,
-            remainder: Remainder::Drop,
-        };
-        samplers.push(DistributedSampler::new(clips.clips.len(), options)?);
-    }
+    let samplers = (0..ranks)
+        .map(|rank| {
+            DistributedSampler::new(clips.clips.len(), shuffled(ranks, rank, template.seed))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let mut stream = Vec::new();
     for epoch in 0..template.epochs {
         let orders: Vec<Vec<usize>> = samplers.iter().map(|s| s.epoch_indices(epoch)).collect();
@@ -343,14 +337,7 @@ fn job_steps(
     epochs: u64,
     records: &mut Records,
 ) -> Result<Vec<Vec<usize>>, LoaderBenchError> {
-    let options = SamplerOptions {
-        world: 1,
-        rank: 0,
-        shuffle: true,
-        seed,
-        remainder: Remainder::Drop,
-    };
-    let sampler = DistributedSampler::new(clips.clips.len(), options)?;
+    let sampler = DistributedSampler::new(clips.clips.len(), shuffled(1, 0, seed))?;
     let mut steps = Vec::new();
     for epoch in 0..epochs {
         for position in sampler.epoch_indices(epoch) {
