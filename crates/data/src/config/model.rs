@@ -409,18 +409,12 @@ impl ModelConfig {
             m.expect(false, "VRT_DEPTHS", "positive depths", d)?;
         }
         let per_depth = format!("{n} entries (one per VRT_DEPTHS entry)");
-        m.expect(
-            self.embed_dims.len() == n,
-            "EMBED_DIMS",
-            &per_depth,
-            self.embed_dims.len(),
-        )?;
-        m.expect(
-            self.num_heads.len() == n,
-            "NUM_HEADS",
-            &per_depth,
-            self.num_heads.len(),
-        )?;
+        for (key, len) in [
+            ("EMBED_DIMS", self.embed_dims.len()),
+            ("NUM_HEADS", self.num_heads.len()),
+        ] {
+            m.expect(len == n, key, &per_depth, len)?;
+        }
         let windows_ok = self.window_size.iter().all(|&w| w >= 1);
         m.check(windows_ok, "WINDOW_SIZE", "expected positive sizes")?;
         for (i, (&dim, &heads)) in self.embed_dims.iter().zip(&self.num_heads).enumerate() {
