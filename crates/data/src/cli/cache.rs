@@ -274,14 +274,7 @@ fn attach(args: AttachArgs) -> Result<()> {
             eprintln!("no cache server at {address}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
         }
-        Err(
-            e @ (cache::CacheError::ForeignServer { .. }
-            | cache::CacheError::ProtocolVersion { .. }),
-        ) => {
-            eprintln!("{e}");
-            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
-        }
-        Err(e) if e.is_connection_refusal() => {
+        Err(e) if e.is_connection_refusal() || not_ours(&e) => {
             eprintln!("{e}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }
@@ -297,6 +290,12 @@ fn attach(args: AttachArgs) -> Result<()> {
             .stats()
             .with_context(|| format!("the cache server at {address} (pid {pid}) went away"))?;
     }
+}
+
+/// A server of a user this client does not trust, or of another build's protocol.
+fn not_ours(e: &cache::CacheError) -> bool {
+    use cache::CacheError::{ForeignServer, ProtocolVersion};
+    matches!(e, ForeignServer { .. } | ProtocolVersion { .. })
 }
 
 fn pin(args: PinArgs) -> Result<()> {
