@@ -3,7 +3,7 @@
 //! into its own `summary.json`. One serde struct on both sides, so a renamed or
 //! retyped field is a compile error, not a silent `null`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -90,33 +90,20 @@ pub struct RunSummary {
 }
 
 /// A summary file that cannot be written or read.
-#[derive(Debug, thiserror::Error)]
-#[error("run summary {path}: {message}")]
-pub struct SummaryError {
-    /// The file.
-    pub path: PathBuf,
-    /// What failed.
-    pub message: String,
-}
+pub type SummaryError = JsonFileError;
 
-impl From<JsonFileError> for SummaryError {
-    fn from(e: JsonFileError) -> SummaryError {
-        SummaryError {
-            path: e.path,
-            message: e.message,
-        }
-    }
-}
+/// The record's name in errors.
+const WHAT: &str = "run summary";
 
 impl RunSummary {
     /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<(), SummaryError> {
-        Ok(json_file::write_atomic(self, path)?)
+        json_file::write_atomic(WHAT, self, path)
     }
 
     /// Reads the summary at `path`.
     pub fn read(path: &Path) -> Result<RunSummary, SummaryError> {
-        Ok(json_file::read(path)?)
+        json_file::read(WHAT, path)
     }
 }
 
