@@ -15,6 +15,7 @@ use nix::sys::signal::Signal;
 use vrtspike_contract::cache_serve::{
     CacheAttach, ServeError, StartError, EXIT_NOT_OURS, EXIT_NO_SERVER,
 };
+pub use vrtspike_contract::shared_server::NotOurs;
 use vrtspike_contract::shared_server::{self, SharedStart};
 
 use crate::cache_server;
@@ -36,18 +37,6 @@ pub struct SharedSpec<'a> {
 pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
     let (held, _) = shared_server::attach_or_start(&spec.start, &mut || attach(spec))?;
     Ok(held)
-}
-
-/// What holds the node-shared address is not a server this job can use: another
-/// user's process (the address squatted), another build's server, or one with no
-/// connection left for the job. The job falls back to a server of its own.
-#[derive(Debug, thiserror::Error)]
-#[error("the node-shared cache address {address:?} is held by a server this job cannot use{why}")]
-pub struct NotOurs {
-    /// The node-shared address.
-    pub address: String,
-    /// `:` and what the attach said (the uid, or the two protocol versions).
-    pub why: String,
 }
 
 /// Runs `vrtspike cache attach`; `None` when no server listens at the address,

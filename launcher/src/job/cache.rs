@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use vrtspike_contract::cache_serve::{CacheServe, Lifetime, Watch};
 use vrtspike_contract::dataset_sig::Coverage;
-use vrtspike_contract::shared_server::SharedStart;
+use vrtspike_contract::shared_server::{FellBack, SharedStart};
 
 use crate::args::Args;
 use crate::cache_server::{self, ConfigFacts};
@@ -53,15 +53,6 @@ pub struct NodeCache {
     /// Why this job runs a server of its own although the config shares one: the
     /// node-shared address was not its to use.
     fell_back: Option<FellBack>,
-}
-
-/// A fall-back from the node-shared server to one of the job's own.
-#[derive(Clone)]
-struct FellBack {
-    /// The node-shared address that was not this job's to use.
-    from: String,
-    /// What was found there.
-    why: String,
 }
 
 /// The node-shared cache server of this job's dataset.
@@ -133,19 +124,9 @@ impl NodeCache {
 
     /// Gives up the node-shared server for one of this job's own, saying so once.
     fn fall_back(&mut self, not_ours: shared_cache::NotOurs) {
-        tracing::warn!(
-            shared = not_ours.address,
-            own = self.own_address,
-            "{not_ours}; this job starts a cache server of its own instead (DATA.CACHE_SHARING \
-             job) and trains"
-        );
+        self.fell_back = Some(not_ours.fall_back(&self.own_address));
         self.shared = None;
         self.address = self.own_address.clone();
-        let why = not_ours.why.trim_start_matches(':').trim().to_string();
-        self.fell_back = Some(FellBack {
-            from: not_ours.address,
-            why,
-        });
     }
 
     /// Starts this job's cache server, or attaches to the node-shared one (starting
@@ -248,11 +229,7 @@ impl NodeCache {
         if let (Some(fell_back), Some(serde_json::Value::Object(figures))) =
             (&self.fell_back, stats.as_mut())
         {
-            figures.insert(
-                "sharing".into(),
-                serde_json::json!({"mode": "job", "address": self.address,
-                    "fell_back_from": fell_back.from, "why": fell_back.why}),
-            );
+            figures.insert("sharing".into(), serde_json::json!(fell_back.sharing()));
         }
         spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
         // One its re-attach got while giving up.

@@ -274,14 +274,7 @@ fn attach(args: AttachArgs) -> Result<()> {
             eprintln!("no cache server at {address}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
         }
-        Err(
-            e @ (cache::CacheError::ForeignServer { .. }
-            | cache::CacheError::ProtocolVersion { .. }),
-        ) => {
-            eprintln!("{e}");
-            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
-        }
-        Err(e) if e.is_connection_refusal() => {
+        Err(e) if e.is_not_ours() => {
             eprintln!("{e}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }

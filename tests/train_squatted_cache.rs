@@ -1,0 +1,199 @@
+//! Ranks that no launcher started (two CPU ranks of `vrtspike train` with
+//! torchrun's environment, `DATA.CACHE_SHARING: node`), when the node-shared
+//! address is not theirs to use: a process of another user bound there first
+//! (abstract names have no permissions), or a server of another cache protocol
+//! version (another build's). Local rank 0 falls back to a server of the job's
+//! own (the `job` address) as the launcher does; each rank warns once naming the
+//! address and the reason, both complete, and the summary's `cache_sharing` says
+//! so. The squatter test needs root (it runs the squatter as `nobody`): where the
+//! build is not root it is ignored (`build/facilities.rs`).
+
+mod ranks_support;
+
+use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ranks_support::{start_ranks, wait_all};
+use vrtspike::synth::{self, SynthOptions};
+use vrtspike_contract::cache_addr::{node_shared_address, CACHE_PROTOCOL_VERSION};
+
+/// A failure guard only: a healthy run ends far sooner.
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// The uid and gid of `nobody`.
+const NOBODY: u32 = 65534;
+
+/// What a rank warns, once, when its job falls back.
+const FELL_BACK: &str = "this job starts a cache server of its own instead";
+
+struct Setup {
+    tmp: tempfile::TempDir,
+    config: PathBuf,
+    /// The dataset's node-shared address.
+    address: String,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let data = tmp.path().join("data");
+    synth::generate_folder(&data, &SynthOptions::small(5), &|_| {})
+        .unwrap_or_else(|e| panic!("{e}"));
+    let config = tmp.path().join("squatted.yaml");
+    let text = format!(
+        "DATA:\n  ROOT: {}\n  CACHE_SHARING: node\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
+         DATALOADER:\n  TOTAL_WORKERS: 2\n\
+         TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: 4\n  LR: 1.0e-3\n  SEED: 3\n\
+         MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
+         LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n\
+         DIST:\n  TIMEOUT_S: 60\n",
+        data.display()
+    );
+    std::fs::write(&config, text).unwrap_or_else(|e| panic!("{e}"));
+    let (address, _) = node_shared_address(&data).unwrap_or_else(|e| panic!("{e}"));
+    Setup {
+        tmp,
+        config,
+        address,
+    }
+}
+
+/// Runs both ranks to their end; the run directory.
+fn run_ranks(s: &Setup) -> PathBuf {
+    let run = s.tmp.path().join("run");
+    std::fs::create_dir_all(&run).unwrap_or_else(|e| panic!("{e}"));
+    let mut ranks = start_ranks(&s.config, &run, None);
+    wait_all(&mut ranks, &run, LIMIT);
+    run
+}
+
+/// Both ranks completed on a server of the job's own, each warned once naming
+/// `address` and `why`, and the summary says it fell back from `address`.
+fn check_fell_back(run: &Path, address: &str, why: &[&str]) {
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(run.join(format!("rank{rank}.log")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let warnings: Vec<&str> = log.lines().filter(|l| l.contains(FELL_BACK)).collect();
+        assert_eq!(warnings.len(), 1, "rank {rank}:\n{log}");
+        for word in why.iter().chain([&address]) {
+            assert!(warnings[0].contains(word), "{word:?} not in rank {rank}'s {warnings:?}");
+        }
+    }
+    let text = std::fs::read_to_string(run.join("result.json")).unwrap_or_else(|e| panic!("{e}"));
+    let summary: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(summary["status"], "completed", "{summary}");
+    assert_eq!(summary["steps"], 4, "{summary}");
+    let sharing = &summary["cache_sharing"];
+    assert_eq!(sharing["mode"], "job", "{summary}");
+    assert_eq!(sharing["fell_back_from"], address, "{summary}");
+    let own = sharing["address"].as_str().unwrap_or_default();
+    assert!(!own.is_empty() && own != address, "{summary}");
+    let reason = sharing["why"].as_str().unwrap_or_default();
+    for word in why {
+        assert!(reason.contains(word), "{word:?} not in {summary}");
+    }
+    // The ranks read through the job's own server.
+    assert!(summary["cache_hit_rate"].is_number(), "{summary}");
+}
+
+/// `vrtspike cache serve` run as `nobody`, stopped when dropped.
+struct Squatter(Child);
+
+impl Drop for Squatter {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+#[cfg_attr(vrtspike_no_root, ignore = "needs root, to run a process as nobody")]
+fn ranks_fall_back_from_an_address_squatted_by_another_user() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test needs root, to run the squatter as nobody (CI runs as root)");
+    }
+    let s = setup();
+    let squatter = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+        .args(["cache", "serve", "--address", &s.address, "--cap", "1M"])
+        .current_dir("/")
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env("TMPDIR", "/tmp")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting the squatter: {e}"));
+    let mut squatter = Squatter(squatter);
+    let name =
+        SocketAddr::from_abstract_name(s.address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    let deadline = Instant::now() + LIMIT;
+    while UnixStream::connect_addr(&name).is_err() {
+        assert!(
+            matches!(squatter.0.try_wait(), Ok(None)) && Instant::now() < deadline,
+            "the squatter did not bind"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let run = run_ranks(&s);
+    check_fell_back(&run, &s.address, &[&format!("runs as uid {NOBODY}")]);
+    assert!(
+        matches!(squatter.0.try_wait(), Ok(None)),
+        "the squatter was stopped"
+    );
+}
+
+/// A fake server of the next protocol version at `address`: it greets every
+/// connection as a server of that version would, naming a channel that does not
+/// exist; it counts the clients that went on after the greeting (none should).
+fn other_version_at(address: &str) -> Arc<AtomicUsize> {
+    let name = SocketAddr::from_abstract_name(address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    let listener = UnixListener::bind_addr(&name).unwrap_or_else(|e| panic!("{e}"));
+    let went_on = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&went_on);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut hello = [0u8; 1];
+            if stream.read_exact(&mut hello).is_err() {
+                continue;
+            }
+            let greeting = format!(
+                "channel p{} /tmp/vrtspike-no-such-channel/socket",
+                CACHE_PROTOCOL_VERSION + 1
+            );
+            let len = (greeting.len() as u32).to_le_bytes();
+            let _ = stream.write_all(&len);
+            let _ = stream.write_all(greeting.as_bytes());
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+            let mut ack = [0u8; 1];
+            if matches!(stream.read(&mut ack), Ok(1)) {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    });
+    went_on
+}
+
+#[test]
+fn ranks_fall_back_from_a_server_of_another_protocol_version() {
+    let s = setup();
+    let went_on = other_version_at(&s.address);
+    let run = run_ranks(&s);
+    let ours = CACHE_PROTOCOL_VERSION;
+    check_fell_back(
+        &run,
+        &s.address,
+        &[
+            &format!("speaks cache protocol version {}", ours + 1),
+            &format!("this build speaks version {ours}"),
+        ],
+    );
+    assert_eq!(went_on.load(Ordering::SeqCst), 0);
+}
