@@ -30,6 +30,8 @@ pub struct SharedSpec<'a> {
     pub job_label: &'a str,
     /// The cap this job asks for, in bytes (`--cache-size`, else the config's).
     pub wanted_cap: Option<u64>,
+    /// The connections this job asks for (`DATA.CACHE_CONNECTIONS`; `None`: auto).
+    pub wanted_connections: Option<u64>,
 }
 
 /// Attaches this job to the node-shared server, starting it first when none
@@ -92,6 +94,7 @@ fn report_attached(spec: &SharedSpec, attach_pid: u32) {
         .and_then(|s| s["server_pid"].as_u64())
         .unwrap_or(0);
     let cap = stats.as_ref().and_then(|s| s["cap_bytes"].as_u64());
+    let connections = stats.as_ref().and_then(|s| s["connections"].as_u64());
     let starter = started_by(pid).unwrap_or_else(|| "unknown".into());
     tracing::info!(
         address,
@@ -111,6 +114,7 @@ fn report_attached(spec: &SharedSpec, attach_pid: u32) {
             );
         }
     }
+    shared_server::warn_fewer_connections(address, connections, spec.wanted_connections);
 }
 
 /// The `--started-by` of the server process `pid`, from its command line.

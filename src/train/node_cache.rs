@@ -96,7 +96,7 @@ pub fn start_or_attach(
                 how: "attached",
             }
         }
-        (Some(root), 0) => lead_shared(env, root, &own, from)?,
+        (Some(root), 0) => lead_shared(env, config, root, &own, from)?,
         (Some(_), _) => follow_shared(env)?,
     };
     let address = chosen.sharing.address.clone();
@@ -155,6 +155,7 @@ fn shared_root(config: &Config) -> Option<&Path> {
 /// which server it is in the run directory for the node's other ranks.
 fn lead_shared(
     env: &RankEnv,
+    config: &Config,
     root: &Path,
     own: &str,
     from: &ServeFrom,
@@ -162,7 +163,11 @@ fn lead_shared(
     let (address, _) = vrtspike_contract::cache_addr::node_shared_address(root)
         .map_err(|e| TrainError::io(root, e))?;
     let chosen = match attach_or_start_shared(env, &address, from) {
-        Ok((hold, how)) => Chosen {
+        Ok((hold, how)) => {
+            let have = hold.stats().ok().map(|stats| stats.connections as u64);
+            let want = config.data.cache_connections.count().map(u64::from);
+            shared_server::warn_fewer_connections(&address, have, want);
+            Chosen {
             server: Some(NodeCache::Held(hold)),
             sharing: CacheSharing {
                 mode: SharingMode::Node,
@@ -171,7 +176,8 @@ fn lead_shared(
                 why: None,
             },
             how,
-        },
+        }
+        }
         Err(TrainError::NotOurs(not_ours)) => {
             let sharing = not_ours.fall_back(own).sharing();
             Chosen {

@@ -116,6 +116,28 @@ impl FellBack {
     }
 }
 
+/// Warns when the node-shared server this job attached to serves fewer connections
+/// at once (`have`, from its stats) than the job asks for (`want`,
+/// `DATA.CACHE_CONNECTIONS`; `None`: auto): a running server keeps what it was
+/// started with. Returns whether it warned.
+pub fn warn_fewer_connections(address: &str, have: Option<u64>, want: Option<u64>) -> bool {
+    let (Some(have), Some(want)) = (have, want) else {
+        return false;
+    };
+    if have >= want {
+        return false;
+    }
+    tracing::warn!(
+        address,
+        server_connections = have,
+        asked_connections = want,
+        "the shared cache server serves {have} connections at once, fewer than this job's \
+         DATA.CACHE_CONNECTIONS ({want}): it keeps what it was started with (a loader worker \
+         refused a connection reads from disk)"
+    );
+    true
+}
+
 /// How a job came to hold the node-shared server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Joined {
@@ -347,6 +369,14 @@ mod tests {
             serde_json::json!({"mode": "job", "address": "vrtspike-cache-job-x",
                 "fell_back_from": "vrtspike-cache-u0-abc", "why": "runs as uid 65534"})
         );
+    }
+
+    #[test]
+    fn fewer_connections_than_asked_are_said_and_auto_or_more_are_not() {
+        assert!(warn_fewer_connections("a", Some(512), Some(1024)));
+        assert!(!warn_fewer_connections("a", Some(1024), Some(1024)));
+        assert!(!warn_fewer_connections("a", Some(512), None));
+        assert!(!warn_fewer_connections("a", None, Some(1024)));
     }
 
     #[test]

@@ -62,6 +62,8 @@ struct SharedSetup {
     job: String,
     /// The cap this job asks for.
     wanted_cap: u64,
+    /// The connections this job asks for (`None`: auto).
+    wanted_connections: Option<u64>,
     /// Seconds a server this job starts stays after the last job detached.
     linger_s: f64,
 }
@@ -163,6 +165,7 @@ impl NodeCache {
             },
             job_label: &self.job_label,
             wanted_cap: Some(shared.wanted_cap),
+            wanted_connections: shared.wanted_connections,
         })
     }
 
@@ -281,6 +284,7 @@ fn shared_setup(
     let setup = SharedSetup {
         job,
         wanted_cap,
+        wanted_connections: facts.connections,
         linger_s,
     };
     Ok(Some((address, setup)))

@@ -1,6 +1,9 @@
 //! Ranks that no launcher started (two CPU ranks of `vrtspike train` with
-//! torchrun's environment, `DATA.CACHE_SHARING: node`), when the node-shared
-//! address is not theirs to use: a process of another user bound there first
+//! torchrun's environment, `DATA.CACHE_SHARING: node`) and the node cache server
+//! they start or attach to themselves. `DATA.CACHE_CONNECTIONS` sizes the server
+//! local rank 0 starts (its stats say so), and a later job that asks for more
+//! than the running server has is told so. When the node-shared address is not
+//! theirs to use: a process of another user bound there first
 //! (abstract names have no permissions), or a server of another cache protocol
 //! version (another build's). Local rank 0 falls back to a server of the job's
 //! own (the `job` address) as the launcher does; each rank warns once naming the
@@ -42,18 +45,23 @@ struct Setup {
 
 fn setup() -> Setup {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    setup_in(tmp, "")
+}
+
+/// The data and a config in `tmp`, with `extra` lines in its DATA section.
+fn setup_in(tmp: tempfile::TempDir, extra: &str) -> Setup {
     let data = tmp.path().join("data");
     synth::generate_folder(&data, &SynthOptions::small(5), &|_| {})
         .unwrap_or_else(|e| panic!("{e}"));
     let config = tmp.path().join("squatted.yaml");
     let text = format!(
-        "DATA:\n  ROOT: {}\n  CACHE_SHARING: node\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n\
+        "DATA:\n  ROOT: {}\n  CACHE_SHARING: node\n  CROP_SIZE: 32\n  VAL_CROP_SIZE: null\n  VAL_TILE: 32\n  VAL_TILE_OVERLAP: 16\n  CLIP_LEN: 2\n  SPIKE_BINS: 4\n  CACHE_SIZE_GB: 0.05\n{extra}\
          DATALOADER:\n  TOTAL_WORKERS: 2\n\
          TRAIN:\n  BATCH_SIZE: 2\n  TOTAL_STEPS: 4\n  LR: 1.0e-3\n  SEED: 3\n\
          MODEL:\n  ARCH: unet_spike\n  UNET:\n    CHANNELS: 4\n    LEVELS: 1\n  SPIKE:\n    ENABLED: true\n    VOXEL_BINS: 4\n\
          LOG:\n  LOG_EVERY_STEPS: 1\n  VAL_EVERY_STEPS: 1000\n  CKPT_EVERY_STEPS: 1000\n\
          DIST:\n  TIMEOUT_S: 60\n",
-        data.display()
+        data.display(),
     );
     std::fs::write(&config, text).unwrap_or_else(|e| panic!("{e}"));
     let (address, _) = node_shared_address(&data).unwrap_or_else(|e| panic!("{e}"));
@@ -66,7 +74,12 @@ fn setup() -> Setup {
 
 /// Runs both ranks to their end; the run directory.
 fn run_ranks(s: &Setup) -> PathBuf {
-    let run = s.tmp.path().join("run");
+    run_ranks_in(s, "run")
+}
+
+/// Runs both ranks to their end in the run directory `name`.
+fn run_ranks_in(s: &Setup, name: &str) -> PathBuf {
+    let run = s.tmp.path().join(name);
     std::fs::create_dir_all(&run).unwrap_or_else(|e| panic!("{e}"));
     let mut ranks = start_ranks(&s.config, &run, None);
     wait_all(&mut ranks, &run, LIMIT);
@@ -196,4 +209,63 @@ fn ranks_fall_back_from_a_server_of_another_protocol_version() {
         ],
     );
     assert_eq!(went_on.load(Ordering::SeqCst), 0);
+}
+
+/// `vrtspike cache ARGS --address ADDRESS`; its stdout (it must succeed).
+fn cache_command(args: &[&str], address: &str) -> String {
+    let output = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+        .arg("cache")
+        .args(args)
+        .args(["--address", address])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "cache {args:?}: {stderr}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Stops the node-shared server at `address` when dropped (it lingers).
+struct ShutDown(String);
+
+impl Drop for ShutDown {
+    fn drop(&mut self) {
+        let _ = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+            .args(["cache", "shutdown", "--address", &self.0])
+            .output();
+    }
+}
+
+#[test]
+fn the_config_sizes_the_connections_of_the_server_the_ranks_start() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let s = setup_in(tmp, "  CACHE_CONNECTIONS: 600\n");
+    let _stop = ShutDown(s.address.clone());
+    let run = run_ranks(&s);
+    let text = std::fs::read_to_string(run.join("result.json")).unwrap_or_else(|e| panic!("{e}"));
+    let summary: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(summary["status"], "completed", "{summary}");
+    assert_eq!(summary["cache_sharing"]["mode"], "node", "{summary}");
+    assert_eq!(summary["cache_sharing"]["address"], s.address.as_str(), "{summary}");
+    // Local rank 0 started the node-shared server, which lingers after the job.
+    let stats: serde_json::Value =
+        serde_json::from_str(&cache_command(&["stats", "--json"], &s.address))
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats["connections"], 600, "{stats}");
+    // A job asking for more attaches to it anyway, and is told once, on rank 0.
+    let more = s.config.with_file_name("more.yaml");
+    let text = std::fs::read_to_string(&s.config).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&more, text.replace("CACHE_CONNECTIONS: 600", "CACHE_CONNECTIONS: 1000"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let second = Setup {
+        config: more,
+        ..s
+    };
+    let run = run_ranks_in(&second, "run-more");
+    let log = std::fs::read_to_string(run.join("rank0.log")).unwrap_or_else(|e| panic!("{e}"));
+    let said = "serves 600 connections at once, fewer than this job's DATA.CACHE_CONNECTIONS (1000)";
+    assert_eq!(log.matches(said).count(), 1, "{log}");
+    let stats: serde_json::Value =
+        serde_json::from_str(&cache_command(&["stats", "--json"], &second.address))
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats["connections"], 600, "{stats}");
 }
