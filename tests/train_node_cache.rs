@@ -95,7 +95,10 @@ fn check_fell_back(run: &Path, address: &str, why: &[&str]) {
         let warnings: Vec<&str> = log.lines().filter(|l| l.contains(FELL_BACK)).collect();
         assert_eq!(warnings.len(), 1, "rank {rank}:\n{log}");
         for word in why.iter().chain([&address]) {
-            assert!(warnings[0].contains(word), "{word:?} not in rank {rank}'s {warnings:?}");
+            assert!(
+                warnings[0].contains(word),
+                "{word:?} not in rank {rank}'s {warnings:?}"
+            );
         }
     }
     let text = std::fs::read_to_string(run.join("result.json")).unwrap_or_else(|e| panic!("{e}"));
@@ -245,7 +248,11 @@ fn the_config_sizes_the_connections_of_the_server_the_ranks_start() {
     let summary: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(summary["status"], "completed", "{summary}");
     assert_eq!(summary["cache_sharing"]["mode"], "node", "{summary}");
-    assert_eq!(summary["cache_sharing"]["address"], s.address.as_str(), "{summary}");
+    assert_eq!(
+        summary["cache_sharing"]["address"],
+        s.address.as_str(),
+        "{summary}"
+    );
     // Local rank 0 started the node-shared server, which lingers after the job.
     let stats: serde_json::Value =
         serde_json::from_str(&cache_command(&["stats", "--json"], &s.address))
@@ -254,15 +261,16 @@ fn the_config_sizes_the_connections_of_the_server_the_ranks_start() {
     // A job asking for more attaches to it anyway, and is told once, on rank 0.
     let more = s.config.with_file_name("more.yaml");
     let text = std::fs::read_to_string(&s.config).unwrap_or_else(|e| panic!("{e}"));
-    std::fs::write(&more, text.replace("CACHE_CONNECTIONS: 600", "CACHE_CONNECTIONS: 1000"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let second = Setup {
-        config: more,
-        ..s
-    };
+    std::fs::write(
+        &more,
+        text.replace("CACHE_CONNECTIONS: 600", "CACHE_CONNECTIONS: 1000"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let second = Setup { config: more, ..s };
     let run = run_ranks_in(&second, "run-more");
     let log = std::fs::read_to_string(run.join("rank0.log")).unwrap_or_else(|e| panic!("{e}"));
-    let said = "serves 600 connections at once, fewer than this job's DATA.CACHE_CONNECTIONS (1000)";
+    let said =
+        "serves 600 connections at once, fewer than this job's DATA.CACHE_CONNECTIONS (1000)";
     assert_eq!(log.matches(said).count(), 1, "{log}");
     let stats: serde_json::Value =
         serde_json::from_str(&cache_command(&["stats", "--json"], &second.address))

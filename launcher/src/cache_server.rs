@@ -108,9 +108,11 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
     let cache_gb = number("DATA.CACHE_SIZE_GB")?;
     let connections = match key("DATA.CACHE_CONNECTIONS") {
         Value::String(word) if word == "auto" => None,
-        value => Some(value.as_u64().with_context(|| {
-            lacks("count or \"auto\" for DATA.CACHE_CONNECTIONS".into())
-        })?),
+        value => Some(
+            value
+                .as_u64()
+                .with_context(|| lacks("count or \"auto\" for DATA.CACHE_CONNECTIONS".into()))?,
+        ),
     };
     Ok(ConfigFacts {
         ram_cache,

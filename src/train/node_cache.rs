@@ -168,15 +168,15 @@ fn lead_shared(
             let want = config.data.cache_connections.count().map(u64::from);
             shared_server::warn_fewer_connections(&address, have, want);
             Chosen {
-            server: Some(NodeCache::Held(hold)),
-            sharing: CacheSharing {
-                mode: SharingMode::Node,
-                address,
-                fell_back_from: None,
-                why: None,
-            },
-            how,
-        }
+                server: Some(NodeCache::Held(hold)),
+                sharing: CacheSharing {
+                    mode: SharingMode::Node,
+                    address,
+                    fell_back_from: None,
+                    why: None,
+                },
+                how,
+            }
         }
         Err(TrainError::NotOurs(not_ours)) => {
             let sharing = not_ours.fall_back(own).sharing();
@@ -217,7 +217,10 @@ fn follow_shared(env: &RankEnv) -> Result<Chosen, TrainError> {
         ));
     };
     let sharing: CacheSharing = serde_json::from_str(&text).map_err(|e| {
-        TrainError::io(&path, format!("not the cache server local rank 0 publishes: {e}"))
+        TrainError::io(
+            &path,
+            format!("not the cache server local rank 0 publishes: {e}"),
+        )
     })?;
     if let Some(shared) = &sharing.fell_back_from {
         let why = sharing.why.as_deref().unwrap_or("not this job's to use");
@@ -241,8 +244,7 @@ fn follow_shared(env: &RankEnv) -> Result<Chosen, TrainError> {
 
 /// Where local rank 0 publishes which server the node's ranks use.
 fn published_path(env: &RankEnv) -> PathBuf {
-    env.layout()
-        .shared_cache_address(&env.contract.job_name())
+    env.layout().shared_cache_address(&env.contract.job_name())
 }
 
 /// Local rank 0 with a node-shared server: attaches to the one running, else

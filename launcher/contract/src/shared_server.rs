@@ -359,9 +359,9 @@ mod tests {
             address: "vrtspike-cache-u0-abc".into(),
             why: ": runs as uid 65534".into(),
         };
-        assert!(not_ours
-            .to_string()
-            .ends_with("\"vrtspike-cache-u0-abc\" is held by a server this job cannot use: runs as uid 65534"));
+        assert!(not_ours.to_string().ends_with(
+            "\"vrtspike-cache-u0-abc\" is held by a server this job cannot use: runs as uid 65534"
+        ));
         let fell_back = not_ours.fall_back("vrtspike-cache-job-x");
         assert_eq!(fell_back.why, "runs as uid 65534");
         assert_eq!(

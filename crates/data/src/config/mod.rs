@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
 pub use data::{
-    Augment, BlurDir, CacheConnections, CachePolicy, CacheSharing, DataConfig, MAX_CACHE_CONNECTIONS,
+    Augment, BlurDir, CacheConnections, CachePolicy, CacheSharing, DataConfig,
+    MAX_CACHE_CONNECTIONS,
 };
 pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 use layers::Stack;
@@ -368,7 +369,10 @@ mod tests {
             assert!(err.contains("DATA.CACHE_CONNECTIONS"), "{bad}: {err}");
         }
         let err = error_of(parse("DATA:\n  CACHE_CONNECTIONS: 0\n"));
-        assert!(err.contains("expected 1 to 65536 or \"auto\", got 0"), "{err}");
+        assert!(
+            err.contains("expected 1 to 65536 or \"auto\", got 0"),
+            "{err}"
+        );
     }
 
     #[test]
