@@ -12,26 +12,21 @@
 //! build is not root it is ignored (`build/facilities.rs`).
 
 mod ranks_support;
+#[path = "../launcher/tests/common/squat.rs"]
+mod squat;
 
-use std::io::{Read, Write};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use ranks_support::{start_ranks, wait_all};
+use squat::{other_version_at, Squatter, NOBODY};
 use vrtspike::synth::{self, SynthOptions};
 use vrtspike_contract::cache_addr::{node_shared_address, CACHE_PROTOCOL_VERSION};
 
 /// A failure guard only: a healthy run ends far sooner.
 const LIMIT: Duration = Duration::from_secs(240);
-
-/// The uid and gid of `nobody`.
-const NOBODY: u32 = 65534;
 
 /// What a rank warns, once, when its job falls back.
 const FELL_BACK: &str = "this job starts a cache server of its own instead";
@@ -118,83 +113,15 @@ fn check_fell_back(run: &Path, address: &str, why: &[&str]) {
     assert!(summary["cache_hit_rate"].is_number(), "{summary}");
 }
 
-/// `vrtspike cache serve` run as `nobody`, stopped when dropped.
-struct Squatter(Child);
-
-impl Drop for Squatter {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 #[cfg_attr(vrtspike_no_root, ignore = "needs root, to run a process as nobody")]
 fn ranks_fall_back_from_an_address_squatted_by_another_user() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        panic!("this test needs root, to run the squatter as nobody (CI runs as root)");
-    }
     let s = setup();
-    let squatter = Command::new(env!("CARGO_BIN_EXE_vrtspike"))
-        .args(["cache", "serve", "--address", &s.address, "--cap", "1M"])
-        .current_dir("/")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("TMPDIR", "/tmp")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting the squatter: {e}"));
-    let mut squatter = Squatter(squatter);
-    let name =
-        SocketAddr::from_abstract_name(s.address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-    let deadline = Instant::now() + LIMIT;
-    while UnixStream::connect_addr(&name).is_err() {
-        assert!(
-            matches!(squatter.0.try_wait(), Ok(None)) && Instant::now() < deadline,
-            "the squatter did not bind"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let vrtspike = Path::new(env!("CARGO_BIN_EXE_vrtspike"));
+    let mut squatter = Squatter::start(vrtspike, &s.address, LIMIT);
     let run = run_ranks(&s);
     check_fell_back(&run, &s.address, &[&format!("runs as uid {NOBODY}")]);
-    assert!(
-        matches!(squatter.0.try_wait(), Ok(None)),
-        "the squatter was stopped"
-    );
-}
-
-/// A fake server of the next protocol version at `address`: it greets every
-/// connection as a server of that version would, naming a channel that does not
-/// exist; it counts the clients that went on after the greeting (none should).
-fn other_version_at(address: &str) -> Arc<AtomicUsize> {
-    let name = SocketAddr::from_abstract_name(address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-    let listener = UnixListener::bind_addr(&name).unwrap_or_else(|e| panic!("{e}"));
-    let went_on = Arc::new(AtomicUsize::new(0));
-    let count = Arc::clone(&went_on);
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut hello = [0u8; 1];
-            if stream.read_exact(&mut hello).is_err() {
-                continue;
-            }
-            let greeting = format!(
-                "channel p{} /tmp/vrtspike-no-such-channel/socket",
-                CACHE_PROTOCOL_VERSION + 1
-            );
-            let len = (greeting.len() as u32).to_le_bytes();
-            let _ = stream.write_all(&len);
-            let _ = stream.write_all(greeting.as_bytes());
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-            let mut ack = [0u8; 1];
-            if matches!(stream.read(&mut ack), Ok(1)) {
-                count.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    });
-    went_on
+    assert!(squatter.running(), "the squatter was stopped");
 }
 
 #[test]
