@@ -21,15 +21,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ranks_support::{start_ranks, wait_all};
-use squat::{other_version_at, Squatter, NOBODY};
+use squat::{other_version_at, Squatter, FELL_BACK, NOBODY};
 use vrtspike::synth::{self, SynthOptions};
 use vrtspike_contract::cache_addr::{node_shared_address, CACHE_PROTOCOL_VERSION};
 
 /// A failure guard only: a healthy run ends far sooner.
 const LIMIT: Duration = Duration::from_secs(240);
-
-/// What a rank warns, once, when its job falls back.
-const FELL_BACK: &str = "this job starts a cache server of its own instead";
 
 struct Setup {
     tmp: tempfile::TempDir,

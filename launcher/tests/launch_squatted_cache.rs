@@ -21,13 +21,10 @@ use vrtspike_contract::cache_addr::{shared_cache_address, CACHE_PROTOCOL_VERSION
 use vrtspike_contract::dataset_sig;
 use vrtspike_contract::rundir::RunLayout;
 
-use squat::{other_version_at, Squatter, NOBODY};
+use squat::{other_version_at, Squatter, FELL_BACK, NOBODY};
 
 /// A failure guard only: every wait ends far sooner on a healthy run.
 const LIMIT: Duration = Duration::from_secs(240);
-
-/// What the job warns, once, when it falls back.
-const FELL_BACK: &str = "this job starts a cache server of its own instead";
 
 struct Setup {
     _tmp: tempfile::TempDir,

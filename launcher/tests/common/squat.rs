@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 
 use vrtspike_contract::cache_addr::CACHE_PROTOCOL_VERSION;
 
+/// What a job (the launcher, or each rank that no launcher started) warns,
+/// once, when it falls back to a server of its own.
+pub const FELL_BACK: &str = "this job starts a cache server of its own instead";
+
 /// The uid and gid of `nobody`.
 pub const NOBODY: u32 = 65534;
 
