@@ -21,7 +21,7 @@ use vrtspike_contract::cache_addr::{shared_cache_address, CACHE_PROTOCOL_VERSION
 use vrtspike_contract::dataset_sig;
 use vrtspike_contract::rundir::RunLayout;
 
-use squat::{other_version_at, Squatter, FELL_BACK, NOBODY};
+use squat::{assert_fell_back, other_version_at, Squatter, FELL_BACK, NOBODY};
 
 /// A failure guard only: every wait ends far sooner on a healthy run.
 const LIMIT: Duration = Duration::from_secs(240);
@@ -78,14 +78,7 @@ fn check_fell_back(said: &str, run: &Path, address: &str, why: &[&str]) {
     assert_eq!(summary["exit"], "completed", "{summary}");
     assert_eq!(summary["restarts"], 0, "{summary}");
     let sharing = &summary["cache"]["sharing"];
-    assert_eq!(sharing["mode"], "job", "{summary}");
-    assert_eq!(sharing["fell_back_from"], address, "{summary}");
-    let own = sharing["address"].as_str().unwrap_or_default();
-    assert!(!own.is_empty() && own != address, "{summary}");
-    let reason = sharing["why"].as_str().unwrap_or_default();
-    for word in why {
-        assert!(reason.contains(word), "{word:?} not in {summary}");
-    }
+    assert_fell_back(sharing, address, why);
     // The rank read through the job's own server.
     let totals = &summary["cache"]["totals"];
     let lookups = totals["hits"].as_u64().unwrap_or(0) + totals["misses"].as_u64().unwrap_or(0);

@@ -73,6 +73,20 @@ impl Drop for Squatter {
     }
 }
 
+/// `sharing` (a summary's record of the cache server a job used) says the job
+/// fell back from `address` to a server of its own, for a reason naming every one
+/// of `why`.
+pub fn assert_fell_back(sharing: &serde_json::Value, address: &str, why: &[&str]) {
+    assert_eq!(sharing["mode"], "job", "{sharing}");
+    assert_eq!(sharing["fell_back_from"], address, "{sharing}");
+    let own = sharing["address"].as_str().unwrap_or_default();
+    assert!(!own.is_empty() && own != address, "{sharing}");
+    let reason = sharing["why"].as_str().unwrap_or_default();
+    for word in why {
+        assert!(reason.contains(word), "{word:?} not in {sharing}");
+    }
+}
+
 /// A fake server of the next protocol version at `address`: it greets every
 /// connection as a server of that version would, naming a channel that does not
 /// exist; it counts the clients that went on after the greeting (none should).
