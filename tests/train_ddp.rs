@@ -48,7 +48,7 @@ fn two_ranks_train_validate_and_preempt() {
     let run = tmp.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp.path(), &data, 6);
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     wait_all(&mut ranks, &run, RANKS_LIMIT);
     let s = summary(&run);
     assert_eq!(s["status"], "completed");
@@ -81,7 +81,7 @@ fn two_ranks_train_validate_and_preempt() {
     let run = tmp.path().join("preempt");
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp.path(), &data, 100_000);
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::fs::read_to_string(run.join("metrics.jsonl"))
         .map(|m| {
@@ -112,7 +112,7 @@ fn two_ranks_train_validate_and_preempt() {
         "checkpoint at the agreed step"
     );
     // A second start resumes there (and stops after two more steps).
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     std::thread::sleep(Duration::from_millis(10));
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::fs::read_to_string(run.join("metrics.jsonl"))

@@ -20,7 +20,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
-pub use data::{Augment, BlurDir, CachePolicy, CacheSharing, DataConfig};
+pub use data::{
+    Augment, BlurDir, CacheConnections, CachePolicy, CacheSharing, DataConfig,
+    MAX_CACHE_CONNECTIONS,
+};
 pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 use layers::Stack;
 pub use layers::{Origin, Source, ALIASES};
@@ -389,6 +392,26 @@ mod tests {
         assert_eq!(config.dataloader.total_workers, Workers::Auto);
         let config = parse("DATALOADER:\n  TOTAL_WORKERS: 12\n").unwrap();
         assert_eq!(config.dataloader.total_workers, Workers::Count(12));
+    }
+
+    #[test]
+    fn cache_connections_are_auto_or_a_count_in_range() {
+        let config = parse("{}").unwrap();
+        assert_eq!(config.data.cache_connections, CacheConnections::Auto);
+        let config = parse("DATA:\n  CACHE_CONNECTIONS: 2048\n").unwrap();
+        assert_eq!(config.data.cache_connections, CacheConnections::Count(2048));
+        assert_eq!(config.data.cache_connections.count(), Some(2048));
+        let config = parse("DATA:\n  CACHE_CONNECTIONS: auto\n").unwrap();
+        assert_eq!(config.data.cache_connections.count(), None);
+        for bad in ["0", "65537", "many", "-3"] {
+            let err = error_of(parse(&format!("DATA:\n  CACHE_CONNECTIONS: {bad}\n")));
+            assert!(err.contains("DATA.CACHE_CONNECTIONS"), "{bad}: {err}");
+        }
+        let err = error_of(parse("DATA:\n  CACHE_CONNECTIONS: 0\n"));
+        assert!(
+            err.contains("expected 1 to 65536 or \"auto\", got 0"),
+            "{err}"
+        );
     }
 
     #[test]
