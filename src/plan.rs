@@ -185,15 +185,9 @@ pub fn dataset_facts(config: &Config) -> Result<Option<DatasetFacts>, DataError>
         return Ok(None);
     };
     let index = DatasetIndex::open(root, "train", IndexOptions::from_config(&config.data))?;
-    let mut compact_bytes = 0u64;
-    for (s, seq) in index.sequences.iter().enumerate() {
-        for f in 0..seq.frames.len() {
-            compact_bytes += index.record_layout(s, f).byte_len() as u64;
-        }
-    }
     let first = index.sequences.first();
     Ok(Some(DatasetFacts {
-        compact_bytes,
+        compact_bytes: index.compact_bytes(),
         frames: index.frame_count(),
         height: first.map_or(0, |s| s.height),
         width: first.map_or(0, |s| s.width),

@@ -39,7 +39,7 @@ fn train(tmp: &Path, data: &Path, policy: &str, cap: u64) -> (Vec<u8>, StatsRepo
     let run = tmp.join(policy);
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp, data, policy);
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     wait_all(&mut ranks, &run, RANKS_LIMIT);
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("result.json")).unwrap()).unwrap();

@@ -26,6 +26,12 @@ fn options() -> SynthOptions {
     }
 }
 
+/// The data of [`options`] as HDF5 sessions under `out`.
+fn generate_h5(out: &Path) {
+    let drawn = &synth::BlurLengths::Drawn;
+    synth::generate(out, &options(), drawn, &|_| {}, synth::Layout::H5).unwrap();
+}
+
 fn records(index: &DatasetIndex) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for (s, seq) in index.sequences.iter().enumerate() {
@@ -43,7 +49,7 @@ fn h5_sessions_hold_the_same_records_as_the_folder_layout() {
     let dir = tempfile::tempdir().unwrap();
     let (folder, h5) = (dir.path().join("folder"), dir.path().join("h5"));
     synth::generate_folder(&folder, &options(), &|_| {}).unwrap();
-    synth::generate_h5(&h5, &options(), &|_| {}).unwrap();
+    generate_h5(&h5);
     assert!(h5.join("train/SYN04_000.h5").is_file());
     let a = DatasetIndex::open(&folder, "train", IndexOptions::default()).unwrap();
     let b = DatasetIndex::open(&h5, "train", IndexOptions::default()).unwrap();
@@ -71,7 +77,7 @@ fn a_session_locked_by_another_descriptor_still_opens() {
     // session open keeps the writer's exclusive lock; a cluster file system may not
     // lock at all. Readers take no lock, so neither refuses them.
     let dir = tempfile::tempdir().unwrap();
-    synth::generate_h5(dir.path(), &options(), &|_| {}).unwrap();
+    generate_h5(dir.path());
     let path = dir.path().join("train/SYN04_000.h5");
     let held = std::fs::File::open(&path).unwrap();
     // SAFETY: flock on a descriptor this test owns for the call's duration.
@@ -186,7 +192,7 @@ fn bad_h5_sessions_name_file_and_dataset() {
         .to_string();
     assert!(err.contains("S.h5") && err.contains("HDF5"), "{err}");
     // Skipping bad files is counted, and a good session beside it is still used.
-    synth::generate_h5(&root, &options(), &|_| {}).unwrap();
+    generate_h5(&root);
     let skip = IndexOptions {
         skip_bad: true,
         ..IndexOptions::default()

@@ -66,7 +66,7 @@ fn two_ranks_train_validate_and_preempt() {
     let run = tmp.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp.path(), &data, 6);
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     wait_all(&mut ranks, &run, RANKS_LIMIT);
     let s = summary(&run);
     assert_eq!(s["status"], "completed");
@@ -99,7 +99,7 @@ fn two_ranks_train_validate_and_preempt() {
     let run = tmp.path().join("preempt");
     std::fs::create_dir_all(&run).unwrap();
     let config = write_config(tmp.path(), &data, 100_000);
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::fs::read_to_string(run.join("metrics.jsonl"))
         .map(|m| {
@@ -130,7 +130,7 @@ fn two_ranks_train_validate_and_preempt() {
         "checkpoint at the agreed step"
     );
     // A second start resumes there (and stops after two more steps).
-    let mut ranks = start_ranks(&config, &run, server.address());
+    let mut ranks = start_ranks(&config, &run, Some(server.address()));
     std::thread::sleep(Duration::from_millis(10));
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -194,7 +194,7 @@ fn two_ranks_equal_one_rank_accumulating_their_share() {
     let train = |name: &str, world: u32, extra: &[(&str, &str)]| {
         let run = tmp.path().join(name);
         std::fs::create_dir_all(&run).unwrap();
-        let mut ranks = start_world(&config, &run, server.address(), world, extra);
+        let mut ranks = start_world(&config, &run, Some(server.address()), world, extra);
         wait_all(&mut ranks, &run, RANKS_LIMIT);
         run
     };

@@ -57,6 +57,8 @@ pub struct ConfigFacts {
     pub data_root: Option<PathBuf>,
     /// `DATA.CACHE_SIZE_GB` in bytes.
     pub cache_bytes: u64,
+    /// `DATA.CACHE_CONNECTIONS` (`None`: `auto`, sized for the node).
+    pub connections: Option<u64>,
 }
 
 /// [`ConfigFacts`] of the resolved config, asked of `vrtspike config show --json`.
@@ -104,12 +106,21 @@ pub fn config_facts(vrtspike: &Path, config: &Path, overrides: &[String]) -> Res
     };
     let data_root = key("DATA.ROOT").as_str().map(PathBuf::from);
     let cache_gb = number("DATA.CACHE_SIZE_GB")?;
+    let connections = match key("DATA.CACHE_CONNECTIONS") {
+        Value::String(word) if word == "auto" => None,
+        value => Some(
+            value
+                .as_u64()
+                .with_context(|| lacks("count or \"auto\" for DATA.CACHE_CONNECTIONS".into()))?,
+        ),
+    };
     Ok(ConfigFacts {
         ram_cache,
         collective_timeout_s,
         shared,
         data_root,
         cache_bytes: (cache_gb * (1u64 << 30) as f64) as u64,
+        connections,
     })
 }
 

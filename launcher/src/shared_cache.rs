@@ -15,6 +15,7 @@ use nix::sys::signal::Signal;
 use vrtspike_contract::cache_serve::{
     CacheAttach, ServeError, StartError, EXIT_NOT_OURS, EXIT_NO_SERVER,
 };
+pub use vrtspike_contract::shared_server::NotOurs;
 use vrtspike_contract::shared_server::{self, SharedStart};
 
 use crate::cache_server;
@@ -29,6 +30,8 @@ pub struct SharedSpec<'a> {
     pub job_label: &'a str,
     /// The cap this job asks for, in bytes (`--cache-size`, else the config's).
     pub wanted_cap: Option<u64>,
+    /// The connections this job asks for (`DATA.CACHE_CONNECTIONS`; `None`: auto).
+    pub wanted_connections: Option<u64>,
 }
 
 /// Attaches this job to the node-shared server, starting it first when none
@@ -36,18 +39,6 @@ pub struct SharedSpec<'a> {
 pub fn attach_or_start(spec: &SharedSpec) -> Result<Supervised> {
     let (held, _) = shared_server::attach_or_start(&spec.start, &mut || attach(spec))?;
     Ok(held)
-}
-
-/// What holds the node-shared address is not a server this job can use: another
-/// user's process (the address squatted), another build's server, or one with no
-/// connection left for the job. The job falls back to a server of its own.
-#[derive(Debug, thiserror::Error)]
-#[error("the node-shared cache address {address:?} is held by a server this job cannot use{why}")]
-pub struct NotOurs {
-    /// The node-shared address.
-    pub address: String,
-    /// `:` and what the attach said (the uid, or the two protocol versions).
-    pub why: String,
 }
 
 /// Runs `vrtspike cache attach`; `None` when no server listens at the address,
@@ -103,6 +94,7 @@ fn report_attached(spec: &SharedSpec, attach_pid: u32) {
         .and_then(|s| s["server_pid"].as_u64())
         .unwrap_or(0);
     let cap = stats.as_ref().and_then(|s| s["cap_bytes"].as_u64());
+    let connections = stats.as_ref().and_then(|s| s["connections"].as_u64());
     let starter = started_by(pid).unwrap_or_else(|| "unknown".into());
     tracing::info!(
         address,
@@ -122,6 +114,7 @@ fn report_attached(spec: &SharedSpec, attach_pid: u32) {
             );
         }
     }
+    shared_server::warn_fewer_connections(address, connections, spec.wanted_connections);
 }
 
 /// The `--started-by` of the server process `pid`, from its command line.

@@ -184,7 +184,7 @@ mask=$(grep SigBlk /proc/$$/status | tr -dc '0-9a-f\n' | tail -c 17)
 if (( (16#$mask & 0x4800) == 0x4800 )) && [[ "${VRTSPIKE_JOB_HELPER:-}" == 1 ]]; then ok=true; else ok=false; fi
 case "$1" in
   plan) echo "{\"warnings\": [\"protected=$ok mask=$mask\"], \"misfits\": []}" ;;
-  config) echo "{\"keys\": {\"DATA.USE_RAM_CACHE\": {\"value\": $ok}, \"DIST.TIMEOUT_S\": {\"value\": 30}, \"DATA.CACHE_SHARING\": {\"value\": \"job\"}, \"DATA.CACHE_SIZE_GB\": {\"value\": 1}}}" ;;
+  config) echo "{\"keys\": {\"DATA.USE_RAM_CACHE\": {\"value\": $ok}, \"DIST.TIMEOUT_S\": {\"value\": 30}, \"DATA.CACHE_SHARING\": {\"value\": \"job\"}, \"DATA.CACHE_SIZE_GB\": {\"value\": 1}, \"DATA.CACHE_CONNECTIONS\": {\"value\": \"auto\"}}}" ;;
   cache) echo "{\"protected\": $ok, \"mask\": \"$mask\"}" ;;
 esac
 "#;

@@ -1,6 +1,6 @@
 //! The launcher's config overrides and memory plan check: `--set` reaches every rank
-//! unchanged, a bad `--set` is refused naming the key and the argument before any
-//! rank starts, and a plan that cannot fit (a cache larger than the RAM) is refused
+//! unchanged, `DATA.CACHE_CONNECTIONS` sizes the cache server the launcher starts,
+//! a bad `--set` is refused naming the key and the argument before any rank starts, and a plan that cannot fit (a cache larger than the RAM) is refused
 //! naming the cache, unless `--no-plan-check` is given.
 
 mod common;
@@ -67,10 +67,32 @@ fn no_cache_server_without_the_ram_cache() {
 }
 
 #[test]
+fn the_cache_connections_key_sizes_the_launchers_server() {
+    let job = Job::new("exit 0");
+    let output = job.run(
+        &[
+            "--gpus",
+            "0",
+            "--ranks",
+            "1",
+            "--set",
+            "DATA.CACHE_CONNECTIONS=600",
+        ],
+        LIMIT,
+    );
+    let (stdout, stderr) = texts(&output);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    // The summary's cache figures are the server's own stats, taken at the end.
+    let summary = job.summary(0);
+    assert_eq!(summary["cache"]["connections"], 600, "{summary}");
+}
+
+#[test]
 fn a_bad_override_is_refused_naming_the_key() {
     for (spec, key) in [
         ("DATA.CROP_SIZ=64", "DATA.CROP_SIZ"),
         ("TRAIN.BATCH_SIZE=lots", "TRAIN.BATCH_SIZE"),
+        ("DATA.CACHE_CONNECTIONS=0", "DATA.CACHE_CONNECTIONS"),
     ] {
         let job = Job::new("exit 0");
         let output = job.run(&["--gpus", "0", "--set", spec], LIMIT);

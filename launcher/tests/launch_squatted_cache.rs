@@ -8,29 +8,23 @@
 //! (it runs the squatter as `nobody`) and fails without it.
 
 mod common;
+#[path = "common/squat.rs"]
+mod squat;
 
-use std::io::{Read, Write};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{launcher_command, read_json, run_with_limit, synth_tiny, texts, wait_until};
+use common::{launcher_command, read_json, run_with_limit, synth_tiny, texts};
 use common::{write_tiny_config, TinyTrain};
 use vrtspike_contract::cache_addr::{shared_cache_address, CACHE_PROTOCOL_VERSION};
 use vrtspike_contract::dataset_sig;
 use vrtspike_contract::rundir::RunLayout;
 
+use squat::{assert_fell_back, other_version_at, Squatter, FELL_BACK, NOBODY};
+
 /// A failure guard only: every wait ends far sooner on a healthy run.
 const LIMIT: Duration = Duration::from_secs(240);
-
-/// The uid and gid of `nobody`.
-const NOBODY: u32 = 65534;
-
-/// What the job warns, once, when it falls back.
-const FELL_BACK: &str = "this job starts a cache server of its own instead";
 
 struct Setup {
     _tmp: tempfile::TempDir,
@@ -84,50 +78,11 @@ fn check_fell_back(said: &str, run: &Path, address: &str, why: &[&str]) {
     assert_eq!(summary["exit"], "completed", "{summary}");
     assert_eq!(summary["restarts"], 0, "{summary}");
     let sharing = &summary["cache"]["sharing"];
-    assert_eq!(sharing["mode"], "job", "{summary}");
-    assert_eq!(sharing["fell_back_from"], address, "{summary}");
-    let own = sharing["address"].as_str().unwrap_or_default();
-    assert!(!own.is_empty() && own != address, "{summary}");
-    let reason = sharing["why"].as_str().unwrap_or_default();
-    for word in why {
-        assert!(reason.contains(word), "{word:?} not in {summary}");
-    }
+    assert_fell_back(sharing, address, why);
     // The rank read through the job's own server.
     let totals = &summary["cache"]["totals"];
     let lookups = totals["hits"].as_u64().unwrap_or(0) + totals["misses"].as_u64().unwrap_or(0);
     assert!(lookups > 0, "{summary}");
-}
-
-/// A fake server of the next protocol version at `address`: it greets every
-/// connection as a server of that version would, naming a channel that does not
-/// exist; it counts the clients that went on after the greeting (none should).
-fn other_version_at(address: &str) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
-    let name = SocketAddr::from_abstract_name(address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-    let listener = UnixListener::bind_addr(&name).unwrap_or_else(|e| panic!("{e}"));
-    let went_on = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = std::sync::Arc::clone(&went_on);
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut hello = [0u8; 1];
-            if stream.read_exact(&mut hello).is_err() {
-                continue;
-            }
-            let greeting = format!(
-                "channel p{} /tmp/vrtspike-no-such-channel/socket",
-                CACHE_PROTOCOL_VERSION + 1
-            );
-            let len = (greeting.len() as u32).to_le_bytes();
-            let _ = stream.write_all(&len);
-            let _ = stream.write_all(greeting.as_bytes());
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-            let mut ack = [0u8; 1];
-            if matches!(stream.read(&mut ack), Ok(1)) {
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-    });
-    went_on
 }
 
 #[test]
@@ -145,46 +100,13 @@ fn a_server_of_another_protocol_version_is_left_for_a_server_of_the_jobs_own() {
             &format!("this build speaks version {ours}"),
         ],
     );
-    assert_eq!(went_on.load(std::sync::atomic::Ordering::SeqCst), 0);
-}
-
-/// `vrtspike cache serve` run as `nobody` at `address`.
-struct Squatter(Child);
-
-impl Drop for Squatter {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    assert_eq!(went_on.load(Ordering::SeqCst), 0);
 }
 
 #[test]
 fn an_address_squatted_by_another_user_is_left_for_a_server_of_the_jobs_own() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        panic!("this test needs root, to run the squatter as nobody (CI runs as root)");
-    }
     let s = setup();
-    let squatter = Command::new(common::vrtspike())
-        .args(["cache", "serve", "--address", &s.address, "--cap", "1M"])
-        .current_dir("/")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("TMPDIR", "/tmp")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting the squatter: {e}"));
-    let mut squatter = Squatter(squatter);
-    let name =
-        SocketAddr::from_abstract_name(s.address.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
-    let bound = wait_until(LIMIT, || {
-        UnixStream::connect_addr(&name).is_ok() || matches!(squatter.0.try_wait(), Ok(Some(_)))
-    });
-    assert!(
-        bound && matches!(squatter.0.try_wait(), Ok(None)),
-        "the squatter did not bind"
-    );
+    let mut squatter = Squatter::start(&common::vrtspike(), &s.address, LIMIT);
     let (said, run) = run_job(&s);
     check_fell_back(
         &said,
@@ -192,8 +114,5 @@ fn an_address_squatted_by_another_user_is_left_for_a_server_of_the_jobs_own() {
         &s.address,
         &[&format!("runs as uid {NOBODY}"), &s.address],
     );
-    assert!(
-        matches!(squatter.0.try_wait(), Ok(None)),
-        "the squatter was stopped"
-    );
+    assert!(squatter.running(), "the squatter was stopped");
 }

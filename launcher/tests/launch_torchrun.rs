@@ -24,7 +24,7 @@ use vrtspike_contract::rundir::RunLayout;
 use vrtspike_contract::summary::{RunSummary, TrainStatus};
 
 use common::{
-    alive, cmdline, process_tree, signal, synth_tiny, texts, vrtspike, wait_until,
+    alive, cmdline, process_tree, read_json, signal, synth_tiny, texts, vrtspike, wait_until,
     write_tiny_config, TinyTrain,
 };
 
@@ -197,19 +197,22 @@ fn torchrun_ranks_train_through_the_node_cache() {
     );
     assert!(context.contains("node cache server attached"), "{context}");
     assert!(layout.cache_log(0).is_file());
-    // The dataset was signed once on the node: local rank 0 published the
-    // server's address for rank 1 in the run directory.
-    let published: Vec<String> = std::fs::read_dir(run.join("rendezvous"))
+    // The dataset was signed once on the node: local rank 0 published which
+    // server it is (the node-shared one, at its address) for rank 1 in the run
+    // directory.
+    let published: Vec<serde_json::Value> = std::fs::read_dir(run.join("rendezvous"))
         .into_iter()
         .flatten()
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().ends_with(".cache-addr"))
-        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .map(|e| read_json(&e.path()))
         .collect();
     assert!(
         published.len() == 1
-            && published[0].trim().starts_with("vrtspike-cache-u")
-            && published[0].contains("-ds"),
+            && published[0]["mode"] == "node"
+            && published[0]["address"]
+                .as_str()
+                .is_some_and(|a| a.starts_with("vrtspike-cache-u") && a.contains("-ds")),
         "{published:?}"
     );
     assert!(

@@ -453,21 +453,27 @@ mod tests {
         }
     }
 
+    /// A TMSA group `g` of width 8, 2 heads, window [2, 4, 4], a block per
+    /// `drop_path` rate.
+    fn small_group(vs: &nn::VarStore, drop_path: Vec<f64>, mutual: bool) -> Tmsag {
+        let spec = GroupSpec {
+            dim: 8,
+            depth: drop_path.len().max(1) as i64,
+            heads: 2,
+            window: [2, 4, 4],
+            mutual,
+            mlp_ratio: 2.0,
+            qkv_bias: true,
+            drop_path,
+            checkpointing: Checkpointing::default(),
+        };
+        Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()))
+    }
+
     #[test]
     fn tmsa_group_keeps_shape_and_pads_odd_sizes() {
         let vs = nn::VarStore::new(Device::Cpu);
-        let spec = GroupSpec {
-            dim: 8,
-            depth: 2,
-            heads: 2,
-            window: [2, 4, 4],
-            mutual: true,
-            mlp_ratio: 2.0,
-            qkv_bias: true,
-            drop_path: vec![0.0, 0.1],
-            checkpointing: Checkpointing::default(),
-        };
-        let group = Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()));
+        let group = small_group(&vs, vec![0.0, 0.1], true);
         let x = Tensor::randn([1, 3, 6, 10, 8], (Kind::Float, Device::Cpu));
         let y = group.forward(&x, false).unwrap();
         assert_eq!(y.size(), x.size());
@@ -488,18 +494,7 @@ mod tests {
     #[test]
     fn a_failed_allocation_names_the_block_and_part() {
         let vs = nn::VarStore::new(Device::Cpu);
-        let spec = GroupSpec {
-            dim: 8,
-            depth: 1,
-            heads: 2,
-            window: [2, 4, 4],
-            mutual: false,
-            mlp_ratio: 2.0,
-            qkv_bias: true,
-            drop_path: Vec::new(),
-            checkpointing: Checkpointing::default(),
-        };
-        let group = Tmsag::new(&(vs.root() / "g"), &spec, Arc::new(MaskCache::default()));
+        let group = small_group(&vs, Vec::new(), false);
         // A zero-stride view whose first materialisation (norm1) needs ~512 TiB,
         // more than any address space: the CPU allocator refuses it at once.
         let x = Tensor::zeros([1, 1, 1, 1, 8], (Kind::Float, Device::Cpu))

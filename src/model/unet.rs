@@ -55,22 +55,11 @@ impl UnetSpike {
                 )
             })
             .collect();
-        let mid = (
-            Conv::new(
-                &(p / "mid" / "conv1"),
-                width(levels),
-                width(levels),
-                &[3, 3, 3],
-                &[1, 1, 1],
-            ),
-            Conv::new(
-                &(p / "mid" / "conv2"),
-                width(levels),
-                width(levels),
-                &[3, 3, 3],
-                &[1, 1, 1],
-            ),
-        );
+        let mid_conv = |name| {
+            let w = width(levels);
+            Conv::new(&(p / "mid" / name), w, w, &[3, 3, 3], &[1, 1, 1])
+        };
+        let mid = (mid_conv("conv1"), mid_conv("conv2"));
         let up = (0..levels)
             .map(|l| {
                 let up = p / "up" / l;

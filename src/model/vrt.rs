@@ -163,7 +163,8 @@ impl Stage {
         flow_backward: &Tensor,
         flow_forward: &Tensor,
     ) -> Result<(Tensor, Tensor), ModelError> {
-        let pairs = align_pairs(x, flow_backward, flow_forward).at_stage("flow warping")?;
+        let pairs = align_pairs(x, flow_backward, flow_forward, WarpMode::Bilinear)
+            .at_stage("flow warping")?;
         let aligned =
             self.pa_deform
                 .forward(&pairs.source, &pairs.warped, &pairs.target, &pairs.flow)?;
@@ -182,11 +183,12 @@ struct AlignPairs {
 }
 
 /// The pairs of `x` (N, D, C, H, W): later-to-earlier (flows backward) then
-/// earlier-to-later (flows forward).
+/// earlier-to-later (flows forward), each source warped by `mode`.
 fn align_pairs(
     x: &Tensor,
     flow_backward: &Tensor,
     flow_forward: &Tensor,
+    mode: WarpMode,
 ) -> Result<AlignPairs, TchError> {
     let s = x.size();
     let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
@@ -198,7 +200,7 @@ fn align_pairs(
     let ff = flat(flow_forward, 2)?;
     let source = Tensor::f_cat(&[&later, &earlier], 0)?;
     let flow = Tensor::f_cat(&[&fb, &ff], 0)?;
-    let warped = flow_warp(&source, &flow, WarpMode::Bilinear)?;
+    let warped = flow_warp(&source, &flow, mode)?;
     Ok(AlignPairs {
         target: Tensor::f_cat(&[&earlier, &later], 0)?,
         source,
@@ -207,11 +209,13 @@ fn align_pairs(
     })
 }
 
-/// The aligned pairs back as (N, D, C, H, W) per direction: backward (from frame t+1;
-/// zeros at the last frame) and forward (from t-1; zeros at the first).
+/// The aligned pairs (2 x N(D-1), C', H, W) back as (N, D, C', H, W) per direction:
+/// backward (from frame t+1; zeros at the last frame) and forward (from t-1; zeros
+/// at the first).
 fn split_aligned(aligned: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor), TchError> {
     let s = x.size();
-    let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
+    let (n, d, h, w) = (s[0], s[1], s[3], s[4]);
+    let c = aligned.size()[1];
     let pairs = n * (d - 1);
     let backward = aligned.f_narrow(0, 0, pairs)?.f_view([n, d - 1, c, h, w])?;
     let forward = aligned
@@ -384,29 +388,8 @@ impl Vrt {
         flow_backward: &Tensor,
         flow_forward: &Tensor,
     ) -> Result<Tensor, TchError> {
-        let s = x.size();
-        let (n, d, c, h, w) = (s[0], s[1], s[2], s[3], s[4]);
-        let pairs = n * (d - 1);
-        let later = x.f_narrow(1, 1, d - 1)?.f_reshape([pairs, c, h, w])?;
-        let earlier = x.f_narrow(1, 0, d - 1)?.f_reshape([pairs, c, h, w])?;
-        let source = Tensor::f_cat(&[&later, &earlier], 0)?;
-        let flow = Tensor::f_cat(
-            &[
-                flow_backward.f_reshape([pairs, 2, h, w])?,
-                flow_forward.f_reshape([pairs, 2, h, w])?,
-            ],
-            0,
-        )?;
-        let warped = flow_warp(&source, &flow, WarpMode::Nearest4)?;
-        let backward = warped
-            .f_narrow(0, 0, pairs)?
-            .f_view([n, d - 1, 4 * c, h, w])?;
-        let forward = warped
-            .f_narrow(0, pairs, pairs)?
-            .f_view([n, d - 1, 4 * c, h, w])?;
-        let zeros = Tensor::f_zeros([n, 1, 4 * c, h, w], (x.kind(), x.device()))?;
-        let backward = Tensor::f_cat(&[&backward, &zeros], 1)?;
-        let forward = Tensor::f_cat(&[&zeros, &forward], 1)?;
+        let pairs = align_pairs(x, flow_backward, flow_forward, WarpMode::Nearest4)?;
+        let (backward, forward) = split_aligned(&pairs.warped, x)?;
         Tensor::f_cat(&[x, &backward, &forward], 2)
     }
 

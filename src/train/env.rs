@@ -13,6 +13,7 @@ use std::time::SystemTime;
 
 use vrtspike_contract::env::{self as contract, Device};
 use vrtspike_contract::rundir::{default_run_dir, RunLayout};
+use vrtspike_contract::summary::CacheSharing;
 
 use super::TrainError;
 
@@ -35,6 +36,9 @@ pub struct RankEnv {
     pub cache_addr: Option<String>,
     /// Restarts of the job before this attempt.
     pub restart_count: u32,
+    /// The cache server this node's ranks chose themselves, when no launcher
+    /// started one (`node_cache`): the run summary's `cache_sharing`.
+    pub cache_sharing: Option<CacheSharing>,
     /// The one parsed environment, with the device and run directory decided here.
     pub contract: contract::RankEnv,
 }
@@ -94,6 +98,7 @@ impl RankEnv {
             run_dir,
             cache_addr: parsed.cache_addr.clone(),
             restart_count: parsed.restart_count,
+            cache_sharing: None,
             contract: parsed,
         }
     }

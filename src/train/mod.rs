@@ -86,6 +86,10 @@ pub enum TrainError {
     /// attached to (its address and log named).
     #[error(transparent)]
     CacheServer(#[from] vrtspike_contract::cache_serve::ServeError),
+    /// The node-shared cache address is held by a server this job cannot use
+    /// (local rank 0 falls back to a server of the job's own).
+    #[error(transparent)]
+    NotOurs(#[from] vrtspike_contract::shared_server::NotOurs),
     /// A file of the run directory could not be written.
     #[error("{path}: {message}")]
     Io {

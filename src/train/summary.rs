@@ -105,6 +105,7 @@ pub fn summary(run: &Run<'_>, totals: &RankTotals) -> RunSummary {
         parameters: u64::try_from(run.model.parameter_count).unwrap_or(0),
         wall_s: attempt.started.elapsed().as_secs_f64(),
         train_s: attempt.step_seconds,
+        cache_sharing: run.env.cache_sharing.clone(),
     }
 }
 

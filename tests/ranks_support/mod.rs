@@ -14,8 +14,10 @@ fn free_port() -> u16 {
 }
 
 /// Ranks 0 and 1 of a world of two training with `config` into `run` (their logs
-/// there as `rank<R>.log`), reading through the cache server at `cache`.
-pub fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
+/// there as `rank<R>.log`), reading through the cache server at `cache`; with
+/// `None`, as torchrun starts them (no launcher above them: local rank 0 starts
+/// or attaches to the node's cache server itself).
+pub fn start_ranks(config: &Path, run: &Path, cache: Option<&str>) -> Vec<Child> {
     start_world(config, run, cache, 2, &[])
 }
 
@@ -24,14 +26,19 @@ pub fn start_ranks(config: &Path, run: &Path, cache: &str) -> Vec<Child> {
 pub fn start_world(
     config: &Path,
     run: &Path,
-    cache: &str,
+    cache: Option<&str>,
     world: u32,
     extra: &[(&str, &str)],
 ) -> Vec<Child> {
     let port = free_port().to_string();
     (0..world)
         .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_vrtspike"))
+            let mut command = Command::new(env!("CARGO_BIN_EXE_vrtspike"));
+            match cache {
+                Some(cache) => command.env("VRTSPIKE_CACHE_ADDR", cache),
+                None => command.env_remove("VRTSPIKE_CACHE_ADDR"),
+            };
+            command
                 .args(["train", "--config"])
                 .arg(config)
                 .envs(extra.iter().copied())
@@ -43,7 +50,6 @@ pub fn start_world(
                     ("MASTER_ADDR", "127.0.0.1".into()),
                     ("MASTER_PORT", port.clone()),
                     ("VRTSPIKE_RUN_DIR", run.display().to_string()),
-                    ("VRTSPIKE_CACHE_ADDR", cache.into()),
                     ("VRTSPIKE_DEVICE", "cpu".into()),
                     ("OMP_NUM_THREADS", "1".into()),
                 ])

@@ -6,7 +6,7 @@
 //! The record carries the rank's pid: the launcher trusts only the record of the
 //! process it is reporting on (a record of an earlier attempt is ignored).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -58,33 +58,20 @@ pub struct RankFailure {
 }
 
 /// A failure record that cannot be written or read.
-#[derive(Debug, thiserror::Error)]
-#[error("rank failure record {path}: {message}")]
-pub struct FailureRecordError {
-    /// The file.
-    pub path: PathBuf,
-    /// What failed.
-    pub message: String,
-}
+pub type FailureRecordError = JsonFileError;
 
-impl From<JsonFileError> for FailureRecordError {
-    fn from(e: JsonFileError) -> FailureRecordError {
-        FailureRecordError {
-            path: e.path,
-            message: e.message,
-        }
-    }
-}
+/// The record's name in errors.
+const WHAT: &str = "rank failure record";
 
 impl RankFailure {
     /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<(), FailureRecordError> {
-        Ok(json_file::write_atomic(self, path)?)
+        json_file::write_atomic(WHAT, self, path)
     }
 
     /// Reads the record at `path`.
     pub fn read(path: &Path) -> Result<RankFailure, FailureRecordError> {
-        Ok(json_file::read(path)?)
+        json_file::read(WHAT, path)
     }
 
     /// The record at `path` if it is the one process `pid` wrote (none, unreadable

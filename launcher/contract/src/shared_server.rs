@@ -10,7 +10,11 @@
 //!
 //! How a job holds the server is the caller's (the launcher: a `vrtspike cache
 //! attach` child that its gang watches; a rank: a client connection), passed in as
-//! the attach to try.
+//! the attach to try. An attach that finds the address held by a server the job
+//! cannot use ([`NotOurs`]: another user's process, another build's server, one
+//! with no connection left) ends the rounds; the job then falls back to a server
+//! of its own ([`NotOurs::fall_back`]: the one warning, and the [`FellBack`]
+//! record its summary keeps), whoever started it.
 
 use std::path::Path;
 
@@ -18,6 +22,7 @@ use crate::cache_serve::{
     self, CacheServe, Lifetime, ServeError, StartError, Started, Watch, EXIT_ADDRESS_IN_USE,
 };
 use crate::seconds;
+use crate::summary::{CacheSharing, SharingMode};
 
 /// How many times a job starts the node-shared server and attaches to it after
 /// its first attach found none, before it gives up (each failed round is a race
@@ -53,6 +58,84 @@ pub fn linger_s(
         Some(_) => Ok(0.0),
         None => Ok(DEFAULT_LINGER_S),
     }
+}
+
+/// What holds the node-shared address is not a server this job can use: another
+/// user's process (the address squatted), another build's server, or one with no
+/// connection left for the job. The job falls back to a server of its own.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the node-shared cache address {address:?} is held by a server this job cannot use{why}")]
+pub struct NotOurs {
+    /// The node-shared address.
+    pub address: String,
+    /// `:` and what the attach said (the uid, or the two protocol versions).
+    pub why: String,
+}
+
+/// A job's fall-back from the node-shared server to one of its own: what its
+/// run summary keeps (the launcher's `cache.sharing`, a rank's `cache_server`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FellBack {
+    /// The node-shared address that was not this job's to use.
+    pub from: String,
+    /// What was found there (the uid, or the two protocol versions).
+    pub why: String,
+    /// The address of the job's own server.
+    pub own: String,
+}
+
+impl NotOurs {
+    /// Gives up the node-shared address for the job's own server at `own`:
+    /// says so (a warning; once for each process that falls back) and returns
+    /// the record.
+    pub fn fall_back(self, own: &str) -> FellBack {
+        tracing::warn!(
+            shared = self.address,
+            own,
+            "{self}; this job starts a cache server of its own instead (DATA.CACHE_SHARING \
+             job) and trains"
+        );
+        FellBack {
+            why: self.why.trim_start_matches(':').trim().to_string(),
+            from: self.address,
+            own: own.to_string(),
+        }
+    }
+}
+
+impl FellBack {
+    /// The summary's record of it: `{"mode": "job", "address": own,
+    /// "fell_back_from": from, "why": why}`.
+    pub fn sharing(&self) -> CacheSharing {
+        CacheSharing {
+            mode: SharingMode::Job,
+            address: self.own.clone(),
+            fell_back_from: Some(self.from.clone()),
+            why: Some(self.why.clone()),
+        }
+    }
+}
+
+/// Warns when the node-shared server this job attached to serves fewer connections
+/// at once (`have`, from its stats) than the job asks for (`want`,
+/// `DATA.CACHE_CONNECTIONS`; `None`: auto): a running server keeps what it was
+/// started with. Returns whether it warned.
+pub fn warn_fewer_connections(address: &str, have: Option<u64>, want: Option<u64>) -> bool {
+    let (Some(have), Some(want)) = (have, want) else {
+        return false;
+    };
+    if have >= want {
+        return false;
+    }
+    tracing::warn!(
+        address,
+        server_connections = have,
+        asked_connections = want,
+        "the shared cache server serves {have} connections at once, fewer than this job's \
+         DATA.CACHE_CONNECTIONS ({want}): it keeps what it was started with (a loader worker \
+         refused a connection reads from disk)"
+    );
+    true
 }
 
 /// How a job came to hold the node-shared server.
@@ -268,6 +351,32 @@ mod tests {
         };
         let error = rounds("a", Path::new("l"), &mut attach, &mut start).err();
         assert!(error.is_some_and(|e| e.to_string().contains("interrupted")));
+    }
+
+    #[test]
+    fn a_fall_back_keeps_the_address_and_the_reason() {
+        let not_ours = NotOurs {
+            address: "vrtspike-cache-u0-abc".into(),
+            why: ": runs as uid 65534".into(),
+        };
+        assert!(not_ours.to_string().ends_with(
+            "\"vrtspike-cache-u0-abc\" is held by a server this job cannot use: runs as uid 65534"
+        ));
+        let fell_back = not_ours.fall_back("vrtspike-cache-job-x");
+        assert_eq!(fell_back.why, "runs as uid 65534");
+        assert_eq!(
+            serde_json::json!(fell_back.sharing()),
+            serde_json::json!({"mode": "job", "address": "vrtspike-cache-job-x",
+                "fell_back_from": "vrtspike-cache-u0-abc", "why": "runs as uid 65534"})
+        );
+    }
+
+    #[test]
+    fn fewer_connections_than_asked_are_said_and_auto_or_more_are_not() {
+        assert!(warn_fewer_connections("a", Some(512), Some(1024)));
+        assert!(!warn_fewer_connections("a", Some(1024), Some(1024)));
+        assert!(!warn_fewer_connections("a", Some(512), None));
+        assert!(!warn_fewer_connections("a", None, Some(1024)));
     }
 
     #[test]

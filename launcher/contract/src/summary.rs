@@ -3,7 +3,7 @@
 //! into its own `summary.json`. One serde struct on both sides, so a renamed or
 //! retyped field is a compile error, not a silent `null`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -87,36 +87,55 @@ pub struct RunSummary {
     /// Seconds of this attempt spent in training steps.
     #[serde(default)]
     pub train_s: f64,
+    /// The cache server the ranks of rank 0's node read through, when they chose
+    /// it themselves (no launcher: torchrun, srun); the launcher's `summary.json`
+    /// says it as `cache.sharing` otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_sharing: Option<CacheSharing>,
+}
+
+/// Whose cache server a job reads through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SharingMode {
+    /// The node-shared one of the user and dataset (`DATA.CACHE_SHARING: node`).
+    Node,
+    /// The job's own.
+    Job,
+}
+
+/// Which cache server a job's ranks on a node read through: the node-shared one,
+/// or one of the job's own (by its config, or fallen back to from a node-shared
+/// address that was not the job's to use).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheSharing {
+    /// The node-shared server, or the job's own.
+    pub mode: SharingMode,
+    /// The server's address.
+    pub address: String,
+    /// The node-shared address the job fell back from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back_from: Option<String>,
+    /// What was found there (the uid, or the two protocol versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
 }
 
 /// A summary file that cannot be written or read.
-#[derive(Debug, thiserror::Error)]
-#[error("run summary {path}: {message}")]
-pub struct SummaryError {
-    /// The file.
-    pub path: PathBuf,
-    /// What failed.
-    pub message: String,
-}
+pub type SummaryError = JsonFileError;
 
-impl From<JsonFileError> for SummaryError {
-    fn from(e: JsonFileError) -> SummaryError {
-        SummaryError {
-            path: e.path,
-            message: e.message,
-        }
-    }
-}
+/// The record's name in errors.
+const WHAT: &str = "run summary";
 
 impl RunSummary {
     /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<(), SummaryError> {
-        Ok(json_file::write_atomic(self, path)?)
+        json_file::write_atomic(WHAT, self, path)
     }
 
     /// Reads the summary at `path`.
     pub fn read(path: &Path) -> Result<RunSummary, SummaryError> {
-        Ok(json_file::read(path)?)
+        json_file::read(WHAT, path)
     }
 }
 
@@ -148,6 +167,12 @@ mod tests {
             parameters: 1234,
             wall_s: 4.0,
             train_s: 2.0,
+            cache_sharing: Some(CacheSharing {
+                mode: SharingMode::Job,
+                address: "vrtspike-cache-j".into(),
+                fell_back_from: Some("vrtspike-cache-u0-d".into()),
+                why: Some("runs as uid 65534".into()),
+            }),
         }
     }
 

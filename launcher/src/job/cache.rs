@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use vrtspike_contract::cache_serve::{CacheServe, Lifetime, Watch};
 use vrtspike_contract::dataset_sig::Coverage;
-use vrtspike_contract::shared_server::SharedStart;
+use vrtspike_contract::shared_server::{FellBack, SharedStart};
 
 use crate::args::Args;
 use crate::cache_server::{self, ConfigFacts};
@@ -55,15 +55,6 @@ pub struct NodeCache {
     fell_back: Option<FellBack>,
 }
 
-/// A fall-back from the node-shared server to one of the job's own.
-#[derive(Clone)]
-struct FellBack {
-    /// The node-shared address that was not this job's to use.
-    from: String,
-    /// What was found there.
-    why: String,
-}
-
 /// The node-shared cache server of this job's dataset.
 #[derive(Clone)]
 struct SharedSetup {
@@ -71,6 +62,8 @@ struct SharedSetup {
     job: String,
     /// The cap this job asks for.
     wanted_cap: u64,
+    /// The connections this job asks for (`None`: auto).
+    wanted_connections: Option<u64>,
     /// Seconds a server this job starts stays after the last job detached.
     linger_s: f64,
 }
@@ -133,19 +126,9 @@ impl NodeCache {
 
     /// Gives up the node-shared server for one of this job's own, saying so once.
     fn fall_back(&mut self, not_ours: shared_cache::NotOurs) {
-        tracing::warn!(
-            shared = not_ours.address,
-            own = self.own_address,
-            "{not_ours}; this job starts a cache server of its own instead (DATA.CACHE_SHARING \
-             job) and trains"
-        );
+        self.fell_back = Some(not_ours.fall_back(&self.own_address));
         self.shared = None;
         self.address = self.own_address.clone();
-        let why = not_ours.why.trim_start_matches(':').trim().to_string();
-        self.fell_back = Some(FellBack {
-            from: not_ours.address,
-            why,
-        });
     }
 
     /// Starts this job's cache server, or attaches to the node-shared one (starting
@@ -182,6 +165,7 @@ impl NodeCache {
             },
             job_label: &self.job_label,
             wanted_cap: Some(shared.wanted_cap),
+            wanted_connections: shared.wanted_connections,
         })
     }
 
@@ -248,11 +232,7 @@ impl NodeCache {
         if let (Some(fell_back), Some(serde_json::Value::Object(figures))) =
             (&self.fell_back, stats.as_mut())
         {
-            figures.insert(
-                "sharing".into(),
-                serde_json::json!({"mode": "job", "address": self.address,
-                    "fell_back_from": fell_back.from, "why": fell_back.why}),
-            );
+            figures.insert("sharing".into(), serde_json::json!(fell_back.sharing()));
         }
         spawn::stop_all(&mut [&mut server], Duration::from_secs(5));
         // One its re-attach got while giving up.
@@ -304,6 +284,7 @@ fn shared_setup(
     let setup = SharedSetup {
         job,
         wanted_cap,
+        wanted_connections: facts.connections,
         linger_s,
     };
     Ok(Some((address, setup)))

@@ -3,21 +3,21 @@
 //! evict), every read checked for tearing; then single-thread crop reads under a
 //! lease against a plain memcpy measured in the same run.
 
-use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::histogram::Histogram;
+use super::worker::{ProcessError, Worker};
 use crate::cache::store::extent_for;
 use crate::cache::{CacheClient, CacheError, Lookup, RequestError, StatsReport};
-use crate::testkit::process::{spawn_cache_server, ChildGuard};
+use crate::testkit::process::spawn_cache_server;
 use crate::testkit::record::{
     check_rows, copy_crop, template, verify_record, write_record, FrameShape,
 };
+use crate::util::bytes::human;
 
 /// Errors of the benchmark driver and workers.
 #[derive(Debug, thiserror::Error)]
@@ -26,13 +26,8 @@ pub enum BenchError {
     #[error(transparent)]
     Cache(#[from] CacheError),
     /// A child process could not be run or failed.
-    #[error("{what}: {message}")]
-    Process {
-        /// Which process.
-        what: String,
-        /// What happened.
-        message: String,
-    },
+    #[error(transparent)]
+    Process(#[from] ProcessError),
     /// Options that cannot work.
     #[error("bad benchmark options: {0}")]
     Options(String),
@@ -386,6 +381,48 @@ fn crop_pass(
     Ok(pass)
 }
 
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self;
+        writeln!(
+            f,
+            "cache bench: {} processes x {} threads, {} keys over {} slots of {} ({} cap), {:.1} s",
+            r.processes,
+            r.threads,
+            r.keys,
+            r.slots,
+            human(r.record_bytes),
+            human(r.cap_bytes),
+            r.seconds
+        )?;
+        writeln!(
+            f,
+            "  gets/s {:.0}  hit rate {:.1}%  evictions {}  torn reads {} ({} fully verified)",
+            r.ops_per_s,
+            100.0 * r.hit_rate,
+            r.evictions,
+            r.torn_reads,
+            r.verified_reads
+        )?;
+        writeln!(
+            f,
+            "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}  ({} through the server)",
+            r.hit_p50_us, r.hit_p99_us, r.hit_max_us, r.server_hits
+        )?;
+        writeln!(
+            f,
+            "  waits for another client's fill: {}  µs p50 {:.0}  p99 {:.0}",
+            r.waits, r.wait_p50_us, r.wait_p99_us
+        )?;
+        writeln!(
+        f,
+        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release; {:.2} at the first touch of the pages)  memcpy {:.2} GB/s",
+        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.crop_read_first_touch_gbps, r.memcpy_gbps
+    )?;
+        Ok(())
+    }
+}
+
 /// Runs the whole benchmark.
 pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
     let shape = FrameShape {
@@ -412,12 +449,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         rand::random::<u32>()
     ));
     let (_server, driver) =
-        spawn_cache_server(&opts.exe, &address, opts.cap_bytes, Some(record_bytes)).map_err(
-            |e| BenchError::Process {
-                what: "cache server".into(),
-                message: e.to_string(),
-            },
-        )?;
+        spawn_cache_server(&opts.exe, &address, opts.cap_bytes, Some(record_bytes))
+            .map_err(|e| ProcessError::new("cache server", e))?;
     let body = template(shape);
 
     // Warm: fill every slot once, so the timed phase runs at steady eviction pressure.
@@ -441,51 +474,18 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
         seed: 0,
         verify_every: opts.verify_every.max(1),
     };
-    let mut children = Vec::new();
+    let mut workers = Vec::new();
     for p in 0..opts.processes {
-        let mut w = worker.clone();
-        w.seed = p as u64 + 1;
-        let json = serde_json::to_string(&w).map_err(|e| BenchError::Options(e.to_string()))?;
-        let child = Command::new(&opts.exe)
-            .args(["bench", "cache-worker", "--options", &json])
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| BenchError::Process {
-                what: format!("starting bench worker {p}"),
-                message: e.to_string(),
-            })?;
-        children.push(ChildGuard(child));
+        let options = WorkerOptions {
+            seed: p as u64 + 1,
+            ..worker.clone()
+        };
+        let name = format!("bench worker {p}");
+        workers.push(Worker::start(&opts.exe, "cache-worker", name, &options)?);
     }
     let mut total = WorkerReport::default();
-    for (p, mut child) in children.into_iter().enumerate() {
-        let what = format!("bench worker {p}");
-        let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Process {
-            what: what.clone(),
-            message: "no stdout".into(),
-        })?;
-        let mut line = String::new();
-        std::io::BufReader::new(stdout)
-            .read_line(&mut line)
-            .map_err(|e| BenchError::Process {
-                what: what.clone(),
-                message: e.to_string(),
-            })?;
-        let status = child.0.wait().map_err(|e| BenchError::Process {
-            what: what.clone(),
-            message: e.to_string(),
-        })?;
-        if !status.success() {
-            return Err(BenchError::Process {
-                what,
-                message: format!("exited with {status}"),
-            });
-        }
-        let report: WorkerReport =
-            serde_json::from_str(line.trim()).map_err(|e| BenchError::Process {
-                what: what.clone(),
-                message: format!("bad report {line:?}: {e}"),
-            })?;
-        total.merge(&report);
+    for w in workers {
+        total.merge(&w.only_report()?);
     }
 
     // Crop reads, one thread, the store otherwise idle, over the records cached now

@@ -13,15 +13,15 @@
 //! compute), so data_time over the step time is the loader's stall share at that
 //! step rate.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Write};
 use std::path::PathBuf;
-use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::dump::{DumpError, SampleDump};
+use super::worker::{ProcessError, Worker};
 use crate::cache::StatsReport;
 use crate::config::{Augment, CachePolicy};
 use crate::dataset::{DataError, DatasetIndex, IndexOptions};
@@ -29,7 +29,7 @@ use crate::pipeline::loader::{Loader, LoaderOptions, LoaderStats};
 use crate::pipeline::sample::{ClipIndex, ClipWindows, CropMode, SampleSpec};
 use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 use crate::pipeline::PipelineError;
-use crate::testkit::process::{spawn_cache_server, ChildGuard};
+use crate::testkit::process::spawn_cache_server;
 
 /// Why the loader benchmark failed.
 #[derive(Debug, thiserror::Error)]
@@ -44,13 +44,8 @@ pub enum LoaderBenchError {
     #[error(transparent)]
     Dump(#[from] DumpError),
     /// A child process could not be run or failed.
-    #[error("{what}: {message}")]
-    Process {
-        /// Which process.
-        what: String,
-        /// What happened.
-        message: String,
-    },
+    #[error(transparent)]
+    Process(#[from] ProcessError),
     /// The store refused a request of a simulation run in this process.
     #[error("the simulated store: {0}")]
     Store(String),
@@ -204,20 +199,23 @@ fn meet_the_other_ranks(stdin: &mut impl BufRead) -> Result<()> {
     }
 }
 
+/// The sampler options of rank `rank` of `world` as training samples: shuffled with
+/// `seed`, the uneven rest dropped.
+pub(super) fn shuffled(world: usize, rank: usize, seed: u64) -> SamplerOptions {
+    SamplerOptions {
+        world,
+        rank,
+        shuffle: true,
+        seed,
+        remainder: Remainder::Drop,
+    }
+}
+
 /// Runs one loader process's epochs.
 pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
     let index = DatasetIndex::open(&o.root, &o.split, IndexOptions::default())?;
     let clips = ClipIndex::new(&index, ClipWindows::sliding(o.clip));
-    let sampler = DistributedSampler::new(
-        clips.clips.len(),
-        SamplerOptions {
-            world: o.ranks,
-            rank: o.rank,
-            shuffle: true,
-            seed: o.seed,
-            remainder: Remainder::Drop,
-        },
-    )?;
+    let sampler = DistributedSampler::new(clips.clips.len(), shuffled(o.ranks, o.rank, o.seed))?;
     let options = LoaderOptions {
         workers: o.workers,
         prefetch_batches: o.prefetch * o.workers,
@@ -414,102 +412,46 @@ impl ProcessMemory {
 
 /// The compact size of every record of a split, bytes.
 pub fn split_bytes(root: &std::path::Path, split: &str) -> Result<u64> {
-    let index = DatasetIndex::open(root, split, IndexOptions::default())?;
-    let mut bytes = 0;
-    for (seq, s) in index.sequences.iter().enumerate() {
-        for frame in 0..s.frames.len() {
-            bytes += index.record_layout(seq, frame).byte_len() as u64;
-        }
-    }
-    Ok(bytes)
+    Ok(DatasetIndex::open(root, split, IndexOptions::default())?.compact_bytes())
 }
 
 fn process_error(what: String, e: impl std::fmt::Display) -> LoaderBenchError {
-    LoaderBenchError::Process {
-        what,
-        message: e.to_string(),
-    }
+    ProcessError::new(what, e).into()
 }
 
-/// A rank process and its pipes.
+/// A rank process, and its report once it printed it.
 struct Rank {
-    child: ChildGuard,
-    lines: BufReader<ChildStdout>,
-    stdin: Option<ChildStdin>,
-    /// Its report, once it printed it.
+    rank: usize,
+    worker: Worker,
     report: Option<LoaderWorkerReport>,
 }
 
 impl Rank {
     fn start(exe: &std::path::Path, o: &LoaderWorkerOptions) -> Result<Rank> {
-        let rank = o.rank;
-        let json = serde_json::to_string(o).map_err(|e| process_error("options".into(), e))?;
-        let mut child = Command::new(exe)
-            .args(["bench", "loader-worker", "--options", &json])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| process_error(format!("starting loader rank {rank}"), e))?;
-        let (stdout, stdin) = (child.stdout.take(), child.stdin.take());
-        let stdout =
-            stdout.ok_or_else(|| process_error(format!("loader rank {rank}"), "no stdout"))?;
+        let name = format!("loader rank {}", o.rank);
+        let worker = Worker::start(exe, "loader-worker", name, o)?;
         Ok(Rank {
-            child: ChildGuard(child),
-            lines: BufReader::new(stdout),
-            stdin,
+            rank: o.rank,
+            worker,
             report: None,
         })
     }
 
     /// Reads the rank's next line: `true` after a batch (lockstep), `false` once it
     /// printed its report.
-    fn next(&mut self, rank: usize) -> Result<bool> {
-        let mut line = String::new();
-        let n = self
-            .lines
-            .read_line(&mut line)
-            .map_err(|e| process_error(format!("reading rank {rank}"), e))?;
-        if n == 0 {
-            let status = self.child.0.wait();
-            return Err(process_error(
-                format!("loader rank {rank}"),
-                format!("ended without a report ({status:?})"),
-            ));
-        }
-        let line = line.trim();
+    fn next(&mut self) -> Result<bool> {
+        let line = self.worker.line()?;
         if line == BATCH_DONE {
             return Ok(true);
         }
-        let report = serde_json::from_str(line)
-            .map_err(|e| process_error(format!("rank {rank} report {line:?}"), e))?;
-        self.report = Some(report);
+        self.report = Some(self.worker.report(&line)?);
         Ok(false)
     }
 
-    fn go(&mut self, rank: usize) -> Result<()> {
-        if let Some(stdin) = &mut self.stdin {
-            stdin
-                .write_all(b"go\n")
-                .and_then(|()| stdin.flush())
-                .map_err(|e| process_error(format!("lockstep: rank {rank}"), e))?;
-        }
-        Ok(())
-    }
-
-    fn finish(mut self, rank: usize) -> Result<LoaderWorkerReport> {
-        let mut rest = String::new();
-        let _ = self.lines.read_to_string(&mut rest);
-        self.stdin = None;
-        let status = self
-            .child
-            .0
-            .wait()
-            .map_err(|e| process_error(format!("waiting for rank {rank}"), e))?;
-        if !status.success() {
-            return Err(process_error(format!("loader rank {rank}"), status));
-        }
-        self.report
-            .ok_or_else(|| process_error(format!("loader rank {rank}"), "no report"))
+    fn finish(self) -> Result<LoaderWorkerReport> {
+        self.worker.finish()?;
+        let rank = self.rank;
+        (self.report).ok_or_else(|| process_error(format!("loader rank {rank}"), "no report"))
     }
 }
 
@@ -520,12 +462,12 @@ fn run_ranks(ranks: &mut [Rank]) -> Result<()> {
     while !running.is_empty() {
         let mut waiting = Vec::new();
         for &r in &running {
-            if ranks[r].next(r)? {
+            if ranks[r].next()? {
                 waiting.push(r);
             }
         }
         for &r in &waiting {
-            ranks[r].go(r)?;
+            ranks[r].worker.tell("go")?;
         }
         running = waiting;
     }
@@ -560,8 +502,8 @@ pub fn run(
     }
     run_ranks(&mut ranks)?;
     let mut reports = Vec::new();
-    for (rank, r) in ranks.into_iter().enumerate() {
-        reports.push(r.finish(rank)?);
+    for r in ranks {
+        reports.push(r.finish()?);
     }
     let (store, server_memory) = match &server {
         Some((child, client)) => {
@@ -582,6 +524,46 @@ pub fn run(
         store,
         server_memory,
     ))
+}
+
+impl std::fmt::Display for LoaderBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let report = self;
+        writeln!(
+        f,
+        "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
+        report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
+        report.bypass_last_epoch, report.bypass_total
+    )?;
+        let w = &report.warm;
+        writeln!(
+        f,
+        "warm epochs ({:?}{}{}): hit rate {:.3}, {:.1} MB from disk, {} prefetched, stall {:.2}% of the step time ({} ms a step)",
+        report.policy,
+        if report.cache_prefetch { " + prefetch" } else { "" },
+        if report.lockstep { ", lockstep" } else { "" },
+        report.warm_hit_rate,
+        w.disk_bytes as f64 / 1e6,
+        w.prefetched,
+        100.0 * report.warm_stall_share,
+        report.step_ms
+    )?;
+        if let Some(store) = &report.store {
+            writeln!(
+        f,
+            "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
+            store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
+        )?;
+        }
+        if let Some(m) = &report.server_memory {
+            writeln!(
+                f,
+                "cache server: Pss {:.1} MB = {:.1} MB of cached data + {:.1} MB of its own",
+                m.pss_mb, m.pss_shmem_mb, m.overhead_mb
+            )?;
+        }
+        Ok(())
+    }
 }
 
 fn summarize(

@@ -13,3 +13,4 @@ pub mod loader;
 pub mod policy;
 pub mod sign;
 pub mod store;
+pub mod worker;

@@ -17,9 +17,9 @@ use crate::cache::RequestError;
 use crate::config::CachePolicy;
 use crate::dataset::{DatasetIndex, IndexOptions};
 use crate::pipeline::sample::{ClipIndex, ClipWindows};
-use crate::pipeline::sampler::{DistributedSampler, Remainder, SamplerOptions};
 
-use super::loader::{self, LoaderBenchError, LoaderWorkerOptions};
+use super::loader::{self, shuffled, LoaderBenchError, LoaderWorkerOptions};
+use crate::pipeline::sampler::DistributedSampler;
 
 /// The records of a stream: what each takes of the cap (whole pages, as the store
 /// places it) and what reading it from disk decodes.
@@ -29,6 +29,20 @@ struct Records {
     extents: Vec<u64>,
     /// Bytes of the record.
     lens: Vec<u64>,
+    /// The number of each (sequence, frame) seen.
+    ids: HashMap<(usize, usize), usize>,
+}
+
+impl Records {
+    /// The number of frame `frame` of sequence `seq`, a new one the first time.
+    fn number(&mut self, index: &DatasetIndex, seq: usize, frame: usize) -> usize {
+        *self.ids.entry((seq, frame)).or_insert_with(|| {
+            let len = index.record_layout(seq, frame).byte_len() as u64;
+            self.extents.push(extent_for(len).unwrap_or(len));
+            self.lens.push(len);
+            self.lens.len() - 1
+        })
+    }
 }
 
 /// One read of the recorded stream.
@@ -114,19 +128,12 @@ fn recorded_stream(
     template: &LoaderWorkerOptions,
     ranks: usize,
 ) -> Result<(Vec<Access>, Records), LoaderBenchError> {
-    let mut ids: HashMap<(usize, usize), usize> = HashMap::new();
     let mut records = Records::default();
-    let mut samplers = Vec::new();
-    for rank in 0..ranks {
-        let options = SamplerOptions {
-            world: ranks,
-            rank,
-            shuffle: true,
-            seed: template.seed,
-            remainder: Remainder::Drop,
-        };
-        samplers.push(DistributedSampler::new(clips.clips.len(), options)?);
-    }
+    let samplers = (0..ranks)
+        .map(|rank| {
+            DistributedSampler::new(clips.clips.len(), shuffled(ranks, rank, template.seed))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let mut stream = Vec::new();
     for epoch in 0..template.epochs {
         let orders: Vec<Vec<usize>> = samplers.iter().map(|s| s.epoch_indices(epoch)).collect();
@@ -136,14 +143,8 @@ fn recorded_stream(
             for order in &orders {
                 let clip = clips.clips[order[position]];
                 for frame in clip.start..clip.start + clips.len {
-                    let record = *ids.entry((clip.seq, frame)).or_insert_with(|| {
-                        let len = index.record_layout(clip.seq, frame).byte_len() as u64;
-                        records.extents.push(extent_for(len).unwrap_or(len));
-                        records.lens.push(len);
-                        records.lens.len() - 1
-                    });
                     stream.push(Access {
-                        record,
+                        record: records.number(index, clip.seq, frame),
                         counted: epoch > 0 || template.epochs == 1,
                     });
                 }
@@ -275,14 +276,7 @@ pub fn run(
 ) -> Result<PolicyTable, LoaderBenchError> {
     let index = DatasetIndex::open(&template.root, &template.split, IndexOptions::default())?;
     let clips = ClipIndex::new(&index, ClipWindows::sliding(template.clip));
-    let mut dataset_bytes = 0;
-    let mut records = 0;
-    for (seq, s) in index.sequences.iter().enumerate() {
-        for frame in 0..s.frames.len() {
-            dataset_bytes += index.record_layout(seq, frame).byte_len() as u64;
-            records += 1;
-        }
-    }
+    let dataset_bytes = index.compact_bytes();
     let mut rows = Vec::new();
     for &ranks in rank_counts {
         let (stream, records) = recorded_stream(&index, &clips, template, ranks)?;
@@ -324,7 +318,7 @@ pub fn run(
     }
     Ok(PolicyTable {
         bench: "vrtspike-loader-policy",
-        records,
+        records: index.frame_count(),
         dataset_bytes,
         epochs: template.epochs,
         clip: template.clip,
@@ -335,36 +329,21 @@ pub fn run(
 }
 
 /// One job's reads, step by step (a step: a sample's clip, frame by frame), in
-/// its own shuffled order over `epochs` epochs; records numbered in `ids`.
+/// its own shuffled order over `epochs` epochs; records numbered in `records`.
 fn job_steps(
     index: &DatasetIndex,
     clips: &ClipIndex,
     seed: u64,
     epochs: u64,
-    ids: &mut HashMap<(usize, usize), usize>,
     records: &mut Records,
 ) -> Result<Vec<Vec<usize>>, LoaderBenchError> {
-    let options = SamplerOptions {
-        world: 1,
-        rank: 0,
-        shuffle: true,
-        seed,
-        remainder: Remainder::Drop,
-    };
-    let sampler = DistributedSampler::new(clips.clips.len(), options)?;
+    let sampler = DistributedSampler::new(clips.clips.len(), shuffled(1, 0, seed))?;
     let mut steps = Vec::new();
     for epoch in 0..epochs {
         for position in sampler.epoch_indices(epoch) {
             let clip = clips.clips[position];
-            let frames = (clip.start..clip.start + clips.len).map(|frame| {
-                *ids.entry((clip.seq, frame)).or_insert_with(|| {
-                    let len = index.record_layout(clip.seq, frame).byte_len() as u64;
-                    records.extents.push(extent_for(len).unwrap_or(len));
-                    records.lens.push(len);
-                    records.lens.len() - 1
-                })
-            });
-            steps.push(frames.collect());
+            let frames = clip.start..clip.start + clips.len;
+            steps.push(frames.map(|f| records.number(index, clip.seq, f)).collect());
         }
     }
     Ok(steps)
@@ -381,18 +360,12 @@ fn two_jobs_row(
     cap_percent: f64,
 ) -> Result<TwoJobsRow, LoaderBenchError> {
     let rates = [1.0, 3.0];
-    let (mut ids, mut records) = (HashMap::new(), Records::default());
+    let mut records = Records::default();
     let epochs = template.epochs.max(2);
+    let (seed, r) = (template.seed, &mut records);
     let jobs = [
-        job_steps(index, clips, template.seed, epochs, &mut ids, &mut records)?,
-        job_steps(
-            index,
-            clips,
-            template.seed + 1,
-            3 * epochs,
-            &mut ids,
-            &mut records,
-        )?,
+        job_steps(index, clips, seed, epochs, r)?,
+        job_steps(index, clips, seed + 1, 3 * epochs, r)?,
     ];
     let warm_us = (jobs[0].len() as u64 / epochs) * 1_000_000;
     // The merged stream: (time, job, step), soonest first.
@@ -582,6 +555,7 @@ mod tests {
         let sizes = Records {
             extents: vec![10, 10, 10],
             lens: vec![9, 9, 9],
+            ids: HashMap::new(),
         };
         let lru = simulate_lru(&s, &sizes, 20);
         assert_eq!(lru.hit_rate, 0.0);
@@ -594,6 +568,7 @@ mod tests {
         let big = Records {
             extents: vec![30],
             lens: vec![30],
+            ids: HashMap::new(),
         };
         let big = simulate_belady(&stream(&[0, 0]), &big, 20);
         assert_eq!(big.hit_rate, 0.0);

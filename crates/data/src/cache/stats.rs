@@ -229,6 +229,10 @@ pub struct StatsReport {
     /// Record descriptors (the most records the store can hold at once).
     #[serde(default)]
     pub slot_entries: usize,
+    /// Pin pages: the most connections served at once (`--connections`,
+    /// `DATA.CACHE_CONNECTIONS`).
+    #[serde(default)]
+    pub connections: usize,
     /// Bytes of records with at least one lease.
     pub pinned_bytes: u64,
     /// Bytes of records being filled.
@@ -299,9 +303,10 @@ impl fmt::Display for StatsReport {
         }
         writeln!(
             f,
-            "metadata {:.1} MiB for {} record descriptors  requests {}",
+            "metadata {:.1} MiB for {} record descriptors and {} connections  requests {}",
             self.metadata_bytes as f64 / (1u64 << 20) as f64,
             self.slot_entries,
+            self.connections,
             t.requests
         )?;
         writeln!(

@@ -21,7 +21,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"VRTCACHE");
 /// Layout version; a client refuses a store of another version.
 pub const VERSION: u64 = 2;
 /// The most connections a server can be sized for (one page of pins each).
-pub const MAX_CONNECTIONS: usize = 1 << 16;
+pub const MAX_CONNECTIONS: usize = crate::config::MAX_CACHE_CONNECTIONS as usize;
 /// Connections a server serves at once when nothing sizes it
 /// ([`default_connections`] sizes it for the node).
 pub const MIN_CONNECTIONS: usize = 512;

@@ -11,13 +11,13 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
 use super::cache::{hand_over, Where};
-use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport, WorkerOptions};
+use crate::bench::cache::{self as cache_bench, BenchOptions, BenchReport};
 use crate::bench::loader as loader_bench;
 use crate::bench::policy as policy_bench;
 use crate::bench::sign as sign_bench;
 use crate::bench::store as store_bench;
 use crate::config::CachePolicy;
-use crate::util::bytes::{human, parse_size};
+use crate::util::bytes::parse_size;
 
 /// The benchmarks.
 #[derive(Subcommand)]
@@ -153,12 +153,7 @@ pub fn run(command: BenchCommand, place: Where) -> Result<()> {
                 reads: args.reads,
                 ..Default::default()
             };
-            let report = store_bench::run(options)?;
-            match args.json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => println!("{report}"),
-            }
-            Ok(())
+            emit(args.json, &store_bench::run(options)?)
         }
         BenchCommand::Sign(args) => {
             let report = sign_bench::run(&sign_bench::SignBenchOptions {
@@ -170,30 +165,30 @@ pub fn run(command: BenchCommand, place: Where) -> Result<()> {
                 short_budget: std::time::Duration::try_from_secs_f64(args.short_budget_s)
                     .context("--short-budget-s is not a number of seconds")?,
             })?;
-            match args.json {
-                true => println!("{}", serde_json::to_string(&report)?),
-                false => println!("{report}"),
-            }
-            Ok(())
+            emit(args.json, &report)
         }
         BenchCommand::LoaderWorker { options } => run_loader_worker(&options),
-        BenchCommand::Cache(args) => {
-            let report = run_cache(&args)?;
-            if args.json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print_cache(&report);
-            }
-            Ok(())
-        }
+        BenchCommand::Cache(args) => emit(args.json, &run_cache(&args)?),
         BenchCommand::CacheWorker { options } => {
-            let opts: WorkerOptions =
-                serde_json::from_str(&options).context("parsing the worker's --options")?;
-            let report = cache_bench::run_worker(&opts)?;
-            println!("{}", serde_json::to_string(&report)?);
-            Ok(())
+            let o = serde_json::from_str(&options).context("parsing the worker's --options")?;
+            print_json(&cache_bench::run_worker(&o)?)
         }
     }
+}
+
+/// Prints `report` as one JSON object, or as text.
+fn emit(json: bool, report: &(impl serde::Serialize + std::fmt::Display)) -> Result<()> {
+    match json {
+        true => print_json(report)?,
+        false => print!("{report}"),
+    }
+    Ok(())
+}
+
+/// Prints `report` as one line of JSON.
+fn print_json(report: &impl serde::Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string(report)?);
+    Ok(())
 }
 
 /// Runs the cache benchmark with these arguments.
@@ -212,39 +207,6 @@ pub fn run_cache(args: &CacheBenchArgs) -> Result<BenchReport> {
         crop_reads: args.crop_reads,
     };
     Ok(cache_bench::run(&opts)?)
-}
-
-fn print_cache(r: &BenchReport) {
-    println!(
-        "cache bench: {} processes x {} threads, {} keys over {} slots of {} ({} cap), {:.1} s",
-        r.processes,
-        r.threads,
-        r.keys,
-        r.slots,
-        human(r.record_bytes),
-        human(r.cap_bytes),
-        r.seconds
-    );
-    println!(
-        "  gets/s {:.0}  hit rate {:.1}%  evictions {}  torn reads {} ({} fully verified)",
-        r.ops_per_s,
-        100.0 * r.hit_rate,
-        r.evictions,
-        r.torn_reads,
-        r.verified_reads
-    );
-    println!(
-        "  hit latency µs: p50 {:.0}  p99 {:.0}  max {:.0}  ({} through the server)",
-        r.hit_p50_us, r.hit_p99_us, r.hit_max_us, r.server_hits
-    );
-    println!(
-        "  waits for another client's fill: {}  µs p50 {:.0}  p99 {:.0}",
-        r.waits, r.wait_p50_us, r.wait_p99_us
-    );
-    println!(
-        "  crop read {:.2} GB/s median ({:.2} mean, {:.2} with lease get/release; {:.2} at the first touch of the pages)  memcpy {:.2} GB/s",
-        r.crop_read_gbps, r.crop_read_mean_gbps, r.crop_with_lease_gbps, r.crop_read_first_touch_gbps, r.memcpy_gbps
-    );
 }
 
 impl CacheBenchArgs {
@@ -374,11 +336,7 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
     if args.policy_table {
         let say = |line: &str| eprintln!("policy table: {line}");
         let table = policy_bench::run(&exe, &template, &args.table_ranks, &args.table_caps, &say)?;
-        match args.json {
-            true => println!("{}", serde_json::to_string(&table)?),
-            false => print!("{table}"),
-        }
-        return Ok(());
+        return emit(args.json, &table);
     }
     let cache = match (args.no_cache, args.cache_percent) {
         (true, _) => None,
@@ -388,45 +346,7 @@ pub fn run_loader_bench(args: LoaderBenchArgs) -> Result<()> {
         }
         (false, None) => Some((args.cache_gb * (1u64 << 30) as f64) as u64),
     };
-    let report = loader_bench::run(&exe, &template, cache)?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        print_loader(&report);
-    }
-    Ok(())
-}
-
-fn print_loader(report: &loader_bench::LoaderBenchReport) {
-    println!(
-        "loader: {} ranks x {} workers, clip {}, crop {}: {:.2} samples/s (last epoch), hit rate {:.3}, data_time {:.1} ms, bypass {} (all epochs {})",
-        report.ranks, report.workers_per_rank, report.clip, report.crop, report.samples_per_s, report.hit_rate, report.data_time_ms,
-        report.bypass_last_epoch, report.bypass_total
-    );
-    let w = &report.warm;
-    println!(
-        "warm epochs ({:?}{}{}): hit rate {:.3}, {:.1} MB from disk, {} prefetched, stall {:.2}% of the step time ({} ms a step)",
-        report.policy,
-        if report.cache_prefetch { " + prefetch" } else { "" },
-        if report.lockstep { ", lockstep" } else { "" },
-        report.warm_hit_rate,
-        w.disk_bytes as f64 / 1e6,
-        w.prefetched,
-        100.0 * report.warm_stall_share,
-        report.step_ms
-    );
-    if let Some(store) = &report.store {
-        println!(
-            "store: {} of {} carved bytes hold live records ({:.1}%), {} records, {} evictions, {} refused requests",
-            store.live_bytes, store.carved_bytes, 100.0 * store.live_share, store.records, store.evictions, store.refused_requests
-        );
-    }
-    if let Some(m) = &report.server_memory {
-        println!(
-            "cache server: Pss {:.1} MB = {:.1} MB of cached data + {:.1} MB of its own",
-            m.pss_mb, m.pss_shmem_mb, m.overhead_mb
-        );
-    }
+    emit(args.json, &loader_bench::run(&exe, &template, cache)?)
 }
 
 /// `planned` or `lru`.
@@ -440,9 +360,6 @@ fn parse_policy(text: &str) -> Result<CachePolicy, String> {
 
 /// Runs one hidden `bench loader-worker` process.
 pub fn run_loader_worker(options: &str) -> Result<()> {
-    let o: loader_bench::LoaderWorkerOptions =
-        serde_json::from_str(options).context("parsing the loader worker's --options")?;
-    let report = loader_bench::run_worker(&o)?;
-    println!("{}", serde_json::to_string(&report)?);
-    Ok(())
+    let o = serde_json::from_str(options).context("parsing the loader worker's --options")?;
+    print_json(&loader_bench::run_worker(&o)?)
 }

@@ -217,7 +217,8 @@ pub struct ServeArgs {
     read_order_budget: u64,
     /// Connections served at once (a pin page of 4 KiB each in the store); one
     /// past them is refused and that loader worker reads from disk. Default: 8 a
-    /// core of this node, at least 512.
+    /// core of this node, at least 512; `--config`'s DATA.CACHE_CONNECTIONS when
+    /// it names a count.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
     connections: Option<u32>,
 }
@@ -274,14 +275,7 @@ fn attach(args: AttachArgs) -> Result<()> {
             eprintln!("no cache server at {address}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NO_SERVER);
         }
-        Err(
-            e @ (cache::CacheError::ForeignServer { .. }
-            | cache::CacheError::ProtocolVersion { .. }),
-        ) => {
-            eprintln!("{e}");
-            std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
-        }
-        Err(e) if e.is_connection_refusal() => {
+        Err(e) if e.is_not_ours() => {
             eprintln!("{e}");
             std::process::exit(vrtspike_contract::cache_serve::EXIT_NOT_OURS);
         }
@@ -410,7 +404,14 @@ fn serve(args: ServeArgs) -> Result<()> {
     config.allowed_uids.extend(&args.allow_uids);
     config.linger = args.linger_s.map(Duration::from_secs_f64);
     config.read_order_budget = args.read_order_budget;
-    if let Some(connections) = args.connections {
+    // --connections, else the run config's DATA.CACHE_CONNECTIONS, else sized
+    // for the node.
+    let wanted = args.connections.or_else(|| {
+        run_config
+            .as_ref()
+            .and_then(|run| run.data.cache_connections.count())
+    });
+    if let Some(connections) = wanted {
         config.connections = connections as usize;
     }
     let server = match Server::bind(config) {

@@ -42,6 +42,11 @@ pub struct DataConfig {
     /// node on the same dataset attaches to one server) or `job` (one per job).
     #[serde(rename = "CACHE_SHARING")]
     pub cache_sharing: CacheSharing,
+    /// Connections the node cache server serves at once (a 4 KiB pin page each):
+    /// `auto` (8 a core of the node, 512 to 65536) or a count; every server a job
+    /// starts gets it.
+    #[serde(rename = "CACHE_CONNECTIONS")]
+    pub cache_connections: CacheConnections,
     /// Consecutive frames in one sample (the clip length `L`).
     #[serde(rename = "CLIP_LEN")]
     pub clip_len: u32,
@@ -92,6 +97,45 @@ pub enum CacheSharing {
     /// One server per job, started and stopped with it.
     #[serde(rename = "job")]
     Job,
+}
+
+/// The most connections a cache server can be sized for (`DATA.CACHE_CONNECTIONS`,
+/// `cache serve --connections`).
+pub const MAX_CACHE_CONNECTIONS: u32 = 1 << 16;
+
+/// Connections of the node cache server (`DATA.CACHE_CONNECTIONS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheConnections {
+    /// Sized for the node's cores (the server's default).
+    #[default]
+    Auto,
+    /// This many, 1 to [`MAX_CACHE_CONNECTIONS`].
+    Count(u32),
+}
+
+impl CacheConnections {
+    /// The count, `None` for `auto`.
+    pub fn count(self) -> Option<u32> {
+        match self {
+            CacheConnections::Auto => None,
+            CacheConnections::Count(n) => Some(n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CacheConnections {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        Ok(match super::loader::auto_or_count(de, "connection")? {
+            Some(n) => CacheConnections::Count(n),
+            None => CacheConnections::Auto,
+        })
+    }
+}
+
+impl Serialize for CacheConnections {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        super::loader::write_auto_or_count(self.count(), ser)
+    }
 }
 
 /// Which folder holds the blurred frames (GoPro ships both).
@@ -200,6 +244,7 @@ impl Default for DataConfig {
             cache_policy: CachePolicy::Planned,
             cache_prefetch: true,
             cache_sharing: CacheSharing::default(),
+            cache_connections: CacheConnections::Auto,
             clip_len: 6,
             spike_bins: 32,
             blur_dir: BlurDir::Blur,
@@ -222,6 +267,15 @@ impl DataConfig {
                     self.cache_size_gb
                 ),
             ));
+        }
+        if let CacheConnections::Count(n) = self.cache_connections {
+            if !(1..=MAX_CACHE_CONNECTIONS).contains(&n) {
+                return Err(invalid(
+                    "DATA",
+                    "CACHE_CONNECTIONS",
+                    format!("expected 1 to {MAX_CACHE_CONNECTIONS} or \"auto\", got {n}"),
+                ));
+            }
         }
         if self.crop_size == 0 {
             return Err(invalid(

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::invalid;
+use super::{positive, Checks};
 
 /// Collective backend choice (`DIST.BACKEND`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
@@ -88,31 +88,25 @@ impl DistConfig {
     }
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        if self.timeout_s == 0 {
-            return Err(invalid("DIST", "TIMEOUT_S", "expected at least 1 second"));
-        }
-        if !(self.bucket_cap_mb.is_finite()
-            && self.bucket_cap_mb > 0.0
-            && self.bucket_cap_mb <= 4096.0)
-        {
-            return Err(invalid(
-                "DIST",
-                "BUCKET_CAP_MB",
-                format!(
-                    "expected more than 0 and at most 4096 MiB, got {}",
-                    self.bucket_cap_mb
-                ),
-            ));
-        }
-        if self.grad_sync == GradSyncMode::AfterBackward
-            && self.grad_compression != GradCompressionMode::None
-        {
-            return Err(invalid(
-                "DIST",
-                "GRAD_COMPRESSION",
-                "compression is a hook of the Reducer: it needs DIST.GRAD_SYNC reducer, not after_backward",
-            ));
-        }
-        Ok(())
+        let d = Checks("DIST");
+        d.check(
+            self.timeout_s > 0,
+            "TIMEOUT_S",
+            "expected at least 1 second",
+        )?;
+        let mb = self.bucket_cap_mb;
+        let mb_ok = positive(mb) && mb <= 4096.0;
+        d.expect(
+            mb_ok,
+            "BUCKET_CAP_MB",
+            "more than 0 and at most 4096 MiB",
+            mb,
+        )?;
+        let compresses = self.grad_compression != GradCompressionMode::None;
+        d.check(
+            self.grad_sync != GradSyncMode::AfterBackward || !compresses,
+            "GRAD_COMPRESSION",
+            "compression is a hook of the Reducer: it needs DIST.GRAD_SYNC reducer, not after_backward",
+        )
     }
 }

@@ -33,30 +33,54 @@ impl Workers {
     }
 }
 
+/// A count or `auto`, as a config key reads it (`None` for `auto`); the error
+/// names `what` is counted.
+pub(super) fn auto_or_count<'de, D: Deserializer<'de>>(
+    de: D,
+    what: &str,
+) -> Result<Option<u32>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Count(u32),
+        Word(String),
+    }
+    match Raw::deserialize(de) {
+        Ok(Raw::Count(n)) => Ok(Some(n)),
+        Ok(Raw::Word(w)) if w == "auto" => Ok(None),
+        _ => Err(serde::de::Error::custom(format!(
+            "expected a {what} count or \"auto\""
+        ))),
+    }
+}
+
+/// Writes a count, or `auto` for `None` ([`auto_or_count`] reads it back).
+pub(super) fn write_auto_or_count<S: Serializer>(
+    count: Option<u32>,
+    ser: S,
+) -> Result<S::Ok, S::Error> {
+    match count {
+        None => ser.serialize_str("auto"),
+        Some(n) => ser.serialize_u32(n),
+    }
+}
+
 impl<'de> Deserialize<'de> for Workers {
     fn deserialize<D: Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Count(u32),
-            Word(String),
-        }
-        match Raw::deserialize(de) {
-            Ok(Raw::Count(n)) => Ok(Workers::Count(n)),
-            Ok(Raw::Word(w)) if w == "auto" => Ok(Workers::Auto),
-            _ => Err(serde::de::Error::custom(
-                "expected a worker count or \"auto\"",
-            )),
-        }
+        Ok(match auto_or_count(de, "worker")? {
+            Some(n) => Workers::Count(n),
+            None => Workers::Auto,
+        })
     }
 }
 
 impl Serialize for Workers {
     fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Workers::Auto => ser.serialize_str("auto"),
-            Workers::Count(n) => ser.serialize_u32(*n),
-        }
+        let count = match self {
+            Workers::Auto => None,
+            Workers::Count(n) => Some(*n),
+        };
+        write_auto_or_count(count, ser)
     }
 }
 

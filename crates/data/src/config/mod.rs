@@ -20,7 +20,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
-pub use data::{Augment, BlurDir, CachePolicy, CacheSharing, DataConfig};
+pub use data::{
+    Augment, BlurDir, CacheConnections, CachePolicy, CacheSharing, DataConfig,
+    MAX_CACHE_CONNECTIONS,
+};
 pub use dist::{DistBackend, DistConfig, GradCompressionMode, GradSyncMode};
 use layers::Stack;
 pub use layers::{Origin, Source, ALIASES};
@@ -254,6 +257,45 @@ pub(crate) fn invalid(section: &str, key: &str, message: impl Into<String>) -> (
     (format!("{section}.{key}"), message.into())
 }
 
+/// A section's checks: each fails naming the key path under the section.
+pub(crate) struct Checks(pub &'static str);
+
+impl Checks {
+    /// Fails `key` with `message` unless `ok`.
+    pub fn check(
+        &self,
+        ok: bool,
+        key: &str,
+        message: impl Into<String>,
+    ) -> Result<(), (String, String)> {
+        match ok {
+            true => Ok(()),
+            false => Err(invalid(self.0, key, message)),
+        }
+    }
+
+    /// Fails `key` unless `ok`, saying `expected {expected}, got {got}`.
+    pub fn expect(
+        &self,
+        ok: bool,
+        key: &str,
+        expected: impl std::fmt::Display,
+        got: impl std::fmt::Display,
+    ) -> Result<(), (String, String)> {
+        self.check(ok, key, format!("expected {expected}, got {got}"))
+    }
+}
+
+/// Whether `x` is a finite number above 0.
+pub(crate) fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Whether `x` is a finite number of 0 or more.
+pub(crate) fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}
+
 /// The first of the `(key, value)` counts under `section` below `min`, as a failed
 /// check (`expected at least 1`, or `expected 0 or more`).
 pub(crate) fn at_least<T: PartialOrd + From<u8>>(
@@ -353,6 +395,26 @@ mod tests {
     }
 
     #[test]
+    fn cache_connections_are_auto_or_a_count_in_range() {
+        let config = parse("{}").unwrap();
+        assert_eq!(config.data.cache_connections, CacheConnections::Auto);
+        let config = parse("DATA:\n  CACHE_CONNECTIONS: 2048\n").unwrap();
+        assert_eq!(config.data.cache_connections, CacheConnections::Count(2048));
+        assert_eq!(config.data.cache_connections.count(), Some(2048));
+        let config = parse("DATA:\n  CACHE_CONNECTIONS: auto\n").unwrap();
+        assert_eq!(config.data.cache_connections.count(), None);
+        for bad in ["0", "65537", "many", "-3"] {
+            let err = error_of(parse(&format!("DATA:\n  CACHE_CONNECTIONS: {bad}\n")));
+            assert!(err.contains("DATA.CACHE_CONNECTIONS"), "{bad}: {err}");
+        }
+        let err = error_of(parse("DATA:\n  CACHE_CONNECTIONS: 0\n"));
+        assert!(
+            err.contains("expected 1 to 65536 or \"auto\", got 0"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn user_keys_parse_with_their_meaning() {
         let c = parse(
             "MODEL:\n  WINDOW_SIZE: 7\n  USE_CHECKPOINT_ATTN: true\n  USE_CHECKPOINT_FFN: false\n  \
@@ -429,6 +491,17 @@ mod tests {
         );
         let c = parse("DATA:\n  CROP_SIZE: 128\n  TRAIN_CROP_SIZE: 128\n").unwrap();
         assert_eq!(c.data.crop_size, 128);
+    }
+
+    /// A head count of 0 was a division by zero in the check that heads divide the
+    /// widths.
+    #[test]
+    fn zero_heads_are_refused_naming_the_key() {
+        for key in ["FUSE", "SPIKE_TSA"] {
+            let text = format!("MODEL:\n  ARCH: vrt_spike\n  {key}:\n    HEADS: 0\n");
+            let err = error_of(parse(&text));
+            assert!(err.contains(&format!("MODEL.{key}.HEADS")), "{err}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{at_least, invalid};
+use super::{at_least, Checks};
 
 /// `MODEL.ARCH`: the architecture to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -371,7 +371,6 @@ impl ModelConfig {
     }
 
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
         let tsa = &self.spike_tsa;
         at_least(
             "MODEL",
@@ -395,132 +394,80 @@ impl ModelConfig {
         )?;
         if self.arch == Arch::UnetSpike {
             at_least("MODEL", 1, [("UNET.CHANNELS", self.unet.channels)])?;
-            if !(1..=5).contains(&self.unet.levels) {
-                return bad("UNET.LEVELS", "expected 1 to 5".into());
-            }
-            return Ok(());
+            let levels_ok = (1..=5).contains(&self.unet.levels);
+            return Checks("MODEL").check(levels_ok, "UNET.LEVELS", "expected 1 to 5");
         }
         self.validate_vrt()
     }
 
     fn validate_vrt(&self) -> Result<(), (String, String)> {
-        let bad = |key: &str, msg: String| Err(invalid("MODEL", key, msg));
+        let m = Checks("MODEL");
         let n = self.vrt_depths.len();
-        if n < 8 {
-            return bad(
-                "VRT_DEPTHS",
-                format!("expected 7 U-stages and at least one stage-8 group (8+ entries), got {n}"),
-            );
-        }
+        let stages = "7 U-stages and at least one stage-8 group (8+ entries)";
+        m.expect(n >= 8, "VRT_DEPTHS", stages, n)?;
         if let Some(d) = self.vrt_depths.iter().find(|&&d| d < 1) {
-            return bad("VRT_DEPTHS", format!("expected positive depths, got {d}"));
+            m.expect(false, "VRT_DEPTHS", "positive depths", d)?;
         }
-        if self.embed_dims.len() != n {
-            return bad(
-                "EMBED_DIMS",
-                format!(
-                    "expected {n} entries (one per VRT_DEPTHS entry), got {}",
-                    self.embed_dims.len()
-                ),
-            );
+        let per_depth = format!("{n} entries (one per VRT_DEPTHS entry)");
+        for (key, len) in [
+            ("EMBED_DIMS", self.embed_dims.len()),
+            ("NUM_HEADS", self.num_heads.len()),
+        ] {
+            m.expect(len == n, key, &per_depth, len)?;
         }
-        if self.num_heads.len() != n {
-            return bad(
-                "NUM_HEADS",
-                format!(
-                    "expected {n} entries (one per VRT_DEPTHS entry), got {}",
-                    self.num_heads.len()
-                ),
-            );
-        }
-        if self.window_size.iter().any(|&w| w < 1) {
-            return bad("WINDOW_SIZE", "expected positive sizes".into());
-        }
+        let windows_ok = self.window_size.iter().all(|&w| w >= 1);
+        m.check(windows_ok, "WINDOW_SIZE", "expected positive sizes")?;
         for (i, (&dim, &heads)) in self.embed_dims.iter().zip(&self.num_heads).enumerate() {
-            if heads < 1 || dim < 1 || dim % heads != 0 {
-                return bad(
-                    "NUM_HEADS",
-                    format!("entry {i}: {heads} heads must divide EMBED_DIMS {dim}"),
-                );
-            }
-            if dim % 2 != 0 {
-                return bad(
-                    "EMBED_DIMS",
-                    format!("entry {i}: expected an even width, got {dim}"),
-                );
-            }
+            let divides = heads >= 1 && dim >= 1 && dim % heads == 0;
+            let must = format!("entry {i}: {heads} heads must divide EMBED_DIMS {dim}");
+            m.check(divides, "NUM_HEADS", must)?;
+            let even = format!("entry {i}: expected an even width, got {dim}");
+            m.check(dim % 2 == 0, "EMBED_DIMS", even)?;
         }
         for i in 4..7 {
-            if self.embed_dims[i - 1] % 4 != 0 {
-                return bad(
-                    "EMBED_DIMS",
-                    format!(
-                        "entry {}: stage {} pixel-shuffles it, so it must divide by 4",
-                        i - 1,
-                        i + 1
-                    ),
-                );
-            }
-        }
-        if let Some(i) = self
-            .indep_reconsts
-            .iter()
-            .find(|&&i| i < 7 || i as usize >= n)
-        {
-            return bad(
-                "INDEP_RECONSTS",
-                format!("{i} is not a stage-8 group index (7..{n})"),
+            let shuffled = format!(
+                "entry {}: stage {} pixel-shuffles it, so it must divide by 4",
+                i - 1,
+                i + 1
             );
+            m.check(self.embed_dims[i - 1] % 4 == 0, "EMBED_DIMS", shuffled)?;
         }
-        if !(0.0..=1.0).contains(&self.mul_attn_ratio) {
-            return bad("MUL_ATTN_RATIO", "expected a ratio in [0, 1]".into());
+        let group = |&&i: &&i64| i < 7 || i as usize >= n;
+        if let Some(i) = self.indep_reconsts.iter().find(group) {
+            let not_a_group = format!("{i} is not a stage-8 group index (7..{n})");
+            m.check(false, "INDEP_RECONSTS", not_a_group)?;
         }
-        if self.mlp_ratio <= 0.0 {
-            return bad("MLP_RATIO", "expected a positive ratio".into());
-        }
-        if !(0.0..1.0).contains(&self.drop_path_rate) {
-            return bad("DROP_PATH_RATE", "expected a rate in [0, 1)".into());
-        }
-        if self.pa_frames != 2 {
-            return bad(
-                "PA_FRAMES",
-                format!("only 2 is supported, got {}", self.pa_frames),
-            );
-        }
+        let ratio_ok = (0.0..=1.0).contains(&self.mul_attn_ratio);
+        m.check(ratio_ok, "MUL_ATTN_RATIO", "expected a ratio in [0, 1]")?;
+        m.check(
+            self.mlp_ratio > 0.0,
+            "MLP_RATIO",
+            "expected a positive ratio",
+        )?;
+        let rate_ok = (0.0..1.0).contains(&self.drop_path_rate);
+        m.check(rate_ok, "DROP_PATH_RATE", "expected a rate in [0, 1)")?;
+        let only_2 = format!("only 2 is supported, got {}", self.pa_frames);
+        m.check(self.pa_frames == 2, "PA_FRAMES", only_2)?;
         at_least("MODEL", 1, [("DEFORMABLE_GROUPS", self.deformable_groups)])?;
-        for (i, &dim) in self.embed_dims[..7].iter().enumerate() {
-            if dim % self.deformable_groups != 0 {
-                return bad(
-                    "DEFORMABLE_GROUPS",
-                    format!(
-                        "{} must divide EMBED_DIMS entry {i} ({dim})",
-                        self.deformable_groups
-                    ),
-                );
-            }
-        }
+        let divides = |heads: i64, key: &str, dims: &[i64]| {
+            dims.iter().enumerate().try_for_each(|(i, &dim)| {
+                let must = format!("{heads} must divide EMBED_DIMS entry {i} ({dim})");
+                m.check(heads >= 1 && dim % heads == 0, key, must)
+            })
+        };
+        divides(
+            self.deformable_groups,
+            "DEFORMABLE_GROUPS",
+            &self.embed_dims[..7],
+        )?;
         if self.spike.enabled {
-            for (i, &dim) in self.embed_dims[..4].iter().enumerate() {
-                if dim % self.fuse.heads != 0 || self.fuse.heads < 1 {
-                    return bad(
-                        "FUSE.HEADS",
-                        format!(
-                            "{} must divide EMBED_DIMS entry {i} ({dim})",
-                            self.fuse.heads
-                        ),
-                    );
-                }
-                if self.spike_tsa.enabled
-                    && (self.spike_tsa.heads < 1 || dim % self.spike_tsa.heads != 0)
-                {
-                    return bad(
-                        "SPIKE_TSA.HEADS",
-                        format!(
-                            "{} must divide EMBED_DIMS entry {i} ({dim})",
-                            self.spike_tsa.heads
-                        ),
-                    );
-                }
+            divides(self.fuse.heads, "FUSE.HEADS", &self.embed_dims[..4])?;
+            if self.spike_tsa.enabled {
+                divides(
+                    self.spike_tsa.heads,
+                    "SPIKE_TSA.HEADS",
+                    &self.embed_dims[..4],
+                )?;
             }
             at_least("MODEL", 0, [("SPIKE_TSA.LAYERS", self.spike_tsa.layers)])?;
         }

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{at_least, invalid};
+use super::{at_least, non_negative, positive, Checks};
 
 /// Floating-point type of mixed precision (`TRAIN.AMP_DTYPE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
@@ -124,7 +124,7 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        let bad = |key: &str, message: String| Err(invalid("TRAIN", key, message));
+        let t = Checks("TRAIN");
         at_least(
             "TRAIN",
             1,
@@ -136,96 +136,56 @@ impl TrainConfig {
                 ),
             ],
         )?;
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(
-                "LR",
-                format!("expected a positive learning rate, got {}", self.lr),
-            );
-        }
-        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return bad(
-                "MIN_LR",
-                format!("expected 0 <= MIN_LR <= LR, got {}", self.min_lr),
-            );
-        }
+        t.expect(positive(self.lr), "LR", "a positive learning rate", self.lr)?;
+        let min_lr_ok = non_negative(self.min_lr) && self.min_lr <= self.lr;
+        t.expect(min_lr_ok, "MIN_LR", "0 <= MIN_LR <= LR", self.min_lr)?;
         at_least("TRAIN", 1, [("TOTAL_STEPS", self.total_steps)])?;
-        if self.warmup_steps > self.total_steps {
-            return bad(
-                "WARMUP_STEPS",
-                format!(
-                    "expected at most TOTAL_STEPS ({}), got {}",
-                    self.total_steps, self.warmup_steps
-                ),
-            );
-        }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(
-                "WEIGHT_DECAY",
-                format!("expected >= 0, got {}", self.weight_decay),
-            );
-        }
-        if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
-            return bad(
-                "BETAS",
-                format!("expected two values in [0, 1), got {:?}", self.betas),
-            );
-        }
-        if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad(
-                "EPS",
-                format!("expected a positive epsilon, got {}", self.eps),
-            );
-        }
+        let most = format!("at most TOTAL_STEPS ({})", self.total_steps);
+        t.expect(
+            self.warmup_steps <= self.total_steps,
+            "WARMUP_STEPS",
+            most,
+            self.warmup_steps,
+        )?;
+        t.expect(
+            non_negative(self.weight_decay),
+            "WEIGHT_DECAY",
+            ">= 0",
+            self.weight_decay,
+        )?;
+        let betas_ok = self.betas.iter().all(|b| (0.0..1.0).contains(b));
+        let betas = format!("{:?}", self.betas);
+        t.expect(betas_ok, "BETAS", "two values in [0, 1)", betas)?;
+        t.expect(positive(self.eps), "EPS", "a positive epsilon", self.eps)?;
         if let Some(norm) = self.max_grad_norm {
-            if !(norm.is_finite() && norm >= 0.0) {
-                return bad(
-                    "MAX_GRAD_NORM",
-                    format!("expected >= 0 or null, got {norm}"),
-                );
-            }
+            t.expect(non_negative(norm), "MAX_GRAD_NORM", ">= 0 or null", norm)?;
         }
-        if !(self.charbonnier_eps.is_finite() && self.charbonnier_eps > 0.0) {
-            return bad(
-                "CHARBONNIER_EPS",
-                format!("expected a positive epsilon, got {}", self.charbonnier_eps),
-            );
-        }
-        self.validate_fix()
+        let eps = self.charbonnier_eps;
+        t.expect(positive(eps), "CHARBONNIER_EPS", "a positive epsilon", eps)?;
+        self.validate_fix(&t)
     }
 
-    fn validate_fix(&self) -> Result<(), (String, String)> {
-        let bad = |key: &str, message: String| Err(invalid("TRAIN", key, message));
-        if !(self.fix_lr_mul.is_finite() && self.fix_lr_mul > 0.0) {
-            return bad(
-                "FIX_LR_MUL",
-                format!("expected a positive multiplier, got {}", self.fix_lr_mul),
-            );
-        }
+    fn validate_fix(&self, t: &Checks) -> Result<(), (String, String)> {
+        let mul = self.fix_lr_mul;
+        t.expect(positive(mul), "FIX_LR_MUL", "a positive multiplier", mul)?;
         if let Some(key) = self.fix_keys.iter().find(|k| k.is_empty()) {
-            return bad(
+            t.expect(
+                false,
                 "FIX_KEYS",
-                format!("expected non-empty name parts, got {key:?}"),
-            );
+                "non-empty name parts",
+                format!("{key:?}"),
+            )?;
         }
         let fixes_something = self.fix_iter > 0 || self.fix_lr_mul != 1.0;
-        if fixes_something && self.fix_keys.is_empty() {
-            return bad(
-                "FIX_KEYS",
-                "FIX_ITER / FIX_LR_MUL are set but FIX_KEYS names no parameters \
-                 (the VRT recipe: [spynet, deform])"
-                    .into(),
-            );
-        }
-        if self.fix_iter >= self.total_steps && self.fix_iter > 0 {
-            return bad(
-                "FIX_ITER",
-                format!(
-                    "expected fewer than TOTAL_STEPS ({}), got {}",
-                    self.total_steps, self.fix_iter
-                ),
-            );
-        }
-        Ok(())
+        t.check(
+            !fixes_something || !self.fix_keys.is_empty(),
+            "FIX_KEYS",
+            "FIX_ITER / FIX_LR_MUL are set but FIX_KEYS names no parameters \
+             (the VRT recipe: [spynet, deform])",
+        )?;
+        let fewer = format!("fewer than TOTAL_STEPS ({})", self.total_steps);
+        let fix_ok = self.fix_iter < self.total_steps || self.fix_iter == 0;
+        t.expect(fix_ok, "FIX_ITER", fewer, self.fix_iter)
     }
 
     /// One-line notices for keys accepted without an equivalent here.

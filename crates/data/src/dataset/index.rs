@@ -486,6 +486,15 @@ impl DatasetIndex {
         self.sequences.iter().map(|s| s.frames.len()).sum()
     }
 
+    /// The compact size of every record of the split, bytes.
+    pub fn compact_bytes(&self) -> u64 {
+        let frames = self.sequences.iter().enumerate();
+        let records = frames.flat_map(|(seq, s)| (0..s.frames.len()).map(move |f| (seq, f)));
+        records
+            .map(|(seq, f)| self.record_layout(seq, f).byte_len() as u64)
+            .sum()
+    }
+
     /// The sequence named `name`.
     pub fn sequence(&self, name: &str) -> Result<(usize, &SequenceIndex)> {
         self.sequences

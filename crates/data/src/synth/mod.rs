@@ -413,16 +413,6 @@ pub fn generate_folder(
     generate(out, options, &BlurLengths::Drawn, progress, Layout::Folder)
 }
 
-/// Writes the same data as [`generate_folder`] (same options, same bytes) as HDF5
-/// sessions `<out>/<split>/<SEQ>.h5`, with a `dataset.yaml` beside them.
-pub fn generate_h5(
-    out: &Path,
-    options: &SynthOptions,
-    progress: &(dyn Fn(&str) + Sync),
-) -> Result<DatasetMeta> {
-    generate(out, options, &BlurLengths::Drawn, progress, Layout::H5)
-}
-
 /// Writes a whole synthetic dataset in `layout` under `out`, the blur length of each
 /// sequence set by `blur`, calling `progress` after each sequence. Returns the
 /// metadata written (with a `dataset.yaml` beside the splits).

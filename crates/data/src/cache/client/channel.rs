@@ -158,6 +158,17 @@ impl CacheError {
         )
     }
 
+    /// Whether what answered at the address is not a server this process can use:
+    /// another user's process ([`CacheError::ForeignServer`]), another build's
+    /// server ([`CacheError::ProtocolVersion`]), or one with no connection left. A
+    /// job with a node-shared address falls back to a server of its own then.
+    pub fn is_not_ours(&self) -> bool {
+        matches!(
+            self,
+            CacheError::ForeignServer { .. } | CacheError::ProtocolVersion { .. }
+        ) || self.is_connection_refusal()
+    }
+
     /// Whether the cache could not take or give this record but is otherwise
     /// working: a refusal other than a protocol error (no room, no memory, too
     /// large, a fill that did not finish in time, no lease left), after which the

@@ -154,11 +154,6 @@ impl Arena {
         self.carved
     }
 
-    /// Slot numbers handed out so far run from 0 to this.
-    pub fn slot_count(&self) -> usize {
-        self.slots.len()
-    }
-
     /// Whether a new record can have a descriptor without one being given up.
     pub fn has_free_slot(&self) -> bool {
         !self.free_slots.is_empty() || self.slots.len() < self.max_slots

@@ -64,6 +64,7 @@ impl Store {
             full_refusals: self.stats.full_refusals(),
             metadata_bytes: self.table.layout().meta_bytes() + self.table.layout().pins_bytes(),
             slot_entries: self.table.slots(),
+            connections: self.table.layout().connections,
             pinned_bytes: usage.pinned_bytes,
             filling_bytes: usage.filling_bytes,
             records: self.index.len(),
