@@ -60,10 +60,8 @@ fn cache_serve_runs_the_server_without_libtorch() {
 fn a_server_binary_of_other_sources_is_not_used() {
     let dir = tempfile::tempdir().unwrap();
     let stale = dir.path().join("vrtspike-cache");
-    std::fs::write(&stale, "#!/bin/sh\necho 0000000000000000\n").unwrap();
-    let mut perms = std::fs::metadata(&stale).unwrap().permissions();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
-    std::fs::set_permissions(&stale, perms).unwrap();
+    vrtspike_contract::child::write_executable(&stale, "#!/bin/sh\necho 0000000000000000\n")
+        .unwrap();
     for server in [stale.clone(), dir.path().join("nowhere")] {
         let address = address(&format!("{}", server.exists()));
         let log = dir.path().join("server.log");

@@ -177,7 +177,6 @@ pub fn signal_name(number: i32) -> String {
 /// plan's warning, as `DATA.USE_RAM_CACHE`, and as the stats' `protected`.
 #[cfg(test)]
 pub(crate) fn mask_reporting_vrtspike(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
     let exe = dir.join("vrtspike");
     let script = r#"#!/bin/bash
 mask=$(grep SigBlk /proc/$$/status | tr -dc '0-9a-f\n' | tail -c 17)
@@ -188,9 +187,7 @@ case "$1" in
   cache) echo "{\"protected\": $ok, \"mask\": \"$mask\"}" ;;
 esac
 "#;
-    std::fs::write(&exe, script).unwrap_or_else(|e| panic!("{e}"));
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("{e}"));
+    vrtspike_contract::child::write_executable(&exe, script).unwrap_or_else(|e| panic!("{e}"));
     exe
 }
 

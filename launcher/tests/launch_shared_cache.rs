@@ -407,9 +407,7 @@ fn stand_in_launcher(dir: &Path, parties: usize) -> PathBuf {
         real = vrtspike().display(),
     );
     let stand_in = bin.join("vrtspike");
-    std::fs::write(&stand_in, script).unwrap_or_else(|e| panic!("{e}"));
-    std::fs::set_permissions(&stand_in, std::fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("{e}"));
+    common::write_exe(&stand_in, &script);
     exe
 }
 

@@ -3,10 +3,11 @@
 //! first) with the length it had, so the child's own lines are those after it,
 //! and the last lines after an offset for an error report; its own process group;
 //! and its tie to the process that starts it ([`Tie`]). [`spawn_logged`] does it
-//! all.
+//! all. [`write_executable`] writes a script a process will start, so that its
+//! start never fails as "Text file busy".
 
 use std::fs::{File, OpenOptions};
-use std::io;
+use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -101,9 +102,77 @@ fn die_with_starter(command: &mut Command) {
     }
 }
 
+/// Writes `text` to `path` as an executable script (mode 0755) through a `sh`
+/// child, so that no descriptor of this process ever has the file open for
+/// writing. Written from here, another thread's fork (or `posix_spawn`) between
+/// the open and the close would hand its child that descriptor until the child's
+/// exec, and starting the script in that window fails with ETXTBSY ("Text file
+/// busy"): the processes of a test binary run many threads that start children.
+pub fn write_executable(path: &Path, text: &str) -> io::Result<()> {
+    let mut writer = Command::new("sh")
+        .arg("-c")
+        .arg("cat > \"$1\" && chmod 755 \"$1\"")
+        .arg("sh")
+        .arg(path)
+        .stdin(Stdio::piped())
+        .spawn()?;
+    let sent = match writer.stdin.take() {
+        Some(mut stdin) => stdin.write_all(text.as_bytes()),
+        None => Err(io::Error::other("sh has no stdin")),
+    };
+    let status = writer.wait()?;
+    sent?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "{}: sh could not write it ({status})",
+            path.display()
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Scripts written while other threads start children all start: with
+    /// `std::fs::write` some fail with ETXTBSY.
+    #[test]
+    fn scripts_written_while_other_threads_spawn_all_start() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let done = AtomicBool::new(false);
+        let outcomes: Vec<io::Result<Option<i32>>> = std::thread::scope(|scope| {
+            for _ in 0..3 {
+                scope.spawn(|| {
+                    while !done.load(Ordering::SeqCst) {
+                        let _ = Command::new("true").status();
+                    }
+                });
+            }
+            let outcomes = (0..150)
+                .map(|i| {
+                    let script = dir.path().join(format!("script-{i}"));
+                    write_executable(&script, "#!/bin/sh\nexit 7\n")?;
+                    Ok(Command::new(&script).status()?.code())
+                })
+                .collect();
+            done.store(true, Ordering::SeqCst);
+            outcomes
+        });
+        for outcome in outcomes {
+            assert_eq!(outcome.unwrap_or_else(|e| panic!("{e}")), Some(7));
+        }
+    }
+
+    #[test]
+    fn a_script_in_a_missing_folder_is_an_error_naming_it() {
+        let err = write_executable(Path::new("/nonexistent-vrtspike/x"), "")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent-vrtspike/x"), "{err}");
+    }
 
     #[test]
     fn a_tied_child_is_killed_when_its_spawning_thread_ends() {

@@ -404,10 +404,8 @@ mod tests {
 
     /// A stand-in `vrtspike` that runs `body` (bash: it keeps fds above 9).
     fn fake_vrtspike(dir: &Path, body: &str) -> PathBuf {
-        use std::os::unix::fs::PermissionsExt;
         let exe = dir.join("vrtspike");
-        std::fs::write(&exe, format!("#!/bin/bash\n{body}\n")).unwrap_or_else(|e| panic!("{e}"));
-        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))
+        crate::child::write_executable(&exe, &format!("#!/bin/bash\n{body}\n"))
             .unwrap_or_else(|e| panic!("{e}"));
         exe
     }

@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -91,9 +90,7 @@ impl Job {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         let rank_cmd = tmp.path().join("rank.sh");
-        std::fs::write(&rank_cmd, format!("{PRELUDE}{body}\n")).unwrap_or_else(|e| panic!("{e}"));
-        std::fs::set_permissions(&rank_cmd, std::fs::Permissions::from_mode(0o755))
-            .unwrap_or_else(|e| panic!("{e}"));
+        write_exe(&rank_cmd, &format!("{PRELUDE}{body}\n"));
         let run_dir = tmp.path().join("run");
         Job {
             tmp,
@@ -463,9 +460,7 @@ echo "$@" > "$FAKE_SLURM_DIR/scontrol.called"
 
 /// Writes an executable script.
 pub fn write_exe(path: &Path, text: &str) {
-    std::fs::write(path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("{e}"));
+    vrtspike_contract::child::write_executable(path, text).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// A `bin/` folder under `dir` with the fake `srun` and `scontrol`, and the PATH

@@ -482,15 +482,14 @@ fn stats(args: StatsArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use vrtspike_contract::child::write_executable;
 
     #[test]
     fn build_id_of_reads_what_the_binary_prints_or_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let script = |name: &str, body: &str| {
             let path = dir.path().join(name);
-            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            write_executable(&path, &format!("#!/bin/sh\n{body}\n")).unwrap();
             path
         };
         let ok = script("ok", "[ \"$1\" = --build-id ] && echo ' 0123abcd '");

@@ -371,6 +371,22 @@ mod tests {
         drop(client);
         wait_finished(&thread, "still running a minute after its last client left");
         assert!(thread.join().unwrap().is_ok());
+        // The address is free once the last copy of the listening socket is closed:
+        // a child that another test of this process forks in these milliseconds (the
+        // prober's fork test, any spawn before its exec) holds a copy until it execs
+        // or exits, and a connection then still succeeds.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let addr = socket_addr(&address).unwrap();
+        loop {
+            match UnixStream::connect_addr(&addr) {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+                outcome => assert!(
+                    Instant::now() < deadline,
+                    "the address is still taken 10 s after the server stopped: {outcome:?}"
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let gone = crate::cache::CacheClient::connect(&address, "late");
         assert!(
             matches!(gone, Err(CacheError::Connect { .. })),

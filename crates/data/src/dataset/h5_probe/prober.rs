@@ -201,8 +201,8 @@ mod tests {
     use super::super::{files, unavailable, ENV_EXECUTABLE, ENV_TIMEOUT, GREETING};
     use super::*;
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::PermissionsExt;
     use std::time::Instant;
+    use vrtspike_contract::child::write_executable;
 
     /// A fake probe executable: a shell script that greets with `greeting`, logs
     /// each request to `requests.log`, and runs `on_request` (with `$line` set).
@@ -213,8 +213,7 @@ mod tests {
             "#!/bin/sh\necho '{greeting}'\nwhile read line; do\n  echo \"$line\" >> '{}'\n  {on_request}\ndone\n",
             log.display()
         );
-        std::fs::write(&exe, script).unwrap();
-        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_executable(&exe, &script).unwrap();
         exe
     }
 
@@ -279,8 +278,7 @@ mod tests {
         let script = format!(
             "#!/bin/bash\necho '{GREETING}'\nwhile read line; do\n  mask=$(grep SigBlk /proc/$$/status | tr -dc '0-9a-f' | tail -c 16)\n  echo \"{{\\\"error\\\":\\\"mask=$mask\\\"}}\"\ndone\n"
         );
-        std::fs::write(&exe, script).unwrap();
-        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write_executable(&exe, &script).unwrap();
         let prober = Prober::new(ProbeMode::Child(exe), Duration::from_secs(20));
         let err = prober.check(&good).unwrap_err().to_string();
         let mask = err
