@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::invalid;
+use super::{positive, Checks};
 
 /// The `DATA` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -258,58 +258,39 @@ impl Default for DataConfig {
 
 impl DataConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        if !(self.cache_size_gb.is_finite() && self.cache_size_gb > 0.0) {
-            return Err(invalid(
-                "DATA",
-                "CACHE_SIZE_GB",
-                format!(
-                    "expected a positive size in GiB, got {}",
-                    self.cache_size_gb
-                ),
-            ));
-        }
+        let d = Checks("DATA");
+        let size = self.cache_size_gb;
+        let size_ok = positive(size);
+        d.check(
+            size_ok,
+            "CACHE_SIZE_GB",
+            format!("expected a positive size in GiB, got {size}"),
+        )?;
         if let CacheConnections::Count(n) = self.cache_connections {
-            if !(1..=MAX_CACHE_CONNECTIONS).contains(&n) {
-                return Err(invalid(
-                    "DATA",
-                    "CACHE_CONNECTIONS",
-                    format!("expected 1 to {MAX_CACHE_CONNECTIONS} or \"auto\", got {n}"),
-                ));
-            }
+            let range = format!("1 to {MAX_CACHE_CONNECTIONS} or \"auto\"");
+            d.expect(
+                (1..=MAX_CACHE_CONNECTIONS).contains(&n),
+                "CACHE_CONNECTIONS",
+                range,
+                n,
+            )?;
         }
-        if self.crop_size == 0 {
-            return Err(invalid(
-                "DATA",
-                "CROP_SIZE",
-                "expected a positive crop size",
-            ));
-        }
-        if self.val_crop_size == Some(0) {
-            return Err(invalid(
-                "DATA",
-                "VAL_CROP_SIZE",
-                "expected a positive crop size, or null for the full frame",
-            ));
-        }
+        d.check(
+            self.crop_size > 0,
+            "CROP_SIZE",
+            "expected a positive crop size",
+        )?;
+        let full_frame = "expected a positive crop size, or null for the full frame";
+        d.check(self.val_crop_size != Some(0), "VAL_CROP_SIZE", full_frame)?;
         if let Some(tile) = self.val_tile {
-            if tile == 0 || self.val_tile_overlap >= tile {
-                return Err(invalid(
-                    "DATA",
-                    "VAL_TILE",
-                    format!(
-                        "expected a tile larger than VAL_TILE_OVERLAP ({}), got {tile}",
-                        self.val_tile_overlap
-                    ),
-                ));
-            }
+            let larger = format!(
+                "a tile larger than VAL_TILE_OVERLAP ({})",
+                self.val_tile_overlap
+            );
+            d.expect(tile > self.val_tile_overlap, "VAL_TILE", larger, tile)?;
         }
-        if self.clip_len == 0 {
-            return Err(invalid("DATA", "CLIP_LEN", "expected at least 1 frame"));
-        }
-        if self.spike_bins == 0 {
-            return Err(invalid("DATA", "SPIKE_BINS", "expected at least 1 bin"));
-        }
-        Ok(())
+        d.check(self.clip_len > 0, "CLIP_LEN", "expected at least 1 frame")?;
+        d.check(self.spike_bins > 0, "SPIKE_BINS", "expected at least 1 bin")
     }
 
     /// The cache cap in bytes.

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{at_least, invalid};
+use super::{at_least, Checks};
 
 /// `TOTAL_WORKERS`: a count for the whole node, or `auto` (80% of the cores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -133,14 +133,13 @@ impl DataLoaderConfig {
                 ("VAL_PREFETCH_FACTOR", self.val_prefetch_factor),
             ],
         )?;
-        if self.total_workers == Workers::Count(0) {
-            return Err(invalid(
-                "DATALOADER",
-                "TOTAL_WORKERS",
-                "expected at least 1 or \"auto\"",
-            ));
-        }
-        Ok(())
+        let workers_ok = self.total_workers != Workers::Count(0);
+        let d = Checks("DATALOADER");
+        d.check(
+            workers_ok,
+            "TOTAL_WORKERS",
+            "expected at least 1 or \"auto\"",
+        )
     }
 
     /// One-line notices for keys accepted without an equivalent here.
