@@ -478,11 +478,6 @@ impl SpikeBranch {
         self.tsa_chunks = chunks.chunking();
     }
 
-    /// The chunking of the fusion attention.
-    pub fn fuse_chunking(&self) -> Chunking {
-        self.fuse_chunks
-    }
-
     /// The chunking of the temporal attention.
     pub fn tsa_chunking(&self) -> Chunking {
         self.tsa_chunks
@@ -570,7 +565,7 @@ mod tests {
         // Unset TSA keys follow FUSE.
         assert_eq!(tsa.max_batch_tokens, 4096);
         assert_eq!(tsa.chunk_shape, ChunkShape::Row);
-        let fuse = branch.fuse_chunking();
+        let fuse = branch.fuse_chunks;
         assert!(fuse.adaptive_chunk);
         assert_eq!(fuse.chunk_size, 64);
         // The TSA grid uses its fixed 80-row bands, FUSE its token budget.

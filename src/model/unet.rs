@@ -82,11 +82,6 @@ impl UnetSpike {
         })
     }
 
-    /// Whether the model takes voxels (`MODEL.SPIKE.ENABLED`).
-    pub fn has_spike_input(&self) -> bool {
-        self.bins.is_some()
-    }
-
     fn check(&self, blur: &Tensor, voxels: Option<&Tensor>) -> Result<(), ModelError> {
         let s = blur.size();
         let m = 1i64 << self.levels;
@@ -173,8 +168,9 @@ impl Restorer for UnetSpike {
         Arch::UnetSpike.name()
     }
 
+    /// Whether the model takes voxels (`MODEL.SPIKE.ENABLED`).
     fn uses_voxels(&self) -> bool {
-        self.has_spike_input()
+        self.bins.is_some()
     }
 
     /// Heights and widths must be multiples of this (`2^LEVELS`).
