@@ -101,7 +101,8 @@ pub struct Profile {
     pub peak_rss_bytes: Option<u64>,
 }
 
-fn sync(device: Device) {
+/// Waits for the device's queued work (CUDA; nothing on the CPU).
+pub(crate) fn sync(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }

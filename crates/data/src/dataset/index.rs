@@ -640,15 +640,15 @@ fn check_alignment(path: &Path, h: u32, w: u32, hs: u32, ws: u32) -> Result<()> 
 /// The RGB-pixel step on which crops line up with whole spike pixels:
 /// `(H / gcd(H, H_s), W / gcd(W, W_s))`.
 pub fn crop_alignment(height: u32, width: u32, spike_height: u32, spike_width: u32) -> (u32, u32) {
-    fn gcd(a: u32, b: u32) -> u32 {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
+    let step = |len: u32, spike: u32| len / gcd(len.into(), spike.into()).max(1) as u32;
+    (step(height, spike_height), step(width, spike_width))
+}
+
+/// The greatest common divisor of `a` and `b` (`a` when `b` is 0).
+pub fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
-    (
-        height / gcd(height, spike_height).max(1),
-        width / gcd(width, spike_width).max(1),
-    )
 }
