@@ -323,16 +323,7 @@ impl SpikeBranch {
         let levels = (0..4)
             .map(|l| {
                 let lp = &enc / "levels" / l;
-                let down = (l > 0).then(|| {
-                    Conv::strided(
-                        &(&lp / "down"),
-                        dims[l - 1],
-                        dims[l],
-                        &[1, 3, 3],
-                        &[0, 1, 1],
-                        &[1, 2, 2],
-                    )
-                });
+                let down = (l > 0).then(|| Conv::down_frame(&(&lp / "down"), dims[l - 1], dims[l]));
                 let blocks = (0..cfg.spike.blocks_per_level)
                     .map(|j| {
                         let bp = &lp / "blocks" / j;

@@ -273,13 +273,7 @@ impl Vrt {
         };
         let masks = Arc::new(MaskCache::default());
         let in_chans = cfg.in_chans;
-        let conv_first = Conv::new(
-            &(p / "conv_first"),
-            in_chans * 9,
-            dims[0],
-            &[1, 3, 3],
-            &[0, 1, 1],
-        );
+        let conv_first = Conv::per_frame(&(p / "conv_first"), in_chans * 9, dims[0]);
         let spynet = SpyNet::new(&(p / "spynet"));
         let (keep, down, up) = (Reshape::None, Reshape::Down, Reshape::Up);
         let reshapes = [keep, down, down, down, up, up, up];
@@ -340,13 +334,7 @@ impl Vrt {
             stage8,
             norm: LayerNorm::new(&(p / "norm"), last),
             conv_after_body: Linear::new(&(p / "conv_after_body"), last, dims[0], true),
-            conv_last: Conv::new(
-                &(p / "conv_last"),
-                dims[0],
-                in_chans,
-                &[1, 3, 3],
-                &[0, 1, 1],
-            ),
+            conv_last: Conv::per_frame(&(p / "conv_last"), dims[0], in_chans),
             spike,
         })
     }
