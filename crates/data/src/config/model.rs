@@ -92,79 +92,107 @@ impl std::fmt::Display for Arch {
 
 /// The `MODEL` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// The architecture (`vrt_spike`, `unet_spike`).
+    #[serde(rename = "ARCH")]
     pub arch: Arch,
     /// Image channels in and out.
+    #[serde(rename = "IN_CHANS")]
     pub in_chans: i64,
     /// Blocks per stage: 7 U-stages, then one entry per stage-8 RTMSA group.
+    #[serde(rename = "VRT_DEPTHS")]
     pub vrt_depths: Vec<i64>,
     /// Attention window (frames, height, width). One integer sets the spatial window
     /// (height = width) and keeps the default temporal size.
-    #[serde(deserialize_with = "window_size")]
+    #[serde(rename = "WINDOW_SIZE", deserialize_with = "window_size")]
     pub window_size: [i64; 3],
     /// Channels per stage (same length as `VRT_DEPTHS`).
+    #[serde(rename = "EMBED_DIMS")]
     pub embed_dims: Vec<i64>,
     /// Attention heads per stage (same length as `VRT_DEPTHS`).
+    #[serde(rename = "NUM_HEADS")]
     pub num_heads: Vec<i64>,
     /// Stage-8 groups (indices into `VRT_DEPTHS`) that attend within one frame.
+    #[serde(rename = "INDEP_RECONSTS")]
     pub indep_reconsts: Vec<i64>,
     /// Share of a stage's blocks that use mutual + self attention.
+    #[serde(rename = "MUL_ATTN_RATIO")]
     pub mul_attn_ratio: f64,
     /// Hidden width of the GEGLU MLP over the embedding width.
+    #[serde(rename = "MLP_RATIO")]
     pub mlp_ratio: f64,
     /// Bias in the q/k/v projections.
+    #[serde(rename = "QKV_BIAS")]
     pub qkv_bias: bool,
     /// Stochastic depth, rising linearly over all blocks to this rate.
+    #[serde(rename = "DROP_PATH_RATE")]
     pub drop_path_rate: f64,
     /// Frames aligned in parallel warping (VRT supports 2; 0 is not supported here).
+    #[serde(rename = "PA_FRAMES")]
     pub pa_frames: i64,
     /// Offset groups of the flow-guided deformable convolution.
+    #[serde(rename = "DEFORMABLE_GROUPS")]
     pub deformable_groups: i64,
     /// The spike encoder (voxel clip input).
+    #[serde(rename = "SPIKE")]
     pub spike: SpikeConfig,
     /// Temporal self-attention over the spike features, per pixel.
+    #[serde(rename = "SPIKE_TSA")]
     pub spike_tsa: SpikeTsaConfig,
     /// RGB-spike cross-attention after stages 1-4, in spatial chunks.
+    #[serde(rename = "FUSE")]
     pub fuse: FuseConfig,
     /// The compact `unet_spike` architecture.
+    #[serde(rename = "UNET")]
     pub unet: UnetConfig,
     /// Recompute window attention in the backward pass (activation checkpointing).
+    #[serde(rename = "USE_CHECKPOINT_ATTN")]
     pub use_checkpoint_attn: bool,
     /// Recompute the MLPs in the backward pass (activation checkpointing).
+    #[serde(rename = "USE_CHECKPOINT_FFN")]
     pub use_checkpoint_ffn: bool,
 }
 
 /// `MODEL.SPIKE`: the spike branch's encoder.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default)]
 pub struct SpikeConfig {
     /// `false` gives plain VRT with exactly the reference's parameters.
+    #[serde(rename = "ENABLED")]
     pub enabled: bool,
     /// Voxel bins per frame (K).
+    #[serde(rename = "VOXEL_BINS")]
     pub voxel_bins: i64,
     /// Residual Conv3d blocks per pyramid level.
+    #[serde(rename = "BLOCKS_PER_LEVEL")]
     pub blocks_per_level: i64,
 }
 
 /// `MODEL.SPIKE_TSA`: per-pixel temporal self-attention over spike features.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default)]
 pub struct SpikeTsaConfig {
     /// Apply temporal self-attention to the spike features.
+    #[serde(rename = "ENABLED")]
     pub enabled: bool,
     /// Attention heads (must divide each fused stage's width).
+    #[serde(rename = "HEADS")]
     pub heads: i64,
     /// Transformer layers per scale.
+    #[serde(rename = "LAYERS")]
     pub layers: i64,
     /// As `FUSE.ADAPTIVE_CHUNK`, for the temporal attention; `null` follows `FUSE`.
+    #[serde(rename = "ADAPTIVE_CHUNK")]
     pub adaptive_chunk: Option<bool>,
     /// As `FUSE.MAX_BATCH_TOKENS`; `null` follows `FUSE`.
+    #[serde(rename = "MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<i64>,
     /// As `FUSE.CHUNK_SIZE`; `null` follows `FUSE`.
+    #[serde(rename = "CHUNK_SIZE")]
     pub chunk_size: Option<i64>,
     /// As `FUSE.CHUNK_SHAPE`; `null` follows `FUSE`.
+    #[serde(rename = "CHUNK_SHAPE")]
     pub chunk_shape: Option<ChunkShape>,
 }
 
@@ -234,27 +262,34 @@ pub enum ChunkShape {
 
 /// `MODEL.FUSE`: RGB-spike cross-attention.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default)]
 pub struct FuseConfig {
     /// Attention heads (must divide each fused stage's width).
+    #[serde(rename = "HEADS")]
     pub heads: i64,
     /// Pick the chunk from `MAX_BATCH_TOKENS` (`false`: use `CHUNK_SIZE`).
+    #[serde(rename = "ADAPTIVE_CHUNK")]
     pub adaptive_chunk: bool,
     /// Upper bound of batch x pixels attended at once.
+    #[serde(rename = "MAX_BATCH_TOKENS")]
     pub max_batch_tokens: i64,
     /// Side of a square chunk, or rows of a row chunk, in pixels of the stage.
+    #[serde(rename = "CHUNK_SIZE")]
     pub chunk_size: i64,
     /// `square` or `row`.
+    #[serde(rename = "CHUNK_SHAPE")]
     pub chunk_shape: ChunkShape,
 }
 
 /// `MODEL.UNET`: the compact spike-fused U-Net.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
+#[serde(deny_unknown_fields, default)]
 pub struct UnetConfig {
     /// Channels at full resolution (doubled at each level).
+    #[serde(rename = "CHANNELS")]
     pub channels: i64,
     /// Down-sampling levels (input sides must divide by 2^LEVELS).
+    #[serde(rename = "LEVELS")]
     pub levels: i64,
 }
 
