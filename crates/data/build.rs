@@ -37,7 +37,7 @@ fn main() {
         println!("cargo:rerun-if-changed={source}");
         source_files(std::path::Path::new(source), &mut files);
     }
-    let mut hash = vrtspike_contract::fnv::Fnv64::new();
+    let mut hash = vrtspike_contract::fnv::Fnv64::default();
     hash.bytes(env!("CARGO_PKG_VERSION").as_bytes());
     for file in &files {
         hash.bytes(file.to_string_lossy().as_bytes());

@@ -93,11 +93,14 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         bail!("--optimizer trains float32 weights: use --bf16 (autocast), not --cast-bf16");
     }
     let cfg = config.model.clone();
-    let options = ProfileOptions {
+    let shape = InputShape {
         batch: args.batch,
         frames: args.frames,
         size: args.size,
         spike_scale: args.spike_scale,
+    };
+    let options = ProfileOptions {
+        shape,
         iters: args.iters,
         backward: !args.no_backward,
         precision: match (args.bf16, args.cast_bf16) {
@@ -112,12 +115,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let mut train_steps = Vec::with_capacity(kernels.len());
     for kernel in kernels {
         let timing = StepTimingOptions {
-            shape: InputShape {
-                batch: args.batch,
-                frames: args.frames,
-                size: args.size,
-                spike_scale: args.spike_scale,
-            },
+            shape,
             iters: args.iters,
             bf16: args.bf16,
             kernel,

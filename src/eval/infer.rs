@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::dataset::image::{write_png_rgb, RgbImage};
+use crate::dataset::index::gcd;
 use crate::dataset::record::Rect;
 use crate::dataset::voxel::SpikeRect;
 use crate::dataset::{DataError, DatasetIndex};
@@ -221,14 +222,7 @@ pub struct InferReport {
 }
 
 fn lcm(a: i64, b: i64) -> i64 {
-    fn gcd(a: i64, b: i64) -> i64 {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
-    }
-    a / gcd(a, b).max(1) * b
+    a / gcd(a.unsigned_abs(), b.unsigned_abs()).max(1) as i64 * b
 }
 
 /// One clip of a sequence on `device`: blur and sharp (1, D, 3, H, W), voxels

@@ -153,7 +153,8 @@ pub struct Tiling {
 }
 
 /// Tiles of the frame (`h` x `w`) a [`Tiling`] makes.
-pub fn tile_count(h: i64, w: i64, tiling: Tiling) -> usize {
+#[cfg(test)]
+fn tile_count(h: i64, w: i64, tiling: Tiling) -> usize {
     tile_spans(h, tiling.tile, tiling.overlap, tiling.align).len()
         * tile_spans(w, tiling.tile, tiling.overlap, tiling.align).len()
 }

@@ -84,6 +84,16 @@ impl Conv {
         Conv::strided(p, in_dim, out_dim, kernel, padding, &vec![1; kernel.len()])
     }
 
+    /// A 3x3 convolution of each frame of (N, C, D, H, W) (kernel 1x3x3, same size).
+    pub fn per_frame(p: &nn::Path, in_dim: i64, out_dim: i64) -> Conv {
+        Conv::new(p, in_dim, out_dim, &[1, 3, 3], &[0, 1, 1])
+    }
+
+    /// As [`Conv::per_frame`] with stride 2 in height and width: half the size.
+    pub fn down_frame(p: &nn::Path, in_dim: i64, out_dim: i64) -> Conv {
+        Conv::strided(p, in_dim, out_dim, &[1, 3, 3], &[0, 1, 1], &[1, 2, 2])
+    }
+
     /// As [`Conv::new`] with a stride per dimension.
     pub fn strided(
         p: &nn::Path,

@@ -27,7 +27,7 @@ extern "C" {
 
 /// The device type whose autocast state a call reads or changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AutocastDevice {
+pub(crate) enum AutocastDevice {
     Cuda,
     Cpu,
 }
@@ -106,24 +106,13 @@ impl Drop for AutocastGuard {
 
 /// The dtype autocast computes in on this thread on `device`, or `None` when it is
 /// off (or in a dtype other than these two).
-fn current_autocast(device: AutocastDevice) -> Option<AutocastDtype> {
+pub(crate) fn current_autocast(device: AutocastDevice) -> Option<AutocastDtype> {
     // SAFETY: a plain int argument; the shim catches every C++ exception.
     match unsafe { vs_autocast_kind(device.code()) } {
         1 => Some(AutocastDtype::Fp16),
         2 => Some(AutocastDtype::Bf16),
         _ => None,
     }
-}
-
-/// The dtype CUDA autocast computes in on this thread, or `None` when it is off (or
-/// in a dtype other than these two).
-pub fn current_cuda_autocast() -> Option<AutocastDtype> {
-    current_autocast(AutocastDevice::Cuda)
-}
-
-/// The dtype CPU autocast computes in on this thread, or `None` when it is off.
-pub fn current_cpu_autocast() -> Option<AutocastDtype> {
-    current_autocast(AutocastDevice::Cpu)
 }
 
 impl AutocastDtype {
@@ -141,7 +130,7 @@ mod tests {
     use super::*;
 
     fn kind() -> Option<AutocastDtype> {
-        current_cuda_autocast()
+        current_autocast(AutocastDevice::Cuda)
     }
 
     #[test]
@@ -161,8 +150,8 @@ mod tests {
         assert!(panicked.is_err());
         assert_eq!(kind(), None, "a panic inside leaves autocast off");
         // The CPU's autocast is a state of its own.
-        let both = cpu_autocast(Bf16, || (current_cpu_autocast(), kind()));
+        let both = cpu_autocast(Bf16, || (current_autocast(AutocastDevice::Cpu), kind()));
         assert_eq!(both, (Some(Bf16), None));
-        assert_eq!(current_cpu_autocast(), None);
+        assert_eq!(current_autocast(AutocastDevice::Cpu), None);
     }
 }

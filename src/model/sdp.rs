@@ -35,6 +35,8 @@ use std::sync::{Mutex, Once};
 
 use tch::{Kind, TchError, Tensor};
 
+use super::precision::{current_autocast, AutocastDevice};
+
 /// The head dimension the memory-efficient kernel needs a multiple of (8 for
 /// float16/bfloat16 on sm80+, 4 for float32: 8 serves both).
 pub const CUDA_HEAD_DIM_ALIGN: i64 = 8;
@@ -165,7 +167,7 @@ fn prefer_memory_efficient_kernel() {
 /// The dtype SDPA computes in on this thread: the CUDA autocast dtype when autocast
 /// is on (SDPA is on its lower-precision list), else the inputs' own.
 fn compute_kind(input: Kind) -> Kind {
-    super::precision::current_cuda_autocast().map_or(input, |dtype| dtype.kind())
+    current_autocast(AutocastDevice::Cuda).map_or(input, |dtype| dtype.kind())
 }
 
 /// Warns once per input shape when SDPA would choose its math kernel for these

@@ -323,16 +323,7 @@ impl SpikeBranch {
         let levels = (0..4)
             .map(|l| {
                 let lp = &enc / "levels" / l;
-                let down = (l > 0).then(|| {
-                    Conv::strided(
-                        &(&lp / "down"),
-                        dims[l - 1],
-                        dims[l],
-                        &[1, 3, 3],
-                        &[0, 1, 1],
-                        &[1, 2, 2],
-                    )
-                });
+                let down = (l > 0).then(|| Conv::down_frame(&(&lp / "down"), dims[l - 1], dims[l]));
                 let blocks = (0..cfg.spike.blocks_per_level)
                     .map(|j| {
                         let bp = &lp / "blocks" / j;
@@ -478,11 +469,6 @@ impl SpikeBranch {
         self.tsa_chunks = chunks.chunking();
     }
 
-    /// The chunking of the fusion attention.
-    pub fn fuse_chunking(&self) -> Chunking {
-        self.fuse_chunks
-    }
-
     /// The chunking of the temporal attention.
     pub fn tsa_chunking(&self) -> Chunking {
         self.tsa_chunks
@@ -570,7 +556,7 @@ mod tests {
         // Unset TSA keys follow FUSE.
         assert_eq!(tsa.max_batch_tokens, 4096);
         assert_eq!(tsa.chunk_shape, ChunkShape::Row);
-        let fuse = branch.fuse_chunking();
+        let fuse = branch.fuse_chunks;
         assert!(fuse.adaptive_chunk);
         assert_eq!(fuse.chunk_size, 64);
         // The TSA grid uses its fixed 80-row bands, FUSE its token budget.

@@ -22,9 +22,6 @@ pub struct UnetSpike {
     tail: Conv,
 }
 
-const K2: [i64; 3] = [1, 3, 3];
-const P2: [i64; 3] = [0, 1, 1];
-
 impl UnetSpike {
     /// Builds from `MODEL.UNET` (channels, levels), `IN_CHANS` and `SPIKE`.
     pub fn new(p: &nn::Path, cfg: &ModelConfig) -> Result<UnetSpike, ModelError> {
@@ -38,20 +35,13 @@ impl UnetSpike {
         let bins = cfg.spike.enabled.then_some(cfg.spike.voxel_bins);
         let input = cfg.in_chans + bins.unwrap_or(0);
         let width = |l: i64| c << l;
-        let head = Conv::new(&(p / "head"), input, c, &K2, &P2);
+        let head = Conv::per_frame(&(p / "head"), input, c);
         let down = (0..levels)
             .map(|l| {
                 let dp = p / "down" / l;
                 (
-                    Conv::strided(
-                        &(&dp / "conv"),
-                        width(l),
-                        width(l + 1),
-                        &K2,
-                        &P2,
-                        &[1, 2, 2],
-                    ),
-                    Conv::new(&(&dp / "refine"), width(l + 1), width(l + 1), &K2, &P2),
+                    Conv::down_frame(&(&dp / "conv"), width(l), width(l + 1)),
+                    Conv::per_frame(&(&dp / "refine"), width(l + 1), width(l + 1)),
                 )
             })
             .collect();
@@ -64,12 +54,12 @@ impl UnetSpike {
             .map(|l| {
                 let up = p / "up" / l;
                 (
-                    Conv::new(&(&up / "conv"), width(l + 1), width(l), &K2, &P2),
-                    Conv::new(&(&up / "refine"), width(l), width(l), &K2, &P2),
+                    Conv::per_frame(&(&up / "conv"), width(l + 1), width(l)),
+                    Conv::per_frame(&(&up / "refine"), width(l), width(l)),
                 )
             })
             .collect();
-        let tail = Conv::new(&(p / "tail"), c, cfg.in_chans, &K2, &P2);
+        let tail = Conv::per_frame(&(p / "tail"), c, cfg.in_chans);
         Ok(UnetSpike {
             in_chans: cfg.in_chans,
             bins,
@@ -80,11 +70,6 @@ impl UnetSpike {
             up,
             tail,
         })
-    }
-
-    /// Whether the model takes voxels (`MODEL.SPIKE.ENABLED`).
-    pub fn has_spike_input(&self) -> bool {
-        self.bins.is_some()
     }
 
     fn check(&self, blur: &Tensor, voxels: Option<&Tensor>) -> Result<(), ModelError> {
@@ -173,8 +158,9 @@ impl Restorer for UnetSpike {
         Arch::UnetSpike.name()
     }
 
+    /// Whether the model takes voxels (`MODEL.SPIKE.ENABLED`).
     fn uses_voxels(&self) -> bool {
-        self.has_spike_input()
+        self.bins.is_some()
     }
 
     /// Heights and widths must be multiples of this (`2^LEVELS`).

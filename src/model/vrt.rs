@@ -273,23 +273,10 @@ impl Vrt {
         };
         let masks = Arc::new(MaskCache::default());
         let in_chans = cfg.in_chans;
-        let conv_first = Conv::new(
-            &(p / "conv_first"),
-            in_chans * 9,
-            dims[0],
-            &[1, 3, 3],
-            &[0, 1, 1],
-        );
+        let conv_first = Conv::per_frame(&(p / "conv_first"), in_chans * 9, dims[0]);
         let spynet = SpyNet::new(&(p / "spynet"));
-        let reshapes = [
-            Reshape::None,
-            Reshape::Down,
-            Reshape::Down,
-            Reshape::Down,
-            Reshape::Up,
-            Reshape::Up,
-            Reshape::Up,
-        ];
+        let (keep, down, up) = (Reshape::None, Reshape::Down, Reshape::Up);
+        let reshapes = [keep, down, down, down, up, up, up];
         let scales = [1.0, 2.0, 4.0, 8.0, 4.0, 2.0, 1.0];
         let stages = (0..7)
             .map(|i| {
@@ -332,11 +319,11 @@ impl Vrt {
             })
             .collect();
         let last = dims[dims.len() - 1];
-        let spike = if cfg.spike.enabled {
-            Some(SpikeBranch::new(p, cfg)?)
-        } else {
-            None
-        };
+        let spike = cfg
+            .spike
+            .enabled
+            .then(|| SpikeBranch::new(p, cfg))
+            .transpose()?;
         Ok(Vrt {
             in_chans,
             conv_first,
@@ -347,13 +334,7 @@ impl Vrt {
             stage8,
             norm: LayerNorm::new(&(p / "norm"), last),
             conv_after_body: Linear::new(&(p / "conv_after_body"), last, dims[0], true),
-            conv_last: Conv::new(
-                &(p / "conv_last"),
-                dims[0],
-                in_chans,
-                &[1, 3, 3],
-                &[0, 1, 1],
-            ),
+            conv_last: Conv::per_frame(&(p / "conv_last"), dims[0], in_chans),
             spike,
         })
     }
@@ -451,11 +432,6 @@ impl Vrt {
         out.f_add(x)
     }
 
-    /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
-    pub fn has_spike_branch(&self) -> bool {
-        self.spike.is_some()
-    }
-
     /// Sets how the spike branch chunks its per-pixel attention (no effect without it).
     pub fn set_chunks(&mut self, chunks: crate::config::FuseConfig) {
         if let Some(branch) = &mut self.spike {
@@ -469,8 +445,9 @@ impl Restorer for Vrt {
         Arch::VrtSpike.name()
     }
 
+    /// Whether the spike branch is built (`MODEL.SPIKE.ENABLED`).
     fn uses_voxels(&self) -> bool {
-        self.has_spike_branch()
+        self.spike.is_some()
     }
 
     fn size_multiple(&self) -> i64 {

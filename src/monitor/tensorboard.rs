@@ -149,7 +149,7 @@ impl EventWriter {
             file,
             buffer: Vec::new(),
         };
-        let version = Proto::new()
+        let version = Proto::default()
             .double(fields::EVENT_WALL_TIME, now)
             .bytes(fields::EVENT_FILE_VERSION, FILE_VERSION.as_bytes());
         frame_record(&version.into_bytes(), &mut writer.buffer);
@@ -164,29 +164,29 @@ impl EventWriter {
 
     /// Queues one event at `step` holding `values` (written by [`Self::flush`]).
     pub fn push(&mut self, step: i64, values: &[SummaryValue]) -> Result<(), MonitorError> {
-        let mut summary = Proto::new();
+        let mut summary = Proto::default();
         for value in values {
             let encoded = match value {
-                SummaryValue::Scalar(tag, v) => Proto::new()
+                SummaryValue::Scalar(tag, v) => Proto::default()
                     .bytes(fields::VALUE_TAG, tag.as_bytes())
                     .float(fields::VALUE_SIMPLE, *v),
                 SummaryValue::Image(tag, image) => {
                     let png = image
                         .to_png()
                         .map_err(|e| MonitorError::Image(tag.to_string(), e.to_string()))?;
-                    let message = Proto::new()
+                    let message = Proto::default()
                         .int(fields::IMAGE_HEIGHT, i64::from(image.height))
                         .int(fields::IMAGE_WIDTH, i64::from(image.width))
                         .int(fields::IMAGE_COLORSPACE, 3)
                         .bytes(fields::IMAGE_ENCODED, &png);
-                    Proto::new()
+                    Proto::default()
                         .bytes(fields::VALUE_TAG, tag.as_bytes())
                         .message(fields::VALUE_IMAGE, &message)
                 }
             };
             summary = summary.message(fields::SUMMARY_VALUE, &encoded);
         }
-        let event = Proto::new()
+        let event = Proto::default()
             .double(fields::EVENT_WALL_TIME, unix_time())
             .int(fields::EVENT_STEP, step)
             .message(fields::EVENT_SUMMARY, &summary);

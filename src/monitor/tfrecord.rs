@@ -65,11 +65,6 @@ enum Wire {
 }
 
 impl Proto {
-    /// An empty message.
-    pub fn new() -> Proto {
-        Proto(Vec::new())
-    }
-
     fn varint(&mut self, mut value: u64) {
         while value >= 0x80 {
             self.0.push((value as u8) | 0x80);
@@ -182,22 +177,22 @@ mod tests {
     fn protobuf_encoding() {
         // field 2 varint 150 -> 10 96 01 (the protobuf guide's example, field 2).
         assert_eq!(
-            Proto::new().int(2, 150).into_bytes(),
+            Proto::default().int(2, 150).into_bytes(),
             vec![0x10, 0x96, 0x01]
         );
         assert_eq!(
-            Proto::new().bytes(1, b"ab").into_bytes(),
+            Proto::default().bytes(1, b"ab").into_bytes(),
             vec![0x0A, 2, b'a', b'b']
         );
-        let f = Proto::new().float(2, 1.0).into_bytes();
+        let f = Proto::default().float(2, 1.0).into_bytes();
         assert_eq!(f, vec![0x15, 0x00, 0x00, 0x80, 0x3F]);
-        let d = Proto::new().double(1, 0.0).into_bytes();
+        let d = Proto::default().double(1, 0.0).into_bytes();
         assert_eq!(d, vec![0x09, 0, 0, 0, 0, 0, 0, 0, 0]);
-        let inner = Proto::new().int(1, 1);
+        let inner = Proto::default().int(1, 1);
         assert_eq!(
-            Proto::new().message(5, &inner).into_bytes(),
+            Proto::default().message(5, &inner).into_bytes(),
             vec![0x2A, 2, 0x08, 1]
         );
-        assert_eq!(Proto::new().int(1, -1).into_bytes().len(), 11);
+        assert_eq!(Proto::default().int(1, -1).into_bytes().len(), 11);
     }
 }

@@ -7,11 +7,10 @@
 
 use std::time::Instant;
 
-use tch::{nn, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use super::amp::AmpMode;
 use super::loss::charbonnier;
-use super::optim::AdamW;
+use super::run::build_model;
 use crate::config::Config;
 
 use crate::plan::{spike_crop, DatasetFacts, Measured};
@@ -22,6 +21,9 @@ pub enum MeasureError {
     /// The model could not be built or run.
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),
+    /// The model and optimizer could not be built as training builds them.
+    #[error(transparent)]
+    Train(#[from] super::TrainError),
     /// libtorch failed (out of memory, say).
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -119,7 +121,8 @@ pub fn measure_step(
     })
 }
 
-/// Builds the model and optimizer and runs one step on random inputs.
+/// Builds the model and optimizer as training does and runs one step on random
+/// inputs.
 fn one_step(
     config: &Config,
     device: Device,
@@ -127,27 +130,18 @@ fn one_step(
     voxel_shape: &[i64],
 ) -> Result<(), MeasureError> {
     let tc = &config.train;
-    tch::manual_seed(tc.seed as i64);
-    let vs = nn::VarStore::new(device);
-    let model = crate::model::build(&vs.root(), &config.model)?;
-    let params: Vec<Tensor> = vs
-        .trainable_variables()
-        .into_iter()
-        .filter(|t| t.requires_grad())
-        .collect();
-    let mut optimizer = AdamW::new(params, tc.betas, tc.eps, tc.weight_decay);
-    let amp = AmpMode::from_config(tc, device);
+    let mut parts = build_model(config, device)?;
     let options = (Kind::Float, device);
     let blur = Tensor::f_rand(batch_shape, options)?;
     let sharp = Tensor::f_rand(batch_shape, options)?;
     let voxels = Tensor::f_rand(voxel_shape, options)?;
-    let voxels = model.uses_voxels().then_some(&voxels);
-    optimizer.zero_grad()?;
-    let output = amp.run(|| model.forward(&blur, voxels, true))?;
+    let voxels = parts.model.uses_voxels().then_some(&voxels);
+    parts.optimizer.zero_grad()?;
+    let output = parts.amp.run(|| parts.model.forward(&blur, voxels, true))?;
     let loss = charbonnier(&output.to_kind(Kind::Float), &sharp, tc.charbonnier_eps);
     loss.f_backward()?;
     // A step past FIX_ITER, so every parameter group holds its optimizer state.
-    optimizer.step(tc.lr, tc.fix_iter, None)?;
+    parts.optimizer.step(tc.lr, tc.fix_iter, None)?;
     Ok(())
 }
 

@@ -7,6 +7,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::run_config::write_atomic;
 use super::TrainError;
 
 /// How often a reader looks for the file.
@@ -14,12 +15,7 @@ const POLL: Duration = Duration::from_millis(100);
 
 /// Writes `text` to `path` (making its folder), atomically.
 pub fn publish(path: &Path, text: &str) -> Result<(), TrainError> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
-    }
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    std::fs::write(&tmp, format!("{text}\n")).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))
+    write_atomic(path, &format!("{text}\n")).map_err(|e| TrainError::io(path, e))
 }
 
 /// The text published at `path` (trimmed), waiting up to `timeout`; `None` when

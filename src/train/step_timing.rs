@@ -14,7 +14,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::Config;
-use crate::model::profile::{random_input, InputShape, MemoryProbe};
+use crate::model::profile::{random_input, sync, InputShape, MemoryProbe};
 
 use super::amp::AmpMode;
 use super::loss::f_charbonnier;
@@ -53,12 +53,6 @@ pub struct StepTiming {
     pub tensors: usize,
     /// Most memory in use over the timed steps (the probe's), bytes.
     pub peak_bytes: Option<u64>,
-}
-
-fn sync(device: Device) {
-    if let Device::Cuda(i) = device {
-        tch::Cuda::synchronize(i as i64);
-    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

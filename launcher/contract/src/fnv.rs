@@ -20,11 +20,6 @@ impl Default for Fnv64 {
 }
 
 impl Fnv64 {
-    /// A hash of nothing yet.
-    pub fn new() -> Fnv64 {
-        Fnv64::default()
-    }
-
     /// Feeds `bytes`.
     pub fn bytes(&mut self, bytes: &[u8]) {
         for &b in bytes {
@@ -47,7 +42,7 @@ impl Fnv64 {
 
 /// FNV-1a (64 bits) of `bytes`.
 pub fn fnv1a_64(bytes: &[u8]) -> u64 {
-    let mut hash = Fnv64::new();
+    let mut hash = Fnv64::default();
     hash.bytes(bytes);
     hash.finish()
 }
@@ -76,10 +71,10 @@ mod tests {
 
     #[test]
     fn fields_are_length_prefixed() {
-        let mut ab_c = Fnv64::new();
+        let mut ab_c = Fnv64::default();
         ab_c.field(b"ab");
         ab_c.field(b"c");
-        let mut a_bc = Fnv64::new();
+        let mut a_bc = Fnv64::default();
         a_bc.field(b"a");
         a_bc.field(b"bc");
         assert_ne!(ab_c.finish(), a_bc.finish());

@@ -230,18 +230,28 @@ pub fn lost_node_path(run_dir: &Path, node: u32) -> PathBuf {
     run_dir.join(HEARTBEAT_DIR).join(format!("node{node}.lost"))
 }
 
+/// For `map_err`: an I/O failure on the record file `path`.
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> HeartbeatError + '_ {
+    move |source| HeartbeatError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Makes the folder of the record file `path`.
+fn create_parent(path: &Path) -> Result<(), HeartbeatError> {
+    match path.parent() {
+        Some(dir) => std::fs::create_dir_all(dir).map_err(io_error(path)),
+        None => Ok(()),
+    }
+}
+
 /// Writes the record of lost node `node` (see [`lost_node_path`]).
 pub fn write_lost_node(run_dir: &Path, node: u32, cause: &str) -> Result<(), HeartbeatError> {
     let path = lost_node_path(run_dir, node);
-    let io = |source| HeartbeatError::Io {
-        path: path.clone(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io)?;
-    }
+    create_parent(&path)?;
     let line = format!("unix_ms={} {}\n", unix_ms_now(), cause.replace('\n', " "));
-    std::fs::write(&path, line).map_err(io)
+    std::fs::write(&path, line).map_err(io_error(&path))
 }
 
 /// The lost nodes recorded under `run_dir`, by node, with their causes.
@@ -386,19 +396,13 @@ impl HeartbeatWriter {
     /// Creates (or takes over) rank `rank`'s record under `run_dir`.
     pub fn create(run_dir: &Path, rank: u32) -> Result<Self, HeartbeatError> {
         let path = path(run_dir, rank);
-        let io = |source| HeartbeatError::Io {
-            path: path.clone(),
-            source,
-        };
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(io)?;
-        }
+        create_parent(&path)?;
         let file = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
             .truncate(false)
             .open(&path)
-            .map_err(io)?;
+            .map_err(io_error(&path))?;
         Ok(HeartbeatWriter { file, path })
     }
 
@@ -406,10 +410,7 @@ impl HeartbeatWriter {
     pub fn write(&self, beat: &Beat) -> Result<(), HeartbeatError> {
         self.file
             .write_all_at(&beat.encode(), 0)
-            .map_err(|source| HeartbeatError::Io {
-                path: self.path.clone(),
-                source,
-            })
+            .map_err(io_error(&self.path))
     }
 
     /// Its file.
@@ -429,10 +430,7 @@ pub fn read(run_dir: &Path, rank: u32) -> Result<Option<Beat>, HeartbeatError> {
             Ok(file) => file
                 .take(RECORD_LEN as u64)
                 .read_to_end(&mut bytes)
-                .map_err(|source| HeartbeatError::Io {
-                    path: path.clone(),
-                    source,
-                })?,
+                .map_err(io_error(&path))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => return Err(HeartbeatError::Io { path, source }),
         };

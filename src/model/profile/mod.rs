@@ -25,14 +25,8 @@ pub use memory::{lifetime_peak_rss, resident_bytes, MemoryProbe, RssProbe};
 /// What to profile.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProfileOptions {
-    /// Clips per batch.
-    pub batch: i64,
-    /// Frames per clip.
-    pub frames: i64,
-    /// Square crop side in RGB pixels.
-    pub size: i64,
-    /// Spike voxel side over the RGB side (GoPro-Spike: 0.5).
-    pub spike_scale: f64,
+    /// The random input's shape.
+    pub shape: InputShape,
     /// Timed iterations (after one warm-up); at least 1.
     pub iters: usize,
     /// Time the backward pass too.
@@ -101,7 +95,8 @@ pub struct Profile {
     pub peak_rss_bytes: Option<u64>,
 }
 
-fn sync(device: Device) {
+/// Waits for the device's queued work (CUDA; nothing on the CPU).
+pub(crate) fn sync(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }
@@ -339,7 +334,7 @@ pub struct InputShape {
     pub frames: i64,
     /// Square crop side in RGB pixels.
     pub size: i64,
-    /// Spike voxel side over the RGB side.
+    /// Spike voxel side over the RGB side (GoPro-Spike: 0.5).
     pub spike_scale: f64,
 }
 
@@ -393,13 +388,7 @@ pub fn profile(
         Precision::Fp32 | Precision::AutocastBf16 => Kind::Float,
     };
     let summary = summarize(&vs, net.arch(), &net.parts());
-    let shape = InputShape {
-        batch: options.batch,
-        frames: options.frames,
-        size: options.size,
-        spike_scale: options.spike_scale,
-    };
-    let (x, voxels) = random_input(cfg, net.uses_voxels(), shape, (kind, device))?;
+    let (x, voxels) = random_input(cfg, net.uses_voxels(), options.shape, (kind, device))?;
     let mut totals = Totals::default();
     for iter in 0..=options.iters {
         let input = (&x, voxels.as_ref());
@@ -423,10 +412,7 @@ pub fn profile(
     }
     Ok(Profile {
         arch: summary.arch.clone(),
-        device: match device {
-            Device::Cuda(i) => format!("cuda:{i}"),
-            _ => "cpu".into(),
-        },
+        device: super::device_name(device),
         input: x.size(),
         dtype: match options.precision {
             Precision::AutocastBf16 => "Float (bfloat16 autocast)".to_string(),
@@ -459,10 +445,12 @@ mod tests {
     /// One timed forward + backward pass of 2 frames of `size` x `size` pixels.
     fn options(size: i64) -> ProfileOptions {
         ProfileOptions {
-            batch: 1,
-            frames: 2,
-            size,
-            spike_scale: 0.5,
+            shape: InputShape {
+                batch: 1,
+                frames: 2,
+                size,
+                spike_scale: 0.5,
+            },
             iters: 1,
             backward: true,
             precision: Precision::Fp32,

@@ -58,11 +58,7 @@ pub struct WorkerOptions {
 
 impl WorkerOptions {
     fn shape(&self) -> FrameShape {
-        FrameShape {
-            height: self.height,
-            width: self.width,
-            channels: 3,
-        }
+        FrameShape::rgb(self.height, self.width)
     }
 }
 
@@ -425,11 +421,7 @@ impl std::fmt::Display for BenchReport {
 
 /// Runs the whole benchmark.
 pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
-    let shape = FrameShape {
-        height: opts.height,
-        width: opts.width,
-        channels: 3,
-    };
+    let shape = FrameShape::rgb(opts.height, opts.width);
     let record_bytes = shape.record_bytes() as u64;
     let slots = opts.cap_bytes / extent_for(record_bytes).unwrap_or(u64::MAX);
     if slots == 0 {

@@ -161,25 +161,17 @@ impl EpochFigures {
 pub struct LoaderWorkerReport {
     /// Rank.
     pub rank: usize,
-    /// Seconds per epoch.
-    pub epoch_s: Vec<f64>,
-    /// Samples in the last epoch.
-    pub samples_last_epoch: u64,
-    /// Hits and misses of the last epoch.
-    pub hits_last_epoch: u64,
-    /// Misses of the last epoch.
-    pub misses_last_epoch: u64,
-    /// Reads of the last epoch that the cache could not take (decoded from disk).
-    #[serde(default)]
-    pub bypass_last_epoch: u64,
     /// Reads of all epochs that the cache could not take.
-    #[serde(default)]
     pub bypass_total: u64,
-    /// Mean consumer wait per batch in the last epoch, ms.
-    pub data_time_ms_last_epoch: f64,
     /// Every epoch's figures.
-    #[serde(default)]
     pub epochs: Vec<EpochFigures>,
+}
+
+impl LoaderWorkerReport {
+    /// The last epoch's figures (zero when none ran).
+    fn last_epoch(&self) -> EpochFigures {
+        self.epochs.last().copied().unwrap_or_default()
+    }
 }
 
 /// Waits for the parent's word (lockstep) after telling it a batch is done.
@@ -262,16 +254,9 @@ pub fn run_worker(o: &LoaderWorkerOptions) -> Result<LoaderWorkerReport> {
         let seconds = start.elapsed().as_secs_f64();
         epochs.push(EpochFigures::between(&before, &loader.stats(), seconds));
     }
-    let last = epochs.last().copied().unwrap_or_default();
     Ok(LoaderWorkerReport {
         rank: o.rank,
-        epoch_s: epochs.iter().map(|e| e.seconds).collect(),
-        samples_last_epoch: last.samples,
-        hits_last_epoch: last.hits,
-        misses_last_epoch: last.misses,
-        bypass_last_epoch: last.bypass,
         bypass_total: loader.stats().cache_bypass,
-        data_time_ms_last_epoch: last.data_time_s * 1000.0 / last.batches.max(1) as f64,
         epochs,
     })
 }
@@ -573,13 +558,11 @@ fn summarize(
     store: Option<StoreFigures>,
     server_memory: Option<ProcessMemory>,
 ) -> LoaderBenchReport {
-    let last = reports
-        .iter()
-        .filter_map(|r| r.epoch_s.last().copied())
-        .fold(0.0, f64::max);
-    let samples: u64 = reports.iter().map(|r| r.samples_last_epoch).sum();
-    let hits: u64 = reports.iter().map(|r| r.hits_last_epoch).sum();
-    let reads: u64 = hits + reports.iter().map(|r| r.misses_last_epoch).sum::<u64>();
+    let lasts: Vec<EpochFigures> = reports.iter().map(LoaderWorkerReport::last_epoch).collect();
+    let last = lasts.iter().map(|e| e.seconds).fold(0.0, f64::max);
+    let samples: u64 = lasts.iter().map(|e| e.samples).sum();
+    let hits: u64 = lasts.iter().map(|e| e.hits).sum();
+    let reads: u64 = hits + lasts.iter().map(|e| e.misses).sum::<u64>();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     let mut warm = EpochFigures::default();
     let mut stall = 0.0;
@@ -607,18 +590,21 @@ fn summarize(
         samples_last_epoch: samples,
         samples_per_s: ratio(samples as f64, last),
         hit_rate: ratio(hits as f64, reads as f64),
-        data_time_ms: reports
+        data_time_ms: lasts
             .iter()
-            .map(|r| r.data_time_ms_last_epoch)
+            .map(|e| e.data_time_s * 1000.0 / e.batches.max(1) as f64)
             .sum::<f64>()
             / reports.len().max(1) as f64,
-        bypass_last_epoch: reports.iter().map(|r| r.bypass_last_epoch).sum(),
+        bypass_last_epoch: lasts.iter().map(|e| e.bypass).sum(),
         bypass_total: reports.iter().map(|r| r.bypass_total).sum(),
         warm_hit_rate: ratio(warm.hits as f64, (warm.hits + warm.misses) as f64),
         warm_stall_share: stall / reports.len().max(1) as f64,
         warm,
         store,
         server_memory,
-        epoch_s: reports.into_iter().map(|r| r.epoch_s).collect(),
+        epoch_s: reports
+            .iter()
+            .map(|r| r.epochs.iter().map(|e| e.seconds).collect())
+            .collect(),
     }
 }

@@ -88,7 +88,8 @@ impl ReadOrderAnnouncement {
     }
 
     /// The bytes the server takes for it at most (every record new to it).
-    pub fn bytes_at_most(&self) -> u64 {
+    #[cfg(test)]
+    fn bytes_at_most(&self) -> u64 {
         let uses: u64 = self.steps.iter().map(|s| s.len() as u64).sum();
         let names: u64 = self.keys.iter().map(|k| k.len() as u64).sum();
         BYTES_PER_ORDER

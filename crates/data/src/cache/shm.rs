@@ -238,7 +238,8 @@ pub struct MemfdReserver {
 
 impl MemfdReserver {
     /// The same, asking `available` for the memory figures (tests).
-    pub fn with_available(mut self, available: AvailableFn) -> MemfdReserver {
+    #[cfg(test)]
+    fn with_available(mut self, available: AvailableFn) -> MemfdReserver {
         self.available = available;
         self
     }

@@ -2,72 +2,54 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::invalid;
+use super::{positive, Checks};
 
 /// The `DATA` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Dataset root (folder layout or HDF5 sessions).
-    #[serde(rename = "ROOT")]
     pub root: Option<std::path::PathBuf>,
     /// Square training crop, in RGB pixels (`TRAIN_CROP_SIZE` is the same key).
-    #[serde(rename = "CROP_SIZE")]
     pub crop_size: u32,
     /// Validation centre crop; `null` validates on the full frame.
-    #[serde(rename = "VAL_CROP_SIZE")]
     pub val_crop_size: Option<u32>,
     /// Full-frame validation (`VAL_CROP_SIZE: null`) runs the model on square tiles
     /// of this many RGB pixels; `null` runs the whole frame at once.
-    #[serde(rename = "VAL_TILE")]
     pub val_tile: Option<u32>,
     /// Overlap of neighbouring validation tiles, in RGB pixels.
-    #[serde(rename = "VAL_TILE_OVERLAP")]
     pub val_tile_overlap: u32,
     /// Byte cap of the node's shared-memory cache, in GiB.
-    #[serde(rename = "CACHE_SIZE_GB")]
     pub cache_size_gb: f64,
     /// Read through the node cache (`false`: every read goes to disk).
-    #[serde(rename = "USE_RAM_CACHE")]
     pub use_ram_cache: bool,
     /// What the node cache evicts when the data does not fit: `planned` (the
     /// training ranks announce their order, the record needed last goes) or `lru`.
-    #[serde(rename = "CACHE_POLICY")]
     pub cache_policy: CachePolicy,
     /// With `planned`: each training rank's loader fills records ahead of the step
     /// that needs them (never evicting one needed sooner).
-    #[serde(rename = "CACHE_PREFETCH")]
     pub cache_prefetch: bool,
     /// Who shares the node cache server: `node` (every job of this user on this
     /// node on the same dataset attaches to one server) or `job` (one per job).
-    #[serde(rename = "CACHE_SHARING")]
     pub cache_sharing: CacheSharing,
     /// Connections the node cache server serves at once (a 4 KiB pin page each):
     /// `auto` (8 a core of the node, 512 to 65536) or a count; every server a job
     /// starts gets it.
-    #[serde(rename = "CACHE_CONNECTIONS")]
     pub cache_connections: CacheConnections,
     /// Consecutive frames in one sample (the clip length `L`).
-    #[serde(rename = "CLIP_LEN")]
     pub clip_len: u32,
     /// Voxel bins `K` of the spike grid.
-    #[serde(rename = "SPIKE_BINS")]
     pub spike_bins: u32,
     /// Folder of the blurred frames: `blur` or `blur_gamma`.
-    #[serde(rename = "BLUR_DIR")]
     pub blur_dir: BlurDir,
     /// Skip (count and report) bad frames instead of failing on the first one.
-    #[serde(rename = "SKIP_BAD_FRAMES")]
     pub skip_bad_frames: bool,
     /// Training augmentation: `true`/`false` for all or none, or a mapping.
-    #[serde(rename = "AUGMENT")]
     pub augment: Augment,
     /// HDF5 chunk cache per open file, in MiB.
-    #[serde(rename = "CHUNK_CACHE_MB")]
     pub chunk_cache_mb: u32,
     /// `true`: read precomputed `spike_vox/*.npy` voxel grids instead of `spike/*.dat`;
     /// `false`: the `.dat` spike streams; `null`: whichever the sequence has.
-    #[serde(rename = "USE_PRECOMPUTED_VOXELS")]
     pub use_precomputed_voxels: Option<bool>,
 }
 
@@ -258,58 +240,39 @@ impl Default for DataConfig {
 
 impl DataConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        if !(self.cache_size_gb.is_finite() && self.cache_size_gb > 0.0) {
-            return Err(invalid(
-                "DATA",
-                "CACHE_SIZE_GB",
-                format!(
-                    "expected a positive size in GiB, got {}",
-                    self.cache_size_gb
-                ),
-            ));
-        }
+        let d = Checks("DATA");
+        let size = self.cache_size_gb;
+        let size_ok = positive(size);
+        d.check(
+            size_ok,
+            "CACHE_SIZE_GB",
+            format!("expected a positive size in GiB, got {size}"),
+        )?;
         if let CacheConnections::Count(n) = self.cache_connections {
-            if !(1..=MAX_CACHE_CONNECTIONS).contains(&n) {
-                return Err(invalid(
-                    "DATA",
-                    "CACHE_CONNECTIONS",
-                    format!("expected 1 to {MAX_CACHE_CONNECTIONS} or \"auto\", got {n}"),
-                ));
-            }
+            let range = format!("1 to {MAX_CACHE_CONNECTIONS} or \"auto\"");
+            d.expect(
+                (1..=MAX_CACHE_CONNECTIONS).contains(&n),
+                "CACHE_CONNECTIONS",
+                range,
+                n,
+            )?;
         }
-        if self.crop_size == 0 {
-            return Err(invalid(
-                "DATA",
-                "CROP_SIZE",
-                "expected a positive crop size",
-            ));
-        }
-        if self.val_crop_size == Some(0) {
-            return Err(invalid(
-                "DATA",
-                "VAL_CROP_SIZE",
-                "expected a positive crop size, or null for the full frame",
-            ));
-        }
+        d.check(
+            self.crop_size > 0,
+            "CROP_SIZE",
+            "expected a positive crop size",
+        )?;
+        let full_frame = "expected a positive crop size, or null for the full frame";
+        d.check(self.val_crop_size != Some(0), "VAL_CROP_SIZE", full_frame)?;
         if let Some(tile) = self.val_tile {
-            if tile == 0 || self.val_tile_overlap >= tile {
-                return Err(invalid(
-                    "DATA",
-                    "VAL_TILE",
-                    format!(
-                        "expected a tile larger than VAL_TILE_OVERLAP ({}), got {tile}",
-                        self.val_tile_overlap
-                    ),
-                ));
-            }
+            let larger = format!(
+                "a tile larger than VAL_TILE_OVERLAP ({})",
+                self.val_tile_overlap
+            );
+            d.expect(tile > self.val_tile_overlap, "VAL_TILE", larger, tile)?;
         }
-        if self.clip_len == 0 {
-            return Err(invalid("DATA", "CLIP_LEN", "expected at least 1 frame"));
-        }
-        if self.spike_bins == 0 {
-            return Err(invalid("DATA", "SPIKE_BINS", "expected at least 1 bin"));
-        }
-        Ok(())
+        d.check(self.clip_len > 0, "CLIP_LEN", "expected at least 1 frame")?;
+        d.check(self.spike_bins > 0, "SPIKE_BINS", "expected at least 1 bin")
     }
 
     /// The cache cap in bytes.

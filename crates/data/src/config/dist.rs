@@ -49,23 +49,18 @@ pub enum GradCompressionMode {
 
 /// The `DIST` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct DistConfig {
     /// Seconds a collective may wait before the job fails naming the rank.
-    #[serde(rename = "TIMEOUT_S")]
     pub timeout_s: u64,
     /// `auto`, `gloo` or `nccl`.
-    #[serde(rename = "BACKEND")]
     pub backend: DistBackend,
     /// `reducer` or `after_backward`.
-    #[serde(rename = "GRAD_SYNC")]
     pub grad_sync: GradSyncMode,
     /// `none`, `bf16` or `fp16` (the Reducer's communication hook).
-    #[serde(rename = "GRAD_COMPRESSION")]
     pub grad_compression: GradCompressionMode,
     /// Cap of a gradient bucket after the first (1 MiB), in MiB: PyTorch DDP's
     /// `bucket_cap_mb`. Smaller buckets start their all-reduce earlier in backward.
-    #[serde(rename = "BUCKET_CAP_MB")]
     pub bucket_cap_mb: f64,
 }
 

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{at_least, invalid};
+use super::{at_least, Checks};
 
 /// `TOTAL_WORKERS`: a count for the whole node, or `auto` (80% of the cores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -87,26 +87,20 @@ impl Serialize for Workers {
 /// The `DATALOADER` section. `TRAIN.NUM_WORKERS` and `TRAIN.PREFETCH_FACTOR` are read
 /// as `TOTAL_WORKERS` and `TRAIN_PREFETCH_FACTOR`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct DataLoaderConfig {
     /// Loader threads on the node (all ranks together).
-    #[serde(rename = "TOTAL_WORKERS")]
     pub total_workers: Workers,
     /// Training batches queued ahead per worker.
-    #[serde(rename = "TRAIN_PREFETCH_FACTOR")]
     pub train_prefetch_factor: u32,
     /// Validation batches queued ahead per worker.
-    #[serde(rename = "VAL_PREFETCH_FACTOR")]
     pub val_prefetch_factor: u32,
     /// Copy batches to the GPU from page-locked host memory. The loader always does
     /// on a GPU, so `false` is accepted with a notice; nothing is pinned on a CPU rank.
-    #[serde(rename = "PIN_MEMORY")]
     pub pin_memory: bool,
     /// Keep loader workers between epochs (they are threads that always persist here).
-    #[serde(rename = "PERSISTENT_WORKERS")]
     pub persistent_workers: bool,
     /// Drop the last incomplete training batch of an epoch.
-    #[serde(rename = "DROP_LAST")]
     pub drop_last: bool,
 }
 
@@ -133,14 +127,13 @@ impl DataLoaderConfig {
                 ("VAL_PREFETCH_FACTOR", self.val_prefetch_factor),
             ],
         )?;
-        if self.total_workers == Workers::Count(0) {
-            return Err(invalid(
-                "DATALOADER",
-                "TOTAL_WORKERS",
-                "expected at least 1 or \"auto\"",
-            ));
-        }
-        Ok(())
+        let workers_ok = self.total_workers != Workers::Count(0);
+        let d = Checks("DATALOADER");
+        d.check(
+            workers_ok,
+            "TOTAL_WORKERS",
+            "expected at least 1 or \"auto\"",
+        )
     }
 
     /// One-line notices for keys accepted without an equivalent here.

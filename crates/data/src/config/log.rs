@@ -6,25 +6,19 @@ use super::at_least;
 
 /// The `LOG` section.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct LogConfig {
     /// Validation cadence in optimizer steps (and once at the end).
-    #[serde(rename = "VAL_EVERY_STEPS")]
     pub val_every_steps: u64,
     /// Checkpoint cadence in optimizer steps (and once at the end).
-    #[serde(rename = "CKPT_EVERY_STEPS")]
     pub ckpt_every_steps: u64,
     /// Memory monitor cadence in optimizer steps.
-    #[serde(rename = "MEM_EVERY_STEPS")]
     pub mem_every_steps: u64,
     /// Metrics line cadence in optimizer steps.
-    #[serde(rename = "LOG_EVERY_STEPS")]
     pub log_every_steps: u64,
     /// Checkpoints kept in `checkpoints/` (older ones are removed); 0 keeps all.
-    #[serde(rename = "KEEP_CHECKPOINTS")]
     pub keep_checkpoints: u32,
     /// TensorBoard event files in `<run dir>/tb/` (rank 0).
-    #[serde(rename = "TENSORBOARD")]
     pub tensorboard: bool,
 }
 

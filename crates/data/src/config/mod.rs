@@ -104,25 +104,19 @@ pub enum ConfigError {
 /// The whole run configuration. Every section has defaults, so a file may set only
 /// what it changes; a key that no section knows is an error.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct Config {
     /// Dataset, crops, cache.
-    #[serde(rename = "DATA")]
     pub data: DataConfig,
     /// Loader threads and prefetch.
-    #[serde(rename = "DATALOADER")]
     pub dataloader: DataLoaderConfig,
     /// Optimisation.
-    #[serde(rename = "TRAIN")]
     pub train: TrainConfig,
     /// Architecture.
-    #[serde(rename = "MODEL")]
     pub model: ModelConfig,
     /// Logging, checkpoints, validation cadence.
-    #[serde(rename = "LOG")]
     pub log: LogConfig,
     /// Process group settings.
-    #[serde(rename = "DIST")]
     pub dist: DistConfig,
 }
 

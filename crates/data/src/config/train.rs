@@ -31,67 +31,47 @@ pub enum AmpOptLevel {
 /// The `TRAIN` section. `TRAIN.NUM_WORKERS` / `TRAIN.PREFETCH_FACTOR` are older
 /// spellings of `DATALOADER` keys (see [`super::Config`]).
 #[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Samples per rank per micro-batch.
-    #[serde(rename = "BATCH_SIZE")]
     pub batch_size: u32,
     /// Micro-batches per optimizer step.
-    #[serde(rename = "GRADIENT_ACCUMULATION_STEPS")]
     pub gradient_accumulation_steps: u32,
     /// Mixed precision on CUDA (ignored on CPU).
-    #[serde(rename = "AMP_ENABLED")]
     pub amp_enabled: bool,
     /// Mixed-precision type: `bf16` or `fp16`.
-    #[serde(rename = "AMP_DTYPE")]
     pub amp_dtype: AmpDtype,
     /// Seed of samplers, crops and initialisation.
-    #[serde(rename = "SEED")]
     pub seed: u64,
     /// Peak learning rate (after warm-up).
-    #[serde(rename = "LR")]
     pub lr: f64,
     /// Learning rate at the end of the cosine decay.
-    #[serde(rename = "MIN_LR")]
     pub min_lr: f64,
     /// Linear warm-up length in optimizer steps.
-    #[serde(rename = "WARMUP_STEPS")]
     pub warmup_steps: u64,
     /// Optimizer steps of the whole run.
-    #[serde(rename = "TOTAL_STEPS")]
     pub total_steps: u64,
     /// AdamW decoupled weight decay.
-    #[serde(rename = "WEIGHT_DECAY")]
     pub weight_decay: f64,
     /// AdamW (beta1, beta2).
-    #[serde(rename = "BETAS")]
     pub betas: [f64; 2],
     /// AdamW epsilon.
-    #[serde(rename = "EPS")]
     pub eps: f64,
     /// Clip the global gradient norm to this; `null` or 0 disables clipping.
-    #[serde(rename = "MAX_GRAD_NORM")]
     pub max_grad_norm: Option<f64>,
     /// Epsilon of the Charbonnier loss sqrt((x - y)^2 + eps^2).
-    #[serde(rename = "CHARBONNIER_EPS")]
     pub charbonnier_eps: f64,
     /// Compare a parameter hash across ranks every this many steps (0: never).
-    #[serde(rename = "PARAM_CHECK_EVERY")]
     pub param_check_every: u64,
     /// Mixed-precision level: `O1` (autocast) or `O2` (runs as `O1`, with a notice).
-    #[serde(rename = "AMP_OPT_LEVEL")]
     pub amp_opt_level: AmpOptLevel,
     /// `torch.compile` the model; libtorch has none, so accepted with a notice.
-    #[serde(rename = "COMPILE_MODEL")]
     pub compile_model: bool,
     /// Optimizer steps during which parameters named by `FIX_KEYS` stay frozen.
-    #[serde(rename = "FIX_ITER")]
     pub fix_iter: u64,
     /// After `FIX_ITER`, the `FIX_KEYS` parameters train at `LR` x this.
-    #[serde(rename = "FIX_LR_MUL")]
     pub fix_lr_mul: f64,
     /// Substrings of parameter names in the fixed group (VRT: `spynet`, `deform`).
-    #[serde(rename = "FIX_KEYS")]
     pub fix_keys: Vec<String>,
 }
 

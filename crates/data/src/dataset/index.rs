@@ -205,19 +205,13 @@ impl DatasetIndex {
         let yaml = DatasetMeta::load(root);
         let split_dir = root.join(split);
         let files = h5::session_files(&split_dir)?;
-        let mut index = DatasetIndex {
-            root: root.to_path_buf(),
-            split: split.to_owned(),
-            meta: DatasetMeta {
-                spike_height: 0,
-                spike_width: 0,
-                spike_flipped: false,
-                blur_frames: Default::default(),
-            },
-            options,
-            sequences: Vec::new(),
-            skipped: Vec::new(),
+        let meta = DatasetMeta {
+            spike_height: 0,
+            spike_width: 0,
+            spike_flipped: false,
+            blur_frames: Default::default(),
         };
+        let mut index = DatasetIndex::empty(root, split, meta, options);
         let mut grid: Option<(u32, u32)> = match yaml {
             Ok(meta) => {
                 let grid = (meta.spike_height, meta.spike_width);
@@ -275,14 +269,7 @@ impl DatasetIndex {
             index.meta.spike_height = hs;
             index.meta.spike_width = ws;
         }
-        if index.sequences.is_empty() {
-            return Err(DataError::format(
-                &split_dir,
-                "no usable HDF5 session (<SEQ>.h5)",
-            ));
-        }
-        index.report_skips();
-        Ok(index)
+        index.finished(&split_dir, "no usable HDF5 session (<SEQ>.h5)")
     }
 
     /// Indexes `<root>/<split>`: reads `dataset.yaml`, lists sequences and frames,
@@ -296,14 +283,7 @@ impl DatasetIndex {
                 why: format!("split '{split}' of the dataset"),
             });
         }
-        let mut index = DatasetIndex {
-            root: root.to_path_buf(),
-            split: split.to_owned(),
-            meta,
-            options,
-            sequences: Vec::new(),
-            skipped: Vec::new(),
-        };
+        let mut index = DatasetIndex::empty(root, split, meta, options);
         for (name, dir) in read_dir_sorted(&split_dir)? {
             if dir.is_dir() {
                 if let Some(seq) = index.index_sequence(&name, &dir)? {
@@ -311,28 +291,39 @@ impl DatasetIndex {
                 }
             }
         }
-        if index.sequences.is_empty() {
-            return Err(DataError::format(
-                &split_dir,
-                "no usable sequence (expected <SEQ>/blur, sharp and spike folders)",
-            ));
-        }
-        index.report_skips();
-        Ok(index)
+        let expected = "no usable sequence (expected <SEQ>/blur, sharp and spike folders)";
+        index.finished(&split_dir, expected)
     }
 
-    fn report_skips(&self) {
-        let index = self;
-        for skip in &index.skipped {
+    /// An index of `split` under `root` with no sequence yet.
+    fn empty(root: &Path, split: &str, meta: DatasetMeta, options: IndexOptions) -> DatasetIndex {
+        DatasetIndex {
+            root: root.to_path_buf(),
+            split: split.to_owned(),
+            meta,
+            options,
+            sequences: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+
+    /// The index once its sequences are read, its skipped frames logged; `missing`
+    /// is the error (naming `split_dir`) when no sequence is usable.
+    fn finished(self, split_dir: &Path, missing: &str) -> Result<DatasetIndex> {
+        if self.sequences.is_empty() {
+            return Err(DataError::format(split_dir, missing));
+        }
+        for skip in &self.skipped {
             tracing::warn!(file = %skip.path.display(), reason = %skip.reason, "skipped bad frame");
         }
-        if !index.skipped.is_empty() {
+        if !self.skipped.is_empty() {
             tracing::warn!(
-                skipped = index.skipped.len(),
-                kept = index.frame_count(),
+                skipped = self.skipped.len(),
+                kept = self.frame_count(),
                 "DATA.SKIP_BAD_FRAMES: frames skipped while indexing"
             );
         }
+        Ok(self)
     }
 
     /// Turns `err` into a counted skip when allowed, or returns it.
@@ -640,15 +631,15 @@ fn check_alignment(path: &Path, h: u32, w: u32, hs: u32, ws: u32) -> Result<()> 
 /// The RGB-pixel step on which crops line up with whole spike pixels:
 /// `(H / gcd(H, H_s), W / gcd(W, W_s))`.
 pub fn crop_alignment(height: u32, width: u32, spike_height: u32, spike_width: u32) -> (u32, u32) {
-    fn gcd(a: u32, b: u32) -> u32 {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
+    let step = |len: u32, spike: u32| len / gcd(len.into(), spike.into()).max(1) as u32;
+    (step(height, spike_height), step(width, spike_width))
+}
+
+/// The greatest common divisor of `a` and `b` (`a` when `b` is 0).
+pub fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
-    (
-        height / gcd(height, spike_height).max(1),
-        width / gcd(width, spike_width).max(1),
-    )
 }

@@ -48,6 +48,18 @@ pub struct Drawn {
     pub replaced: usize,
 }
 
+/// Fails naming the split when `clips` holds no clip.
+pub(super) fn has_clips(index: &DatasetIndex, clips: &ClipIndex) -> Result<()> {
+    match clips.clips.is_empty() {
+        true => Err(PipelineError::Request(format!(
+            "no clip of {} frames in {}",
+            clips.len,
+            index.root.join(&index.split).display()
+        ))),
+        false => Ok(()),
+    }
+}
+
 /// The sample at `place`, its records read through `source`. A cache failure is
 /// never skipped; a data error is, under `rules.skip_bad`, for up to [`MAX_TRIES`]
 /// clips (logged once each).
@@ -58,13 +70,7 @@ pub fn draw_sample<S: RecordSource>(
     place: SamplePlace,
     source: &mut S,
 ) -> Result<Drawn> {
-    if clips.clips.is_empty() {
-        return Err(PipelineError::Request(format!(
-            "no clip of {} frames in {}",
-            clips.len,
-            index.root.join(&index.split).display()
-        )));
-    }
+    has_clips(index, clips)?;
     if place.clip >= clips.clips.len() {
         return Err(PipelineError::Request(format!(
             "clip {} asked for, but {} has {} clips of {} frames",

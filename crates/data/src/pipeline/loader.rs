@@ -18,7 +18,7 @@ use crate::config::CachePolicy;
 use crate::dataset::index::DatasetIndex;
 
 use super::announce::ReadOrderAnnouncer;
-use super::draw::{draw_sample, DrawRules, SamplePlace};
+use super::draw::{draw_sample, has_clips, DrawRules, SamplePlace};
 use super::error::{PipelineError, Result};
 use super::read_order::ReadOrderSource;
 use super::sample::{ClipIndex, Sample, SampleSpec};
@@ -344,13 +344,7 @@ impl Loader {
                 "loader needs at least one worker, batch size 1 and prefetch 1".into(),
             ));
         }
-        if clips.clips.is_empty() {
-            return Err(PipelineError::Request(format!(
-                "no clip of {} frames in {}",
-                clips.len,
-                index.root.join(&index.split).display()
-            )));
-        }
+        has_clips(&index, &clips)?;
         let (task_tx, task_rx) = crossbeam_channel::unbounded::<Task>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
         let (ready_tx, ready_rx) =

@@ -268,21 +268,10 @@ fn grey_half(rgb: &[f32], height: usize, width: usize, out: &mut [f32]) {
     debug_assert_eq!(out.len(), (height / 2) * ws);
 }
 
-/// Generates one sequence (index `index` of a split seeded by `seed`), its blur
-/// length drawn by the seed.
-pub fn generate_sequence(
-    name: &str,
-    frames: u32,
-    height: u32,
-    width: u32,
-    seed: u64,
-) -> SyntheticSequence {
-    generate_sequence_of(name, frames, height, width, seed, None)
-}
-
-/// [`generate_sequence`] with `subframes` sharp sub-frames a blur when given (the
+/// Generates one sequence (index `index` of a split seeded by `seed`): `subframes`
+/// sharp sub-frames a blur when given, else a blur length drawn by the seed (the
 /// scene and motion are those of the seed either way).
-pub fn generate_sequence_of(
+pub fn generate_sequence(
     name: &str,
     frames: u32,
     height: u32,
@@ -430,7 +419,7 @@ pub fn generate(
     for (split, name, seed, n) in sequences(options) {
         let (frames, height, width) = (options.frames, options.height, options.width);
         let subframes = blur.of_sequence(n);
-        let seq = generate_sequence_of(&name, frames, height, width, seed, subframes);
+        let seq = generate_sequence(&name, frames, height, width, seed, subframes);
         let split_dir = out.join(split);
         if layout == Layout::H5 {
             std::fs::create_dir_all(&split_dir).map_err(|e| DataError::io(&split_dir, e))?;
@@ -458,7 +447,7 @@ mod tests {
 
     #[test]
     fn sequence_follows_the_format_page() {
-        let seq = generate_sequence("s", 3, 32, 48, 11);
+        let seq = generate_sequence("s", 3, 32, 48, 11, None);
         assert!(SUBFRAME_CHOICES.contains(&seq.subframes));
         assert_eq!(seq.blur.len(), 3);
         assert_eq!(seq.sharp.len(), 3);
@@ -472,10 +461,13 @@ mod tests {
         }
         // Motion: blur differs from sharp; same seed, same bytes; other seed differs.
         assert_ne!(seq.blur[0], seq.sharp[0]);
-        let again = generate_sequence("s", 3, 32, 48, 11);
+        let again = generate_sequence("s", 3, 32, 48, 11, None);
         assert_eq!(again.blur, seq.blur);
         assert_eq!(again.spikes, seq.spikes);
-        assert_ne!(generate_sequence("s", 1, 32, 48, 12).sharp[0], seq.sharp[0]);
+        assert_ne!(
+            generate_sequence("s", 1, 32, 48, 12, None).sharp[0],
+            seq.sharp[0]
+        );
     }
 
     #[test]
@@ -492,12 +484,12 @@ mod tests {
         }
         // Forced to 13: 104 spike steps a frame, and the same first sub-frame of the
         // scene (the middle one differs: it is the sharp target).
-        let drawn = generate_sequence("s", 1, 32, 48, 11);
-        let forced = generate_sequence_of("s", 1, 32, 48, 11, Some(13));
+        let drawn = generate_sequence("s", 1, 32, 48, 11, None);
+        let forced = generate_sequence("s", 1, 32, 48, 11, Some(13));
         assert_eq!((forced.subframes, forced.spikes[0].steps), (13, 104));
-        let short = generate_sequence_of("s", 1, 32, 48, 11, Some(1));
+        let short = generate_sequence("s", 1, 32, 48, 11, Some(1));
         assert_eq!(short.blur[0], short.sharp[0], "one sub-frame: no blur");
-        let same = generate_sequence_of("s", 1, 32, 48, 11, Some(drawn.subframes));
+        let same = generate_sequence("s", 1, 32, 48, 11, Some(drawn.subframes));
         assert_eq!(
             same.blur, drawn.blur,
             "forcing the drawn length changes nothing"
@@ -506,7 +498,7 @@ mod tests {
 
     #[test]
     fn spike_rate_follows_brightness() {
-        let seq = generate_sequence("s", 2, 32, 48, 5);
+        let seq = generate_sequence("s", 2, 32, 48, 5, None);
         let s = &seq.spikes[1];
         // Mean grey of the sharp frame vs. spike rate * theta: close on average.
         let grey: f32 = seq.sharp[1]

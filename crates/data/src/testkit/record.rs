@@ -18,6 +18,16 @@ pub struct FrameShape {
 }
 
 impl FrameShape {
+    /// An RGB frame of `height` x `width` (3 bytes a pixel).
+    pub fn rgb(height: usize, width: usize) -> FrameShape {
+        let channels = 3;
+        FrameShape {
+            height,
+            width,
+            channels,
+        }
+    }
+
     /// Bytes in one row.
     pub fn row_bytes(&self) -> usize {
         self.width * self.channels

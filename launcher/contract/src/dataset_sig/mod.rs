@@ -224,7 +224,7 @@ pub fn sign_with(root: &Path, options: &SignOptions) -> Result<DatasetSignature,
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
     let root_fd: OwnedFd = nix::fcntl::open(&canonical, flags, Mode::empty())
         .map_err(|e| io_at(&canonical)(io::Error::from(e)))?;
-    let mut hash = Fnv64::new();
+    let mut hash = Fnv64::default();
     hash.field(canonical.as_os_str().as_bytes());
     let deadline = started + options.budget;
     let walked = walk::walk(&canonical, &root_fd, options.threads, deadline)

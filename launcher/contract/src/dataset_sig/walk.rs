@@ -181,7 +181,7 @@ fn sign_folder(
     if past_deadline(shared) {
         return Ok(None);
     }
-    let mut hash = Fnv64::new();
+    let mut hash = Fnv64::default();
     let mut tally = Tally::default();
     let dir = match listing::open(shared.root_fd, rel, listing)? {
         Ok(dir) => dir,

@@ -21,14 +21,7 @@ use super::super::CacheError;
 use super::channel::recv_within;
 use super::options::{check_server, ClientOptions};
 use super::CacheClient;
-
-/// Whether a socket read gave up at its timeout.
-fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-    )
-}
+use crate::util::is_timeout;
 
 impl CacheClient {
     /// Connects to the server at `address` with the [`ClientOptions::from_env`];

@@ -70,11 +70,6 @@ pub struct EvictionIndex {
 }
 
 impl EvictionIndex {
-    /// No record.
-    pub fn new() -> EvictionIndex {
-        EvictionIndex::default()
-    }
-
     /// `slot` now holds a committed record of `extent` bytes, used now, next
     /// needed at `next_use` (`None`: by no read order).
     pub fn enter(&mut self, slot: SlotIdx, extent: u64, next_use: Option<Micros>) {
@@ -279,7 +274,7 @@ mod tests {
 
     #[test]
     fn without_next_uses_it_is_lru() {
-        let mut index = EvictionIndex::new();
+        let mut index = EvictionIndex::default();
         for slot in [2, 0, 1] {
             index.enter(slot, 4096, None);
         }
@@ -299,7 +294,7 @@ mod tests {
 
     #[test]
     fn unneeded_go_first_then_the_farthest_next_use() {
-        let mut index = EvictionIndex::new();
+        let mut index = EvictionIndex::default();
         index.enter(0, 4096, Some(50));
         index.enter(1, 4096, None);
         index.enter(2, 4096, Some(900));
@@ -326,7 +321,7 @@ mod tests {
 
     #[test]
     fn a_larger_record_costs_more_room() {
-        let mut index = EvictionIndex::new();
+        let mut index = EvictionIndex::default();
         // At now = 0: the small one is needed at 1000 ms, the large (4 pages) at
         // 400 ms: 1000 x 1 < 400 x 4, so the large one goes first.
         index.enter(0, 4096, Some(1_000_000));
@@ -342,7 +337,7 @@ mod tests {
     #[test]
     fn the_order_matches_a_sort_of_the_ranks_on_random_changes() {
         let mut rng = crate::util::rng::SplitMix64::new(7);
-        let mut index = EvictionIndex::new();
+        let mut index = EvictionIndex::default();
         for round in 0..2000u64 {
             let slot = (rng.next_u64() % 40) as usize;
             match rng.next_u64() % 5 {

@@ -36,11 +36,6 @@ pub struct Fills {
 }
 
 impl Fills {
-    /// No fill in flight.
-    pub fn new() -> Fills {
-        Fills::default()
-    }
-
     /// The fill of `key` in flight, if any.
     pub fn of_key(&self, key: &str) -> Option<(TicketId, &Fill)> {
         let ticket = *self.by_key.get(key)?;
@@ -152,7 +147,7 @@ mod tests {
 
     #[test]
     fn one_fill_per_key_held_by_its_client_only() {
-        let mut fills = Fills::new();
+        let mut fills = Fills::default();
         fills.start(10, "k", 1).unwrap();
         assert!(fills.is_filling("k"));
         let err = fills.start(11, "k", 2).unwrap_err();
@@ -173,7 +168,7 @@ mod tests {
 
     #[test]
     fn a_disconnect_abandons_only_that_clients_fills_and_frees_their_keys() {
-        let mut fills = Fills::new();
+        let mut fills = Fills::default();
         fills.start(1, "a", 100).unwrap();
         fills.start(2, "b", 100).unwrap();
         fills.start(3, "c", 200).unwrap();
@@ -192,7 +187,7 @@ mod tests {
 
     #[test]
     fn abandoned_extents_stay_the_clients_until_taken() {
-        let mut fills = Fills::new();
+        let mut fills = Fills::default();
         fills.start(1, "a", 100).unwrap();
         fills.start(2, "b", 100).unwrap();
         fills.set_slot(1, 7);

@@ -16,11 +16,6 @@ pub struct RecordIndex {
 }
 
 impl RecordIndex {
-    /// No record.
-    pub fn new() -> RecordIndex {
-        RecordIndex::default()
-    }
-
     /// The slot holding `key`'s record.
     pub fn get(&self, key: &str) -> Option<SlotIdx> {
         self.by_key.get(key).copied()
@@ -90,7 +85,7 @@ mod tests {
     #[test]
     fn records_are_found_here_and_in_the_table() {
         let table = TableWriter::on_heap(1 << 20, 8); // 16 index entries
-        let mut index = RecordIndex::new();
+        let mut index = RecordIndex::default();
         index.insert("a".into(), 3, &table);
         assert_eq!(index.get("a"), Some(3));
         assert_eq!(table.candidates(key_hash("a")).collect::<Vec<_>>(), vec![3]);
@@ -103,7 +98,7 @@ mod tests {
     #[test]
     fn too_many_tombstones_rebuild_the_shared_index() {
         let table = TableWriter::on_heap(1 << 20, 8); // 16 index entries: rebuild past 4
-        let mut index = RecordIndex::new();
+        let mut index = RecordIndex::default();
         let keys = colliding_keys(7);
         for (slot, key) in keys.iter().enumerate() {
             index.insert(key.clone(), slot, &table);

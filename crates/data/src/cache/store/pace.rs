@@ -101,11 +101,6 @@ impl Default for Pace {
 }
 
 impl Pace {
-    /// A job not observed yet.
-    pub fn new() -> Pace {
-        Pace::default()
-    }
-
     /// The measured rate, if the window spans enough.
     pub fn measured(&self) -> Option<f64> {
         self.measured
@@ -199,7 +194,7 @@ mod tests {
 
     #[test]
     fn an_unknown_rate_follows_every_step() {
-        let mut pace = Pace::new();
+        let mut pace = Pace::default();
         assert!(pace.observe(0, 10, DEFAULT_RATE));
         assert_eq!(pace.time_of(13), 3_000_000, "3 steps at the default rate");
         assert!(
@@ -216,7 +211,7 @@ mod tests {
 
     #[test]
     fn a_measured_rate_maps_steps_to_times_and_stays_put_while_it_holds() {
-        let mut pace = Pace::new();
+        let mut pace = Pace::default();
         // 10 steps a second for 3 seconds.
         let mut reanchored = 0;
         for i in 0..=30u64 {
@@ -240,7 +235,7 @@ mod tests {
 
     #[test]
     fn a_stalled_job_is_re_anchored_and_its_uses_move_away() {
-        let mut pace = Pace::new();
+        let mut pace = Pace::default();
         for i in 0..=20u64 {
             pace.observe(i * 100_000, i, DEFAULT_RATE);
         }
@@ -260,7 +255,7 @@ mod tests {
 
     #[test]
     fn times_saturate_instead_of_overflowing() {
-        let mut pace = Pace::new();
+        let mut pace = Pace::default();
         pace.observe(5, 1000, MIN_RATE);
         assert_eq!(pace.time_of(0), 0);
         assert_eq!(pace.time_of(u64::MAX), u64::MAX >> 2);

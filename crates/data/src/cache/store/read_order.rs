@@ -373,11 +373,6 @@ impl Default for ReadOrders {
 }
 
 impl ReadOrders {
-    /// No read order, the default budget.
-    pub fn new() -> ReadOrders {
-        ReadOrders::default()
-    }
-
     /// Sets what the read orders may hold, in bytes.
     pub fn set_budget(&mut self, bytes: u64) {
         self.budget = bytes;
@@ -494,7 +489,7 @@ impl ReadOrders {
         }
         let i = self.paces.insert(JobPace {
             job: job.clone(),
-            pace: Pace::new(),
+            pace: Pace::default(),
             orders: 1,
         });
         self.pace_of.insert(job, i);

@@ -45,8 +45,8 @@ fn needed_in(now: Micros, steps: u64) -> Standing {
 
 #[test]
 fn the_nearest_use_over_orders_counts_and_reads_use_up_the_earliest() {
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     // Read order of connection 1 (page 0): a at 10 and 13, b at 11; connection 2's
     // (page 1): b at 100.
     let one = order(10, &["a", "b"], &[&[0], &[1], &[], &[0]], &[5]);
@@ -90,8 +90,8 @@ fn the_nearest_use_over_orders_counts_and_reads_use_up_the_earliest() {
 
 #[test]
 fn a_bad_read_order_is_refused_and_the_old_one_stays() {
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     let mut announce = |orders: &mut ReadOrders, o| {
         orders.announce(announcer(1, 0, ""), o, 0, 0, &nothing_cached, &mut index)
     };
@@ -112,8 +112,8 @@ fn a_bad_read_order_is_refused_and_the_old_one_stays() {
 
 #[test]
 fn the_budget_refuses_a_read_order_that_would_pass_it_and_counts_what_they_hold() {
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     let keys: Vec<String> = (0..1000).map(|i| format!("seq/{i:05}")).collect();
     let names: Vec<&str> = keys.iter().map(String::as_str).collect();
     let steps: Vec<Vec<u32>> = (0..1000u32).map(|i| vec![i]).collect();
@@ -178,8 +178,8 @@ fn the_budget_refuses_a_read_order_that_would_pass_it_and_counts_what_they_hold(
 
 #[test]
 fn a_reader_moved_to_another_read_order_reads_for_that_one() {
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     orders
         .announce(
             announcer(1, 0, ""),
@@ -206,8 +206,8 @@ fn a_reader_moved_to_another_read_order_reads_for_that_one() {
 
 #[test]
 fn jobs_at_different_rates_compare_by_time() {
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     // Job "slow" reads "s<i>" at step i, job "fast" "f<i>" at step i.
     let keys = |p: &str| (0..400).map(|i| format!("{p}{i}")).collect::<Vec<_>>();
     let (slow, fast) = (keys("s"), keys("f"));
@@ -281,8 +281,8 @@ impl ModelOrder {
 #[test]
 fn next_uses_follow_a_recomputation_from_scratch_on_random_changes() {
     let mut rng = SplitMix64::new(11);
-    let mut orders = ReadOrders::new();
-    let mut index = EvictionIndex::new();
+    let mut orders = ReadOrders::default();
+    let mut index = EvictionIndex::default();
     let mut model: HashMap<ClientId, ModelOrder> = HashMap::new();
     let mut cached: HashMap<String, SlotIdx> = HashMap::new();
     let keys: Vec<String> = (0..30).map(|i| format!("k{i}")).collect();

@@ -208,7 +208,8 @@ impl Jobs {
     }
 
     /// The job of connected client `client`.
-    pub fn job_of(&self, client: ClientId) -> Option<&str> {
+    #[cfg(test)]
+    fn job_of(&self, client: ClientId) -> Option<&str> {
         self.of_client.get(&client).map(String::as_str)
     }
 

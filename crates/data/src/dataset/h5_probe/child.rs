@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use super::super::error::{DataError, Result};
 use super::prober::Verdict;
-use super::wire::{hex, is_timeout, Reply, GREETING};
+use super::wire::{hex, Reply, GREETING};
 use super::ENV_EXECUTABLE;
+use crate::util::is_timeout;
 
 /// How one request to a child ended.
 #[derive(Debug)]

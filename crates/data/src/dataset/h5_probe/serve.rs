@@ -15,8 +15,9 @@ use std::time::Duration;
 use super::super::error::{DataError, Result};
 use super::super::h5::H5Session;
 use super::crash::{died_message, how_it_ended, is_crash};
-use super::wire::{is_timeout, unhex, Reply, GREETING};
+use super::wire::{unhex, Reply, GREETING};
 use super::PROBE_TRIES;
+use crate::util::is_timeout;
 
 /// A serving child exits after this long without a request.
 pub const CHILD_IDLE: Duration = Duration::from_secs(30);

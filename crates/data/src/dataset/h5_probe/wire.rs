@@ -6,13 +6,6 @@
 /// a corrupt file.
 pub const GREETING: &str = "vrtspike-h5-probe 1";
 
-pub(super) fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-    )
-}
-
 /// The child's answer for one file: `error` is `None` when the file is usable;
 /// `unjudged` says why there is no verdict (its worker was killed from outside).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
