@@ -22,13 +22,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{
-    alive, exit_code, launcher_command_at, read_json, signal, synth_tiny, vrtspike, wait_until,
-    write_tiny_config, TinyTrain,
+    alive, exit_code, launcher_command_at, node_shared_address, read_json, signal, synth_tiny,
+    vrtspike, wait_until, write_tiny_config, TinyTrain,
 };
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use vrtspike_contract::cache_addr::shared_cache_address;
-use vrtspike_contract::dataset_sig;
 use vrtspike_contract::rundir::RunLayout;
 
 /// A failure guard only: every wait ends far sooner on a healthy run.
@@ -63,10 +61,7 @@ fn setup() -> Setup {
         timeout_s: 60,
     };
     let config = write_tiny_config(&dir, &data, &run);
-    let signature = dataset_sig::sign(&data).unwrap_or_else(|e| panic!("{e}"));
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    let address = shared_cache_address(uid, signature.digest, None);
+    let address = node_shared_address(&data);
     Setup {
         _tmp: tmp,
         dir,

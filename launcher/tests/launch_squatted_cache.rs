@@ -16,9 +16,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{launcher_command, read_json, run_with_limit, synth_tiny, texts};
-use common::{write_tiny_config, TinyTrain};
-use vrtspike_contract::cache_addr::{shared_cache_address, CACHE_PROTOCOL_VERSION};
-use vrtspike_contract::dataset_sig;
+use common::{node_shared_address, write_tiny_config, TinyTrain};
+use vrtspike_contract::cache_addr::CACHE_PROTOCOL_VERSION;
 use vrtspike_contract::rundir::RunLayout;
 
 use squat::{assert_fell_back, other_version_at, Squatter, FELL_BACK, NOBODY};
@@ -44,10 +43,7 @@ fn setup() -> Setup {
         timeout_s: 60,
     };
     let config = write_tiny_config(&dir, &data, &run);
-    let signature = dataset_sig::sign(&data).unwrap_or_else(|e| panic!("{e}"));
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    let address = shared_cache_address(uid, signature.digest, None);
+    let address = node_shared_address(&data);
     Setup {
         _tmp: tmp,
         dir,

@@ -504,6 +504,15 @@ pub fn cmdline(pid: u32) -> String {
         .unwrap_or_default()
 }
 
+/// The node-shared cache server's address of this user for the dataset at `data`
+/// (what the launcher attaches to or starts under `DATA.CACHE_SHARING: node`).
+pub fn node_shared_address(data: &Path) -> String {
+    let signature = vrtspike_contract::dataset_sig::sign(data).unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    vrtspike_contract::cache_addr::shared_cache_address(uid, signature.digest, None)
+}
+
 /// A tiny dataset written by `vrtspike synth` into `dir/data`.
 pub fn synth_tiny(dir: &Path) -> PathBuf {
     synth_tiny_as(dir, &[])
