@@ -70,6 +70,14 @@ impl JobRecord {
         attempt.saturating_sub(self.membership_changes.len() as u32)
     }
 
+    /// Restarts of `--max-restarts` done in all: the attempts after this node's
+    /// first that no membership change started.
+    pub fn restarts_done(&self) -> u32 {
+        let changed = |attempt: u32| self.membership_changes.iter().any(|c| c.attempt == attempt);
+        let restarts = self.attempts.iter().skip(1).filter(|a| !changed(a.attempt));
+        restarts.count() as u32
+    }
+
     /// Seconds since the launch.
     pub fn elapsed_s(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
@@ -96,7 +104,7 @@ impl JobRecord {
             exit_code: exit.exit_code(),
             error: error.clone(),
             failure: self.first_failure.clone(),
-            restarts: self.attempts.len().saturating_sub(1) as u32,
+            restarts: self.restarts_done(),
             attempts: self.attempts,
             membership_changes: self.membership_changes,
             run_dir: self.run_dir.path.display().to_string(),
