@@ -25,8 +25,12 @@
 //! node as a link closed does, naming the lost node (and records it beside the
 //! ranks' heartbeats, `heartbeat/node<K>.lost`). Under elastic membership
 //! (`--min-nodes`) a lost node other than node 0 ends nothing by itself: node 0
-//! decides whether the job goes on without it (`MEMBERS`, then `START`); nodes
-//! and their links keep their first index throughout.
+//! decides whether the job goes on without it (`MEMBERS`, then `START`), and a
+//! link that closes is a lost node too. A node left out may link again (its
+//! launcher started again): node 0 ends the attempt at a restart point
+//! (`RESTART`) and takes it in (`MEMBERS` with it, which forgets how it left);
+//! a second launcher of a linked node, or one before node 0 left it out, is
+//! refused. Nodes and their links keep their first index throughout.
 
 pub mod auth;
 pub mod control;
