@@ -10,7 +10,8 @@
 //! killed (SIGKILL) after a checkpoint, node 0 goes on alone, a new node-1
 //! launcher is started for the same job; node 0 takes it in at the next
 //! checkpoint (a restart point: its ranks checkpoint and exit as on preemption),
-//! and the job completes on both nodes with the global batch kept throughout.
+//! and the job completes on both nodes with the global batch kept throughout
+//! (a node-1 launcher with another config is refused before, naming it).
 
 mod common;
 
@@ -244,6 +245,7 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
         tmp.path().join("node0.log"),
         tmp.path().join("node1.log"),
         tmp.path().join("node1-again.log"),
+        tmp.path().join("node1-unlike.log"),
     ];
     let mut node0 = start_node(&config, &run, 0, &logs[0]);
     let mut node1 = start_node(&config, &run, 1, &logs[1]);
@@ -261,6 +263,23 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
         log(0).contains("membership change: 1 of 2 nodes go on without node 1")
     });
     assert!(went_on, "node 0 did not go on alone:\n{}", log(0));
+
+    // A node-1 launcher with another config is refused, naming it, at once.
+    let other = tmp.path().join("other.yaml");
+    let text = std::fs::read_to_string(&config).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&other, format!("{text}\n# another config\n")).unwrap_or_else(|e| panic!("{e}"));
+    let mut unlike = start_node(&other, &run, 1, &logs[3]);
+    let code = exit_code(&mut unlike, Duration::from_secs(60));
+    assert!(code.is_some_and(|c| c != 0), "{code:?}:\n{}", log(3));
+    assert!(log(3).contains("config (digest "), "{}", log(3));
+    let refused = "refused a control connection from 127.0.0.1:";
+    assert!(
+        log(0)
+            .lines()
+            .any(|l| l.contains(refused) && l.contains("node 1's config")),
+        "{}",
+        log(0)
+    );
 
     // A new launcher of node 1, for the same job.
     let started = Instant::now();

@@ -89,6 +89,8 @@ pub struct LinkSpec {
     /// Elastic membership (`--min-nodes` below the nodes): a lost node other than
     /// node 0 is for node 0 to decide on, not an ending by itself.
     pub elastic: bool,
+    /// This launcher's version and config digest (node 0 takes in only its like).
+    pub identity: auth::Identity,
 }
 
 /// How long a write on a link may block (a peer that reads nothing for this long
@@ -601,10 +603,15 @@ fn listen(spec: &LinkSpec, shared: Arc<Shared>) -> Result<()> {
         "control link on {local} (published in {})",
         spec.control_file.display()
     );
-    let nnodes = spec.nnodes;
+    let gate = Gate {
+        secret,
+        identity: spec.identity.clone(),
+        nnodes: spec.nnodes,
+        ..Gate::default()
+    };
     std::thread::Builder::new()
         .name("peer-accept".into())
-        .spawn(move || accept_loop(listener, shared, &secret, nnodes))
+        .spawn(move || accept_loop(listener, shared, gate))
         .context("starting the peer link thread")?;
     Ok(())
 }
@@ -616,6 +623,9 @@ fn join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
     loop {
         let last_error = match try_join(spec) {
             Ok(stream) => return Ok(stream),
+            Err(e) if matches!(e.downcast_ref(), Some(auth::AuthError::Unlike(_))) => {
+                return Err(e.context("joining node 0's launcher"));
+            }
             Err(e) => format!("{e:#}"),
         };
         if started.elapsed() > spec.timeout {
@@ -650,8 +660,14 @@ fn try_join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
         .with_context(|| format!("connecting to {addr}"))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    auth::join(&mut reader, &secret, spec.node_rank, deadline)
-        .with_context(|| format!("at {addr}"))?;
+    auth::join(
+        &mut reader,
+        &secret,
+        spec.node_rank,
+        &spec.identity,
+        deadline,
+    )
+    .with_context(|| format!("at {addr}"))?;
     Ok((stream, reader))
 }
 
@@ -665,12 +681,16 @@ struct Pending {
 /// When an address's refusals were last logged, and how many since.
 type RefusalLog = HashMap<IpAddr, (Option<Instant>, u64)>;
 
-/// Node 0's gate before the handshake: the handshakes in flight, and when each
-/// address's refusals were last logged.
+/// Node 0's gate: the handshakes in flight, when each address's refusals were
+/// last logged, and what a launcher must prove (the secret, node 0's identity,
+/// a node index below the job's nodes).
 #[derive(Clone, Default)]
 struct Gate {
     pending: Arc<Mutex<Pending>>,
     logged: Arc<Mutex<RefusalLog>>,
+    secret: String,
+    identity: auth::Identity,
+    nnodes: u32,
 }
 
 /// A handshake's place at the gate, given back when dropped.
@@ -739,8 +759,7 @@ impl Gate {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes: u32) {
-    let gate = Gate::default();
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>, gate: Gate) {
     for stream in listener.incoming().flatten() {
         let Ok(peer) = stream.peer_addr() else {
             continue;
@@ -752,10 +771,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes:
                 continue;
             }
         };
-        let (shared, secret, gate) = (shared.clone(), secret.to_string(), gate.clone());
+        let (shared, gate) = (shared.clone(), gate.clone());
         let spawned = std::thread::Builder::new()
             .name("peer-link".into())
-            .spawn(move || admit(stream, peer, slot, &gate, &shared, &secret, nnodes));
+            .spawn(move || admit(stream, peer, slot, &gate, &shared));
         if let Err(e) = spawned {
             tracing::warn!("no thread for a control connection from {peer}: {e}");
         }
@@ -764,22 +783,15 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes:
 
 /// Node 0: the handshake of one connection (holding its place at the gate), then
 /// its lines until it closes.
-fn admit(
-    stream: TcpStream,
-    peer: SocketAddr,
-    slot: PendingSlot,
-    gate: &Gate,
-    shared: &Shared,
-    secret: &str,
-    nnodes: u32,
-) {
+fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, shared: &Shared) {
+    let nnodes = gate.nnodes;
     let refuse = |why: &str| gate.refused(peer, why);
     let Ok(clone) = stream.try_clone() else {
         return;
     };
     let mut reader = BufReader::new(clone);
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let node = match auth::accept(&mut reader, secret, deadline) {
+    let node = match auth::accept(&mut reader, &gate.secret, &gate.identity, deadline) {
         Ok(node) => node,
         Err(e) => return refuse(&e.to_string()),
     };
@@ -907,6 +919,7 @@ mod tests {
             silence: Duration::from_secs(30),
             run_dir: run_dir.to_path_buf(),
             elastic: false,
+            identity: auth::Identity::of(b"TRAIN: {}"),
         }
     }
 
@@ -988,7 +1001,14 @@ mod tests {
             TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
         let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        auth::join(
+            &mut reader,
+            &control.secret,
+            1,
+            &spec(1, tmp.path()).identity,
+            deadline,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
         let beat = PeerEvent::Beat {
             node: 1,
             host: "vn2".into(),
@@ -1069,7 +1089,14 @@ mod tests {
             TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
         let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        auth::join(
+            &mut reader,
+            &control.secret,
+            1,
+            &spec(1, tmp.path()).identity,
+            deadline,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
         node0
             .wait_for_nodes(Duration::from_secs(10), &|| false)
             .unwrap_or_else(|e| panic!("{e:#}"));
@@ -1121,7 +1148,13 @@ mod tests {
                 .map_err(|e| AuthError::Io(e.to_string()))?,
         );
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(&mut reader, &control.secret, node, deadline)?;
+        auth::join(
+            &mut reader,
+            &control.secret,
+            node,
+            &spec(node, run_dir).identity,
+            deadline,
+        )?;
         // Node 0 refuses after the handshake by closing: read what it said.
         stream
             .set_read_timeout(Some(Duration::from_millis(300)))
