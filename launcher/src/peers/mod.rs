@@ -996,19 +996,7 @@ mod tests {
         let node2 = PeerLinks::start(&quick(2)).unwrap_or_else(|e| panic!("{e:#}"));
         // Node 1: a launcher that joins, says its host once and goes silent (its
         // link stays open, as a cut link or a stopped process leaves it).
-        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
-        let mut quiet =
-            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
-        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
-        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(
-            &mut reader,
-            &control.secret,
-            1,
-            &spec(1, tmp.path()).identity,
-            deadline,
-        )
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        let (mut quiet, mut reader) = raw_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
         let beat = PeerEvent::Beat {
             node: 1,
             host: "vn2".into(),
@@ -1084,19 +1072,7 @@ mod tests {
         let node0 = PeerLinks::start(&elastic(0)).unwrap_or_else(|e| panic!("{e:#}"));
         let node2 = PeerLinks::start(&elastic(2)).unwrap_or_else(|e| panic!("{e:#}"));
         // Node 1 joins and goes silent.
-        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
-        let quiet =
-            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
-        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
-        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(
-            &mut reader,
-            &control.secret,
-            1,
-            &spec(1, tmp.path()).identity,
-            deadline,
-        )
-        .unwrap_or_else(|e| panic!("{e:#}"));
+        let (_quiet, _reader) = raw_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
         node0
             .wait_for_nodes(Duration::from_secs(10), &|| false)
             .unwrap_or_else(|e| panic!("{e:#}"));
@@ -1136,25 +1112,23 @@ mod tests {
         ));
     }
 
-    /// Node 1 as a bare client: joined, then left to go silent or be closed.
-    fn bare_join(run_dir: &Path, node: u32) -> Result<TcpStream, AuthError> {
-        let control =
-            Control::read(&control_file(run_dir)).map_err(|e| AuthError::Io(e.to_string()))?;
-        let stream = TcpStream::connect(("127.0.0.1", control.port))
-            .map_err(|e| AuthError::Io(e.to_string()))?;
-        let mut reader = BufReader::new(
-            stream
-                .try_clone()
-                .map_err(|e| AuthError::Io(e.to_string()))?,
-        );
+    /// Node `node` as a bare client of node 0's control link, after the handshake:
+    /// the link and its reader.
+    fn raw_join(run_dir: &Path, node: u32) -> Result<(TcpStream, BufReader<TcpStream>), AuthError> {
+        let io = |e: &dyn std::fmt::Display| AuthError::Io(e.to_string());
+        let control = Control::read(&control_file(run_dir)).map_err(|e| io(&e))?;
+        let stream = TcpStream::connect(("127.0.0.1", control.port)).map_err(|e| io(&e))?;
+        let mut reader = BufReader::new(stream.try_clone().map_err(|e| io(&e))?);
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(
-            &mut reader,
-            &control.secret,
-            node,
-            &spec(node, run_dir).identity,
-            deadline,
-        )?;
+        let identity = spec(node, run_dir).identity;
+        auth::join(&mut reader, &control.secret, node, &identity, deadline)?;
+        Ok((stream, reader))
+    }
+
+    /// Node `node` as a bare client: joined (`Err`: refused), then left to go
+    /// silent or be closed.
+    fn bare_join(run_dir: &Path, node: u32) -> Result<TcpStream, AuthError> {
+        let (stream, mut reader) = raw_join(run_dir, node)?;
         // Node 0 refuses after the handshake by closing: read what it said.
         stream
             .set_read_timeout(Some(Duration::from_millis(300)))
