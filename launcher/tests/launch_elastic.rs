@@ -222,7 +222,7 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
 
 /// Steps of the re-admission run: enough that node 0, training alone, is still
 /// short of the end when the returning node is taken in.
-const REJOIN_TOTAL_STEPS: u64 = 96;
+const REJOIN_TOTAL_STEPS: u64 = 128;
 
 /// The entries of `/dev/shm`.
 fn shm_entries() -> Vec<String> {

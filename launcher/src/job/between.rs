@@ -146,8 +146,21 @@ pub fn next_attempt(
     }
     let timeout = Duration::from_secs_f64(args.peer_timeout_s);
     let interrupted = || signals::requested_ending().is_some();
-    let Some(start) = peers.wait_start(restart_count, timeout, &interrupted)? else {
-        return Ok(Err(ending_without_node0(peers, record)));
+    let mut restart_count = restart_count;
+    let start = loop {
+        let Some(start) = peers.wait_start(restart_count, timeout, &interrupted)? else {
+            return Ok(Err(ending_without_node0(peers, record)));
+        };
+        let members = peers.members_for(start.attempt);
+        let left_out = members.is_some_and(|m| !m.contains(&record.membership.me));
+        if !(left_out && record.attempts.is_empty()) {
+            break start;
+        }
+        tracing::info!(
+            "node 0 started attempt {} without this node: waiting to be taken in",
+            start.attempt
+        );
+        restart_count = start.attempt + 1;
     };
     let restart_count = start.attempt;
     if let Some(members) = peers.members_for(restart_count) {
@@ -186,7 +199,11 @@ fn take_in_returning(peers: &PeerLinks, record: &mut JobRecord, attempt: u32) {
             peers.announce_members(attempt, &membership.members);
             note_change(peers, record, membership, attempt);
         }
-        Err(why) => tracing::warn!("node(s) {back:?} came back but wait: {why}"),
+        Err(why) => {
+            tracing::warn!("node(s) {back:?} came back but wait: {why}");
+            // They heard no membership yet: tell them they are not in this one.
+            peers.announce_members(attempt, &record.membership.members);
+        }
     }
 }
 
