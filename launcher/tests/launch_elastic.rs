@@ -374,6 +374,7 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
     // The returning node's own summary says it came back.
     let summary1 = common::read_json(&layout.launcher_summary(1));
     assert_eq!(summary1["exit"], "completed", "{summary1}");
+    assert_eq!(summary1["restarts"], 0, "{summary1}");
     let rejoined = &summary1["membership_changes"][0]["rejoined"][0];
     assert_eq!(
         (&rejoined["node"], &rejoined["host"]),

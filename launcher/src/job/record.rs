@@ -64,18 +64,26 @@ impl JobRecord {
         }
     }
 
-    /// Restarts of `--max-restarts` used by attempt `attempt` (the attempts a
-    /// membership change started used none).
+    /// Restarts of `--max-restarts` used by attempt `attempt`: the attempts
+    /// after this node's first (0, or the one a returning node was taken in at)
+    /// that no membership change started.
     pub fn restarts_used(&self, attempt: u32) -> u32 {
-        attempt.saturating_sub(self.membership_changes.len() as u32)
+        let first = self.attempts.first().map_or(attempt, |a| a.attempt);
+        let mut changed: Vec<u32> = self
+            .membership_changes
+            .iter()
+            .map(|c| c.attempt)
+            .filter(|a| (first + 1..=attempt).contains(a))
+            .collect();
+        changed.dedup();
+        attempt.saturating_sub(first) - changed.len() as u32
     }
 
-    /// Restarts of `--max-restarts` done in all: the attempts after this node's
-    /// first that no membership change started.
+    /// Restarts of `--max-restarts` done in all.
     pub fn restarts_done(&self) -> u32 {
-        let changed = |attempt: u32| self.membership_changes.iter().any(|c| c.attempt == attempt);
-        let restarts = self.attempts.iter().skip(1).filter(|a| !changed(a.attempt));
-        restarts.count() as u32
+        self.attempts
+            .last()
+            .map_or(0, |last| self.restarts_used(last.attempt))
     }
 
     /// Seconds since the launch.
