@@ -66,17 +66,18 @@ impl JobRecord {
 
     /// Restarts of `--max-restarts` used by attempt `attempt`: the attempts
     /// after this node's first (0, or the one a returning node was taken in at)
-    /// that no membership change started.
+    /// that neither a membership change nor a restart point (an attempt before
+    /// that ended `preempted`: a returning node gone again before it was taken
+    /// in) started.
     pub fn restarts_used(&self, attempt: u32) -> u32 {
         let first = self.attempts.first().map_or(attempt, |a| a.attempt);
-        let mut changed: Vec<u32> = self
-            .membership_changes
-            .iter()
-            .map(|c| c.attempt)
-            .filter(|a| (first + 1..=attempt).contains(a))
-            .collect();
-        changed.dedup();
-        attempt.saturating_sub(first) - changed.len() as u32
+        let changed = |a: u32| self.membership_changes.iter().any(|c| c.attempt == a);
+        let after_stop = |a: u32| {
+            let before = self.attempts.iter().find(|r| r.attempt + 1 == a);
+            before.is_some_and(|r| r.outcome == ExitKind::Preempted)
+        };
+        let restarts = (first + 1..=attempt).filter(|a| !changed(*a) && !after_stop(*a));
+        restarts.count() as u32
     }
 
     /// Restarts of `--max-restarts` done in all.
