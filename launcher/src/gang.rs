@@ -4,7 +4,9 @@
 //! SIGUSR2 and they get `--preempt-timeout-s` to checkpoint and exit 0, a SIGTERM
 //! the same within `--grace-s`. A rank found stopped or hung ([`crate::hang`])
 //! fails the attempt like a crashed one, and so does another node's verdict (this
-//! node then saves its ranks' stacks too). A rank that fails while waiting in a
+//! node then saves its ranks' stacks too). At a restart point node 0 asks for
+//! (a returning node is taken in) the ranks are asked as on preemption to finish
+//! the step under way, checkpoint and exit. A rank that fails while waiting in a
 //! collective for a stopped or hung rank is reported as waiting for it, and that
 //! rank as the cause. Ranks that all exit 0 after a stop request were preempted,
 //! unless rank 0's summary of this attempt says they reached the end anyway (the
@@ -77,6 +79,27 @@ pub struct AttemptEnd {
     pub killed_after_grace: Vec<String>,
     /// Whether the ranks had been asked to preempt before the attempt ended.
     pub preempting: bool,
+    /// Whether the ranks were asked to stop at a restart point (node 0 takes a
+    /// returning node in).
+    pub restart_point: bool,
+}
+
+/// What the other nodes' launchers say to the gang while it runs.
+#[derive(Clone, Copy)]
+pub struct PeerWord<'a> {
+    /// Something that stops the attempt at once (a failure elsewhere, a lost node).
+    pub stop: &'a dyn Fn() -> Option<Failure>,
+    /// Whether the attempt ends at a restart point (asked once).
+    pub restart_point: &'a dyn Fn() -> bool,
+}
+
+/// What the ranks were asked before the attempt ended.
+#[derive(Debug, Default, Clone, Copy)]
+struct StopAsked {
+    /// To preempt (a request of the job's, or a restart point).
+    preempting: bool,
+    /// To stop at a restart point.
+    restart_point: bool,
 }
 
 /// The node's cache process the gang watches: the job's own server, or its
@@ -96,7 +119,7 @@ pub fn run_attempt(
     launches: &[RankLaunch],
     cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
-    peer_stop: &dyn Fn() -> Option<Failure>,
+    peers: PeerWord,
     hang: HangCheck,
 ) -> Result<AttemptEnd> {
     let started = SystemTime::now();
@@ -139,7 +162,7 @@ pub fn run_attempt(
     );
     let ids: Vec<(u32, u32)> = ranks.iter().map(|(rank, c)| (*rank, c.pid())).collect();
     let hang = HangWatch::new(hang, &ids, Instant::now());
-    let mut end = supervise(&mut ranks, cache_server, timing, peer_stop, hang);
+    let mut end = supervise(&mut ranks, cache_server, timing, peers, hang);
     if end.outcome == ExitKind::Preempted {
         let train_summary = RunLayout::new(timing.run_dir).train_summary();
         end.outcome = ending_after_stop(&train_summary, started);
@@ -183,20 +206,16 @@ fn supervise(
     ranks: &mut [(u32, Supervised)],
     cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
-    peer_stop: &dyn Fn() -> Option<Failure>,
+    peers: PeerWord,
     mut hang: HangWatch,
 ) -> AttemptEnd {
-    let mut preempting = false;
+    let mut asked = StopAsked::default();
     let keeper = cache_server.as_ref().and_then(|hold| hold.keeper);
-    let mut end = watch(
-        ranks,
-        cache_server,
-        timing,
-        peer_stop,
-        &mut preempting,
-        &mut hang,
-    );
-    end.preempting = preempting;
+    let mut end = watch(ranks, cache_server, timing, peers, &mut asked, &mut hang);
+    // A restart point is not a preemption of the job's: a failure while the
+    // ranks checkpoint for it restarts as any failure.
+    end.preempting = asked.preempting && !asked.restart_point;
+    end.restart_point = asked.restart_point;
     // A re-attach under way gives up with the attempt; the next one asks again.
     if let Some(keeper) = keeper {
         keeper.give_up();
@@ -278,13 +297,31 @@ fn ask_to_stop(
     Some(new)
 }
 
-/// The supervision loop; sets `preempting` once the ranks got the preemption signal.
+/// Asks the ranks to finish the step under way, checkpoint and exit (as on
+/// preemption, within `--preempt-timeout-s`): the attempt ends at a restart point.
+fn ask_restart_point(ranks: &mut [(u32, Supervised)], timing: &GangSettings) -> StopDeadline {
+    tracing::info!(
+        "restart point: asking the ranks to checkpoint after the step under way and exit \
+         ({RANK_PREEMPT_SIGNAL}, up to {:.0} s), to take a returning node in",
+        timing.preempt_timeout.as_secs_f64()
+    );
+    for (_, rank) in ranks.iter_mut() {
+        rank.signal_leader(RANK_PREEMPT_SIGNAL);
+    }
+    StopDeadline {
+        at: Instant::now() + timing.preempt_timeout,
+        terminated: false,
+    }
+}
+
+/// The supervision loop; notes in `stops` when the ranks got the preemption
+/// signal, and whether for a restart point.
 fn watch(
     ranks: &mut [(u32, Supervised)],
     mut cache_server: Option<CacheHold<'_>>,
     timing: GangSettings,
-    peer_stop: &dyn Fn() -> Option<Failure>,
-    preempting: &mut bool,
+    peers: PeerWord,
+    stops: &mut StopAsked,
     hang: &mut HangWatch,
 ) -> AttemptEnd {
     let interrupts_before = signals::interrupts();
@@ -296,7 +333,14 @@ fn watch(
         }
         if let Some(asked) = ask_to_stop(ranks, &timing, deadline) {
             deadline = Some(asked);
-            *preempting = true;
+            stops.preempting = true;
+        }
+        if deadline.is_none() && (peers.restart_point)() {
+            deadline = Some(ask_restart_point(ranks, &timing));
+            *stops = StopAsked {
+                preempting: true,
+                restart_point: true,
+            };
         }
         if let Some(failure) = failed_rank(ranks, &timing, hang) {
             tracing::error!("{}: stopping the other ranks", failure.cause);
@@ -309,7 +353,7 @@ fn watch(
             tracing::error!("{}: stopping the ranks", failure.cause);
             return stop_gang(ranks, ExitKind::Failed, Some(failure), timing.grace);
         }
-        if let Some(failure) = peer_stop() {
+        if let Some(failure) = (peers.stop)() {
             tracing::error!("{}: stopping the ranks of this node", failure.cause);
             // Another node named a stopped or hung rank: save this node's stacks too.
             if failure.stuck {
@@ -334,6 +378,7 @@ fn watch(
                 failed_at: None,
                 killed_after_grace: Vec::new(),
                 preempting: false,
+                restart_point: false,
             };
         }
         if let Some(missed) = deadline.filter(|d| Instant::now() > d.at) {
@@ -460,6 +505,7 @@ fn stop_ranks(
         failed_at,
         killed_after_grace,
         preempting: false,
+        restart_point: false,
     }
 }
 

@@ -154,17 +154,18 @@ pub struct AttemptRecord {
     pub killed_after_grace: Vec<String>,
 }
 
-/// A node lost and left out by elastic membership.
+/// A node lost and left out by elastic membership, or one that came back.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LostNode {
-    /// Its index before the change.
+    /// Its index in the job's first membership.
     pub node: u32,
     /// Its host, as it said in its beats (`None`: it never said).
     pub host: Option<String>,
 }
 
 /// One change of the job's membership (`--min-nodes`): the nodes that remain go on
-/// from the last checkpoint in a smaller world.
+/// from the last checkpoint in a smaller world, or nodes that came back are taken
+/// in again in a bigger one.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MembershipChange {
     /// Seconds from launch to the change.
@@ -181,6 +182,8 @@ pub struct MembershipChange {
     pub members: Vec<u32>,
     /// The nodes left out.
     pub lost: Vec<LostNode>,
+    /// The nodes that came back and were taken in again.
+    pub rejoined: Vec<LostNode>,
     /// The factor on the gradient accumulation that keeps the global batch.
     pub accumulation: u32,
 }
@@ -196,7 +199,8 @@ pub struct Summary {
     pub error: Option<String>,
     /// The first failure of the job.
     pub failure: Option<Failure>,
-    /// Restarts done.
+    /// Restarts done, of `--max-restarts` (the attempts a membership change
+    /// started are not restarts: `membership_changes` names them).
     pub restarts: u32,
     /// Every start of the gang.
     pub attempts: Vec<AttemptRecord>,

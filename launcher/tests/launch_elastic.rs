@@ -5,6 +5,13 @@
 //! from the checkpoint with gradient accumulation 2 (the global batch kept), without
 //! using a restart (`--max-restarts 0`), and completes; its summary lists the
 //! membership change and the heartbeat directory names the lost node.
+//!
+//! And a lost node that comes back: node 1's launcher, rank and cache server are
+//! killed (SIGKILL) after a checkpoint, node 0 goes on alone, a new node-1
+//! launcher is started for the same job; node 0 takes it in at the next
+//! checkpoint (a restart point: its ranks checkpoint and exit as on preemption),
+//! and the job completes on both nodes with the global batch kept throughout
+//! (a node-1 launcher with another config is refused before, naming it).
 
 mod common;
 
@@ -69,16 +76,42 @@ fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
         .unwrap_or_else(|e| panic!("starting node {node}: {e}"))
 }
 
-#[test]
-fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_batch() {
-    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let data = common::synth_tiny(tmp.path());
+/// The tiny config of `total_steps` in `dir`, a checkpoint every [`CKPT_EVERY`].
+fn tiny_config(dir: &Path, total_steps: u64) -> std::path::PathBuf {
+    let data = common::synth_tiny(dir);
     let tiny = TinyTrain {
-        total_steps: TOTAL_STEPS,
+        total_steps,
         ckpt_every: CKPT_EVERY,
         timeout_s: 60,
     };
-    let config = common::write_tiny_config(tmp.path(), &data, &tiny);
+    common::write_tiny_config(dir, &data, &tiny)
+}
+
+/// Rank 1 (node 1) trains past a checkpoint.
+fn rank1_past_a_checkpoint(run: &Path, layout: &RunLayout) -> bool {
+    wait_until(LIMIT, || {
+        let latest = layout.latest_checkpoint().map_or(0, |c| c.step);
+        let beat = heartbeat::read(run, 1).ok().flatten();
+        latest >= CKPT_EVERY && beat.is_some_and(|b| b.progress.step > latest)
+    })
+}
+
+/// A launcher's process and every process under it.
+fn tree(pid: u32) -> Vec<u32> {
+    [vec![pid], process_tree(pid)].concat()
+}
+
+/// The processes of `tree` (named by `what`) still alive after a bounded wait.
+fn left_of(tree: &[u32], what: &str) -> Vec<String> {
+    let names: Vec<String> = tree.iter().map(|p| format!("{what} pid {p}")).collect();
+    let left = left_behind(tree, &names, Duration::from_secs(10));
+    left.into_iter().cloned().collect()
+}
+
+#[test]
+fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_batch() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = tiny_config(tmp.path(), TOTAL_STEPS);
     let run = tmp.path().join("run");
     let layout = RunLayout::new(&run);
     let logs = [tmp.path().join("node0.log"), tmp.path().join("node1.log")];
@@ -87,13 +120,8 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
     let log = |node: usize| std::fs::read_to_string(&logs[node]).unwrap_or_default();
 
     // Rank 1 (node 1) past the first checkpoint.
-    let past_checkpoint = wait_until(LIMIT, || {
-        let latest = layout.latest_checkpoint().map_or(0, |c| c.step);
-        let beat = heartbeat::read(&run, 1).ok().flatten();
-        latest >= CKPT_EVERY && beat.is_some_and(|b| b.progress.step > latest)
-    });
+    let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
     assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
-    let tree = |pid: u32| [vec![pid], process_tree(pid)].concat();
     let node1_tree = tree(node1.id());
     for pid in &node1_tree {
         signal(*pid, Signal::SIGSTOP);
@@ -174,17 +202,9 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
         "{lost:?}"
     );
     // Nothing of either node is left.
-    let names: Vec<String> = node0_tree
-        .iter()
-        .map(|p| format!("node 0 pid {p}"))
-        .collect();
-    let left = left_behind(&node0_tree, &names, Duration::from_secs(10));
+    let left = left_of(&node0_tree, "node 0");
     assert!(left.is_empty(), "left behind: {left:?}");
-    let names: Vec<String> = node1_tree
-        .iter()
-        .map(|p| format!("node 1 pid {p}"))
-        .collect();
-    let left = left_behind(&node1_tree, &names, Duration::from_secs(10));
+    let left = left_of(&node1_tree, "node 1");
     assert!(left.is_empty(), "left behind: {left:?}");
     let trained_on = first_step_after(&layout, resumed, stopped_unix).map(|t| t - stopped_unix);
     println!(
@@ -197,5 +217,188 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
     assert!(
         trained_on.is_some(),
         "no step past the checkpoint after the stop"
+    );
+}
+
+/// Steps of the re-admission run: enough that node 0, training alone, is still
+/// short of the end when the returning node is taken in.
+const REJOIN_TOTAL_STEPS: u64 = 128;
+
+/// The entries of `/dev/shm`.
+fn shm_entries() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_ends_on_both() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = tiny_config(tmp.path(), REJOIN_TOTAL_STEPS);
+    let shm_before = shm_entries();
+    let run = tmp.path().join("run");
+    let layout = RunLayout::new(&run);
+    let logs = [
+        tmp.path().join("node0.log"),
+        tmp.path().join("node1.log"),
+        tmp.path().join("node1-again.log"),
+        tmp.path().join("node1-unlike.log"),
+    ];
+    let mut node0 = start_node(&config, &run, 0, &logs[0]);
+    let mut node1 = start_node(&config, &run, 1, &logs[1]);
+    let log = |i: usize| std::fs::read_to_string(&logs[i]).unwrap_or_default();
+
+    let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
+    assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
+    // Node 1 dies outright: its launcher, rank and cache server.
+    let node1_tree = tree(node1.id());
+    for pid in &node1_tree {
+        signal(*pid, Signal::SIGKILL);
+    }
+    let _ = node1.wait();
+    let went_on = wait_until(LIMIT, || {
+        log(0).contains("membership change: 1 of 2 nodes go on without node 1")
+    });
+    assert!(went_on, "node 0 did not go on alone:\n{}", log(0));
+
+    // A node-1 launcher with another config is refused, naming it, at once.
+    let other = tmp.path().join("other.yaml");
+    let text = std::fs::read_to_string(&config).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&other, format!("{text}\n# another config\n")).unwrap_or_else(|e| panic!("{e}"));
+    let mut unlike = start_node(&other, &run, 1, &logs[3]);
+    let code = exit_code(&mut unlike, Duration::from_secs(60));
+    assert!(code.is_some_and(|c| c != 0), "{code:?}:\n{}", log(3));
+    assert!(log(3).contains("config (digest "), "{}", log(3));
+    let refused = "refused a control connection from 127.0.0.1:";
+    assert!(
+        log(0)
+            .lines()
+            .any(|l| l.contains(refused) && l.contains("node 1's config")),
+        "{}",
+        log(0)
+    );
+
+    // A new launcher of node 1, for the same job.
+    let started = Instant::now();
+    let started_unix = unix_now();
+    let mut again = start_node(&config, &run, 1, &logs[2]);
+    let taken_in = wait_until(LIMIT, || {
+        let starts = common::start_events(&layout);
+        starts.len() >= 3 && starts[2]["world_size"] == 2
+    });
+    assert!(taken_in, "not taken in:\n{}\n{}", log(0), log(2));
+    let resumed2 = common::start_events(&layout)[2]["step"]
+        .as_u64()
+        .unwrap_or(0);
+    let both_training = wait_until(LIMIT, || {
+        first_step_after(&layout, resumed2, started_unix).is_some()
+    });
+    let both_after = started.elapsed();
+    assert!(both_training, "no step after re-admission:\n{}", log(0));
+    let node0_tree = tree(node0.id());
+    let again_tree = tree(again.id());
+    let code0 = exit_code(&mut node0, LIMIT);
+    let code1 = exit_code(&mut again, LIMIT);
+    assert_eq!(code0, Some(0), "node 0:\n{}", log(0));
+    assert_eq!(code1, Some(0), "node 1 again:\n{}", log(2));
+
+    let summary = common::read_json(&layout.launcher_summary(0));
+    assert_eq!(summary["exit"], "completed", "{summary}");
+    assert_eq!(summary["steps"], REJOIN_TOTAL_STEPS, "{summary}");
+    assert_eq!(summary["world_size"], 2, "{summary}");
+    // The global batch was kept in all three worlds: 2 ranks, 1 rank
+    // accumulating 2, 2 ranks again.
+    assert_eq!(
+        summary["samples_seen"],
+        REJOIN_TOTAL_STEPS * BATCH * 2,
+        "{summary}"
+    );
+    // Neither membership change used a restart (`--max-restarts 0`).
+    assert_eq!(summary["restarts"], 0, "{summary}");
+    let changes = summary["membership_changes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(changes.len(), 2, "{summary}");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let (lost, back) = (&changes[0], &changes[1]);
+    assert_eq!(
+        (
+            &lost["nodes_before"],
+            &lost["nodes_after"],
+            &lost["lost"][0]["node"]
+        ),
+        (&2.into(), &1.into(), &1.into()),
+        "{summary}"
+    );
+    assert_eq!(
+        (
+            &back["nodes_before"],
+            &back["nodes_after"],
+            &back["accumulation"],
+            &back["members"],
+        ),
+        (&1.into(), &2.into(), &1.into(), &serde_json::json!([0, 1])),
+        "{summary}"
+    );
+    assert_eq!(back["rejoined"][0]["node"], 1, "{summary}");
+    assert_eq!(back["rejoined"][0]["host"], host.trim(), "{summary}");
+    assert_eq!(back["lost"], serde_json::json!([]), "{summary}");
+    // Taken in at a checkpoint newer than the one node 0 went on alone from,
+    // written when its ranks stopped at the restart point.
+    let resumed1 = lost["resumed_step"].as_u64().unwrap_or(0);
+    assert_eq!(back["resumed_step"], resumed2, "{summary}");
+    assert!(resumed2 > resumed1, "{summary}");
+    let attempts = summary["attempts"].as_array().cloned().unwrap_or_default();
+    assert_eq!(attempts.len(), 3, "{summary}");
+    assert_eq!(attempts[1]["outcome"], "preempted", "{summary}");
+    assert_eq!(
+        attempts[2]["resumed_from"],
+        format!("step_{resumed2:08}"),
+        "{summary}"
+    );
+    let starts = common::start_events(&layout);
+    let worlds: Vec<u64> = starts
+        .iter()
+        .filter_map(|s| s["world_size"].as_u64())
+        .collect();
+    assert_eq!(worlds, [2, 1, 2], "{starts:?}");
+    assert!(
+        log(0).contains("membership change: node 1 (host ") && log(0).contains(") rejoined"),
+        "{}",
+        log(0)
+    );
+    // The returning node's own summary says it came back.
+    let summary1 = common::read_json(&layout.launcher_summary(1));
+    assert_eq!(summary1["exit"], "completed", "{summary1}");
+    assert_eq!(summary1["restarts"], 0, "{summary1}");
+    let rejoined = &summary1["membership_changes"][0]["rejoined"][0];
+    assert_eq!(
+        (&rejoined["node"], &rejoined["host"]),
+        (&1.into(), &host.trim().into()),
+        "{summary1}"
+    );
+    // Nothing of any launcher is left, nor any shared memory.
+    for (tree, what) in [
+        (&node0_tree, "node 0"),
+        (&node1_tree, "node 1"),
+        (&again_tree, "node 1 again"),
+    ] {
+        let left = left_of(tree, what);
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+    let new_shm: Vec<String> = shm_entries()
+        .into_iter()
+        .filter(|e| !shm_before.contains(e) && e.contains("vrtspike"))
+        .collect();
+    assert!(new_shm.is_empty(), "left in /dev/shm: {new_shm:?}");
+    println!(
+        "launch_elastic: node 1 killed after a checkpoint; its new launcher was taken in at the \
+         checkpoint of step {resumed2} and both nodes trained {:.1} s after it started \
+         (--peer-silence-s 3, {REJOIN_TOTAL_STEPS} steps)",
+        both_after.as_secs_f64()
     );
 }

@@ -15,7 +15,7 @@ use crate::args::Args;
 use crate::env_contract::{self, AttemptEnv};
 use crate::gang::{self, GangSettings, RankLaunch};
 use crate::hang;
-use crate::peers::PeerEvent;
+use crate::peers::{PeerEvent, PeerLinks};
 use crate::reattach::Keeper;
 use crate::rundir::RunDir;
 use crate::spawn::Supervised;
@@ -85,6 +85,10 @@ pub fn run(
         let event = peers?.stop_reason(restart_count)?;
         Some(with_victims(peer_failure(&event), &event, &local_ranks))
     };
+    let membership = plan.membership.clone();
+    let node_rank = setup.topology.node_rank;
+    let restart_point =
+        || peers.is_some_and(|p| restart_point(p, node_rank, &membership, restart_count));
     let mut hang = hang::HangCheck::new(
         args.hang_timeout_s,
         args.stall_timeout_s,
@@ -103,7 +107,11 @@ pub fn run(
         attempt: restart_count,
     };
     let hold = server.map(|process| gang::CacheHold { process, keeper });
-    let mut end = gang::run_attempt(&launches, hold, timing, &peer_stop, hang)?;
+    let word = gang::PeerWord {
+        stop: &peer_stop,
+        restart_point: &restart_point,
+    };
+    let mut end = gang::run_attempt(&launches, hold, timing, word, hang)?;
     end.failure = end
         .failure
         .map(|f| f.with_rank_account(&record.run_dir.layout));
@@ -124,6 +132,21 @@ pub fn run(
         resumed_step: resumed_from.map(|c| c.step),
         end,
     })
+}
+
+/// Whether attempt `attempt` ends at a restart point: on node 0, when a node came
+/// back that `membership` can take in (the other nodes are told); on the
+/// others, when node 0 said so.
+fn restart_point(peers: &PeerLinks, node_rank: u32, membership: &Membership, attempt: u32) -> bool {
+    if node_rank != 0 {
+        return peers.restart_asked(attempt);
+    }
+    let back = peers.returning();
+    if back.is_empty() || membership.with_returns(&back).is_err() {
+        return false;
+    }
+    peers.announce_restart(attempt);
+    true
 }
 
 /// The launch of every local rank of the attempt `plan` says.
@@ -186,6 +209,11 @@ pub fn peer_failure(event: &PeerEvent) -> Failure {
             false,
         ),
         PeerEvent::View(s) => (0, format!("told how rank {} stands", s.rank), false),
+        PeerEvent::Restart { attempt } => (
+            0,
+            format!("ended attempt {attempt} at a restart point"),
+            false,
+        ),
     };
     let cause = match event {
         // Its cause names the node and its host already.

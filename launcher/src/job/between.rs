@@ -3,7 +3,8 @@
 //! why; before the next, whether an ending was asked for meanwhile (a signal, a
 //! node that left), and the next attempt's number, rendezvous port and nodes
 //! (node 0's word on several nodes: under `--min-nodes` it may go on without a
-//! lost node, [`membership`](super::membership)).
+//! lost node, and takes a node that came back in again,
+//! [`membership`](super::membership)).
 
 use std::time::{Duration, Instant};
 
@@ -112,7 +113,9 @@ pub fn next_attempt(
     record: &mut JobRecord,
 ) -> Result<std::result::Result<AttemptPlan, Ending>> {
     let Supervision { setup, args, peers } = ctx;
-    let restart_count = record.attempts.len() as u32;
+    // Node 0 numbers the attempts from 0; a node that came back runs from the
+    // one it was taken in at.
+    let restart_count = record.attempts.last().map_or(0, |a| a.attempt + 1);
     let pick = || match setup.topology.master_port {
         Some(port) => Ok(port),
         None => free_port(),
@@ -132,6 +135,7 @@ pub fn next_attempt(
         if let Some(ending) = decide_membership(ctx, peers, record, restart_count) {
             return Ok(Err(ending));
         }
+        take_in_returning(peers, record, restart_count);
         let master_port = pick()?;
         peers.announce_start(restart_count, master_port);
         return Ok(Ok(AttemptPlan {
@@ -142,14 +146,34 @@ pub fn next_attempt(
     }
     let timeout = Duration::from_secs_f64(args.peer_timeout_s);
     let interrupted = || signals::requested_ending().is_some();
-    let Some(master_port) = peers.wait_start(restart_count, timeout, &interrupted)? else {
-        return Ok(Err(ending_without_node0(peers, record)));
+    let mut restart_count = restart_count;
+    let start = loop {
+        let Some(start) = peers.wait_start(restart_count, timeout, &interrupted)? else {
+            return Ok(Err(ending_without_node0(peers, record)));
+        };
+        let members = peers.members_for(start.attempt);
+        let left_out = members.is_some_and(|m| !m.contains(&record.membership.me));
+        if !(left_out && record.attempts.is_empty()) {
+            break start;
+        }
+        tracing::info!(
+            "node 0 started attempt {} without this node: waiting to be taken in",
+            start.attempt
+        );
+        restart_count = start.attempt + 1;
     };
+    let restart_count = start.attempt;
     if let Some(members) = peers.members_for(restart_count) {
         let membership = record.membership.said(members);
         if membership.node_rank().is_none() {
             let why = "node 0 went on without this node (it found it lost)";
             return Ok(Err((ExitKind::NodeLost, Some(why.into()))));
+        }
+        if record.attempts.is_empty() && restart_count > 0 {
+            // This node came back: it was not among the members before.
+            let me = record.membership.me;
+            let before = membership.members.iter().copied().filter(|n| *n != me);
+            record.membership = record.membership.said(before.collect());
         }
         if membership != record.membership {
             note_change(peers, record, membership, restart_count);
@@ -157,9 +181,30 @@ pub fn next_attempt(
     }
     Ok(Ok(AttemptPlan {
         restart_count,
-        master_port,
+        master_port: start.port,
         membership: record.membership.clone(),
     }))
+}
+
+/// Node 0 before an attempt, under `--min-nodes`: the nodes that came back are
+/// taken in when the global batch can be kept (the others are told), else they
+/// wait (logged).
+fn take_in_returning(peers: &PeerLinks, record: &mut JobRecord, attempt: u32) {
+    let back = peers.returning();
+    if back.is_empty() {
+        return;
+    }
+    match record.membership.with_returns(&back) {
+        Ok(membership) => {
+            peers.announce_members(attempt, &membership.members);
+            note_change(peers, record, membership, attempt);
+        }
+        Err(why) => {
+            tracing::warn!("node(s) {back:?} came back but wait: {why}");
+            // They heard no membership yet: tell them they are not in this one.
+            peers.announce_members(attempt, &record.membership.members);
+        }
+    }
 }
 
 /// Node 0 before an attempt, under `--min-nodes`: the lost nodes not decided on
@@ -189,31 +234,21 @@ fn decide_membership(
     }
 }
 
-/// Keeps a change of the membership in `record` (its summary lists it) and logs it.
-fn note_change(peers: &PeerLinks, record: &mut JobRecord, next: Membership, attempt: u32) {
-    let lost: Vec<LostNode> = record
-        .membership
-        .members
+/// The nodes of `nodes` that `others` lacks, with their hosts.
+fn missing_from(peers: &PeerLinks, nodes: &[u32], others: &[u32]) -> Vec<LostNode> {
+    nodes
         .iter()
-        .filter(|node| !next.members.contains(node))
+        .filter(|node| !others.contains(node))
         .map(|&node| LostNode {
             node,
             host: peers.host_of(node),
         })
-        .collect();
-    let resumed_step = record.run_dir.latest_checkpoint().map(|c| c.step);
-    let change = MembershipChange {
-        at_s: record.elapsed_s(),
-        attempt,
-        resumed_step,
-        nodes_before: record.membership.nnodes(),
-        nodes_after: next.nnodes(),
-        members: next.members.clone(),
-        lost,
-        accumulation: next.accumulation(),
-    };
-    let names: Vec<String> = change
-        .lost
+        .collect()
+}
+
+/// `node 1 (host vn2), node 3 (host vn4)`.
+fn node_names(nodes: &[LostNode]) -> String {
+    let names: Vec<String> = nodes
         .iter()
         .map(|l| {
             format!(
@@ -223,13 +258,50 @@ fn note_change(peers: &PeerLinks, record: &mut JobRecord, next: Membership, atte
             )
         })
         .collect();
+    names.join(", ")
+}
+
+/// Keeps a change of the membership in `record` (its summary lists it) and logs it.
+fn note_change(peers: &PeerLinks, record: &mut JobRecord, next: Membership, attempt: u32) {
+    let before = &record.membership.members;
+    let lost = missing_from(peers, before, &next.members);
+    let rejoined = missing_from(peers, &next.members, before);
+    let resumed_step = record.run_dir.latest_checkpoint().map(|c| c.step);
+    let change = MembershipChange {
+        at_s: record.elapsed_s(),
+        attempt,
+        resumed_step,
+        nodes_before: record.membership.nnodes(),
+        nodes_after: next.nnodes(),
+        members: next.members.clone(),
+        lost,
+        rejoined,
+        accumulation: next.accumulation(),
+    };
+    let what = match (change.lost.is_empty(), change.rejoined.is_empty()) {
+        (false, true) => format!(
+            "{} of {} nodes go on without {}",
+            change.nodes_after,
+            change.nodes_before,
+            node_names(&change.lost)
+        ),
+        (true, false) => format!(
+            "{} rejoined: {} of {} nodes",
+            node_names(&change.rejoined),
+            change.nodes_after,
+            record.membership.first_nnodes
+        ),
+        _ => format!(
+            "{} nodes without {}, with {} back",
+            change.nodes_after,
+            node_names(&change.lost),
+            node_names(&change.rejoined)
+        ),
+    };
     tracing::warn!(
-        "membership change: {} of {} nodes go on without {} (--min-nodes): attempt {attempt} \
-         resumes from {} with nodes {:?} renumbered 0..{}, gradient accumulation x{} to keep \
-         the global batch; not counted against --max-restarts",
-        change.nodes_after,
-        change.nodes_before,
-        names.join(", "),
+        "membership change: {what} (--min-nodes): attempt {attempt} resumes from {} with nodes \
+         {:?} renumbered 0..{}, gradient accumulation x{} to keep the global batch; not counted \
+         against --max-restarts",
         resumed_step.map_or("the start (no checkpoint yet)".to_string(), |s| format!(
             "the checkpoint of step {s}"
         )),
@@ -268,6 +340,15 @@ pub fn after_attempt(ctx: Supervision, record: &mut JobRecord, attempt: Attempt)
     } = attempt;
     if end.outcome == ExitKind::Interrupted {
         return Next::End((end.outcome, end.failure.map(|f| f.cause)));
+    }
+    // Stopped at a restart point, as asked, and no ending asked for since: the
+    // next attempt takes the returning node in.
+    if end.restart_point
+        && end.outcome == ExitKind::Preempted
+        && signals::requested_ending().is_none()
+    {
+        tracing::info!("the ranks stopped at the restart point: the membership changes");
+        return Next::Restart(None);
     }
     let Some(failure) = end.failure else {
         return Next::End((end.outcome, None));

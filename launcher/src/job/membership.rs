@@ -3,7 +3,8 @@
 //! the factor on the gradient accumulation that keeps the global batch; and node
 //! 0's rule when nodes are lost: go on without them while at least `--min-nodes`
 //! remain and the global batch can be kept, else end (a lost node 0 always ends
-//! the job: it is the one that coordinates).
+//! the job: it is the one that coordinates); and its rule when lost nodes come
+//! back: take them in while the global batch can be kept.
 
 /// The nodes of an attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,6 +91,25 @@ impl Membership {
         }
         AfterLoss::GoOn(self.said(members))
     }
+
+    /// Node 0's rule on nodes that came back (`back`): taken in, every node in
+    /// its first order (a returning node gets its index back when the nodes
+    /// before it are members), while the global batch can be kept; `Err` says why
+    /// not (they wait for a membership that can).
+    pub fn with_returns(&self, back: &[u32]) -> Result<Membership, String> {
+        let mut members = self.members.clone();
+        members.extend(back.iter().filter(|node| !self.members.contains(node)));
+        members.sort_unstable();
+        let n = members.len() as u32;
+        if n > self.first_nnodes || self.first_nnodes % n != 0 {
+            return Err(format!(
+                "{n} node(s) cannot keep the global batch of the job's {} (the gradient \
+                 accumulation would be {}/{n}, not a whole number)",
+                self.first_nnodes, self.first_nnodes
+            ));
+        }
+        Ok(self.said(members))
+    }
 }
 
 #[cfg(test)]
@@ -114,6 +134,35 @@ mod tests {
             panic!("one of four remains under --min-nodes 1");
         };
         assert_eq!((one.members.clone(), one.accumulation()), (vec![0], 4));
+    }
+
+    #[test]
+    fn a_returning_node_gets_its_index_back_and_the_accumulation_shrinks() {
+        let two = Membership::all(4, 0).said(vec![0, 3]);
+        let back = two.with_returns(&[1]);
+        assert!(
+            back.as_ref().is_err_and(|why| why.contains("4/3")),
+            "{back:?}"
+        );
+        let four = two.with_returns(&[2, 1]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (four.members.clone(), four.accumulation()),
+            (vec![0, 1, 2, 3], 1)
+        );
+        // Node 3 (its place was 1 of 2) is node 3 again.
+        let seen_by_3 = Membership::all(4, 3).said(four.members.clone());
+        assert_eq!(seen_by_3.node_rank(), Some(3));
+        // Node 3 comes back while nodes 1 and 2 stay lost: it is node 1 of two.
+        let one = Membership::all(4, 0).said(vec![0]);
+        let two_again = one.with_returns(&[3]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (two_again.members.clone(), two_again.accumulation()),
+            (vec![0, 3], 2)
+        );
+        assert_eq!(
+            Membership::all(4, 3).said(two_again.members).node_rank(),
+            Some(1)
+        );
     }
 
     #[test]

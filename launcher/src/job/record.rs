@@ -64,10 +64,27 @@ impl JobRecord {
         }
     }
 
-    /// Restarts of `--max-restarts` used by attempt `attempt` (the attempts a
-    /// membership change started used none).
+    /// Restarts of `--max-restarts` used by attempt `attempt`: the attempts
+    /// after this node's first (0, or the one a returning node was taken in at)
+    /// that neither a membership change nor a restart point (an attempt before
+    /// that ended `preempted`: a returning node gone again before it was taken
+    /// in) started.
     pub fn restarts_used(&self, attempt: u32) -> u32 {
-        attempt.saturating_sub(self.membership_changes.len() as u32)
+        let first = self.attempts.first().map_or(attempt, |a| a.attempt);
+        let changed = |a: u32| self.membership_changes.iter().any(|c| c.attempt == a);
+        let after_stop = |a: u32| {
+            let before = self.attempts.iter().find(|r| r.attempt + 1 == a);
+            before.is_some_and(|r| r.outcome == ExitKind::Preempted)
+        };
+        let restarts = (first + 1..=attempt).filter(|a| !changed(*a) && !after_stop(*a));
+        restarts.count() as u32
+    }
+
+    /// Restarts of `--max-restarts` done in all.
+    pub fn restarts_done(&self) -> u32 {
+        self.attempts
+            .last()
+            .map_or(0, |last| self.restarts_used(last.attempt))
     }
 
     /// Seconds since the launch.
@@ -96,7 +113,7 @@ impl JobRecord {
             exit_code: exit.exit_code(),
             error: error.clone(),
             failure: self.first_failure.clone(),
-            restarts: self.attempts.len().saturating_sub(1) as u32,
+            restarts: self.restarts_done(),
             attempts: self.attempts,
             membership_changes: self.membership_changes,
             run_dir: self.run_dir.path.display().to_string(),

@@ -106,6 +106,8 @@ pub fn connect_peers(
     topology: &cluster::Topology,
     run_dir: &RunDir,
 ) -> Result<PeerLinks> {
+    let config_bytes = std::fs::read(&args.config)
+        .with_context(|| format!("reading the config {}", args.config.display()))?;
     PeerLinks::start(&LinkSpec {
         node_rank: topology.node_rank,
         nnodes: topology.nnodes,
@@ -117,6 +119,7 @@ pub fn connect_peers(
         silence: Duration::from_secs_f64(args.peer_silence_s),
         run_dir: run_dir.path.clone(),
         elastic: elastic(args, topology.nnodes),
+        identity: peers::auth::Identity::of(&config_bytes),
     })
 }
 

@@ -3,7 +3,10 @@
 //! its node rank, a nonce of its own and an HMAC-SHA256 of both under the secret;
 //! node 0 checks it and answers with an HMAC of its own, which the other node
 //! checks (so it never takes a stale control file's port, now another program's,
-//! for node 0). The secret never travels. A connection that fails is refused and
+//! for node 0). The secret never travels. The hello also says the launcher's
+//! version and its config's digest ([`Identity`]): node 0 refuses a launcher
+//! whose differ from its own, naming what differs (a node started again with
+//! another config or another build). A connection that fails is refused and
 //! closed; node 0 logs it with the peer's address. Before anyone has proved the
 //! secret nothing it sends is trusted: each handshake line is at most
 //! [`MAX_LINE`] bytes and the whole handshake has one deadline (not a time limit
@@ -27,8 +30,8 @@ use sha2::Sha256;
 /// The variable a batch script may set to the job's secret (the same on every
 /// node), instead of node 0 publishing one in the run directory.
 pub const SECRET_ENV: &str = "VRTSPIKE_JOB_SECRET";
-/// Node 0's greeting.
-const GREETING: &str = "VRTSPIKE-CONTROL 1";
+/// Node 0's greeting: the protocol and its version.
+const GREETING: &str = "VRTSPIKE-CONTROL 2";
 /// The longest handshake line (the longest the protocol sends is about 120 bytes).
 pub const MAX_LINE: usize = 256;
 /// The fewest bits of a secret given in [`SECRET_ENV`].
@@ -64,6 +67,43 @@ pub fn given_secret(value: Option<String>) -> Result<Option<String>, WeakSecret>
     Ok(Some(secret))
 }
 
+/// What a launcher says of itself in its hello: node 0 takes in only its like.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Identity {
+    /// The launcher's version.
+    pub version: String,
+    /// The digest of the job's config file (hex).
+    pub config: String,
+}
+
+impl Identity {
+    /// This launcher's, for the config file's bytes `config`.
+    pub fn of(config: &[u8]) -> Identity {
+        Identity {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            config: format!("{:016x}", vrtspike_contract::fnv::fnv1a_64(config)),
+        }
+    }
+
+    /// How `theirs` (node `node`'s) differs from this one, if it does.
+    fn differs(&self, node: u32, theirs: &Identity) -> Option<String> {
+        if theirs.version != self.version {
+            return Some(format!(
+                "node {node} runs vrtspike-launch {}, node 0 {}: start every node with the same build",
+                theirs.version, self.version
+            ));
+        }
+        if theirs.config != self.config {
+            return Some(format!(
+                "node {node}'s config (digest {}) is not node 0's (digest {}): another config \
+                 file, or one changed since the job started",
+                theirs.config, self.config
+            ));
+        }
+        None
+    }
+}
+
 /// Why a handshake failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
@@ -79,6 +119,10 @@ pub enum AuthError {
     /// Node 0 refused this launcher, saying why.
     #[error("node 0 refused this launcher: {0}")]
     Refused(String),
+    /// The other launcher knows the secret but is not of this job's kind (its
+    /// version or config differs): trying again cannot help.
+    #[error("{0}")]
+    Unlike(String),
 }
 
 /// Random bytes as hex, from the kernel.
@@ -168,18 +212,26 @@ fn send(mut stream: &TcpStream, line: &str, deadline: Instant) -> Result<(), Aut
     stream.write_all(format!("{line}\n").as_bytes()).map_err(io)
 }
 
-/// Node 0's side: greets, checks the proof, answers, all before `deadline`;
-/// returns the node rank the other launcher proved.
+/// Node 0's side: greets, checks the proof and the other launcher's identity
+/// against `own`, answers, all before `deadline`; returns the node rank the other
+/// launcher proved.
 pub fn accept(
     reader: &mut BufReader<TcpStream>,
     secret: &str,
+    own: &Identity,
     deadline: Instant,
 ) -> Result<u32, AuthError> {
     let nonce = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
     send(reader.get_ref(), &format!("{GREETING} {nonce}"), deadline)?;
     let hello = read_line(reader, deadline)?;
     let fields: Vec<&str> = hello.split(' ').collect();
-    let [word, node, their_nonce, their_proof] = fields[..] else {
+    let [word, node, their_nonce, their_proof, version, config] = fields[..] else {
+        if fields.first() == Some(&"HELLO") {
+            return Err(AuthError::Protocol(format!(
+                "a launcher of another protocol version ({} fields in its hello, not 6): {hello:?}",
+                fields.len()
+            )));
+        }
         return Err(AuthError::Protocol(format!("{hello:?}")));
     };
     let node: u32 = match (word, node.parse()) {
@@ -198,36 +250,54 @@ pub fn accept(
         );
         return Err(AuthError::BadProof);
     }
+    let theirs = Identity {
+        version: version.to_string(),
+        config: config.to_string(),
+    };
+    if let Some(why) = own.differs(node, &theirs) {
+        let _ = send(reader.get_ref(), &format!("UNLIKE {why}"), deadline);
+        return Err(AuthError::Unlike(why));
+    }
     let answer = proof(secret, &format!("welcome {node} {their_nonce} {nonce}"));
     send(reader.get_ref(), &format!("WELCOME {answer}"), deadline)?;
     Ok(node)
 }
 
-/// Another node's side: answers node 0's greeting as node `node` and checks its
-/// answer, all before `deadline`.
+/// Another node's side: answers node 0's greeting as node `node` (saying its
+/// identity `own`) and checks its answer, all before `deadline`.
 pub fn join(
     reader: &mut BufReader<TcpStream>,
     secret: &str,
     node: u32,
+    own: &Identity,
     deadline: Instant,
 ) -> Result<(), AuthError> {
     let greeting = read_line(reader, deadline)?;
-    let nonce = greeting
-        .strip_prefix(GREETING)
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| AuthError::Protocol(format!("{greeting:?}")))?
-        .to_string();
+    let nonce = match greeting.strip_prefix(GREETING).map(str::trim) {
+        Some(nonce) if !nonce.is_empty() => nonce.to_string(),
+        _ if greeting.starts_with("VRTSPIKE-CONTROL ") => {
+            return Err(AuthError::Protocol(format!(
+                "node 0 speaks another protocol version ({greeting:?}, this launcher \
+                 {GREETING:?}): start every node with the same build"
+            )))
+        }
+        _ => return Err(AuthError::Protocol(format!("{greeting:?}"))),
+    };
     let mine = random_hex(16).map_err(|e| AuthError::Io(e.to_string()))?;
     let hello = proof(secret, &format!("hello {node} {nonce} {mine}"));
     send(
         reader.get_ref(),
-        &format!("HELLO {node} {mine} {hello}"),
+        &format!("HELLO {node} {mine} {hello} {} {}", own.version, own.config),
         deadline,
     )?;
     let welcome = read_line(reader, deadline)?;
     if let Some(why) = welcome.strip_prefix("REFUSED ") {
         return Err(AuthError::Refused(why.to_string()));
+    }
+    if let Some(why) = welcome.strip_prefix("UNLIKE ") {
+        return Err(AuthError::Unlike(format!(
+            "node 0 refused this launcher: {why}"
+        )));
     }
     let answer = welcome
         .strip_prefix("WELCOME ")
@@ -244,6 +314,10 @@ mod tests {
 
     use super::*;
 
+    fn id() -> Identity {
+        Identity::of(b"TRAIN: {}")
+    }
+
     fn soon() -> Instant {
         Instant::now() + std::time::Duration::from_secs(10)
     }
@@ -259,17 +333,60 @@ mod tests {
     #[test]
     fn the_same_secret_links_and_the_node_is_proved() {
         let (mut server, mut client) = pair();
-        let joined = std::thread::spawn(move || join(&mut client, "s3cret", 2, soon()));
-        assert_eq!(accept(&mut server, "s3cret", soon()), Ok(2));
+        let joined = std::thread::spawn(move || join(&mut client, "s3cret", 2, &id(), soon()));
+        assert_eq!(accept(&mut server, "s3cret", &id(), soon()), Ok(2));
         assert_eq!(joined.join().ok(), Some(Ok(())));
+    }
+
+    #[test]
+    fn another_config_or_build_is_refused_naming_it() {
+        let other_config = Identity::of(b"TRAIN: {TOTAL_STEPS: 9}");
+        let other_build = Identity {
+            version: "0.0.1".into(),
+            ..id()
+        };
+        for (theirs, says) in [
+            (other_config, "config"),
+            (other_build, "vrtspike-launch 0.0.1"),
+        ] {
+            let (mut server, mut client) = pair();
+            let joined =
+                std::thread::spawn(move || join(&mut client, "s3cret", 1, &theirs, soon()));
+            let got = accept(&mut server, "s3cret", &id(), soon());
+            assert!(
+                matches!(&got, Err(AuthError::Unlike(why)) if why.starts_with("node 1") && why.contains(says)),
+                "{got:?}"
+            );
+            drop(server);
+            let refused = joined.join().ok();
+            assert!(
+                matches!(&refused, Some(Err(AuthError::Unlike(why))) if why.contains(says)),
+                "{refused:?}"
+            );
+        }
+        // A launcher of the first protocol (a hello of 4 fields) is named as such.
+        let (mut server, client) = pair();
+        let old = std::thread::spawn(move || {
+            let mut client = client;
+            let greeting = read_line(&mut client, soon())?;
+            send(client.get_ref(), "HELLO 1 abc 00", soon())?;
+            Ok::<String, AuthError>(greeting)
+        });
+        let got = accept(&mut server, "s3cret", &id(), soon());
+        assert!(
+            matches!(&got, Err(AuthError::Protocol(why)) if why.contains("another protocol version")),
+            "{got:?}"
+        );
+        let greeting = old.join().ok().and_then(Result::ok).unwrap_or_default();
+        assert!(greeting.starts_with("VRTSPIKE-CONTROL 2 "), "{greeting}");
     }
 
     #[test]
     fn another_secret_is_refused_on_both_sides() {
         let (mut server, mut client) = pair();
-        let joined = std::thread::spawn(move || join(&mut client, "other", 1, soon()));
+        let joined = std::thread::spawn(move || join(&mut client, "other", 1, &id(), soon()));
         assert_eq!(
-            accept(&mut server, "s3cret", soon()),
+            accept(&mut server, "s3cret", &id(), soon()),
             Err(AuthError::BadProof)
         );
         drop(server);
@@ -287,7 +404,7 @@ mod tests {
             send(server.get_ref(), "WELCOME 00", soon())
         });
         assert_eq!(
-            join(&mut client, "s3cret", 1, soon()),
+            join(&mut client, "s3cret", 1, &id(), soon()),
             Err(AuthError::BadProof)
         );
         assert_eq!(imposter.join().ok(), Some(Ok(())));
@@ -307,7 +424,7 @@ mod tests {
             }
             sent
         });
-        let got = accept(&mut server, "s3cret", soon());
+        let got = accept(&mut server, "s3cret", &id(), soon());
         assert!(
             matches!(&got, Err(AuthError::Protocol(why)) if why.contains("longer than 256")),
             "{got:?}"
@@ -329,7 +446,7 @@ mod tests {
             }
         });
         let deadline = Instant::now() + std::time::Duration::from_millis(500);
-        let got = accept(&mut server, "s3cret", deadline);
+        let got = accept(&mut server, "s3cret", &id(), deadline);
         assert!(
             matches!(&got, Err(AuthError::Io(why)) if why.contains("deadline")),
             "{got:?}"
@@ -370,7 +487,7 @@ mod tests {
             soon(),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let got = accept(&mut server, "s3cret", soon());
+        let got = accept(&mut server, "s3cret", &id(), soon());
         assert!(
             matches!(got, Err(AuthError::Protocol(ref l)) if l.contains("QUIT")),
             "{got:?}"

@@ -9,7 +9,6 @@
 //! found here.
 
 use std::collections::HashMap;
-use std::net::Shutdown;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -122,26 +121,26 @@ pub(super) fn spawn(node_rank: u32, silence: Duration, shared: Arc<Shared>) -> s
         .map(|_| ())
 }
 
-/// Names `node` lost, keeps (node 0: passes on) its `LOST` line and closes its link.
+/// Names `node` lost, keeps (node 0: passes on) its `LOST` line and closes its
+/// link. A node that came back and is not taken in yet is only dropped (logged).
 fn declare_lost(node_rank: u32, node: u32, quiet: Duration, shared: &Shared) {
     shared.heard.forget(node);
-    if shared.has_left(node) {
-        return;
-    }
-    let cause = lost_cause(node, shared.heard.host_of(node).as_deref(), quiet);
-    tracing::error!("{cause}");
-    let message = PeerEvent::Lost { node, cause };
-    shared.push(message.clone());
-    if node_rank == 0 {
-        shared.send(&message, Some(node));
-    }
-    let mut links = shared.links.lock().unwrap_or_else(|p| p.into_inner());
-    links.retain(|(linked, stream)| {
-        if *linked == node {
-            let _ = stream.shutdown(Shutdown::Both);
+    if !shared.has_left(node) {
+        let cause = lost_cause(node, shared.heard.host_of(node).as_deref(), quiet);
+        tracing::error!("{cause}");
+        let message = PeerEvent::Lost { node, cause };
+        shared.push(message.clone());
+        if node_rank == 0 {
+            shared.send(&message, Some(node));
         }
-        *linked != node
-    });
+    } else if !shared.is_member(node) {
+        tracing::warn!(
+            "node {node}, back but not taken in yet, silent for {:.0} s: dropped again",
+            quiet.as_secs_f64()
+        );
+    }
+    // Closed after its LOST line is kept: its reader then finds it left.
+    shared.unlink(node, None);
 }
 
 #[cfg(test)]

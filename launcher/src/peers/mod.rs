@@ -25,8 +25,12 @@
 //! node as a link closed does, naming the lost node (and records it beside the
 //! ranks' heartbeats, `heartbeat/node<K>.lost`). Under elastic membership
 //! (`--min-nodes`) a lost node other than node 0 ends nothing by itself: node 0
-//! decides whether the job goes on without it (`MEMBERS`, then `START`); nodes
-//! and their links keep their first index throughout.
+//! decides whether the job goes on without it (`MEMBERS`, then `START`), and a
+//! link that closes is a lost node too. A node left out may link again (its
+//! launcher started again): node 0 ends the attempt at a restart point
+//! (`RESTART`) and takes it in (`MEMBERS` with it, which forgets how it left);
+//! a second launcher of a linked node, or one before node 0 left it out, is
+//! refused. Nodes and their links keep their first index throughout.
 
 pub mod auth;
 pub mod control;
@@ -85,16 +89,29 @@ pub struct LinkSpec {
     /// Elastic membership (`--min-nodes` below the nodes): a lost node other than
     /// node 0 is for node 0 to decide on, not an ending by itself.
     pub elastic: bool,
+    /// This launcher's version and config digest (node 0 takes in only its like).
+    pub identity: auth::Identity,
 }
 
 /// How long a write on a link may block (a peer that reads nothing for this long
 /// is lost anyway, and a blocked write must not hold every link).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// One open link.
+struct Link {
+    /// The node at the other end.
+    node: u32,
+    /// Tells this link from a later one of the same node (a node that came back).
+    id: u64,
+    stream: TcpStream,
+}
+
 #[derive(Default)]
 struct Shared {
-    /// Open links: (node at the other end, stream).
-    links: Mutex<Vec<(u32, TcpStream)>>,
+    /// Open links.
+    links: Mutex<Vec<Link>>,
+    /// The id of the next link.
+    next_link: std::sync::atomic::AtomicU64,
     /// What the other nodes said, in order (but how their ranks stand).
     events: Mutex<Vec<PeerEvent>>,
     /// How each other node's rank stands, by rank: the last word.
@@ -109,7 +126,8 @@ struct Shared {
 
 impl Shared {
     /// Keeps `message`: a rank's report replaces the last of that rank; any
-    /// other line is kept in order.
+    /// other line is kept in order. A membership that lists a node forgets how it
+    /// left before (it came back).
     fn push(&self, event: PeerEvent) {
         if let PeerEvent::Beat { node, host } = &event {
             self.heard.host(*node, host);
@@ -129,19 +147,27 @@ impl Shared {
                 .insert(report.rank, report);
             return;
         }
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(event);
+        let mut events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if let PeerEvent::Members { members, .. } = &event {
+            events.retain(|earlier| departed(earlier).is_none_or(|node| !members.contains(&node)));
+        }
+        events.push(event);
+    }
+
+    /// Whether `node` takes part in the job now: in node 0's latest membership
+    /// (every node until one is said).
+    fn is_member(&self, node: u32) -> bool {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        is_member_in(&events, node)
     }
 
     /// Sends `message` on every link except the one to `except`.
     fn send(&self, message: &PeerEvent, except: Option<u32>) {
         let line = message.line();
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        for (node, stream) in links.iter_mut() {
-            if Some(*node) != except {
-                let _ = stream.write_all(line.as_bytes());
+        for link in links.iter_mut() {
+            if Some(link.node) != except {
+                let _ = link.stream.write_all(line.as_bytes());
             }
         }
     }
@@ -149,26 +175,37 @@ impl Shared {
     /// Whether `node` left the job (ended, quit or lost).
     fn has_left(&self, node: u32) -> bool {
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        events.iter().any(|event| match event {
-            PeerEvent::Quit { node: n, .. }
-            | PeerEvent::Lost { node: n, .. }
-            | PeerEvent::Done { node: n } => *n == node,
-            _ => false,
-        })
+        events.iter().any(|event| departed(event) == Some(node))
     }
 
-    /// A link to `node` starts: it counts as heard now.
-    fn link(&self, node: u32, stream: TcpStream) {
+    /// A link to `node` starts: it counts as heard now. Returns its id.
+    fn link(&self, node: u32, stream: TcpStream) -> u64 {
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
         self.heard.now(node);
+        let id = self
+            .next_link
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.push((node, stream));
+        links.push(Link { node, id, stream });
+        id
+    }
+
+    /// Closes and forgets the links of `node` (`id`: only that one).
+    fn unlink(&self, node: u32, id: Option<u64>) {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.retain(|link| {
+            let this = link.node == node && id.is_none_or(|id| link.id == id);
+            if this {
+                let _ = link.stream.shutdown(std::net::Shutdown::Both);
+            }
+            !this
+        });
     }
 
     fn linked(&self) -> Vec<u32> {
         let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.iter().map(|(node, _)| *node).collect()
+        links.iter().map(|link| link.node).collect()
     }
 }
 
@@ -194,11 +231,12 @@ impl PeerLinks {
         } else {
             // The handshake's reader, which may hold lines node 0 sent right after.
             let (stream, reader) = join(spec)?;
-            shared.link(0, stream);
+            let id = shared.link(0, stream);
             let read_shared = shared.clone();
+            let link = LinkEnd { node: 0, id };
             std::thread::Builder::new()
                 .name("peer-node0".into())
-                .spawn(move || read_lines(reader, 0, &read_shared, false))
+                .spawn(move || read_lines(reader, link, &read_shared, false))
                 .context("starting the peer link thread")?;
         }
         liveness::spawn(spec.node_rank, spec.silence, shared.clone())
@@ -245,18 +283,20 @@ impl PeerLinks {
         self.shared.send(&PeerEvent::Start { attempt, port }, None);
     }
 
-    /// Another node: the rendezvous port of attempt `attempt` once node 0 starts
-    /// it (`Ok(None)`: node 0 quit or ended instead, or `interrupted` said stop).
+    /// Another node: the attempt node 0 starts next, from `attempt` on, and its
+    /// rendezvous port (`Ok(None)`: node 0 quit or ended instead, or
+    /// `interrupted` said stop). A node that came back waits for attempt 0 and
+    /// gets the one node 0 takes it in at.
     pub fn wait_start(
         &self,
         attempt: u32,
         timeout: Duration,
         interrupted: &dyn Fn() -> bool,
-    ) -> Result<Option<u16>> {
+    ) -> Result<Option<StartWord>> {
         let started = Instant::now();
         loop {
-            if let Some(port) = self.started(attempt) {
-                return Ok(Some(port));
+            if let Some(start) = self.started(attempt) {
+                return Ok(Some(start));
             }
             if self.quit().is_some() || self.ended(0) || interrupted() {
                 return Ok(None);
@@ -271,10 +311,13 @@ impl PeerLinks {
         }
     }
 
-    fn started(&self, attempt: u32) -> Option<u16> {
+    fn started(&self, attempt: u32) -> Option<StartWord> {
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
         events.iter().find_map(|event| match event {
-            PeerEvent::Start { attempt: a, port } if *a == attempt => Some(*port),
+            PeerEvent::Start { attempt: a, port } if *a >= attempt => Some(StartWord {
+                attempt: *a,
+                port: *port,
+            }),
             _ => None,
         })
     }
@@ -341,9 +384,11 @@ impl PeerLinks {
             .find(|event| match event {
                 PeerEvent::Fail { attempt: a, .. } => *a == attempt,
                 PeerEvent::Members { attempt: a, .. } => *a > attempt,
-                PeerEvent::Quit { .. } => true,
-                PeerEvent::Lost { node, .. } => !dropped_in(&events, *node),
+                PeerEvent::Quit { node, .. } | PeerEvent::Lost { node, .. } => {
+                    is_member_in(&events, *node)
+                }
                 PeerEvent::Start { .. }
+                | PeerEvent::Restart { .. }
                 | PeerEvent::Done { .. }
                 | PeerEvent::View(_)
                 | PeerEvent::Beat { .. } => false,
@@ -351,17 +396,20 @@ impl PeerLinks {
             .cloned()
     }
 
-    /// A node that left the job for good (it quit, its link closed, or it was
-    /// silent for too long: lost), if any. Under elastic membership a lost node
-    /// other than node 0 is not one: node 0 decides ([`PeerLinks::undecided_losses`]).
+    /// A member node that left the job for good (it quit, its link closed, or it
+    /// was silent for too long: lost), if any. Under elastic membership a lost
+    /// node other than node 0 is not one: node 0 decides
+    /// ([`PeerLinks::undecided_losses`]); nor is a node left out (it may come back).
     pub fn quit(&self) -> Option<PeerEvent> {
         let elastic = self.shared.elastic;
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
         events
             .iter()
             .find(|event| match event {
-                PeerEvent::Quit { .. } => true,
-                PeerEvent::Lost { node, .. } => !elastic || *node == 0,
+                PeerEvent::Quit { node, .. } => is_member_in(&events, *node),
+                PeerEvent::Lost { node, .. } => {
+                    (!elastic || *node == 0) && is_member_in(&events, *node)
+                }
                 _ => false,
             })
             .cloned()
@@ -374,11 +422,41 @@ impl PeerLinks {
         events
             .iter()
             .filter(|event| match event {
-                PeerEvent::Lost { node, .. } => !dropped_in(&events, *node),
+                PeerEvent::Lost { node, .. } => is_member_in(&events, *node),
                 _ => false,
             })
             .cloned()
             .collect()
+    }
+
+    /// Node 0: the nodes that came back (linked again after a membership left
+    /// them out) and are waiting to be taken in, in order.
+    pub fn returning(&self) -> Vec<u32> {
+        let mut back: Vec<u32> = self
+            .shared
+            .linked()
+            .into_iter()
+            .filter(|node| !self.shared.is_member(*node))
+            .collect();
+        back.sort_unstable();
+        back.dedup();
+        back
+    }
+
+    /// Node 0: ends attempt `attempt` at a restart point on every node (a
+    /// returning node is taken in at the next).
+    pub fn announce_restart(&self, attempt: u32) {
+        let message = PeerEvent::Restart { attempt };
+        self.shared.push(message.clone());
+        self.shared.send(&message, None);
+    }
+
+    /// Whether node 0 ended attempt `attempt` at a restart point.
+    pub fn restart_asked(&self, attempt: u32) -> bool {
+        let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        events
+            .iter()
+            .any(|event| matches!(event, PeerEvent::Restart { attempt: a } if *a == attempt))
     }
 
     /// Node 0: the membership from attempt `attempt` on, kept here and told to the
@@ -409,8 +487,11 @@ impl PeerLinks {
         self.shared.elastic
     }
 
-    /// The host `node` said it runs on (`None`: it never said).
+    /// The host `node` said it runs on (`None`: it never said); this node's own.
     pub fn host_of(&self, node: u32) -> Option<String> {
+        if node == self.node_rank {
+            return Some(liveness::this_host());
+        }
         self.shared.heard.host_of(node)
     }
 
@@ -448,11 +529,36 @@ impl Relay for PeerLinks {
     }
 }
 
-/// Whether a membership among `events` left `node` out.
-fn dropped_in(events: &[PeerEvent], node: u32) -> bool {
-    events.iter().any(
-        |event| matches!(event, PeerEvent::Members { members, .. } if !members.contains(&node)),
-    )
+/// Node 0's word on the next attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartWord {
+    /// The attempt (restart count).
+    pub attempt: u32,
+    /// Rank 0's rendezvous port for it.
+    pub port: u16,
+}
+
+/// Whether `node` is in the latest membership among `events` (every node is
+/// until one is said).
+fn is_member_in(events: &[PeerEvent], node: u32) -> bool {
+    events
+        .iter()
+        .rev()
+        .find_map(|event| match event {
+            PeerEvent::Members { members, .. } => Some(members.contains(&node)),
+            _ => None,
+        })
+        .unwrap_or(true)
+}
+
+/// The node `event` says left the job (quit, lost or ended), if it says one did.
+fn departed(event: &PeerEvent) -> Option<u32> {
+    match event {
+        PeerEvent::Quit { node, .. } | PeerEvent::Lost { node, .. } | PeerEvent::Done { node } => {
+            Some(*node)
+        }
+        _ => None,
+    }
 }
 
 /// The local address `master_addr` names, with `port`: node 0 listens there only.
@@ -497,10 +603,15 @@ fn listen(spec: &LinkSpec, shared: Arc<Shared>) -> Result<()> {
         "control link on {local} (published in {})",
         spec.control_file.display()
     );
-    let nnodes = spec.nnodes;
+    let gate = Gate {
+        secret,
+        identity: spec.identity.clone(),
+        nnodes: spec.nnodes,
+        ..Gate::default()
+    };
     std::thread::Builder::new()
         .name("peer-accept".into())
-        .spawn(move || accept_loop(listener, shared, &secret, nnodes))
+        .spawn(move || accept_loop(listener, shared, gate))
         .context("starting the peer link thread")?;
     Ok(())
 }
@@ -512,6 +623,9 @@ fn join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
     loop {
         let last_error = match try_join(spec) {
             Ok(stream) => return Ok(stream),
+            Err(e) if matches!(e.downcast_ref(), Some(auth::AuthError::Unlike(_))) => {
+                return Err(e.context("joining node 0's launcher"));
+            }
             Err(e) => format!("{e:#}"),
         };
         if started.elapsed() > spec.timeout {
@@ -546,8 +660,14 @@ fn try_join(spec: &LinkSpec) -> Result<(TcpStream, BufReader<TcpStream>)> {
         .with_context(|| format!("connecting to {addr}"))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    auth::join(&mut reader, &secret, spec.node_rank, deadline)
-        .with_context(|| format!("at {addr}"))?;
+    auth::join(
+        &mut reader,
+        &secret,
+        spec.node_rank,
+        &spec.identity,
+        deadline,
+    )
+    .with_context(|| format!("at {addr}"))?;
     Ok((stream, reader))
 }
 
@@ -561,12 +681,16 @@ struct Pending {
 /// When an address's refusals were last logged, and how many since.
 type RefusalLog = HashMap<IpAddr, (Option<Instant>, u64)>;
 
-/// Node 0's gate before the handshake: the handshakes in flight, and when each
-/// address's refusals were last logged.
+/// Node 0's gate: the handshakes in flight, when each address's refusals were
+/// last logged, and what a launcher must prove (the secret, node 0's identity,
+/// a node index below the job's nodes).
 #[derive(Clone, Default)]
 struct Gate {
     pending: Arc<Mutex<Pending>>,
     logged: Arc<Mutex<RefusalLog>>,
+    secret: String,
+    identity: auth::Identity,
+    nnodes: u32,
 }
 
 /// A handshake's place at the gate, given back when dropped.
@@ -635,8 +759,7 @@ impl Gate {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes: u32) {
-    let gate = Gate::default();
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>, gate: Gate) {
     for stream in listener.incoming().flatten() {
         let Ok(peer) = stream.peer_addr() else {
             continue;
@@ -648,10 +771,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes:
                 continue;
             }
         };
-        let (shared, secret, gate) = (shared.clone(), secret.to_string(), gate.clone());
+        let (shared, gate) = (shared.clone(), gate.clone());
         let spawned = std::thread::Builder::new()
             .name("peer-link".into())
-            .spawn(move || admit(stream, peer, slot, &gate, &shared, &secret, nnodes));
+            .spawn(move || admit(stream, peer, slot, &gate, &shared));
         if let Err(e) = spawned {
             tracing::warn!("no thread for a control connection from {peer}: {e}");
         }
@@ -660,22 +783,15 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, secret: &str, nnodes:
 
 /// Node 0: the handshake of one connection (holding its place at the gate), then
 /// its lines until it closes.
-fn admit(
-    stream: TcpStream,
-    peer: SocketAddr,
-    slot: PendingSlot,
-    gate: &Gate,
-    shared: &Shared,
-    secret: &str,
-    nnodes: u32,
-) {
+fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, shared: &Shared) {
+    let nnodes = gate.nnodes;
     let refuse = |why: &str| gate.refused(peer, why);
     let Ok(clone) = stream.try_clone() else {
         return;
     };
     let mut reader = BufReader::new(clone);
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let node = match auth::accept(&mut reader, secret, deadline) {
+    let node = match auth::accept(&mut reader, &gate.secret, &gate.identity, deadline) {
         Ok(node) => node,
         Err(e) => return refuse(&e.to_string()),
     };
@@ -683,19 +799,63 @@ fn admit(
     if node == 0 || node >= nnodes {
         return refuse(&format!("node {node} is not among nodes 1..{nnodes}"));
     }
-    if shared.linked().contains(&node) {
-        return refuse(&format!("node {node} has joined already"));
+    if let Err(why) = may_join(shared, node) {
+        return refuse(&why);
     }
-    tracing::info!("node {node} joined from {peer}");
-    shared.link(node, stream);
-    read_lines(reader, node, shared, true);
+    if shared.is_member(node) {
+        tracing::info!("node {node} joined from {peer}");
+    } else {
+        tracing::warn!(
+            "node {node} came back from {peer} (host {}): it is taken in at the next restart \
+             point (its ranks' next checkpoint)",
+            shared.heard.host_of(node).as_deref().unwrap_or("unknown")
+        );
+    }
+    let id = shared.link(node, stream);
+    read_lines(reader, LinkEnd { node, id }, shared, true);
+}
+
+/// Whether node `node` may link now: not while it is linked already, nor, once
+/// it left, while it is still a member (it comes back only after node 0 went on
+/// without it, under `--min-nodes`).
+fn may_join(shared: &Shared, node: u32) -> std::result::Result<(), String> {
+    if shared.linked().contains(&node) {
+        return Err(format!(
+            "node {node} is linked already (a member of the job): a second launcher of it is \
+             refused"
+        ));
+    }
+    if !shared.has_left(node) {
+        return Ok(());
+    }
+    if !shared.elastic {
+        return Err(format!(
+            "node {node} left the job, which ends: a node comes back only under --min-nodes"
+        ));
+    }
+    if shared.is_member(node) {
+        return Err(format!(
+            "node {node} left the job and node 0 has not yet gone on without it: it can come \
+             back once the job has (try again)"
+        ));
+    }
+    Ok(())
+}
+
+/// The node at the other end of a link, and the link's id.
+#[derive(Debug, Clone, Copy)]
+struct LinkEnd {
+    node: u32,
+    id: u64,
 }
 
 /// Reads a link until it closes, noting when it was last heard; `forward` (node
 /// 0) passes each line but beats on to the other nodes. A link that closes
 /// without `DONE` or `QUIT` (and was not found lost) is that node's launcher going
-/// away.
-fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward: bool) {
+/// away: under elastic membership node 0 takes it as lost (the job may go on
+/// without it, and it may come back).
+fn read_lines(reader: BufReader<TcpStream>, link: LinkEnd, shared: &Shared, forward: bool) {
+    let from = link.node;
     let mut ended = false;
     for line in reader.lines() {
         let Ok(line) = line else { break };
@@ -713,10 +873,21 @@ fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward:
             shared.send(&message, Some(from));
         }
     }
+    shared.unlink(from, Some(link.id));
     if !ended && !shared.has_left(from) {
-        let message = PeerEvent::Quit {
-            node: from,
-            cause: format!("the launcher of node {from} went away"),
+        let message = match (forward && shared.elastic, shared.heard.host_of(from)) {
+            (true, host) => {
+                let cause = format!(
+                    "node {from} (host {}): its launcher went away (link closed): lost",
+                    host.as_deref().unwrap_or("unknown")
+                );
+                tracing::error!("{cause}");
+                PeerEvent::Lost { node: from, cause }
+            }
+            (false, _) => PeerEvent::Quit {
+                node: from,
+                cause: format!("the launcher of node {from} went away"),
+            },
         };
         shared.push(message.clone());
         if forward {
@@ -729,6 +900,7 @@ fn read_lines(reader: BufReader<TcpStream>, from: u32, shared: &Shared, forward:
 mod tests {
     use std::path::Path;
 
+    use super::auth::AuthError;
     use super::*;
 
     fn control_file(run_dir: &Path) -> PathBuf {
@@ -747,6 +919,7 @@ mod tests {
             silence: Duration::from_secs(30),
             run_dir: run_dir.to_path_buf(),
             elastic: false,
+            identity: auth::Identity::of(b"TRAIN: {}"),
         }
     }
 
@@ -774,8 +947,9 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e:#}"));
 
         node0.announce_start(0, 40123);
-        let port = node2.wait_start(0, Duration::from_secs(10), &|| false);
-        assert_eq!(port.ok(), Some(Some(40123)));
+        let start = node2.wait_start(0, Duration::from_secs(10), &|| false);
+        let port = start.ok().flatten().map(|s| (s.attempt, s.port));
+        assert_eq!(port, Some((0, 40123)));
 
         node1.report_failure(0, "rank 2 exited with code 3", false);
         let expected = PeerEvent::Fail {
@@ -797,8 +971,8 @@ mod tests {
         wait_for("node 2's end", || node0.ended(2));
         assert_eq!(node0.ended_nodes(), [2]);
         if let Ok(links) = node1.shared.links.lock() {
-            for (_, stream) in links.iter() {
-                let _ = stream.shutdown(std::net::Shutdown::Both);
+            for link in links.iter() {
+                let _ = link.stream.shutdown(std::net::Shutdown::Both);
             }
         }
         wait_for("node 1's departure", || node0.quit().is_some());
@@ -822,12 +996,7 @@ mod tests {
         let node2 = PeerLinks::start(&quick(2)).unwrap_or_else(|e| panic!("{e:#}"));
         // Node 1: a launcher that joins, says its host once and goes silent (its
         // link stays open, as a cut link or a stopped process leaves it).
-        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
-        let mut quiet =
-            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
-        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
-        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        let (mut quiet, mut reader) = raw_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
         let beat = PeerEvent::Beat {
             node: 1,
             host: "vn2".into(),
@@ -903,12 +1072,7 @@ mod tests {
         let node0 = PeerLinks::start(&elastic(0)).unwrap_or_else(|e| panic!("{e:#}"));
         let node2 = PeerLinks::start(&elastic(2)).unwrap_or_else(|e| panic!("{e:#}"));
         // Node 1 joins and goes silent.
-        let control = Control::read(&control_file(tmp.path())).unwrap_or_else(|e| panic!("{e:#}"));
-        let quiet =
-            TcpStream::connect(("127.0.0.1", control.port)).unwrap_or_else(|e| panic!("{e}"));
-        let mut reader = BufReader::new(quiet.try_clone().unwrap_or_else(|e| panic!("{e}")));
-        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        auth::join(&mut reader, &control.secret, 1, deadline).unwrap_or_else(|e| panic!("{e:#}"));
+        let (_quiet, _reader) = raw_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
         node0
             .wait_for_nodes(Duration::from_secs(10), &|| false)
             .unwrap_or_else(|e| panic!("{e:#}"));
@@ -932,8 +1096,9 @@ mod tests {
         assert_eq!(node2.members_for(1), None);
         node0.announce_members(1, &[0, 2]);
         node0.announce_start(1, 40124);
-        let port = node2.wait_start(1, Duration::from_secs(10), &|| false);
-        assert_eq!(port.ok(), Some(Some(40124)));
+        let start = node2.wait_start(1, Duration::from_secs(10), &|| false);
+        let port = start.ok().flatten().map(|s| (s.attempt, s.port));
+        assert_eq!(port, Some((1, 40124)));
         assert_eq!(node2.members_for(1), Some(vec![0, 2]));
         assert_eq!(node2.members_for(0), None, "attempt 0 had every node");
         for links in [&node0, &node2] {
@@ -945,6 +1110,92 @@ mod tests {
             node2.stop_reason(0),
             Some(PeerEvent::Members { attempt: 1, .. })
         ));
+    }
+
+    /// Node `node` as a bare client of node 0's control link, after the handshake:
+    /// the link and its reader.
+    fn raw_join(run_dir: &Path, node: u32) -> Result<(TcpStream, BufReader<TcpStream>), AuthError> {
+        let io = |e: &dyn std::fmt::Display| AuthError::Io(e.to_string());
+        let control = Control::read(&control_file(run_dir)).map_err(|e| io(&e))?;
+        let stream = TcpStream::connect(("127.0.0.1", control.port)).map_err(|e| io(&e))?;
+        let mut reader = BufReader::new(stream.try_clone().map_err(|e| io(&e))?);
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let identity = spec(node, run_dir).identity;
+        auth::join(&mut reader, &control.secret, node, &identity, deadline)?;
+        Ok((stream, reader))
+    }
+
+    /// Node `node` as a bare client: joined (`Err`: refused), then left to go
+    /// silent or be closed.
+    fn bare_join(run_dir: &Path, node: u32) -> Result<TcpStream, AuthError> {
+        let (stream, mut reader) = raw_join(run_dir, node)?;
+        // Node 0 refuses after the handshake by closing: read what it said.
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .map_err(|e| AuthError::Io(e.to_string()))?;
+        let mut first = String::new();
+        match reader.read_line(&mut first) {
+            Ok(0) => Err(AuthError::Refused("closed".into())),
+            _ => Ok(stream),
+        }
+    }
+
+    #[test]
+    fn a_lost_node_comes_back_only_once_node_0_went_on_without_it() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let elastic = |node| LinkSpec {
+            silence: Duration::from_secs(2),
+            elastic: true,
+            ..spec(node, tmp.path())
+        };
+        let node0 = PeerLinks::start(&elastic(0)).unwrap_or_else(|e| panic!("{e:#}"));
+        let node2 = PeerLinks::start(&elastic(2)).unwrap_or_else(|e| panic!("{e:#}"));
+        let node1 = bare_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
+        node0
+            .wait_for_nodes(Duration::from_secs(10), &|| false)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        // A second launcher of a linked node (still a member) is refused.
+        assert!(
+            bare_join(tmp.path(), 1).is_err(),
+            "a second node 1 was linked"
+        );
+        // Node 1's launcher goes away: under --min-nodes node 0 takes it as lost.
+        drop(node1);
+        wait_for("node 1's loss", || !node0.undecided_losses().is_empty());
+        assert!(matches!(
+            node0.undecided_losses().first(),
+            Some(PeerEvent::Lost { node: 1, cause }) if cause.contains("went away")
+        ));
+        assert_eq!(node0.quit(), None);
+        // Lost but not left out yet: refused (it may try again).
+        assert!(
+            bare_join(tmp.path(), 1).is_err(),
+            "joined before node 0 decided"
+        );
+        node0.announce_members(1, &[0, 2]);
+        node0.announce_start(1, 40125);
+        assert!(node0.returning().is_empty());
+        // Left out: it may come back, and waits to be taken in.
+        let back = bare_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
+        wait_for("node 1 back", || node0.returning() == [1]);
+        assert_eq!(node0.stop_reason(1), None, "a returning node stops nothing");
+        assert!(!node2.restart_asked(1));
+        node0.announce_restart(1);
+        wait_for("the restart point at node 2", || node2.restart_asked(1));
+        // Taken in from attempt 2: its past loss is forgotten everywhere.
+        node0.announce_members(2, &[0, 1, 2]);
+        wait_for("the membership at node 2", || {
+            node2.members_for(2).is_some()
+        });
+        assert!(node0.returning().is_empty());
+        for links in [&node0, &node2] {
+            assert_eq!(links.stop_reason(2), None);
+            assert!(links.undecided_losses().is_empty());
+        }
+        // Lost again, it is a member's loss again.
+        drop(back);
+        wait_for("node 1 lost again", || node0.stop_reason(2).is_some());
+        assert_eq!(node0.undecided_losses().len(), 1);
     }
 
     #[test]

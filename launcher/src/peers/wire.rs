@@ -18,6 +18,10 @@
 //!   (elastic, `--min-nodes`): the nodes that take part, by their first index, in
 //!   their new order (a node's new index is its place in the list); said before
 //!   that attempt's `START`.
+//! - `RESTART <attempt>`: node 0 ends attempt `attempt` at a restart point to take
+//!   a returning node in (elastic): every node asks its ranks to finish the step
+//!   under way, checkpoint and exit, as on preemption; node 0 then says the next
+//!   attempt's `MEMBERS` and `START`.
 //! - `VIEW <attempt> <rank> <pid> <step> <phase> <entered> <completed> <op>
 //!   <buckets> <still_ms> <silent_ms>`: how a rank stands, as the launcher of its
 //!   node sees it from its own ticks (`-` for what it does not know yet); each
@@ -83,6 +87,11 @@ pub enum Message {
         /// The nodes taking part, by their first index, in their new order.
         members: Vec<u32>,
     },
+    /// Node 0 ends an attempt at a restart point (a returning node is taken in).
+    Restart {
+        /// The attempt that ends.
+        attempt: u32,
+    },
     /// How a rank stands, from its node's launcher.
     View(RankReport),
 }
@@ -123,6 +132,9 @@ impl Message {
                     host: host.to_string(),
                 })
             }
+            "RESTART" => Some(Message::Restart {
+                attempt: rest.trim().parse().ok()?,
+            }),
             "DONE" => Some(Message::Done {
                 node: rest.trim().parse().ok()?,
             }),
@@ -159,6 +171,7 @@ impl Message {
             ),
             Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
             Message::Done { node } => format!("DONE {node}\n"),
+            Message::Restart { attempt } => format!("RESTART {attempt}\n"),
             Message::Beat { node, host } => format!("BEAT {node} {}\n", flat(host)),
             Message::Lost { node, cause } => format!("LOST {node} {}\n", flat(cause)),
             Message::Members { attempt, members } => {
@@ -268,6 +281,7 @@ mod tests {
                 attempt: 2,
                 members: vec![0, 2, 3],
             },
+            Message::Restart { attempt: 4 },
             Message::View(RankReport {
                 attempt: 1,
                 rank: 3,

@@ -430,12 +430,13 @@ pub fn fake_node0(port: u16, master_port: u16) -> std::thread::JoinHandle<String
             return String::new();
         };
         let nonce = "f00d";
-        let _ = stream.write_all(format!("VRTSPIKE-CONTROL 1 {nonce}\n").as_bytes());
+        let _ = stream.write_all(format!("VRTSPIKE-CONTROL 2 {nonce}\n").as_bytes());
         let mut reader = BufReader::new(stream.try_clone().unwrap_or_else(|e| panic!("{e}")));
         let mut hello = String::new();
         let _ = reader.read_line(&mut hello);
         let fields: Vec<&str> = hello.trim().split(' ').collect();
-        let [_, node, theirs, proof] = fields[..] else {
+        // HELLO <node> <nonce> <proof> <version> <config digest>
+        let [_, node, theirs, proof, _, _] = fields[..] else {
             return format!("bad hello {hello:?}");
         };
         if hmac_hex(&format!("hello {node} {nonce} {theirs}")) != proof {
