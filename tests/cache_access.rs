@@ -17,23 +17,24 @@
 //! root), and fail, saying what they need, where they run without it.
 
 mod common;
+#[path = "../launcher/tests/common/squat.rs"]
+mod squat;
 
 use std::fs;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{fill_pattern, has_pattern, unique_address, wait_until, ServerProc};
+use squat::{Squatter, NOBODY};
 use vrtspike::cache::admission::HandshakeLimits;
 use vrtspike::cache::rendezvous::CACHE_PROTOCOL_VERSION;
 use vrtspike::cache::{spawn_server, CacheClient, CacheError, ClientOptions, Lookup, ServerConfig};
 use vrtspike::testkit::process::wait_for_child_server;
-
-const NOBODY: u32 = 65534;
 
 /// How long a poll waits for what must happen: far above any expected wait.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -246,22 +247,6 @@ fn handshake_directories_go_after_the_handshake_and_after_a_killed_server() {
     assert!(!dir.exists(), "a killed server's handshake files were kept");
 }
 
-/// `vrtspike cache serve` run as `nobody`, letting `extra` uids in.
-fn server_as_nobody(tag: &str, extra: &[&str]) -> (Child, String) {
-    let address = unique_address(tag);
-    let child = Command::new(common::exe())
-        .args(["cache", "serve", "--address", &address, "--cap", "1M"])
-        .args(extra)
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("TMPDIR", "/tmp")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    (child, address)
-}
-
 #[test]
 #[cfg_attr(vrtspike_no_root, ignore = "needs root, to run a process as nobody")]
 fn a_client_refuses_a_server_of_another_user_naming_its_uid_and_pid() {
@@ -270,18 +255,17 @@ fn a_client_refuses_a_server_of_another_user_naming_its_uid_and_pid() {
     }
     // Another user's server at the address, letting us in: still refused by us.
     let me = my_uid().to_string();
-    let (mut server, address) = server_as_nobody("foreign", &["--allow-uid", &me]);
-    let pid = server.id() as i32;
-    // Polled until the server listens.
-    let deadline = Instant::now() + PATIENCE;
-    let err = loop {
-        match CacheClient::connect(&address, "wary") {
-            Err(CacheError::Connect { .. }) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            other => break other.expect_err("connected to another user's server"),
-        }
-    };
+    let address = unique_address("foreign");
+    let server = Squatter::start_with(
+        Path::new(common::exe()),
+        &address,
+        &["--allow-uid", &me],
+        PATIENCE,
+    );
+    let pid = server.pid() as i32;
+    // The squatter listens once started.
+    let err =
+        CacheClient::connect(&address, "wary").expect_err("connected to another user's server");
     let CacheError::ForeignServer {
         server_uid,
         server_pid,
@@ -329,8 +313,7 @@ fn a_client_refuses_a_server_of_another_user_naming_its_uid_and_pid() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    server.kill().unwrap();
-    server.wait().unwrap();
+    drop(server);
 }
 
 /// A fake server run as `nobody` at `address`: it greets at once with a channel

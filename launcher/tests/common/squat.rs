@@ -1,6 +1,6 @@
 //! A node-shared cache address held by something a job cannot use, for the tests
 //! of the fall-back (`launch_squatted_cache`, and the root package's
-//! `train_node_cache`, which includes this file by path): `vrtspike cache serve`
+//! `train_node_cache` and `cache_access`, which include this file by path): `vrtspike cache serve`
 //! run as `nobody` (another user's process; needs root), or a fake server of the
 //! next cache protocol version (another build's).
 #![allow(dead_code)]
@@ -32,12 +32,19 @@ impl Squatter {
     /// `address`, and waits up to `limit` until it accepts there. Panics unless
     /// this process is root.
     pub fn start(vrtspike: &Path, address: &str, limit: Duration) -> Squatter {
+        Squatter::start_with(vrtspike, address, &[], limit)
+    }
+
+    /// [`Squatter::start`] with `extra` arguments of `cache serve` (e.g.
+    /// `--allow-uid`).
+    pub fn start_with(vrtspike: &Path, address: &str, extra: &[&str], limit: Duration) -> Squatter {
         // SAFETY: geteuid has no preconditions and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             panic!("this test needs root, to run the squatter as nobody (CI runs as root)");
         }
         let child = Command::new(vrtspike)
             .args(["cache", "serve", "--address", address, "--cap", "1M"])
+            .args(extra)
             .current_dir("/")
             .uid(NOBODY)
             .gid(NOBODY)
@@ -58,6 +65,11 @@ impl Squatter {
             std::thread::sleep(Duration::from_millis(50));
         }
         squatter
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.0.id()
     }
 
     /// Whether it still runs.
