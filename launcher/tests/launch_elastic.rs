@@ -12,6 +12,11 @@
 //! checkpoint (a restart point: its ranks checkpoint and exit as on preemption),
 //! and the job completes on both nodes with the global batch kept throughout
 //! (a node-1 launcher with another config is refused before, naming it).
+//!
+//! And a node back that cannot be taken in: of three nodes, nodes 1 and 2 die, node
+//! 0 goes on alone (accumulating 3); node 1 comes back, but two nodes cannot keep
+//! the global batch of three, so it waits; node 0 completes the job and the waiting
+//! launcher ends as node 0 did (completed, exit status 0, no attempt run).
 
 mod common;
 
@@ -50,6 +55,11 @@ fn first_step_after(layout: &RunLayout, step: u64, since: f64) -> Option<f64> {
 
 /// Node `node`'s launcher of the two, its log in `log`.
 fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
+    start_node_of(2, config, run, node, log)
+}
+
+/// Node `node`'s launcher of `nnodes`, its log in `log`.
+fn start_node_of(nnodes: u32, config: &Path, run: &Path, node: u32, log: &Path) -> Child {
     let extra = [
         "--min-nodes",
         "1",
@@ -69,7 +79,7 @@ fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
     ];
     let out = std::fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
     common::launcher_command(config, run)
-        .args(common::two_node_args(1, node, "127.0.0.1", &extra))
+        .args(common::node_args(nnodes, 1, node, "127.0.0.1", &extra))
         .stdout(Stdio::null())
         .stderr(out)
         .spawn()
@@ -108,6 +118,14 @@ fn left_of(tree: &[u32], what: &str) -> Vec<String> {
     left.into_iter().cloned().collect()
 }
 
+/// Nothing of the launchers' process trees (each named) is left.
+fn assert_none_left(trees: &[(&Vec<u32>, &str)]) {
+    for (tree, what) in trees {
+        let left = left_of(tree, what);
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+}
+
 #[test]
 fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_batch() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -137,23 +155,13 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
     let _ = node1.wait();
     assert_eq!(code, Some(0), "node 0:\n{}", log(0));
 
-    let summary = common::read_json(&layout.launcher_summary(0));
-    assert_eq!(summary["exit"], "completed", "{summary}");
-    assert_eq!(summary["steps"], TOTAL_STEPS, "{summary}");
     // Every step averaged 2 ranks' batches: before the change over 2 ranks, after
     // it over 1 rank accumulating 2.
-    assert_eq!(
-        summary["samples_seen"],
-        TOTAL_STEPS * BATCH * 2,
-        "the global batch was not kept: {summary}"
-    );
+    let summary = node0_completed(&layout, TOTAL_STEPS, 2);
     let attempts = summary["attempts"].as_array().cloned().unwrap_or_default();
     assert_eq!(attempts.len(), 2, "{summary}");
     assert_eq!(attempts[0]["failure"]["process"], "node 1", "{summary}");
-    let changes = summary["membership_changes"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let changes = membership_changes(&summary);
     assert_eq!(changes.len(), 1, "{summary}");
     let change = &changes[0];
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -223,6 +231,36 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
 /// Steps of the re-admission run: enough that node 0, training alone, is still
 /// short of the end when the returning node is taken in.
 const REJOIN_TOTAL_STEPS: u64 = 128;
+
+/// Node 0's summary, checked: the job completed all `steps`, each averaging the
+/// batches of `first_nodes` ranks (the global batch kept whatever the world).
+fn node0_completed(layout: &RunLayout, steps: u64, first_nodes: u64) -> serde_json::Value {
+    let summary = common::read_json(&layout.launcher_summary(0));
+    assert_eq!(summary["exit"], "completed", "{summary}");
+    assert_eq!(summary["steps"], steps, "{summary}");
+    assert_eq!(
+        summary["samples_seen"],
+        steps * BATCH * first_nodes,
+        "the global batch was not kept: {summary}"
+    );
+    summary
+}
+
+/// A summary's membership changes.
+fn membership_changes(summary: &serde_json::Value) -> Vec<serde_json::Value> {
+    summary["membership_changes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The world size of every start of the ranks, in order.
+fn worlds(layout: &RunLayout) -> Vec<u64> {
+    common::start_events(layout)
+        .iter()
+        .filter_map(|s| s["world_size"].as_u64())
+        .collect()
+}
 
 /// The entries of `/dev/shm`.
 fn shm_entries() -> Vec<String> {
@@ -305,23 +343,13 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
     assert_eq!(code0, Some(0), "node 0:\n{}", log(0));
     assert_eq!(code1, Some(0), "node 1 again:\n{}", log(2));
 
-    let summary = common::read_json(&layout.launcher_summary(0));
-    assert_eq!(summary["exit"], "completed", "{summary}");
-    assert_eq!(summary["steps"], REJOIN_TOTAL_STEPS, "{summary}");
-    assert_eq!(summary["world_size"], 2, "{summary}");
     // The global batch was kept in all three worlds: 2 ranks, 1 rank
     // accumulating 2, 2 ranks again.
-    assert_eq!(
-        summary["samples_seen"],
-        REJOIN_TOTAL_STEPS * BATCH * 2,
-        "{summary}"
-    );
+    let summary = node0_completed(&layout, REJOIN_TOTAL_STEPS, 2);
+    assert_eq!(summary["world_size"], 2, "{summary}");
     // Neither membership change used a restart (`--max-restarts 0`).
     assert_eq!(summary["restarts"], 0, "{summary}");
-    let changes = summary["membership_changes"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let changes = membership_changes(&summary);
     assert_eq!(changes.len(), 2, "{summary}");
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let (lost, back) = (&changes[0], &changes[1]);
@@ -361,11 +389,7 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
         "{summary}"
     );
     let starts = common::start_events(&layout);
-    let worlds: Vec<u64> = starts
-        .iter()
-        .filter_map(|s| s["world_size"].as_u64())
-        .collect();
-    assert_eq!(worlds, [2, 1, 2], "{starts:?}");
+    assert_eq!(worlds(&layout), [2, 1, 2], "{starts:?}");
     assert!(
         log(0).contains("membership change: node 1 (host ") && log(0).contains(") rejoined"),
         "{}",
@@ -382,14 +406,11 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
         "{summary1}"
     );
     // Nothing of any launcher is left, nor any shared memory.
-    for (tree, what) in [
+    assert_none_left(&[
         (&node0_tree, "node 0"),
         (&node1_tree, "node 1"),
         (&again_tree, "node 1 again"),
-    ] {
-        let left = left_of(tree, what);
-        assert!(left.is_empty(), "left behind: {left:?}");
-    }
+    ]);
     let new_shm: Vec<String> = shm_entries()
         .into_iter()
         .filter(|e| !shm_before.contains(e) && e.contains("vrtspike"))
@@ -401,4 +422,81 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
          (--peer-silence-s 3, {REJOIN_TOTAL_STEPS} steps)",
         both_after.as_secs_f64()
     );
+}
+
+/// Steps of the three-node run: node 0, alone, still trains when node 1 comes back.
+const WAITING_TOTAL_STEPS: u64 = 96;
+
+#[test]
+fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let config = tiny_config(tmp.path(), WAITING_TOTAL_STEPS);
+    let run = tmp.path().join("run");
+    let layout = RunLayout::new(&run);
+    let logs: Vec<_> = ["node0", "node1", "node2", "node1-again"]
+        .iter()
+        .map(|name| tmp.path().join(format!("{name}.log")))
+        .collect();
+    let log = |i: usize| std::fs::read_to_string(&logs[i]).unwrap_or_default();
+    let mut nodes: Vec<Child> = (0..3)
+        .map(|node| start_node_of(3, &config, &run, node, &logs[node as usize]))
+        .collect();
+
+    let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
+    assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
+    // Nodes 1 and 2 die outright, together: node 0 goes on alone (3 divides by 1).
+    let dead: Vec<u32> = [tree(nodes[1].id()), tree(nodes[2].id())].concat();
+    for pid in &dead {
+        signal(*pid, Signal::SIGKILL);
+    }
+    for node in &mut nodes[1..] {
+        let _ = node.wait();
+    }
+    let alone = wait_until(LIMIT, || worlds(&layout) == [3, 1]);
+    assert!(alone, "node 0 did not go on alone:\n{}", log(0));
+
+    // Node 1 comes back while node 0 trains: linked, but 2 nodes cannot keep the
+    // global batch of 3, so no restart point is made and it waits.
+    let mut again = start_node_of(3, &config, &run, 1, &logs[3]);
+    let linked = wait_until(LIMIT, || log(0).contains("node 1 came back from"));
+    assert!(linked, "node 1 did not link again:\n{}\n{}", log(0), log(3));
+    let still_training = common::start_events(&layout)
+        .last()
+        .and_then(|s| s["step"].as_u64())
+        .is_some_and(|_| !layout.launcher_summary(0).exists());
+    assert!(
+        still_training,
+        "node 0 ended before node 1 was back: raise the steps"
+    );
+    let node0_tree = tree(nodes[0].id());
+    let again_tree = tree(again.id());
+    let code0 = exit_code(&mut nodes[0], LIMIT);
+    let code1 = exit_code(&mut again, LIMIT);
+    assert_eq!(code0, Some(0), "node 0:\n{}", log(0));
+    assert_eq!(code1, Some(0), "node 1 again:\n{}", log(3));
+
+    // Node 0 finished alone, the global batch kept, one membership change.
+    let summary = node0_completed(&layout, WAITING_TOTAL_STEPS, 3);
+    assert_eq!(summary["world_size"], 1, "{summary}");
+    let changes = membership_changes(&summary);
+    assert_eq!(changes.len(), 1, "{summary}");
+    assert_eq!(changes[0]["members"], serde_json::json!([0]), "{summary}");
+    assert_eq!(changes[0]["accumulation"], 3, "{summary}");
+    assert_eq!(worlds(&layout), [3, 1], "node 1 was taken in");
+    // The waiting launcher ended as node 0 did, having run nothing.
+    let summary1 = common::read_json(&layout.launcher_summary(1));
+    assert_eq!(summary1["exit"], "completed", "{summary1}");
+    assert_eq!(summary1["exit_code"], 0, "{summary1}");
+    assert_eq!(summary1["attempts"], serde_json::json!([]), "{summary1}");
+    assert_eq!(summary1["error"], serde_json::Value::Null, "{summary1}");
+    assert!(
+        log(3).contains("node 0 ended the job (completed) before this node was taken in"),
+        "{}",
+        log(3)
+    );
+    assert_none_left(&[
+        (&node0_tree, "node 0"),
+        (&dead, "nodes 1 and 2"),
+        (&again_tree, "node 1 again"),
+    ]);
 }

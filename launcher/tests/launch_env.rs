@@ -150,7 +150,7 @@ fn second_node_offsets_ranks() {
     // Node 1's launcher proved the job's secret to node 0's, told how its ranks
     // stood, and said it ended well.
     let said = node0.join().unwrap_or_default();
-    assert_eq!(besides_standings(&said), ["DONE 1"], "{said}");
+    assert_eq!(besides_standings(&said), ["DONE 1 completed"], "{said}");
     assert!(
         said.contains("VIEW 0 2 ") && said.contains("VIEW 0 3 "),
         "{said}"
@@ -230,7 +230,7 @@ fn slurm_step_sets_node_ranks_and_master() {
     }
     assert_eq!(job.summary(1)["exit"], "completed");
     let said = node0.join().unwrap_or_default();
-    assert_eq!(besides_standings(&said), ["DONE 1"], "{said}");
+    assert_eq!(besides_standings(&said), ["DONE 1 completed"], "{said}");
 }
 
 #[test]

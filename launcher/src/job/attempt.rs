@@ -201,7 +201,7 @@ pub fn peer_failure(event: &PeerEvent) -> Failure {
             (*node, cause.clone(), false)
         }
         PeerEvent::Beat { node, .. } => (*node, "is alive".to_string(), false),
-        PeerEvent::Done { node } => (*node, "ended".to_string(), false),
+        PeerEvent::Done { node, how } => (*node, format!("ended ({})", how.name()), false),
         PeerEvent::Start { .. } => (0, "started an attempt".to_string(), false),
         PeerEvent::Members { attempt, members } => (
             0,

@@ -14,7 +14,7 @@ use super::attempt::{peer_failure, Attempt, AttemptPlan};
 use super::membership::{AfterLoss, Membership};
 use super::record::{Ending, JobRecord};
 use super::setup::Supervision;
-use crate::peers::{liveness, PeerEvent, PeerLinks};
+use crate::peers::{liveness, NormalEnd, PeerEvent, PeerLinks};
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
 use crate::summary::{ExitKind, LostNode, MembershipChange};
@@ -325,6 +325,18 @@ fn ending_without_node0(peers: &PeerLinks, record: &mut JobRecord) -> Ending {
     }
     if let Some(event) = peers.quit() {
         return left_ending(record, &event);
+    }
+    // A node that came back and was never taken in: the job ended without it.
+    if let Some(how) = peers.ended_how(0).filter(|_| record.attempts.is_empty()) {
+        tracing::info!(
+            "node 0 ended the job ({}) before this node was taken in: nothing ran here",
+            how.name()
+        );
+        let kind = match how {
+            NormalEnd::Completed => ExitKind::Completed,
+            NormalEnd::Preempted => ExitKind::Preempted,
+        };
+        return (kind, None);
     }
     let why = "node 0 ended the job while this node's attempt failed: no restart alone";
     (ExitKind::Failed, Some(why.to_string()))

@@ -10,7 +10,7 @@ use anyhow::Result;
 
 use super::membership::Membership;
 use crate::args::Args;
-use crate::peers::PeerLinks;
+use crate::peers::{NormalEnd, PeerLinks};
 use crate::pss;
 use crate::rundir::RunDir;
 use crate::summary::{AttemptRecord, ExitKind, Failure, MembershipChange, Summary};
@@ -70,14 +70,7 @@ impl JobRecord {
     /// that ended `preempted`: a returning node gone again before it was taken
     /// in) started.
     pub fn restarts_used(&self, attempt: u32) -> u32 {
-        let first = self.attempts.first().map_or(attempt, |a| a.attempt);
-        let changed = |a: u32| self.membership_changes.iter().any(|c| c.attempt == a);
-        let after_stop = |a: u32| {
-            let before = self.attempts.iter().find(|r| r.attempt + 1 == a);
-            before.is_some_and(|r| r.outcome == ExitKind::Preempted)
-        };
-        let restarts = (first + 1..=attempt).filter(|a| !changed(*a) && !after_stop(*a));
-        restarts.count() as u32
+        restarts_used(&self.attempts, &self.membership_changes, attempt)
     }
 
     /// Restarts of `--max-restarts` done in all.
@@ -126,10 +119,11 @@ impl JobRecord {
             cache: self.cache_stats,
         };
         if let Some(peers) = peers {
-            match exit {
-                ExitKind::Completed | ExitKind::Preempted => peers.report_end(None),
-                _ => peers.report_end(Some(error.as_deref().unwrap_or("failed"))),
-            }
+            peers.report_end(match exit {
+                ExitKind::Completed => Ok(NormalEnd::Completed),
+                ExitKind::Preempted => Ok(NormalEnd::Preempted),
+                _ => Err(error.as_deref().unwrap_or("failed")),
+            });
         }
         let summary_path = self.run_dir.layout.launcher_summary(self.node_rank);
         let train_summary = self.run_dir.layout.train_summary();
@@ -142,6 +136,19 @@ impl JobRecord {
         }
         exit.exit_code()
     }
+}
+
+/// Restarts of `--max-restarts` used by attempt `attempt`, given the attempts so
+/// far and the membership changes (see [`JobRecord::restarts_used`]).
+fn restarts_used(attempts: &[AttemptRecord], changes: &[MembershipChange], attempt: u32) -> u32 {
+    let first = attempts.first().map_or(attempt, |a| a.attempt);
+    let changed = |a: u32| changes.iter().any(|c| c.attempt == a);
+    let after_stop = |a: u32| {
+        let before = attempts.iter().find(|r| r.attempt + 1 == a);
+        before.is_some_and(|r| r.outcome == ExitKind::Preempted)
+    };
+    let restarts = (first + 1..=attempt).filter(|a| !changed(*a) && !after_stop(*a));
+    restarts.count() as u32
 }
 
 /// Logs how the job ended; a failed job's failing log's last lines go to stderr.
@@ -203,6 +210,61 @@ fn where_to_look(run_dir: &Path, summary: &Path) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn attempt(attempt: u32, outcome: ExitKind) -> AttemptRecord {
+        AttemptRecord {
+            attempt,
+            duration_s: 1.0,
+            outcome,
+            resumed_from: None,
+            restart_latency_s: None,
+            failure: None,
+            killed_after_grace: Vec::new(),
+        }
+    }
+
+    fn change_at(attempt: u32) -> MembershipChange {
+        MembershipChange {
+            at_s: 1.0,
+            attempt,
+            resumed_step: None,
+            nodes_before: 2,
+            nodes_after: 1,
+            members: vec![0],
+            lost: Vec::new(),
+            rejoined: Vec::new(),
+            accumulation: 2,
+        }
+    }
+
+    #[test]
+    fn restarts_count_only_the_attempts_the_budget_paid_for() {
+        use ExitKind::{Completed, Failed, Preempted};
+        // Before any attempt, and the first attempt: none.
+        assert_eq!(restarts_used(&[], &[], 0), 0);
+        assert_eq!(restarts_used(&[attempt(0, Completed)], &[], 0), 0);
+        // Two failures, then a third attempt: two restarts.
+        let failing = [attempt(0, Failed), attempt(1, Failed)];
+        assert_eq!(restarts_used(&failing, &[], 2), 2);
+        // A membership change starts attempt 1 (a node lost): not a restart; a
+        // failure of attempt 1 then is.
+        let lost = [attempt(0, Failed), attempt(1, Failed)];
+        assert_eq!(restarts_used(&lost[..1], &[change_at(1)], 1), 0);
+        assert_eq!(restarts_used(&lost, &[change_at(1)], 2), 1);
+        // An attempt stopped at a restart point (preempted) to take a node in, and
+        // the change that took it in: neither counts.
+        let taken_in = [attempt(0, Failed), attempt(1, Preempted)];
+        assert_eq!(restarts_used(&taken_in, &[change_at(1)], 2), 0);
+        // Gone again before it was taken in: the attempt after the stop is free
+        // even without a change.
+        assert_eq!(restarts_used(&taken_in, &[], 2), 1);
+        // A node that came back runs from the attempt it was taken in at (3): its
+        // first attempt is no restart, a failure after it is.
+        let back = [attempt(3, Failed)];
+        assert_eq!(restarts_used(&[], &[], 3), 0);
+        assert_eq!(restarts_used(&back, &[], 3), 0);
+        assert_eq!(restarts_used(&back, &[], 4), 1);
+    }
 
     #[test]
     fn the_end_report_names_what_exists() {

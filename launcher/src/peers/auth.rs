@@ -31,7 +31,7 @@ use sha2::Sha256;
 /// node), instead of node 0 publishing one in the run directory.
 pub const SECRET_ENV: &str = "VRTSPIKE_JOB_SECRET";
 /// Node 0's greeting: the protocol and its version.
-const GREETING: &str = "VRTSPIKE-CONTROL 2";
+const GREETING: &str = "VRTSPIKE-CONTROL 3";
 /// The longest handshake line (the longest the protocol sends is about 120 bytes).
 pub const MAX_LINE: usize = 256;
 /// The fewest bits of a secret given in [`SECRET_ENV`].
@@ -378,7 +378,7 @@ mod tests {
             "{got:?}"
         );
         let greeting = old.join().ok().and_then(Result::ok).unwrap_or_default();
-        assert!(greeting.starts_with("VRTSPIKE-CONTROL 2 "), "{greeting}");
+        assert!(greeting.starts_with("VRTSPIKE-CONTROL 3 "), "{greeting}");
     }
 
     #[test]

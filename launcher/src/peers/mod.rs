@@ -62,6 +62,7 @@ pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(5);
 /// Something another node said, as this launcher must act on it: a line of the
 /// protocol.
 pub use wire::Message as PeerEvent;
+pub use wire::NormalEnd;
 
 /// Where this launcher meets the others.
 #[derive(Debug, Clone)]
@@ -359,15 +360,15 @@ impl PeerLinks {
             .collect()
     }
 
-    /// Tells the other nodes how this launcher ends: `Some(cause)` = it gives up.
-    pub fn report_end(&self, gave_up: Option<&str>) {
-        let message = match gave_up {
-            Some(cause) => PeerEvent::Quit {
-                node: self.node_rank,
+    /// Tells the other nodes how this launcher ends: normally, or it gives up
+    /// (`Err(cause)`).
+    pub fn report_end(&self, end: std::result::Result<NormalEnd, &str>) {
+        let node = self.node_rank;
+        let message = match end {
+            Ok(how) => PeerEvent::Done { node, how },
+            Err(cause) => PeerEvent::Quit {
+                node,
                 cause: cause.to_string(),
-            },
-            None => PeerEvent::Done {
-                node: self.node_rank,
             },
         };
         self.shared.send(&message, None);
@@ -505,10 +506,16 @@ impl PeerLinks {
 
     /// Whether `node` said it ended normally.
     pub fn ended(&self, node: u32) -> bool {
+        self.ended_how(node).is_some()
+    }
+
+    /// How `node` said it ended normally, if it did.
+    pub fn ended_how(&self, node: u32) -> Option<NormalEnd> {
         let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
-        events
-            .iter()
-            .any(|event| matches!(event, PeerEvent::Done { node: n } if *n == node))
+        events.iter().find_map(|event| match event {
+            PeerEvent::Done { node: n, how } if *n == node => Some(*how),
+            _ => None,
+        })
     }
 
     /// The nodes that ended normally (a restart would wait for their ranks forever).
@@ -554,9 +561,9 @@ fn is_member_in(events: &[PeerEvent], node: u32) -> bool {
 /// The node `event` says left the job (quit, lost or ended), if it says one did.
 fn departed(event: &PeerEvent) -> Option<u32> {
     match event {
-        PeerEvent::Quit { node, .. } | PeerEvent::Lost { node, .. } | PeerEvent::Done { node } => {
-            Some(*node)
-        }
+        PeerEvent::Quit { node, .. }
+        | PeerEvent::Lost { node, .. }
+        | PeerEvent::Done { node, .. } => Some(*node),
         _ => None,
     }
 }
@@ -807,7 +814,7 @@ fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, sh
     } else {
         tracing::warn!(
             "node {node} came back from {peer} (host {}): it is taken in at the next restart \
-             point (its ranks' next checkpoint)",
+             point (its ranks' next checkpoint) at which the nodes can keep the global batch",
             shared.heard.host_of(node).as_deref().unwrap_or("unknown")
         );
     }
@@ -864,7 +871,7 @@ fn read_lines(reader: BufReader<TcpStream>, link: LinkEnd, shared: &Shared, forw
             tracing::warn!("node {from} said something unknown: {line:?}");
             continue;
         };
-        if let PeerEvent::Quit { node, .. } | PeerEvent::Done { node } = &message {
+        if let PeerEvent::Quit { node, .. } | PeerEvent::Done { node, .. } = &message {
             ended |= *node == from;
         }
         let beat = matches!(message, PeerEvent::Beat { .. });
@@ -967,9 +974,11 @@ mod tests {
         assert_eq!(node2.stop_reason(1), None);
 
         // Node 2 ends normally, then node 1's launcher vanishes.
-        node2.report_end(None);
+        node2.report_end(Ok(NormalEnd::Preempted));
         wait_for("node 2's end", || node0.ended(2));
         assert_eq!(node0.ended_nodes(), [2]);
+        assert_eq!(node0.ended_how(2), Some(NormalEnd::Preempted));
+        assert_eq!(node0.ended_how(1), None);
         if let Ok(links) = node1.shared.links.lock() {
             for link in links.iter() {
                 let _ = link.stream.shutdown(std::net::Shutdown::Both);

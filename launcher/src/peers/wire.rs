@@ -7,7 +7,7 @@
 //! - `HUNG <attempt> <node> <cause>`: the same, because a rank was found stopped
 //!   or hung: every node saves its ranks' stacks before stopping them.
 //! - `QUIT <node> <cause>`: that node left the job for good: give up.
-//! - `DONE <node>`: that node ended normally.
+//! - `DONE <node> <how>`: that node ended normally, `completed` or `preempted`.
 //! - `BEAT <node> <host>`: that node's launcher is alive (every launcher says it on
 //!   each of its links at a fixed interval; node 0 does not pass it on): a link
 //!   silent for `--peer-silence-s` is a lost node (see [`super::liveness`]).
@@ -65,6 +65,8 @@ pub enum Message {
     Done {
         /// The node.
         node: u32,
+        /// Completed, or checkpointed on a preemption.
+        how: NormalEnd,
     },
     /// A node's launcher is alive.
     Beat {
@@ -94,6 +96,33 @@ pub enum Message {
     },
     /// How a rank stands, from its node's launcher.
     View(RankReport),
+}
+
+/// How a node ended normally (its launcher's exit status 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormalEnd {
+    /// Every rank finished the job.
+    Completed,
+    /// The ranks checkpointed and exited on a preemption request.
+    Preempted,
+}
+
+impl NormalEnd {
+    /// Its word on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            NormalEnd::Completed => "completed",
+            NormalEnd::Preempted => "preempted",
+        }
+    }
+
+    fn parse(word: &str) -> Option<NormalEnd> {
+        match word {
+            "completed" => Some(NormalEnd::Completed),
+            "preempted" => Some(NormalEnd::Preempted),
+            _ => None,
+        }
+    }
 }
 
 impl Message {
@@ -135,9 +164,13 @@ impl Message {
             "RESTART" => Some(Message::Restart {
                 attempt: rest.trim().parse().ok()?,
             }),
-            "DONE" => Some(Message::Done {
-                node: rest.trim().parse().ok()?,
-            }),
+            "DONE" => {
+                let (node, how) = rest.trim_end().split_once(' ')?;
+                Some(Message::Done {
+                    node: node.parse().ok()?,
+                    how: NormalEnd::parse(how)?,
+                })
+            }
             "VIEW" => parse_view(rest.trim_end()).map(Message::View),
             "MEMBERS" => {
                 let (attempt, list) = rest.trim_end().split_once(' ')?;
@@ -170,7 +203,7 @@ impl Message {
                 flat(cause)
             ),
             Message::Quit { node, cause } => format!("QUIT {node} {}\n", flat(cause)),
-            Message::Done { node } => format!("DONE {node}\n"),
+            Message::Done { node, how } => format!("DONE {node} {}\n", how.name()),
             Message::Restart { attempt } => format!("RESTART {attempt}\n"),
             Message::Beat { node, host } => format!("BEAT {node} {}\n", flat(host)),
             Message::Lost { node, cause } => format!("LOST {node} {}\n", flat(cause)),
@@ -268,7 +301,14 @@ mod tests {
                 node: 0,
                 cause: "no restart left".into(),
             },
-            Message::Done { node: 4 },
+            Message::Done {
+                node: 4,
+                how: NormalEnd::Completed,
+            },
+            Message::Done {
+                node: 0,
+                how: NormalEnd::Preempted,
+            },
             Message::Beat {
                 node: 2,
                 host: "vn3".into(),
@@ -315,6 +355,8 @@ mod tests {
         assert_eq!(Message::parse("FAIL x 1 y"), None);
         assert_eq!(Message::parse("START 1 70000"), None);
         assert_eq!(Message::parse("BEAT 1"), None, "a beat names its host");
+        assert_eq!(Message::parse("DONE 1"), None, "an end says how it ended");
+        assert_eq!(Message::parse("DONE 1 failed"), None, "a failure is QUIT");
         assert_eq!(
             Message::parse("VIEW 0 1 - 3 - 0 0 - 0 0 -"),
             None,

@@ -212,14 +212,20 @@ pub fn missing(root_for: &str, programs: &[&str], packages: &str) -> Option<Stri
 /// The launcher arguments of node `node` of a two-node job of `ranks` CPU ranks a
 /// node, node 0 at `master`, then `extra`.
 pub fn two_node_args(ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
-    let (ranks, node) = (ranks.to_string(), node.to_string());
+    node_args(2, ranks, node, master, extra)
+}
+
+/// The launcher arguments of node `node` of a job of `nnodes` nodes of `ranks` CPU
+/// ranks each, node 0 at `master`, then `extra`.
+pub fn node_args(nnodes: u32, ranks: u32, node: u32, master: &str, extra: &[&str]) -> Vec<String> {
+    let (nnodes, ranks, node) = (nnodes.to_string(), ranks.to_string(), node.to_string());
     let ours = [
         "--gpus",
         "0",
         "--ranks",
         &ranks,
         "--nnodes",
-        "2",
+        &nnodes,
         "--node-rank",
         &node,
     ];
@@ -430,7 +436,7 @@ pub fn fake_node0(port: u16, master_port: u16) -> std::thread::JoinHandle<String
             return String::new();
         };
         let nonce = "f00d";
-        let _ = stream.write_all(format!("VRTSPIKE-CONTROL 2 {nonce}\n").as_bytes());
+        let _ = stream.write_all(format!("VRTSPIKE-CONTROL 3 {nonce}\n").as_bytes());
         let mut reader = BufReader::new(stream.try_clone().unwrap_or_else(|e| panic!("{e}")));
         let mut hello = String::new();
         let _ = reader.read_line(&mut hello);
