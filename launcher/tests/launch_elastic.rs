@@ -15,8 +15,9 @@
 //!
 //! And a node back that cannot be taken in: of three nodes, nodes 1 and 2 die, node
 //! 0 goes on alone (accumulating 3); node 1 comes back, but two nodes cannot keep
-//! the global batch of three, so it waits; node 0 completes the job and the waiting
-//! launcher ends as node 0 did (completed, exit status 0, no attempt run).
+//! the global batch of three, so it waits (past its own --peer-timeout-s: node 0
+//! is linked); node 0 completes the job and the waiting launcher ends as node 0
+//! did (completed, exit status 0, no attempt run).
 
 mod common;
 
@@ -55,11 +56,18 @@ fn first_step_after(layout: &RunLayout, step: u64, since: f64) -> Option<f64> {
 
 /// Node `node`'s launcher of the two, its log in `log`.
 fn start_node(config: &Path, run: &Path, node: u32, log: &Path) -> Child {
-    start_node_of(2, config, run, node, log)
+    start_node_of(2, config, run, node, log, &[])
 }
 
-/// Node `node`'s launcher of `nnodes`, its log in `log`.
-fn start_node_of(nnodes: u32, config: &Path, run: &Path, node: u32, log: &Path) -> Child {
+/// Node `node`'s launcher of `nnodes`, its log in `log`, with `more` arguments.
+fn start_node_of(
+    nnodes: u32,
+    config: &Path,
+    run: &Path,
+    node: u32,
+    log: &Path,
+    more: &[&str],
+) -> Child {
     let extra = [
         "--min-nodes",
         "1",
@@ -80,6 +88,7 @@ fn start_node_of(nnodes: u32, config: &Path, run: &Path, node: u32, log: &Path) 
     let out = std::fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
     common::launcher_command(config, run)
         .args(common::node_args(nnodes, 1, node, "127.0.0.1", &extra))
+        .args(more)
         .stdout(Stdio::null())
         .stderr(out)
         .spawn()
@@ -425,7 +434,7 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
 }
 
 /// Steps of the three-node run: node 0, alone, still trains when node 1 comes back.
-const WAITING_TOTAL_STEPS: u64 = 96;
+const WAITING_TOTAL_STEPS: u64 = 240;
 
 #[test]
 fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
@@ -439,7 +448,7 @@ fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
         .collect();
     let log = |i: usize| std::fs::read_to_string(&logs[i]).unwrap_or_default();
     let mut nodes: Vec<Child> = (0..3)
-        .map(|node| start_node_of(3, &config, &run, node, &logs[node as usize]))
+        .map(|node| start_node_of(3, &config, &run, node, &logs[node as usize], &[]))
         .collect();
 
     let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
@@ -456,10 +465,13 @@ fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
     assert!(alone, "node 0 did not go on alone:\n{}", log(0));
 
     // Node 1 comes back while node 0 trains: linked, but 2 nodes cannot keep the
-    // global batch of 3, so no restart point is made and it waits.
-    let mut again = start_node_of(3, &config, &run, 1, &logs[3]);
+    // global batch of 3, so no restart point is made and it waits, past its
+    // --peer-timeout-s (node 0 is linked).
+    let timeout = ["--peer-timeout-s", "1"];
+    let mut again = start_node_of(3, &config, &run, 1, &logs[3], &timeout);
     let linked = wait_until(LIMIT, || log(0).contains("node 1 came back from"));
     assert!(linked, "node 1 did not link again:\n{}\n{}", log(0), log(3));
+    let linked_at = Instant::now();
     let still_training = common::start_events(&layout)
         .last()
         .and_then(|s| s["step"].as_u64())
@@ -471,9 +483,25 @@ fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
     let node0_tree = tree(nodes[0].id());
     let again_tree = tree(again.id());
     let code0 = exit_code(&mut nodes[0], LIMIT);
+    let waited = linked_at.elapsed();
     let code1 = exit_code(&mut again, LIMIT);
     assert_eq!(code0, Some(0), "node 0:\n{}", log(0));
     assert_eq!(code1, Some(0), "node 1 again:\n{}", log(3));
+    assert!(
+        waited > Duration::from_secs(2),
+        "node 0 ended {waited:?} after node 1 linked: too soon to show a wait past its \
+         --peer-timeout-s of 1 s (raise the steps)"
+    );
+    assert!(
+        log(3).contains("waiting to be taken in for as long as node 0 is linked"),
+        "{}",
+        log(3)
+    );
+    println!(
+        "launch_elastic: node 1 came back to 1 of 3 nodes, waited {:.1} s (--peer-timeout-s 1) \
+         until node 0 completed, and ended completed",
+        waited.as_secs_f64()
+    );
 
     // Node 0 finished alone, the global batch kept, one membership change.
     let summary = node0_completed(&layout, WAITING_TOTAL_STEPS, 3);

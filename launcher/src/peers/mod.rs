@@ -173,6 +173,26 @@ impl Shared {
         }
     }
 
+    /// Sends `message` on the one link `to`.
+    fn send_on(&self, to: LinkEnd, message: &PeerEvent) {
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(link) = links
+            .iter_mut()
+            .find(|l| l.node == to.node && l.id == to.id)
+        {
+            let _ = link.stream.write_all(message.line().as_bytes());
+        }
+    }
+
+    /// Node 0's latest `MEMBERS` (`None`: every node takes part, as at the start).
+    fn latest_members(&self) -> Option<PeerEvent> {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut latest = events.iter().rev();
+        latest
+            .find(|event| matches!(event, PeerEvent::Members { .. }))
+            .cloned()
+    }
+
     /// Whether `node` left the job (ended, quit or lost).
     fn has_left(&self, node: u32) -> bool {
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
@@ -287,7 +307,9 @@ impl PeerLinks {
     /// Another node: the attempt node 0 starts next, from `attempt` on, and its
     /// rendezvous port (`Ok(None)`: node 0 quit or ended instead, or
     /// `interrupted` said stop). A node that came back waits for attempt 0 and
-    /// gets the one node 0 takes it in at.
+    /// gets the one node 0 takes it in at; while node 0's membership leaves it
+    /// out it waits as long as node 0 is linked (node 0 gone ends the wait), not
+    /// `timeout`.
     pub fn wait_start(
         &self,
         attempt: u32,
@@ -295,6 +317,7 @@ impl PeerLinks {
         interrupted: &dyn Fn() -> bool,
     ) -> Result<Option<StartWord>> {
         let started = Instant::now();
+        let mut told = false;
         loop {
             if let Some(start) = self.started(attempt) {
                 return Ok(Some(start));
@@ -302,7 +325,15 @@ impl PeerLinks {
             if self.quit().is_some() || self.ended(0) || interrupted() {
                 return Ok(None);
             }
-            if started.elapsed() > timeout {
+            let left_out = !self.shared.is_member(self.node_rank);
+            if left_out && !told {
+                tracing::info!(
+                    "node 0's membership leaves this node out for now: waiting to be taken in \
+                     for as long as node 0 is linked (--peer-timeout-s does not apply)"
+                );
+                told = true;
+            }
+            if started.elapsed() > timeout && !left_out {
                 bail!(
                     "node 0 did not start attempt {attempt} within {:.0} s (--peer-timeout-s)",
                     timeout.as_secs_f64()
@@ -818,7 +849,12 @@ fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, sh
             shared.heard.host_of(node).as_deref().unwrap_or("unknown")
         );
     }
+    let returning = !shared.is_member(node);
     let id = shared.link(node, stream);
+    if let Some(members) = shared.latest_members().filter(|_| returning) {
+        // It waits to be taken in: it hears the membership it is not in yet.
+        shared.send_on(LinkEnd { node, id }, &members);
+    }
     read_lines(reader, LinkEnd { node, id }, shared, true);
 }
 
@@ -1184,8 +1220,13 @@ mod tests {
         node0.announce_members(1, &[0, 2]);
         node0.announce_start(1, 40125);
         assert!(node0.returning().is_empty());
-        // Left out: it may come back, and waits to be taken in.
-        let back = bare_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
+        // Left out: it may come back, and waits to be taken in; it hears first the
+        // membership it is not in.
+        let (back, mut reader) = raw_join(tmp.path(), 1).unwrap_or_else(|e| panic!("{e}"));
+        let _ = back.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut first = String::new();
+        let _ = reader.read_line(&mut first);
+        assert_eq!(first, "MEMBERS 1 0,2\n");
         wait_for("node 1 back", || node0.returning() == [1]);
         assert_eq!(node0.stop_reason(1), None, "a returning node stops nothing");
         assert!(!node2.restart_asked(1));
@@ -1202,7 +1243,7 @@ mod tests {
             assert!(links.undecided_losses().is_empty());
         }
         // Lost again, it is a member's loss again.
-        drop(back);
+        drop((back, reader));
         wait_for("node 1 lost again", || node0.stop_reason(2).is_some());
         assert_eq!(node0.undecided_losses().len(), 1);
     }
