@@ -120,6 +120,20 @@ fn tree(pid: u32) -> Vec<u32> {
     [vec![pid], process_tree(pid)].concat()
 }
 
+/// Sends `sig` to every process of `pids`.
+fn signal_all(pids: &[u32], sig: Signal) {
+    for pid in pids {
+        signal(*pid, sig);
+    }
+}
+
+/// Sends `sig` to a launcher and every process under it; returns them.
+fn signal_tree(pid: u32, sig: Signal) -> Vec<u32> {
+    let pids = tree(pid);
+    signal_all(&pids, sig);
+    pids
+}
+
 /// The processes of `tree` (named by `what`) still alive after a bounded wait.
 fn left_of(tree: &[u32], what: &str) -> Vec<String> {
     let names: Vec<String> = tree.iter().map(|p| format!("{what} pid {p}")).collect();
@@ -149,18 +163,13 @@ fn a_node_lost_under_min_nodes_1_leaves_node_0_to_finish_alone_with_the_global_b
     // Rank 1 (node 1) past the first checkpoint.
     let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
     assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
-    let node1_tree = tree(node1.id());
-    for pid in &node1_tree {
-        signal(*pid, Signal::SIGSTOP);
-    }
+    let node1_tree = signal_tree(node1.id(), Signal::SIGSTOP);
     let stopped = Instant::now();
     let stopped_unix = unix_now();
     let node0_tree = tree(node0.id());
     let code = exit_code(&mut node0, LIMIT);
     let finished_after = stopped.elapsed();
-    for pid in &node1_tree {
-        signal(*pid, Signal::SIGKILL);
-    }
+    signal_all(&node1_tree, Signal::SIGKILL);
     let _ = node1.wait();
     assert_eq!(code, Some(0), "node 0:\n{}", log(0));
 
@@ -301,10 +310,7 @@ fn a_lost_node_that_comes_back_is_taken_in_at_the_next_checkpoint_and_the_job_en
     let past_checkpoint = rank1_past_a_checkpoint(&run, &layout);
     assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
     // Node 1 dies outright: its launcher, rank and cache server.
-    let node1_tree = tree(node1.id());
-    for pid in &node1_tree {
-        signal(*pid, Signal::SIGKILL);
-    }
+    let node1_tree = signal_tree(node1.id(), Signal::SIGKILL);
     let _ = node1.wait();
     let went_on = wait_until(LIMIT, || {
         log(0).contains("membership change: 1 of 2 nodes go on without node 1")
@@ -455,9 +461,7 @@ fn a_node_back_that_cannot_be_taken_in_waits_and_ends_as_node_0_does() {
     assert!(past_checkpoint, "no checkpoint:\n{}\n{}", log(0), log(1));
     // Nodes 1 and 2 die outright, together: node 0 goes on alone (3 divides by 1).
     let dead: Vec<u32> = [tree(nodes[1].id()), tree(nodes[2].id())].concat();
-    for pid in &dead {
-        signal(*pid, Signal::SIGKILL);
-    }
+    signal_all(&dead, Signal::SIGKILL);
     for node in &mut nodes[1..] {
         let _ = node.wait();
     }

@@ -14,7 +14,7 @@ use super::attempt::{peer_failure, Attempt, AttemptPlan};
 use super::membership::{AfterLoss, Membership};
 use super::record::{Ending, JobRecord};
 use super::setup::Supervision;
-use crate::peers::{liveness, NormalEnd, PeerEvent, PeerLinks};
+use crate::peers::{liveness, PeerEvent, PeerLinks};
 use crate::restart::{Decision, FailedAttempt, RestartPolicy};
 use crate::signals;
 use crate::summary::{ExitKind, LostNode, MembershipChange};
@@ -156,10 +156,7 @@ pub fn next_attempt(
         if !(left_out && record.attempts.is_empty()) {
             break start;
         }
-        tracing::info!(
-            "node 0 started attempt {} without this node: waiting to be taken in",
-            start.attempt
-        );
+        // Started without this node (wait_start says it waits): the next one.
         restart_count = start.attempt + 1;
     };
     let restart_count = start.attempt;
@@ -199,11 +196,8 @@ fn take_in_returning(peers: &PeerLinks, record: &mut JobRecord, attempt: u32) {
             peers.announce_members(attempt, &membership.members);
             note_change(peers, record, membership, attempt);
         }
-        Err(why) => {
-            tracing::warn!("node(s) {back:?} came back but wait: {why}");
-            // They heard no membership yet: tell them they are not in this one.
-            peers.announce_members(attempt, &record.membership.members);
-        }
+        // They heard the membership they are not in when they linked.
+        Err(why) => tracing::warn!("node(s) {back:?} came back but wait: {why}"),
     }
 }
 
@@ -332,11 +326,7 @@ fn ending_without_node0(peers: &PeerLinks, record: &mut JobRecord) -> Ending {
             "node 0 ended the job ({}) before this node was taken in: nothing ran here",
             how.name()
         );
-        let kind = match how {
-            NormalEnd::Completed => ExitKind::Completed,
-            NormalEnd::Preempted => ExitKind::Preempted,
-        };
-        return (kind, None);
+        return (how.exit_kind(), None);
     }
     let why = "node 0 ended the job while this node's attempt failed: no restart alone";
     (ExitKind::Failed, Some(why.to_string()))

@@ -119,11 +119,7 @@ impl JobRecord {
             cache: self.cache_stats,
         };
         if let Some(peers) = peers {
-            peers.report_end(match exit {
-                ExitKind::Completed => Ok(NormalEnd::Completed),
-                ExitKind::Preempted => Ok(NormalEnd::Preempted),
-                _ => Err(error.as_deref().unwrap_or("failed")),
-            });
+            peers.report_end(NormalEnd::of(exit).ok_or(error.as_deref().unwrap_or("failed")));
         }
         let summary_path = self.run_dir.layout.launcher_summary(self.node_rank);
         let train_summary = self.run_dir.layout.train_summary();

@@ -164,23 +164,20 @@ impl Shared {
 
     /// Sends `message` on every link except the one to `except`.
     fn send(&self, message: &PeerEvent, except: Option<u32>) {
-        let line = message.line();
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        for link in links.iter_mut() {
-            if Some(link.node) != except {
-                let _ = link.stream.write_all(line.as_bytes());
-            }
-        }
+        self.send_where(message, |link| Some(link.node) != except);
     }
 
     /// Sends `message` on the one link `to`.
     fn send_on(&self, to: LinkEnd, message: &PeerEvent) {
+        self.send_where(message, |link| link.node == to.node && link.id == to.id);
+    }
+
+    /// Sends `message` on the links `chosen` picks.
+    fn send_where(&self, message: &PeerEvent, chosen: impl Fn(&Link) -> bool) {
+        let line = message.line();
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(link) = links
-            .iter_mut()
-            .find(|l| l.node == to.node && l.id == to.id)
-        {
-            let _ = link.stream.write_all(message.line().as_bytes());
+        for link in links.iter_mut().filter(|link| chosen(link)) {
+            let _ = link.stream.write_all(line.as_bytes());
         }
     }
 
@@ -840,7 +837,8 @@ fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, sh
     if let Err(why) = may_join(shared, node) {
         return refuse(&why);
     }
-    if shared.is_member(node) {
+    let returning = !shared.is_member(node);
+    if !returning {
         tracing::info!("node {node} joined from {peer}");
     } else {
         tracing::warn!(
@@ -849,7 +847,6 @@ fn admit(stream: TcpStream, peer: SocketAddr, slot: PendingSlot, gate: &Gate, sh
             shared.heard.host_of(node).as_deref().unwrap_or("unknown")
         );
     }
-    let returning = !shared.is_member(node);
     let id = shared.link(node, stream);
     if let Some(members) = shared.latest_members().filter(|_| returning) {
         // It waits to be taken in: it hears the membership it is not in yet.

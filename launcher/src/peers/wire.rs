@@ -32,6 +32,7 @@
 use vrtspike_contract::heartbeat::{CollectiveOp, Collectives, Phase, Progress};
 
 use crate::relay::RankReport;
+use crate::summary::ExitKind;
 
 /// One line of the protocol, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,6 +114,23 @@ impl NormalEnd {
         match self {
             NormalEnd::Completed => "completed",
             NormalEnd::Preempted => "preempted",
+        }
+    }
+
+    /// The normal end of a launcher that ends as `kind` (`None`: not a normal one).
+    pub fn of(kind: ExitKind) -> Option<NormalEnd> {
+        match kind {
+            ExitKind::Completed => Some(NormalEnd::Completed),
+            ExitKind::Preempted => Some(NormalEnd::Preempted),
+            _ => None,
+        }
+    }
+
+    /// The ending of a launcher that ends as this node did.
+    pub fn exit_kind(self) -> ExitKind {
+        match self {
+            NormalEnd::Completed => ExitKind::Completed,
+            NormalEnd::Preempted => ExitKind::Preempted,
         }
     }
 
