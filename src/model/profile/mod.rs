@@ -418,12 +418,28 @@ pub fn profile(
             Precision::AutocastBf16 => "Float (bfloat16 autocast)".to_string(),
             Precision::Fp32 | Precision::CastBf16 => format!("{kind:?}"),
         },
-        parts: totals.rows,
         forward_ms,
         backward_ms: options.backward.then_some(totals.backward_ms / iters),
         total_params: summary.total_params,
-        peak_rss_bytes: (device == Device::Cpu).then(lifetime_peak_rss).flatten(),
+        peak_rss_bytes: (device == Device::Cpu)
+            .then(|| process_peak(lifetime_peak_rss(), &totals.rows))
+            .flatten(),
+        parts: totals.rows,
     })
+}
+
+/// The process's peak resident set: the kernel's high-water mark, or a part's
+/// sampled peak where that is higher. The kernel updates its mark lazily (at an
+/// unmap, or when asked) from per-CPU counters it reads approximately, so a
+/// sample of `/proc/self/statm` between two updates can exceed it; the process
+/// held what any sample saw.
+fn process_peak(kernel: Option<u64>, parts: &[ProfileRow]) -> Option<u64> {
+    let sampled = parts
+        .iter()
+        .flat_map(|r| [r.forward_peak_bytes, r.backward_peak_bytes])
+        .flatten()
+        .max();
+    kernel.max(sampled)
 }
 
 #[cfg(test)]
@@ -478,6 +494,26 @@ mod tests {
             parts <= backward && parts > 0.5 * backward,
             "{parts} of {backward} ms"
         );
+    }
+
+    #[test]
+    fn the_process_peak_is_never_below_a_part_s_sampled_peak() {
+        let row = |forward, backward| ProfileRow {
+            part: "p".into(),
+            forward_ms: 1.0,
+            share: 1.0,
+            params: 0,
+            held_bytes: None,
+            forward_peak_bytes: forward,
+            backward_ms: None,
+            backward_peak_bytes: backward,
+        };
+        let parts = [row(Some(10), Some(30)), row(Some(20), None)];
+        assert_eq!(process_peak(Some(100), &parts), Some(100));
+        assert_eq!(process_peak(Some(25), &parts), Some(30));
+        assert_eq!(process_peak(None, &parts), Some(30));
+        assert_eq!(process_peak(Some(5), &[]), Some(5));
+        assert_eq!(process_peak(None, &[row(None, None)]), None);
     }
 
     #[test]
